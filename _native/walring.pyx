@@ -1,0 +1,708 @@
+# cython: language_level=3
+"""Group-commit append engine of the WAL ring (format: docs/wal-format.md).
+
+Appenders encode records straight into the open batch, a 4 KiB-aligned buffer that covers a
+contiguous span of logical offsets. Writer threads take sealed batches, or seal the open one
+the moment they are idle, and write each with one pwrite + fdatasync; appends that arrive while
+a write is in flight gather in the next batch (group commit). Writers run entirely without the
+GIL and never touch Python objects, so durability never waits for the interpreter.
+
+A record is acknowledged when every batch up to and including its own is durable: the durable
+watermark advances strictly in offset order even when several writers finish out of order, so
+completions are in offset order. Space before the trim offset is the only space reused; a full
+ring makes appenders wait (bounded) instead of overwriting.
+
+Locking rules (they are what keeps this deadlock-free):
+- `mutex` guards all ring state. A thread holding the GIL never blocks on `mutex`: it tries
+  once and otherwise releases the GIL before blocking. Writer threads never take the GIL.
+- So a thread may take the GIL while holding `mutex` (callbacks heap pushes/pops do).
+- Nothing that can allocate a GC-tracked Python object runs while `mutex` is held.
+"""
+import heapq
+import logging
+
+from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t
+from libc.stdlib cimport free, malloc, calloc
+from libc.string cimport memcpy, memset
+from libc.errno cimport errno, ETIMEDOUT
+from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE
+
+from _native.checksum cimport crc32_update
+from _native.sysdeps cimport (
+    pthread_mutex_t, pthread_cond_t, pthread_condattr_t, pthread_mutex_init, pthread_mutex_destroy,
+    pthread_mutex_lock, pthread_mutex_trylock, pthread_mutex_unlock, pthread_condattr_init,
+    pthread_condattr_setclock, pthread_condattr_destroy, pthread_cond_init, pthread_cond_destroy,
+    pthread_cond_wait, pthread_cond_timedwait, pthread_cond_signal, pthread_cond_broadcast,
+    CLOCK_MONOTONIC, timespec, posix_memalign, pwrite_full, fdatasync, monotonic_ns, deadline_after,
+)
+from _native.walrecord cimport (
+    BLOCK_SIZE, RECORD_HEADER_SIZE, RECORD_TYPE_DATA, RECORD_TYPE_PADDING,
+    align_up, record_start, encode_record_header,
+)
+
+log = logging.getLogger("wal")
+
+cdef enum:
+    SLOT_FREE = 0
+    SLOT_OPEN = 1
+    SLOT_SEALED = 2
+    SLOT_WRITING = 3
+    SLOT_WRITTEN = 4
+
+cdef enum:
+    PLACE_OK = 0
+    PLACE_WAIT_SPACE = 1
+    PLACE_WAIT_BUFFER = 2
+    PLACE_CLOSED = 3
+    PLACE_FAILED = 4
+    PLACE_NOMEM = 5
+
+cdef enum:
+    COMPLETION_LOG = 16384
+    # Below this size, CRC and copy run with the GIL held: releasing it costs more than they do.
+    NOGIL_BYTES = 32768
+
+cdef uint64_t NO_SEQ = 0xFFFFFFFFFFFFFFFF
+
+
+cdef struct Batch:
+    unsigned char* buf
+    size_t buf_size
+    uint64_t start        # logical offset of buf[0], 4 KiB aligned
+    uint64_t pos          # logical offset just past the last record placed
+    uint64_t data_end     # end of the last data record, 0 if none (padding-only batch)
+    size_t write_len      # bytes to write, set when sealed
+    uint32_t records
+    int state
+    int error             # errno of a failed write
+
+
+cdef class AppendHandle:
+    """The pending acknowledgement of one appended record (a lightweight future).
+
+    `offset` is the record's logical WAL offset and `end` the offset just past it; pass `end` to
+    `trim` once the record's data is safe elsewhere. `result()` returns `offset` once the record
+    is durable, or raises the WAL's failure.
+    """
+    cdef readonly uint64_t offset
+    cdef readonly uint64_t end
+    cdef readonly int64_t submitted_ns
+    cdef Ring ring
+
+    def done(self) -> bool:
+        return self.ring._settled(self.end) != 0
+
+    def result(self, timeout=None) -> int:
+        cdef int state = self.ring._wait(self.end, timeout)
+        if state == 1:
+            return self.offset
+        if state == 2:
+            raise self.ring._failure()
+        raise TimeoutError(f"WAL record at offset {self.offset} not durable after {timeout} s")
+
+    def exception(self, timeout=None):
+        cdef int state = self.ring._wait(self.end, timeout)
+        if state == 1:
+            return None
+        if state == 2:
+            return self.ring._failure()
+        raise TimeoutError(f"WAL record at offset {self.offset} not durable after {timeout} s")
+
+    def add_done_callback(self, fn) -> None:
+        """Call `fn(handle)` once settled. Callbacks given to `append` run in offset order;
+        one added later may run before earlier records' callbacks."""
+        self.ring._add_callback(self, fn)
+
+    @property
+    def completed_ns(self):
+        """CLOCK_MONOTONIC time the record became durable, None if pending or too old to know."""
+        return self.ring._completion_time(self.end)
+
+    def __repr__(self):
+        return f"<AppendHandle offset={self.offset} end={self.end} done={self.done()}>"
+
+
+cdef class Ring:
+    """The in-memory half of the WAL: offsets, batches, writers. The `wal` package owns the
+    file, the header and recovery, and hands the Ring where to resume."""
+    cdef int fd
+    cdef uint64_t header_area
+    cdef readonly uint64_t capacity
+    cdef size_t batch_size
+    cdef readonly size_t max_record
+    cdef readonly uint32_t generation
+    cdef int nbatches
+    cdef Batch* batches
+    cdef uint64_t open_seq
+    cdef uint64_t write_seq
+    cdef uint64_t done_seq
+    cdef uint64_t failed_seq
+    cdef bint has_open
+    cdef uint64_t next_offset
+    cdef uint64_t _trim_offset
+    cdef uint64_t _durable_end
+    cdef unsigned char* resume_block
+    cdef int io_errno
+    cdef bint stopping
+    cdef bint dispatch_stop
+    cdef int idle_writers
+    cdef int64_t full_timeout_ns
+    cdef pthread_mutex_t mutex
+    cdef pthread_cond_t work_cv
+    cdef pthread_cond_t space_cv
+    cdef pthread_cond_t done_cv
+    cdef uint64_t* log_end
+    cdef int64_t* log_ns
+    cdef uint64_t log_count
+    cdef list callbacks
+    cdef uint64_t callback_seq
+    cdef uint64_t dispatched_end
+    cdef uint64_t stat_records
+    cdef uint64_t stat_record_bytes
+    cdef uint64_t stat_batches
+    cdef uint64_t stat_bytes_written
+    cdef uint64_t stat_full_waits
+    cdef bint initialized
+    cdef object full_error
+    cdef object closed_error
+    cdef object failed_error
+    cdef object too_large_error
+
+    def __cinit__(self, int fd, uint64_t header_area, uint64_t capacity, size_t batch_size,
+                  int nbatches, uint32_t generation, uint64_t resume_offset, uint64_t trim_offset,
+                  resume_block, double full_timeout, size_t max_record, errors):
+        cdef pthread_condattr_t attr
+        cdef void* p
+        cdef int i
+        cdef Py_buffer view
+        self.batches = NULL
+        self.resume_block = NULL
+        self.log_end = NULL
+        self.log_ns = NULL
+        if capacity == 0 or capacity % BLOCK_SIZE:
+            raise ValueError(f"ring capacity must be a positive multiple of {BLOCK_SIZE}")
+        if batch_size < 2 * BLOCK_SIZE or batch_size % BLOCK_SIZE:
+            raise ValueError(f"batch size must be a multiple of {BLOCK_SIZE} and at least {2 * BLOCK_SIZE}")
+        if nbatches < 2:
+            raise ValueError("the ring needs at least 2 batch buffers")
+        if max_record + RECORD_HEADER_SIZE + BLOCK_SIZE > capacity:
+            raise ValueError(f"max record {max_record} does not fit a ring of {capacity} bytes")
+        if trim_offset > resume_offset or resume_offset - trim_offset > capacity:
+            raise ValueError(f"resume offset {resume_offset} is not within one ring of trim offset {trim_offset}")
+        self.full_error, self.closed_error, self.failed_error, self.too_large_error = errors
+        self.fd = fd
+        self.header_area = header_area
+        self.capacity = capacity
+        self.batch_size = batch_size
+        self.nbatches = nbatches
+        self.generation = generation
+        self.max_record = max_record
+        self.next_offset = resume_offset
+        self._trim_offset = trim_offset
+        self._durable_end = resume_offset
+        self.dispatched_end = resume_offset
+        self.failed_seq = NO_SEQ
+        self.full_timeout_ns = <int64_t>(full_timeout * 1e9)
+        self.callbacks = []
+        self.batches = <Batch*>calloc(nbatches, sizeof(Batch))
+        self.log_end = <uint64_t*>calloc(COMPLETION_LOG, sizeof(uint64_t))
+        self.log_ns = <int64_t*>calloc(COMPLETION_LOG, sizeof(int64_t))
+        if self.batches == NULL or self.log_end == NULL or self.log_ns == NULL:
+            raise MemoryError("cannot allocate WAL ring state")
+        for i in range(nbatches):
+            if posix_memalign(&p, BLOCK_SIZE, batch_size) != 0:
+                raise MemoryError(f"cannot allocate {nbatches} WAL batch buffers of {batch_size} bytes")
+            memset(p, 0, batch_size)
+            self.batches[i].buf = <unsigned char*>p
+            self.batches[i].buf_size = batch_size
+        if resume_offset % BLOCK_SIZE:
+            # The session resumes inside a block an earlier session wrote: its first write
+            # rewrites that block with the same leading bytes, so even a torn rewrite keeps them.
+            PyObject_GetBuffer(resume_block, &view, PyBUF_SIMPLE)
+            try:
+                if view.len != BLOCK_SIZE:
+                    raise ValueError(f"resume block must be {BLOCK_SIZE} bytes, got {view.len}")
+                self.resume_block = <unsigned char*>malloc(BLOCK_SIZE)
+                if self.resume_block == NULL:
+                    raise MemoryError()
+                memcpy(self.resume_block, view.buf, BLOCK_SIZE)
+            finally:
+                PyBuffer_Release(&view)
+        pthread_mutex_init(&self.mutex, NULL)
+        pthread_condattr_init(&attr)
+        pthread_condattr_setclock(&attr, CLOCK_MONOTONIC)
+        pthread_cond_init(&self.work_cv, &attr)
+        pthread_cond_init(&self.space_cv, &attr)
+        pthread_cond_init(&self.done_cv, &attr)
+        pthread_condattr_destroy(&attr)
+        self.initialized = True
+
+    def __dealloc__(self):
+        cdef int i
+        if self.batches != NULL:
+            for i in range(self.nbatches):
+                free(self.batches[i].buf)
+            free(self.batches)
+        if self.initialized:
+            pthread_cond_destroy(&self.work_cv)
+            pthread_cond_destroy(&self.space_cv)
+            pthread_cond_destroy(&self.done_cv)
+            pthread_mutex_destroy(&self.mutex)
+        free(self.resume_block)
+        free(self.log_end)
+        free(self.log_ns)
+
+    # ---- locking helpers -------------------------------------------------------------------
+
+    cdef inline void _lock_with_gil(self) noexcept:
+        # Never block on the mutex while holding the GIL (see module docstring).
+        if pthread_mutex_trylock(&self.mutex) != 0:
+            with nogil:
+                pthread_mutex_lock(&self.mutex)
+
+    # ---- placement (mutex held) -------------------------------------------------------------
+
+    cdef inline Batch* _slot(self, uint64_t seq) noexcept nogil:
+        return &self.batches[seq % <uint64_t>self.nbatches]
+
+    cdef void _seal(self, Batch* b, bint wrap) noexcept nogil:
+        """Close the open batch: pad to the block boundary (or to the end of the ring lap)."""
+        cdef uint64_t p = b.pos
+        cdef uint64_t q = record_start(p)
+        cdef uint64_t lap_end, end, write_end
+        if wrap:
+            lap_end = (q // self.capacity + 1) * self.capacity
+            encode_record_header(b.buf + (q - b.start), RECORD_TYPE_PADDING,
+                                 <uint32_t>(lap_end - q - RECORD_HEADER_SIZE), 0, q, self.generation)
+            end = lap_end
+            write_end = align_up(q + RECORD_HEADER_SIZE)
+        else:
+            if q == p and (p & (BLOCK_SIZE - 1)) != 0:
+                encode_record_header(b.buf + (p - b.start), RECORD_TYPE_PADDING,
+                                     <uint32_t>(align_up(p) - p - RECORD_HEADER_SIZE), 0, p, self.generation)
+            end = align_up(p)
+            write_end = end
+        b.write_len = <size_t>(write_end - b.start)
+        b.state = SLOT_SEALED
+        self.has_open = False
+        self.open_seq += 1
+        self.next_offset = end
+        if self.idle_writers > 0:
+            pthread_cond_signal(&self.work_cv)
+
+    cdef int _place(self, size_t body_len, uint64_t* out_pos) noexcept nogil:
+        """Find where the next record goes, opening/sealing batches as needed. Mutex held."""
+        cdef size_t rec_len = RECORD_HEADER_SIZE + body_len
+        cdef Batch* b
+        cdef uint64_t q, lap_end
+        cdef size_t need
+        cdef void* p
+        while True:
+            if self.io_errno:
+                return PLACE_FAILED
+            if self.stopping:
+                return PLACE_CLOSED
+            if not self.has_open:
+                if self.open_seq - self.done_seq >= <uint64_t>self.nbatches:
+                    return PLACE_WAIT_BUFFER
+                b = self._slot(self.open_seq)
+                b.start = self.next_offset & ~(<uint64_t>(BLOCK_SIZE - 1))
+                b.pos = self.next_offset
+                b.data_end = 0
+                b.records = 0
+                b.write_len = 0
+                b.error = 0
+                b.state = SLOT_OPEN
+                if b.start < self.next_offset:
+                    memcpy(b.buf, self.resume_block, <size_t>(self.next_offset - b.start))
+                self.has_open = True
+            b = self._slot(self.open_seq)
+            q = record_start(b.pos)
+            lap_end = (q // self.capacity + 1) * self.capacity
+            if q + rec_len > lap_end:
+                self._seal(b, True)
+                continue
+            need = <size_t>(q - b.start) + rec_len
+            if need + BLOCK_SIZE > b.buf_size:
+                if b.records > 0:
+                    self._seal(b, False)
+                    continue
+                # A record larger than a batch gets a batch of its own, sized for it.
+                if posix_memalign(&p, BLOCK_SIZE, <size_t>align_up(need) + BLOCK_SIZE) != 0:
+                    return PLACE_NOMEM
+                memcpy(p, b.buf, <size_t>(q - b.start))
+                free(b.buf)
+                b.buf = <unsigned char*>p
+                b.buf_size = <size_t>align_up(need) + BLOCK_SIZE
+            if align_up(q + rec_len) - self._trim_offset > self.capacity:
+                return PLACE_WAIT_SPACE
+            out_pos[0] = q
+            return PLACE_OK
+
+    cdef int _place_and_copy(self, const unsigned char* data, size_t n, uint32_t crc,
+                             uint64_t* out_pos, bint may_wait) noexcept nogil:
+        """Place and encode one record (mutex held). Waits for space only if `may_wait`."""
+        cdef int rc
+        cdef int w
+        cdef Batch* b
+        cdef unsigned char* dst
+        cdef timespec deadline
+        cdef bint have_deadline = False
+        while True:
+            rc = self._place(n, out_pos)
+            if rc != PLACE_WAIT_SPACE and rc != PLACE_WAIT_BUFFER:
+                break
+            if not may_wait:
+                return rc
+            if not have_deadline:
+                deadline_after(&deadline, self.full_timeout_ns)
+                have_deadline = True
+            if rc == PLACE_WAIT_SPACE:
+                self.stat_full_waits += 1
+            w = pthread_cond_timedwait(&self.space_cv, &self.mutex, &deadline)
+            if w == ETIMEDOUT:
+                rc = self._place(n, out_pos)
+                break
+        if rc != PLACE_OK:
+            return rc
+        b = self._slot(self.open_seq)
+        dst = b.buf + (out_pos[0] - b.start)
+        encode_record_header(dst, RECORD_TYPE_DATA, <uint32_t>n, crc, out_pos[0], self.generation)
+        memcpy(dst + RECORD_HEADER_SIZE, data, n)
+        b.pos = out_pos[0] + RECORD_HEADER_SIZE + n
+        b.data_end = b.pos
+        b.records += 1
+        self.stat_records += 1
+        self.stat_record_bytes += n
+        if self.idle_writers > 0:
+            pthread_cond_signal(&self.work_cv)
+        return PLACE_OK
+
+    # ---- public append ------------------------------------------------------------------------
+
+    def append(self, data, callback=None) -> AppendHandle:
+        """Append one record; returns its handle at once. Raises the configured errors when the
+        WAL is closed or failed, or when the ring stays full for `full_timeout` seconds."""
+        cdef Py_buffer view
+        cdef uint32_t crc
+        cdef uint64_t pos = 0
+        cdef int rc
+        cdef size_t n
+        cdef const unsigned char* src
+        cdef AppendHandle handle = AppendHandle.__new__(AppendHandle)
+        cdef list entry = None
+        handle.ring = self
+        if callback is not None:
+            entry = [0, 0, handle, callback]
+        PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
+        try:
+            n = <size_t>view.len
+            src = <const unsigned char*>view.buf
+            if n > self.max_record:
+                raise self.too_large_error(f"record of {n} bytes exceeds the WAL's maximum record size of "
+                                 f"{self.max_record} bytes; split it or raise max_record_bytes")
+            handle.submitted_ns = monotonic_ns()
+            if n < NOGIL_BYTES and pthread_mutex_trylock(&self.mutex) == 0:
+                crc = crc32_update(0, src, n)
+                rc = self._place_and_copy(src, n, crc, &pos, False)
+                if rc == PLACE_WAIT_SPACE or rc == PLACE_WAIT_BUFFER:
+                    with nogil:
+                        rc = self._place_and_copy(src, n, crc, &pos, True)
+            else:
+                with nogil:
+                    crc = crc32_update(0, src, n)
+                    pthread_mutex_lock(&self.mutex)
+                    rc = self._place_and_copy(src, n, crc, &pos, True)
+            # mutex held here in every branch
+            if rc == PLACE_OK:
+                handle.offset = pos
+                handle.end = pos + RECORD_HEADER_SIZE + n
+                if entry is not None:
+                    entry[0] = handle.end
+                    entry[1] = self.callback_seq
+                    self.callback_seq += 1
+                    heapq.heappush(self.callbacks, entry)
+            pthread_mutex_unlock(&self.mutex)
+        finally:
+            PyBuffer_Release(&view)
+        if rc != PLACE_OK:
+            raise self._place_error(rc, n)
+        return handle
+
+    cdef object _place_error(self, int rc, size_t n):
+        if rc == PLACE_CLOSED:
+            return self.closed_error("the WAL is closed; reopen it to append")
+        if rc == PLACE_FAILED:
+            return self._failure()
+        if rc == PLACE_NOMEM:
+            return MemoryError(f"cannot allocate a WAL batch buffer for a {n}-byte record")
+        if rc == PLACE_WAIT_SPACE:
+            return self.full_error(
+                f"WAL full: no room for a {n}-byte record within {self.full_timeout_ns / 1e9:g} s; "
+                f"untrimmed {self.next_offset - self._trim_offset} of {self.capacity} bytes. "
+                "Trim records whose data is safe elsewhere, or give the WAL more capacity.")
+        return self.full_error(
+            f"WAL writer backlog: all {self.nbatches} batch buffers stayed in flight for "
+            f"{self.full_timeout_ns / 1e9:g} s (the device is not keeping up)")
+
+    cdef object _failure(self):
+        import os
+        return self.failed_error(
+            f"WAL write failed ({os.strerror(self.io_errno)}); records not yet durable are lost "
+            "to this session and the WAL accepts no more appends: reopen it to recover")
+
+    # ---- writers -------------------------------------------------------------------------------
+
+    def run_writer(self) -> None:
+        """Body of one writer thread: returns once `stop()` was called and all is written."""
+        with nogil:
+            self._writer_loop()
+
+    cdef void _writer_loop(self) noexcept nogil:
+        cdef uint64_t seq
+        cdef Batch* b
+        cdef int err
+        cdef Batch* ob
+        pthread_mutex_lock(&self.mutex)
+        while True:
+            if self.write_seq < self.open_seq:
+                pass
+            elif self.has_open and self._slot(self.open_seq).records > 0:
+                self._seal(self._slot(self.open_seq), False)
+            elif self.stopping:
+                break
+            else:
+                self.idle_writers += 1
+                pthread_cond_wait(&self.work_cv, &self.mutex)
+                self.idle_writers -= 1
+                continue
+            seq = self.write_seq
+            self.write_seq += 1
+            b = self._slot(seq)
+            b.state = SLOT_WRITING
+            err = self.io_errno
+            pthread_mutex_unlock(&self.mutex)
+            if err == 0:
+                err = pwrite_full(self.fd, b.buf, b.write_len,
+                                  <long long>(self.header_area + b.start % self.capacity))
+                if err == 0 and fdatasync(self.fd) != 0:
+                    err = errno
+            pthread_mutex_lock(&self.mutex)
+            b.state = SLOT_WRITTEN
+            b.error = err
+            if err:
+                if seq < self.failed_seq:
+                    self.failed_seq = seq
+                if self.io_errno == 0:
+                    self.io_errno = err
+            else:
+                self.stat_batches += 1
+                self.stat_bytes_written += b.write_len
+            self._advance()
+            pthread_cond_broadcast(&self.done_cv)
+            pthread_cond_broadcast(&self.space_cv)
+        pthread_cond_broadcast(&self.done_cv)
+        pthread_mutex_unlock(&self.mutex)
+
+    cdef void _advance(self) noexcept nogil:
+        """Retire written batches in offset order, moving the durable watermark. Mutex held."""
+        cdef Batch* b
+        cdef void* p
+        cdef uint64_t i
+        while self.done_seq < self.write_seq:
+            b = self._slot(self.done_seq)
+            if b.state != SLOT_WRITTEN:
+                break
+            if self.done_seq < self.failed_seq and b.data_end > self._durable_end:
+                self._durable_end = b.data_end
+                i = self.log_count % COMPLETION_LOG
+                self.log_end[i] = b.data_end
+                self.log_ns[i] = monotonic_ns()
+                self.log_count += 1
+            if b.buf_size != self.batch_size:
+                if posix_memalign(&p, BLOCK_SIZE, self.batch_size) == 0:
+                    free(b.buf)
+                    b.buf = <unsigned char*>p
+                    b.buf_size = self.batch_size
+            b.state = SLOT_FREE
+            self.done_seq += 1
+
+    def stop(self) -> None:
+        """Refuse new appends; writers drain what was accepted, then return."""
+        self._lock_with_gil()
+        self.stopping = True
+        pthread_cond_broadcast(&self.work_cv)
+        pthread_cond_broadcast(&self.space_cv)
+        pthread_cond_broadcast(&self.done_cv)
+        pthread_mutex_unlock(&self.mutex)
+
+    # ---- waiting and callbacks ----------------------------------------------------------------
+
+    cdef inline int _settled_locked(self, uint64_t end) noexcept nogil:
+        if self._durable_end >= end:
+            return 1
+        if self.io_errno and self.done_seq > self.failed_seq:
+            return 2
+        return 0
+
+    cdef int _settled(self, uint64_t end) noexcept:
+        cdef int s
+        self._lock_with_gil()
+        s = self._settled_locked(end)
+        pthread_mutex_unlock(&self.mutex)
+        return s
+
+    cdef int _wait(self, uint64_t end, timeout) except -1:
+        """1 durable, 2 failed, 0 timed out."""
+        cdef int s
+        cdef timespec deadline
+        cdef bint forever = timeout is None
+        cdef int64_t delay = 0
+        if not forever:
+            delay = <int64_t>(float(timeout) * 1e9)
+        self._lock_with_gil()
+        s = self._settled_locked(end)
+        if s == 0 and (forever or delay > 0):
+            with nogil:
+                deadline_after(&deadline, delay)
+                while True:
+                    s = self._settled_locked(end)
+                    if s != 0:
+                        break
+                    if forever:
+                        pthread_cond_wait(&self.done_cv, &self.mutex)
+                    elif pthread_cond_timedwait(&self.done_cv, &self.mutex, &deadline) == ETIMEDOUT:
+                        s = self._settled_locked(end)
+                        break
+        pthread_mutex_unlock(&self.mutex)
+        return s
+
+    def wait_durable(self, uint64_t end, timeout=None) -> bool:
+        """Block until everything before logical offset `end` is durable; False on timeout.
+        Raises the WAL's failure if that can never happen."""
+        cdef int s = self._wait(end, timeout)
+        if s == 2:
+            raise self._failure()
+        return s == 1
+
+    cdef void _add_callback(self, AppendHandle handle, fn) except *:
+        cdef list entry = [handle.end, 0, handle, fn]
+        cdef bint now
+        self._lock_with_gil()
+        now = handle.end <= self.dispatched_end
+        if not now:
+            entry[1] = self.callback_seq
+            self.callback_seq += 1
+            heapq.heappush(self.callbacks, entry)
+        pthread_mutex_unlock(&self.mutex)
+        if now:
+            _call(fn, handle)
+
+    def run_dispatcher(self) -> None:
+        """Body of the callback thread: runs append callbacks in offset order as records become
+        durable (or fail). Returns after `stop_dispatcher()` once nothing is left to call."""
+        cdef uint64_t upto
+        cdef bint finished
+        cdef list ready
+        while True:
+            ready = []
+            with nogil:
+                pthread_mutex_lock(&self.mutex)
+                while (self._durable_end == self.dispatched_end and not self.dispatch_stop
+                       and not (self.io_errno and self.done_seq > self.failed_seq)):
+                    pthread_cond_wait(&self.done_cv, &self.mutex)
+            # GIL re-taken while holding the mutex: allowed (see module docstring).
+            upto = self._durable_end
+            if (self.io_errno and self.done_seq > self.failed_seq) or self.dispatch_stop:
+                upto = NO_SEQ
+            while self.callbacks and (<list>self.callbacks[0])[0] <= upto:
+                ready.append(heapq.heappop(self.callbacks))
+            self.dispatched_end = self._durable_end if upto != NO_SEQ else NO_SEQ
+            finished = self.dispatch_stop
+            pthread_mutex_unlock(&self.mutex)
+            for entry in ready:
+                _call(entry[3], entry[2])
+            if finished:
+                return
+
+    def stop_dispatcher(self) -> None:
+        """Make `run_dispatcher` call what is left (failing what is not durable) and return."""
+        self._lock_with_gil()
+        self.dispatch_stop = True
+        pthread_cond_broadcast(&self.done_cv)
+        pthread_mutex_unlock(&self.mutex)
+
+    def _completion_time(self, uint64_t end):
+        cdef uint64_t lo, hi, mid, first
+        cdef int64_t ns = -1
+        self._lock_with_gil()
+        if self.log_count and self.log_end[(self.log_count - 1) % COMPLETION_LOG] >= end:
+            first = self.log_count - COMPLETION_LOG if self.log_count > COMPLETION_LOG else 0
+            lo = first
+            hi = self.log_count - 1
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if self.log_end[mid % COMPLETION_LOG] >= end:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            # If the first kept entry already covers `end`, an evicted one may have been first.
+            if lo > first or first == 0:
+                ns = self.log_ns[lo % COMPLETION_LOG]
+        pthread_mutex_unlock(&self.mutex)
+        return None if ns < 0 else ns
+
+    # ---- trim and state --------------------------------------------------------------------
+
+    def trim(self, uint64_t offset) -> None:
+        """Let space before `offset` be reused. The caller has already made this durable in the
+        header: reuse before that would let a crash strand the records after `offset`."""
+        self._lock_with_gil()
+        if offset > self._durable_end:
+            pthread_mutex_unlock(&self.mutex)
+            raise ValueError(f"cannot trim to {offset}: only offsets up to {self._durable_end} are durable")
+        if offset > self._trim_offset:
+            self._trim_offset = offset
+            pthread_cond_broadcast(&self.space_cv)
+        pthread_mutex_unlock(&self.mutex)
+
+    @property
+    def durable_end(self) -> int:
+        cdef uint64_t v
+        self._lock_with_gil()
+        v = self._durable_end
+        pthread_mutex_unlock(&self.mutex)
+        return v
+
+    @property
+    def trim_offset(self) -> int:
+        return self._trim_offset
+
+    @property
+    def append_end(self) -> int:
+        """Logical offset where the next record would be placed (before alignment rules)."""
+        cdef uint64_t v
+        self._lock_with_gil()
+        v = self._slot(self.open_seq).pos if self.has_open else self.next_offset
+        pthread_mutex_unlock(&self.mutex)
+        return v
+
+    @property
+    def failed(self) -> bool:
+        return self.io_errno != 0
+
+    def stats(self) -> dict:
+        cdef uint64_t records, record_bytes, batches, written, waits
+        self._lock_with_gil()
+        records, record_bytes = self.stat_records, self.stat_record_bytes
+        batches, written, waits = self.stat_batches, self.stat_bytes_written, self.stat_full_waits
+        pthread_mutex_unlock(&self.mutex)
+        return dict(records=records, record_bytes=record_bytes, batches=batches,
+                    bytes_written=written, full_waits=waits)
+
+
+cdef void _call(fn, handle) noexcept:
+    try:
+        fn(handle)
+    except BaseException:
+        log.exception("WAL append callback %r raised", fn)

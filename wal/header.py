@@ -1,0 +1,73 @@
+"""The WAL header: two 4 KiB slots written alternately (format: docs/wal-format.md).
+
+Each write goes to slot `write_seq % 2`, so a torn header write damages only the slot being
+written; the valid slot with the highest `write_seq` is the header.
+"""
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass, replace
+
+from _native.walrecord import HEADER_SLOT
+
+MAGIC = b"S3STRWAL"
+VERSION = 1
+_LAYOUT = struct.Struct("<8sIIQQQQQQIIQ")  # 80 bytes, then a u32 CRC of them
+_CRC = struct.Struct("<I")
+
+
+@dataclass(frozen=True)
+class Header:
+    capacity: int          # total bytes: header area + data area
+    trim_offset: int       # logical offset before which records are discarded
+    write_seq: int         # bumped on every header write; selects the slot
+    write_time_ns: int     # wall clock of the write (informational)
+    node_id: int
+    node_epoch: int
+    generation: int        # bumped each time a writer session starts; stamped in its records
+    clean_shutdown: bool
+    clean_end: int         # where the last session stopped writing (meaningful if clean)
+
+    def next(self, **changes) -> "Header":
+        return replace(self, write_seq=self.write_seq + 1, **changes)
+
+    def encode(self) -> bytes:
+        body = _LAYOUT.pack(MAGIC, VERSION, HEADER_SLOT, self.capacity, self.trim_offset, self.write_seq,
+                            self.write_time_ns, self.node_id, self.node_epoch, self.generation,
+                            1 if self.clean_shutdown else 0, self.clean_end)
+        slot = body + _CRC.pack(zlib.crc32(body))
+        return slot + bytes(HEADER_SLOT - len(slot))
+
+
+class SlotState:
+    EMPTY = "empty"        # all zero: never written
+    VALID = "valid"
+    CORRUPT = "corrupt"    # our magic, bad checksum or version
+    FOREIGN = "foreign"    # not our magic and not zero
+
+
+def decode_slot(raw: bytes) -> tuple[str, Header | None]:
+    """Classify one slot and decode it if valid."""
+    if not any(raw):
+        return SlotState.EMPTY, None
+    body = raw[:_LAYOUT.size]
+    if body[:8] != MAGIC:
+        return SlotState.FOREIGN, None
+    (crc,) = _CRC.unpack_from(raw, _LAYOUT.size)
+    if zlib.crc32(body) != crc:
+        return SlotState.CORRUPT, None
+    (_, version, slot_size, capacity, trim, seq, wtime, node_id, node_epoch, generation,
+     clean, clean_end) = _LAYOUT.unpack(body)
+    if version != VERSION or slot_size != HEADER_SLOT:
+        return SlotState.CORRUPT, None
+    return SlotState.VALID, Header(capacity, trim, seq, wtime, node_id, node_epoch, generation,
+                                   bool(clean), clean_end)
+
+
+def pick_header(slot0: bytes, slot1: bytes) -> tuple[Header | None, tuple[str, str]]:
+    """The newest valid header of the two slots, and both slots' states."""
+    (s0, h0), (s1, h1) = decode_slot(slot0), decode_slot(slot1)
+    valid = [h for h in (h0, h1) if h is not None]
+    best = max(valid, key=lambda h: h.write_seq) if valid else None
+    return best, (s0, s1)

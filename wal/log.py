@@ -1,0 +1,430 @@
+"""WriteAheadLog: a crash-safe ring of records on a file or a raw block device.
+
+Contract:
+- `append(data)` returns an AppendHandle at once; `handle.result()` returns once the record is
+  durable (written and flushed). Records are acknowledged in offset order.
+- `recover()` yields every record after the trim offset that is intact and continuous, in order,
+  and stops cleanly at the first torn, stale or corrupt one. Call it before the first append.
+- `trim(offset)` is durable when it returns; space before it may then be overwritten, and
+  nothing else ever is (a full ring makes appends wait, then fail with WALFullError).
+- The header names the owning node and its epoch: a WAL of another node is refused unless it is
+  opened with `recovery=True` (read-only, for failover); an opener with an older epoch is fenced.
+"""
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import stat
+import struct
+import threading
+import time
+from typing import Callable, Iterator, NamedTuple
+
+from _native import walrecord
+from _native.walio import AlignedBuffer, datasync
+from _native.walring import AppendHandle, Ring
+from _native.walscan import Scanner
+
+from .config import DEFAULT_CAPACITY, WALConfig
+from .errors import (
+    ForeignWALError, RecordTooLargeError, WALClosedError, WALConfigError, WALCorruptError,
+    WALFencedError, WALFullError, WALIOError,
+)
+from .header import Header, SlotState, pick_header
+
+log = logging.getLogger("wal")
+
+BLOCK = walrecord.BLOCK
+HEADER_AREA = walrecord.HEADER_AREA
+HEADER_SLOT = walrecord.HEADER_SLOT
+BLKGETSIZE64 = 0x80081272
+_ZERO_CHUNK = 1 << 20
+
+
+class Record(NamedTuple):
+    offset: int   # logical WAL offset of the record
+    data: bytes
+
+    @property
+    def end(self) -> int:
+        """The logical offset just past this record: trim to it once its data is safe."""
+        return self.offset + walrecord.RECORD_HEADER + len(self.data)
+
+
+class RecoveryResult(NamedTuple):
+    end: int              # where a new writer session resumes
+    records: int
+    record_bytes: int
+    stop_reason: str
+
+
+class WriteAheadLog:
+    """A WAL on one file or block device. Open with `WriteAheadLog.open(...)`."""
+
+    def __init__(self, *, path: str, fd: int, header: Header, config: WALConfig, node_id: int,
+                 node_epoch: int, direct_io: bool, block_device: bool, recovery: bool) -> None:
+        self._path = path
+        self._fd = fd
+        self._header = header
+        self._config = config
+        self._node_id = node_id
+        self._node_epoch = node_epoch
+        self._direct_io = direct_io
+        self._block_device = block_device
+        self._recovery = recovery
+        self._data_capacity = header.capacity - HEADER_AREA
+        self._max_record = config.record_limit(self._data_capacity)
+        self._previous_clean = header.clean_shutdown
+        self._lock = threading.RLock()          # lifecycle: start, trim, close
+        self._ring: Ring | None = None
+        self._writers: list[threading.Thread] = []
+        self._dispatcher: threading.Thread | None = None
+        self._recovered: RecoveryResult | None = None
+        self._closed = False
+
+    # ---- opening --------------------------------------------------------------------------
+
+    @classmethod
+    def open(cls, path: str | os.PathLike, *, node_id: int, node_epoch: int = 0,
+             config: WALConfig | None = None, recovery: bool = False,
+             force_format: bool = False) -> "WriteAheadLog":
+        """Open (creating and formatting if needed) the WAL at `path`.
+
+        A regular file that does not exist is created and preallocated to `config.capacity`;
+        a raw block device is used whole. `recovery=True` opens another node's WAL read-only to
+        recover its records (failover). `force_format=True` overwrites a device or file whose
+        header is not a WAL's; without it such a path is refused, so foreign data is never lost.
+        """
+        config = config or WALConfig()
+        path = os.fspath(path)
+        if node_id < 0 or node_epoch < 0:
+            raise WALConfigError(f"node_id and node_epoch must be non-negative, got {node_id}, {node_epoch}")
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            st = None
+        if st is not None and stat.S_ISDIR(st.st_mode):
+            raise WALConfigError(f"WAL path {path!r} is a directory; give a file path or a block device")
+        if st is not None and not (stat.S_ISREG(st.st_mode) or stat.S_ISBLK(st.st_mode)):
+            raise WALConfigError(f"WAL path {path!r} is neither a regular file nor a block device")
+        if recovery and st is None:
+            raise WALConfigError(f"no WAL at {path!r} to recover")
+        block_device = st is not None and stat.S_ISBLK(st.st_mode)
+        if st is None:
+            cls._create_file(path, config)
+        fd, direct = cls._open_fd(path, config, read_only=recovery)
+        try:
+            size = cls._device_size(fd) if block_device else os.fstat(fd).st_size
+            header = cls._read_or_format(fd, path, size, config, node_id, node_epoch, block_device,
+                                         recovery, force_format)
+            if not recovery:
+                if header.node_id != node_id:
+                    raise ForeignWALError(
+                        f"WAL {path!r} belongs to node {header.node_id} (epoch {header.node_epoch}), "
+                        f"not node {node_id}. Open it with recovery=True to recover it on that node's "
+                        "behalf, or give this node its own WAL path.")
+                if node_epoch < header.node_epoch:
+                    raise WALFencedError(
+                        f"WAL {path!r} was last opened by node {node_id} at epoch {header.node_epoch}; "
+                        f"this opener's epoch {node_epoch} is stale. Stop this instance.")
+            return cls(path=path, fd=fd, header=header, config=config, node_id=node_id,
+                       node_epoch=node_epoch, direct_io=direct, block_device=block_device,
+                       recovery=recovery)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    @staticmethod
+    def _create_file(path: str, config: WALConfig) -> None:
+        capacity = config.capacity or DEFAULT_CAPACITY
+        WALConfig.check_capacity(capacity, "capacity")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            if config.preallocate == "fallocate":
+                os.posix_fallocate(fd, 0, capacity)
+            else:
+                zeros = bytes(_ZERO_CHUNK)
+                for off in range(0, capacity, _ZERO_CHUNK):
+                    os.pwrite(fd, zeros[:min(_ZERO_CHUNK, capacity - off)], off)
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        os.close(fd)
+        dfd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+    @staticmethod
+    def _open_fd(path: str, config: WALConfig, read_only: bool) -> tuple[int, bool]:
+        flags = (os.O_RDONLY if read_only else os.O_RDWR) | getattr(os, "O_CLOEXEC", 0)
+        if config.direct_io is not False:
+            try:
+                return os.open(path, flags | os.O_DIRECT), True
+            except OSError as e:
+                if config.direct_io:
+                    raise WALConfigError(f"O_DIRECT is required but {path!r} refuses it: {e}") from e
+        return os.open(path, flags), False
+
+    @staticmethod
+    def _device_size(fd: int) -> int:
+        (size,) = struct.unpack("<Q", fcntl.ioctl(fd, BLKGETSIZE64, b"\0" * 8))
+        return size
+
+    @classmethod
+    def _read_or_format(cls, fd: int, path: str, size: int, config: WALConfig, node_id: int,
+                        node_epoch: int, block_device: bool, recovery: bool, force_format: bool) -> Header:
+        if size < HEADER_AREA:
+            raise WALConfigError(f"{path!r} is {size} bytes, too small to hold a WAL")
+        buf = AlignedBuffer(HEADER_AREA)
+        buf.pread(fd, HEADER_AREA, 0)
+        raw = bytes(buf)
+        header, states = pick_header(raw[:HEADER_SLOT], raw[HEADER_SLOT:])
+        if header is not None and not force_format:
+            if header.capacity > size:
+                raise WALCorruptError(
+                    f"WAL {path!r} header says {header.capacity} bytes but the "
+                    f"{'device' if block_device else 'file'} has only {size}: truncated or wrong device")
+            if config.capacity is not None and not block_device and config.capacity != header.capacity:
+                raise WALConfigError(
+                    f"WAL {path!r} has capacity {header.capacity}, the config asks for {config.capacity}; "
+                    "a WAL cannot be resized: use its capacity or a new path")
+            if states[0] != states[1]:
+                log.warning("WAL %s header slots differ (%s, %s): using write %d", path, *states,
+                            header.write_seq)
+            return header
+        if recovery:
+            raise WALCorruptError(f"{path!r} holds no valid WAL header ({states[0]}, {states[1]}): nothing to recover")
+        if not force_format and states != (SlotState.EMPTY, SlotState.EMPTY):
+            what = "a corrupt WAL header" if SlotState.CORRUPT in states else "data that is not an s3stream WAL"
+            raise WALCorruptError(
+                f"{path!r} holds {what} (slots: {states[0]}, {states[1]}). Refusing to overwrite it; "
+                "pass force_format=True if its contents may be destroyed.")
+        if block_device:
+            capacity = size - size % BLOCK
+            if size % BLOCK:
+                raise WALConfigError(f"block device {path!r} size {size} is not a multiple of {BLOCK} bytes")
+        else:
+            capacity = config.capacity or size
+            if capacity > size:
+                os.ftruncate(fd, capacity)
+        WALConfig.check_capacity(capacity, "device size" if block_device else "capacity")
+        header = Header(capacity=capacity, trim_offset=0, write_seq=0, write_time_ns=time.time_ns(),
+                        node_id=node_id, node_epoch=node_epoch, generation=0, clean_shutdown=True,
+                        clean_end=0)
+        # Both slots, so a stale foreign slot can never win later.
+        cls._write_slot(fd, header)
+        cls._write_slot(fd, header.next())
+        return header.next()
+
+    @staticmethod
+    def _write_slot(fd: int, header: Header) -> None:
+        buf = AlignedBuffer(HEADER_SLOT)
+        memoryview(buf)[:] = header.encode()
+        buf.pwrite(fd, HEADER_SLOT, (header.write_seq % 2) * HEADER_SLOT)
+        datasync(fd)
+
+    def _write_header(self, **changes) -> None:
+        header = self._header.next(write_time_ns=time.time_ns(), **changes)
+        self._write_slot(self._fd, header)
+        self._header = header
+
+    # ---- recovery ---------------------------------------------------------------------------
+
+    def recover(self) -> Iterator[Record]:
+        """Yield the intact, continuous records after the trim offset, in order.
+
+        Must run before the first append or trim of this session. After it is exhausted,
+        `recovery_result` tells where it stopped and why. A WAL that was shut down cleanly but
+        cannot be read to its recorded end raises WALCorruptError at the end of the iteration.
+        """
+        with self._lock:
+            self._check_open()
+            if self._ring is not None:
+                raise WALClosedError("recover() must run before the first append or trim of a session")
+        scanner = Scanner(self._fd, HEADER_AREA, self._data_capacity, self._header.trim_offset)
+        for offset, data in scanner:
+            yield Record(offset, data)
+        self._finish_scan(scanner)
+
+    def _finish_scan(self, scanner: Scanner) -> None:
+        reason = walrecord.STOP_REASONS.get(scanner.stop_reason, str(scanner.stop_reason))
+        self._recovered = RecoveryResult(scanner.end, scanner.records, scanner.record_bytes, reason)
+        h = self._header
+        if h.clean_shutdown and h.generation > 0 and (
+                walrecord.next_record_start(scanner.end) != walrecord.next_record_start(h.clean_end)):
+            raise WALCorruptError(
+                f"WAL {self._path!r} was shut down cleanly at offset {h.clean_end} but its records "
+                f"can be read only to {scanner.end} ({reason}): the device lost or corrupted data")
+
+    @property
+    def recovery_result(self) -> RecoveryResult | None:
+        return self._recovered
+
+    # ---- writing -----------------------------------------------------------------------------
+
+    def _start(self) -> Ring:
+        """Begin a writer session: find the end of the log, bump the generation, start writers."""
+        with self._lock:
+            if self._ring is not None:
+                return self._ring
+            self._check_open()
+            if self._recovery:
+                raise WALClosedError(f"WAL {self._path!r} is open read-only for recovery; it takes no appends")
+            if self._recovered is None:
+                scanner = Scanner(self._fd, HEADER_AREA, self._data_capacity, self._header.trim_offset)
+                for _ in scanner:
+                    pass
+                self._finish_scan(scanner)
+            resume = self._recovered.end
+            resume_block = None
+            if resume % BLOCK:
+                buf = AlignedBuffer(BLOCK)
+                buf.pread(self._fd, BLOCK, HEADER_AREA + (resume - resume % BLOCK) % self._data_capacity)
+                resume_block = bytes(buf)
+            generation = self._header.generation + 1
+            self._write_header(node_id=self._node_id, node_epoch=self._node_epoch,
+                               generation=generation, clean_shutdown=False, clean_end=0)
+            cfg = self._config
+            ring = Ring(self._fd, HEADER_AREA, self._data_capacity, cfg.batch_bytes + BLOCK, cfg.buffers,
+                        generation, resume, self._header.trim_offset, resume_block, cfg.full_timeout,
+                        self._max_record, (WALFullError, WALClosedError, WALIOError, RecordTooLargeError))
+            self._writers = [threading.Thread(target=ring.run_writer, name=f"wal-writer-{i}", daemon=True)
+                             for i in range(cfg.writer_threads)]
+            for t in self._writers:
+                t.start()
+            self._ring = ring
+            return ring
+
+    def append(self, data, callback: Callable[[AppendHandle], object] | None = None) -> AppendHandle:
+        """Append one record; returns its handle at once (see the module contract).
+
+        `callback(handle)`, if given, runs on the WAL's callback thread once the record is durable
+        or failed; callbacks given here run in offset order.
+        """
+        ring = self._ring or self._start()
+        if callback is not None and self._dispatcher is None:
+            self._start_dispatcher(ring)
+        return ring.append(data, callback)
+
+    def _start_dispatcher(self, ring: Ring) -> None:
+        with self._lock:
+            if self._dispatcher is None:
+                self._dispatcher = threading.Thread(target=ring.run_dispatcher, name="wal-callbacks", daemon=True)
+                self._dispatcher.start()
+
+    def sync(self, timeout: float | None = None) -> bool:
+        """Wait until every record appended so far is durable; False on timeout."""
+        ring = self._ring
+        if ring is None:
+            return True
+        return ring.wait_durable(ring.append_end, timeout)
+
+    def trim(self, offset: int) -> None:
+        """Discard records before logical `offset` (a record's offset or end). Durable on return.
+        Trimming backwards or to the current trim offset does nothing."""
+        with self._lock:
+            ring = self._start()
+            if offset <= self._header.trim_offset:
+                return
+            durable = ring.durable_end
+            if offset > durable:
+                raise ValueError(f"cannot trim WAL to {offset}: records are durable only up to {durable}")
+            self._write_header(trim_offset=offset)
+            ring.trim(offset)
+
+    # ---- closing -----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Write out everything appended, record a clean shutdown and release the file."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            ring = self._ring
+            try:
+                if ring is not None:
+                    ring.stop()
+                    for t in self._writers:
+                        t.join()
+                    if self._dispatcher is not None:
+                        ring.stop_dispatcher()
+                        self._dispatcher.join()
+                    if not ring.failed:
+                        self._write_header(clean_shutdown=True, clean_end=ring.append_end)
+            finally:
+                os.close(self._fd)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise WALClosedError(f"WAL {self._path!r} is closed")
+
+    def __enter__(self) -> "WriteAheadLog":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- introspection -------------------------------------------------------------------------
+
+    @property
+    def path(self) -> str:
+        return self._path
+
+    @property
+    def node_id(self) -> int:
+        return self._node_id
+
+    @property
+    def node_epoch(self) -> int:
+        return self._node_epoch
+
+    @property
+    def header(self) -> Header:
+        return self._header
+
+    @property
+    def capacity(self) -> int:
+        """Bytes of the data area (the ring)."""
+        return self._data_capacity
+
+    @property
+    def max_record_bytes(self) -> int:
+        return self._max_record
+
+    @property
+    def direct_io(self) -> bool:
+        """True if writes bypass the page cache (O_DIRECT); False means buffered + fdatasync."""
+        return self._direct_io
+
+    @property
+    def is_block_device(self) -> bool:
+        return self._block_device
+
+    @property
+    def previous_shutdown_clean(self) -> bool:
+        return self._previous_clean
+
+    @property
+    def trim_offset(self) -> int:
+        return self._header.trim_offset
+
+    @property
+    def durable_end(self) -> int:
+        """Every record ending at or before this logical offset is durable."""
+        ring = self._ring
+        if ring is not None:
+            return ring.durable_end
+        return self._recovered.end if self._recovered else self._header.trim_offset
+
+    def stats(self) -> dict:
+        return self._ring.stats() if self._ring is not None else {}
+
+    def __repr__(self) -> str:
+        mode = "O_DIRECT" if self._direct_io else "buffered"
+        return (f"<WriteAheadLog {self._path!r} node={self._node_id}@{self._node_epoch} "
+                f"capacity={self._data_capacity} {mode}>")

@@ -141,6 +141,7 @@ cdef class Ring:
     cdef uint64_t next_offset
     cdef uint64_t _trim_offset
     cdef uint64_t _durable_end
+    cdef uint64_t _appended_end
     cdef unsigned char* resume_block
     cdef int io_errno
     cdef bint stopping
@@ -200,6 +201,7 @@ cdef class Ring:
         self.next_offset = resume_offset
         self._trim_offset = trim_offset
         self._durable_end = resume_offset
+        self._appended_end = resume_offset
         self.dispatched_end = resume_offset
         self.failed_seq = NO_SEQ
         self.full_timeout_ns = <int64_t>(full_timeout * 1e9)
@@ -371,6 +373,7 @@ cdef class Ring:
         memcpy(dst + RECORD_HEADER_SIZE, data, n)
         b.pos = out_pos[0] + RECORD_HEADER_SIZE + n
         b.data_end = b.pos
+        self._appended_end = b.pos
         b.records += 1
         self.stat_records += 1
         self.stat_record_bytes += n
@@ -677,6 +680,15 @@ cdef class Ring:
     @property
     def trim_offset(self) -> int:
         return self._trim_offset
+
+    @property
+    def appended_end(self) -> int:
+        """Logical end of the last record accepted (durable once `durable_end` reaches it)."""
+        cdef uint64_t v
+        self._lock_with_gil()
+        v = self._appended_end
+        pthread_mutex_unlock(&self.mutex)
+        return v
 
     @property
     def append_end(self) -> int:

@@ -36,3 +36,7 @@ class ForeignWALError(WALError):
 
 class WALFencedError(WALError):
     """The WAL was taken over by a newer epoch of this node; this opener is stale."""
+
+
+class WALInUseError(WALError):
+    """Another open WAL object (this or another process) is writing this WAL."""

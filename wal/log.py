@@ -29,7 +29,7 @@ from _native.walscan import Scanner
 from .config import DEFAULT_CAPACITY, WALConfig
 from .errors import (
     ForeignWALError, RecordTooLargeError, WALClosedError, WALConfigError, WALCorruptError,
-    WALFencedError, WALFullError, WALIOError,
+    WALFencedError, WALFullError, WALInUseError, WALIOError,
 )
 from .header import Header, SlotState, pick_header
 
@@ -115,6 +115,12 @@ class WriteAheadLog:
             cls._create_file(path, config)
         fd, direct = cls._open_fd(path, config, read_only=recovery)
         try:
+            if not recovery:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    raise WALInUseError(
+                        f"WAL {path!r} is in use by another writer on this host; one WAL, one writer") from None
             size = cls._device_size(fd) if block_device else os.fstat(fd).st_size
             header = cls._read_or_format(fd, path, size, config, node_id, node_epoch, block_device,
                                          recovery, force_format)
@@ -322,7 +328,7 @@ class WriteAheadLog:
         ring = self._ring
         if ring is None:
             return True
-        return ring.wait_durable(ring.append_end, timeout)
+        return ring.wait_durable(ring.appended_end, timeout)
 
     def trim(self, offset: int) -> None:
         """Discard records before logical `offset` (a record's offset or end). Durable on return.

@@ -1,0 +1,77 @@
+"""Shared fixtures: WAL targets on a regular file and on a real loop block device."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+
+import pytest
+
+import wal
+
+KiB = 1024
+MiB = 1024 * KiB
+
+
+@dataclass
+class WalTarget:
+    """A place to open a fresh WAL of `capacity` total bytes: a file path or a loop device."""
+    path: str
+    capacity: int
+    kind: str
+
+    def config(self, **overrides) -> wal.WALConfig:
+        kw = dict(capacity=self.capacity, batch_bytes=64 * KiB, buffers=4, full_timeout=5.0)
+        kw.update(overrides)
+        return wal.WALConfig(**kw)
+
+    def open(self, node_id: int = 1, **kw) -> wal.WriteAheadLog:
+        config = kw.pop("config", None) or self.config()
+        return wal.WriteAheadLog.open(self.path, node_id=node_id, config=config, **kw)
+
+
+def loop_device(image: str, size: int, sizelimit: int | None = None) -> str:
+    if os.geteuid() != 0 or not shutil.which("losetup"):
+        pytest.skip("loop block devices need root and losetup")
+    with open(image, "wb") as f:
+        f.truncate(size)
+    cmd = ["losetup", "--find", "--show"]
+    if sizelimit is not None:
+        cmd += ["--sizelimit", str(sizelimit)]
+    try:
+        return subprocess.check_output(cmd + [image], text=True, stderr=subprocess.PIPE).strip()
+    except (subprocess.CalledProcessError, OSError) as e:
+        pytest.skip(f"losetup is not usable here: {e}")
+
+
+def detach(dev: str) -> None:
+    subprocess.run(["losetup", "-d", dev], check=False)
+
+
+@pytest.fixture(params=["file", "blockdev"])
+def wal_target(request, tmp_path):
+    """A fresh WAL location of 1 MiB + header; every test using it runs on both kinds."""
+    capacity = 1 * MiB + 8 * KiB
+    if request.param == "file":
+        yield WalTarget(str(tmp_path / "test.wal"), capacity, "file")
+        return
+    dev = loop_device(str(tmp_path / "device.img"), capacity)
+    try:
+        yield WalTarget(dev, capacity, "blockdev")
+    finally:
+        detach(dev)
+
+
+def read_data_area(path: str) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(8192)
+        return f.read()
+
+
+def damage(path: str, position: int, data: bytes) -> None:
+    """Overwrite bytes at absolute `position` of a closed WAL and flush them."""
+    with open(path, "r+b", buffering=0) as f:
+        f.seek(position)
+        f.write(data)
+        os.fsync(f.fileno())

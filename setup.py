@@ -18,6 +18,7 @@ MODULES = [
     ("walrecord", ["z"]),
     ("walring", ["z"]),
     ("walscan", ["z"]),
+    ("objcodec", ["z"]),
 ]
 
 directives = {"language_level": 3, "embedsignature": True}

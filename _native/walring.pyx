@@ -341,7 +341,8 @@ cdef class Ring:
             out_pos[0] = q
             return PLACE_OK
 
-    cdef int _place_and_copy(self, const unsigned char* data, size_t n, uint32_t crc,
+    cdef int _place_and_copy(self, const unsigned char* prefix, size_t plen,
+                             const unsigned char* data, size_t n, uint32_t crc,
                              uint64_t* out_pos, bint may_wait) noexcept nogil:
         """Place and encode one record (mutex held). Waits for space only if `may_wait`."""
         cdef int rc
@@ -351,7 +352,7 @@ cdef class Ring:
         cdef timespec deadline
         cdef bint have_deadline = False
         while True:
-            rc = self._place(n, out_pos)
+            rc = self._place(plen + n, out_pos)
             if rc != PLACE_WAIT_SPACE and rc != PLACE_WAIT_BUFFER:
                 break
             if not may_wait:
@@ -363,14 +364,17 @@ cdef class Ring:
                 self.stat_full_waits += 1
             w = pthread_cond_timedwait(&self.space_cv, &self.mutex, &deadline)
             if w == ETIMEDOUT:
-                rc = self._place(n, out_pos)
+                rc = self._place(plen + n, out_pos)
                 break
         if rc != PLACE_OK:
             return rc
         b = self._slot(self.open_seq)
         dst = b.buf + (out_pos[0] - b.start)
-        encode_record_header(dst, RECORD_TYPE_DATA, <uint32_t>n, crc, out_pos[0], self.generation)
-        memcpy(dst + RECORD_HEADER_SIZE, data, n)
+        encode_record_header(dst, RECORD_TYPE_DATA, <uint32_t>(plen + n), crc, out_pos[0], self.generation)
+        if plen:
+            memcpy(dst + RECORD_HEADER_SIZE, prefix, plen)
+        memcpy(dst + RECORD_HEADER_SIZE + plen, data, n)
+        n += plen
         b.pos = out_pos[0] + RECORD_HEADER_SIZE + n
         b.data_end = b.pos
         self._appended_end = b.pos
@@ -383,43 +387,54 @@ cdef class Ring:
 
     # ---- public append ------------------------------------------------------------------------
 
-    def append(self, data, callback=None) -> AppendHandle:
-        """Append one record; returns its handle at once. Raises the configured errors when the
-        WAL is closed or failed, or when the ring stays full for `full_timeout` seconds."""
+    def append(self, data, callback=None, prefix=None) -> AppendHandle:
+        """Append one record whose body is `prefix + data` (prefix: optional small header,
+        saving the caller a copy of `data`); returns its handle at once. Raises the configured
+        errors when the WAL is closed or failed, or when the ring stays full for `full_timeout`."""
         cdef Py_buffer view
+        cdef Py_buffer pview
         cdef uint32_t crc
         cdef uint64_t pos = 0
         cdef int rc
-        cdef size_t n
+        cdef size_t n, plen = 0
         cdef const unsigned char* src
+        cdef const unsigned char* psrc = NULL
         cdef AppendHandle handle = AppendHandle.__new__(AppendHandle)
         cdef list entry = None
         handle.ring = self
         if callback is not None:
             entry = [0, 0, handle, callback]
         PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
+        if prefix is not None:
+            try:
+                PyObject_GetBuffer(prefix, &pview, PyBUF_SIMPLE)
+            except BaseException:
+                PyBuffer_Release(&view)
+                raise
+            psrc = <const unsigned char*>pview.buf
+            plen = <size_t>pview.len
         try:
             n = <size_t>view.len
             src = <const unsigned char*>view.buf
-            if n > self.max_record:
-                raise self.too_large_error(f"record of {n} bytes exceeds the WAL's maximum record size of "
-                                 f"{self.max_record} bytes; split it or raise max_record_bytes")
+            if n + plen > self.max_record:
+                raise self.too_large_error(f"record of {n + plen} bytes exceeds the WAL's maximum record size of "
+                                           f"{self.max_record} bytes; split it or raise max_record_bytes")
             handle.submitted_ns = monotonic_ns()
             if n < NOGIL_BYTES and pthread_mutex_trylock(&self.mutex) == 0:
-                crc = crc32_update(0, src, n)
-                rc = self._place_and_copy(src, n, crc, &pos, False)
+                crc = crc32_update(crc32_update(0, psrc, plen), src, n)
+                rc = self._place_and_copy(psrc, plen, src, n, crc, &pos, False)
                 if rc == PLACE_WAIT_SPACE or rc == PLACE_WAIT_BUFFER:
                     with nogil:
-                        rc = self._place_and_copy(src, n, crc, &pos, True)
+                        rc = self._place_and_copy(psrc, plen, src, n, crc, &pos, True)
             else:
                 with nogil:
-                    crc = crc32_update(0, src, n)
+                    crc = crc32_update(crc32_update(0, psrc, plen), src, n)
                     pthread_mutex_lock(&self.mutex)
-                    rc = self._place_and_copy(src, n, crc, &pos, True)
+                    rc = self._place_and_copy(psrc, plen, src, n, crc, &pos, True)
             # mutex held here in every branch
             if rc == PLACE_OK:
                 handle.offset = pos
-                handle.end = pos + RECORD_HEADER_SIZE + n
+                handle.end = pos + RECORD_HEADER_SIZE + plen + n
                 if entry is not None:
                     entry[0] = handle.end
                     entry[1] = self.callback_seq
@@ -428,8 +443,10 @@ cdef class Ring:
             pthread_mutex_unlock(&self.mutex)
         finally:
             PyBuffer_Release(&view)
+            if prefix is not None:
+                PyBuffer_Release(&pview)
         if rc != PLACE_OK:
-            raise self._place_error(rc, n)
+            raise self._place_error(rc, n + plen)
         return handle
 
     cdef object _place_error(self, int rc, size_t n):

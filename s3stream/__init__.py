@@ -1,6 +1,21 @@
 """s3stream: append-only streams on object storage behind a write-ahead log.
 
-The stream engine (StreamClient, Stream, RecordBatch, Config, errors) builds on the `wal`
-package; until it lands, the WAL is the usable part (`import wal`).
+Start with StreamClient (one per node), Stream, RecordBatch and Config; every error is an
+S3StreamError.
 """
-__all__: list[str] = []
+from .client import StreamClient
+from .config import Config
+from .errors import (
+    ConfigError, CorruptDataError, InvalidBatchError, MetadataError, ObjectNotFoundError, ObjectStoreError,
+    OffsetOutOfRangeError, S3StreamError, StreamClosedError, StreamFencedError, StreamNotClosedError,
+    StreamNotFoundError, WALError, WALFullError,
+)
+from .recordbatch import AppendResult, FetchedBatch, FetchResult, RecordBatch
+from .stream import Stream
+
+__all__ = [
+    "AppendResult", "Config", "ConfigError", "CorruptDataError", "FetchResult", "FetchedBatch",
+    "InvalidBatchError", "MetadataError", "ObjectNotFoundError", "ObjectStoreError", "OffsetOutOfRangeError",
+    "RecordBatch", "S3StreamError", "Stream", "StreamClient", "StreamClosedError", "StreamFencedError",
+    "StreamNotClosedError", "StreamNotFoundError", "WALError", "WALFullError",
+]

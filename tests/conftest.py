@@ -75,3 +75,39 @@ def damage(path: str, position: int, data: bytes) -> None:
         f.seek(position)
         f.write(data)
         os.fsync(f.fileno())
+
+
+# ---- stream engine fixtures ------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def moto_endpoint():
+    """One moto S3 server over real HTTP on loopback for the whole session."""
+    from moto.server import ThreadedMotoServer
+    for key, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
+                       ("AWS_DEFAULT_REGION", "us-east-1")):
+        os.environ.setdefault(key, value)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture(params=["local", "s3"])
+def store_url(request, tmp_path):
+    """An object store URL: a local directory, or a fresh bucket on moto's HTTP server."""
+    if request.param == "local":
+        return f"file://{tmp_path}/objects"
+    endpoint = request.getfixturevalue("moto_endpoint")
+    bucket = f"b-{os.urandom(4).hex()}"
+    return f"s3://{bucket}/data?endpoint_url={endpoint}&create_bucket=1&max_attempts=3"
+
+
+def small_config(**overrides):
+    """An engine config scaled down so tests upload, split and wrap quickly."""
+    import s3stream
+    kw = dict(upload_threshold=1 * MiB, split_size=256 * KiB, object_block_size=64 * KiB, cache_size=4 * MiB,
+              max_batch_bytes=128 * KiB, block_cache_size=2 * MiB, readahead_bytes=256 * KiB,
+              append_timeout=20, wal=wal.WALConfig(capacity=16 * MiB, full_timeout=20))
+    kw.update(overrides)
+    return s3stream.Config(**kw)

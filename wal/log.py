@@ -306,8 +306,12 @@ class WriteAheadLog:
             self._ring = ring
             return ring
 
-    def append(self, data, callback: Callable[[AppendHandle], object] | None = None) -> AppendHandle:
+    def append(self, data, callback: Callable[[AppendHandle], object] | None = None,
+               prefix: bytes | None = None) -> AppendHandle:
         """Append one record; returns its handle at once (see the module contract).
+
+        The record's body is `prefix + data` when a prefix is given (no copy of `data` is made
+        to join them).
 
         `callback(handle)`, if given, runs on the WAL's callback thread once the record is durable
         or failed; callbacks given here run in offset order.
@@ -315,7 +319,7 @@ class WriteAheadLog:
         ring = self._ring or self._start()
         if callback is not None and self._dispatcher is None:
             self._start_dispatcher(ring)
-        return ring.append(data, callback)
+        return ring.append(data, callback, prefix)
 
     def _start_dispatcher(self, ring: Ring) -> None:
         with self._lock:

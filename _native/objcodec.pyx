@@ -1,0 +1,317 @@
+# cython: language_level=3
+"""Object codec: data blocks, index and footer of StreamObjects and StreamSetObjects.
+
+Layout (docs/object-format.md):
+
+    [data block]... [index] [footer]
+
+    data block  = header (32) + batches, all of one stream, contiguous offsets
+      header    : u32 magic 'S3DB' | u32 version | u64 stream id | u64 start offset
+                  | u32 batch count | u32 CRC-32 of the batches
+      batch     : u64 base offset | u32 record count | u32 payload length | payload
+    index entry = u64 stream id | u64 start | u64 end | u32 record count | u32 block size
+                  | u64 block position | u32 batch count | u32 zero            (48 bytes)
+    footer      = u64 index position | u32 index length | u32 index CRC | u32 entry count
+                  | u16 version | u16 zero | u64 magic 'S3SOBJ01'              (32 bytes)
+
+Little-endian throughout. Entries are sorted by (stream id, start offset). Every read is checked
+(lengths, magic, CRCs): a corrupt object raises ObjectFormatError, never returns wrong bytes.
+"""
+from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t
+from libc.stdlib cimport malloc, free
+from libc.string cimport memcpy
+from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING
+from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE
+
+from _native.checksum cimport crc32_update
+
+cdef enum:
+    BLOCK_HEADER = 32
+    BATCH_HEADER = 16
+    INDEX_ENTRY = 48
+    FOOTER = 32
+    BLOCK_MAGIC = 0x42443353   # 'S3DB'
+    FORMAT_VERSION = 1
+
+cdef uint64_t FOOTER_MAGIC = 0x31304A424F535333  # 'S3SOBJ01'
+
+BLOCK_HEADER_SIZE = BLOCK_HEADER
+BATCH_HEADER_SIZE = BATCH_HEADER
+INDEX_ENTRY_SIZE = INDEX_ENTRY
+FOOTER_SIZE = FOOTER
+VERSION = FORMAT_VERSION
+
+
+class ObjectFormatError(ValueError):
+    """The bytes are not a valid object (bad magic, version, length or checksum)."""
+
+
+cdef inline void st16(unsigned char* p, uint16_t v) noexcept nogil:
+    p[0] = v & 0xFF
+    p[1] = (v >> 8) & 0xFF
+
+cdef inline void st32(unsigned char* p, uint32_t v) noexcept nogil:
+    p[0] = v & 0xFF
+    p[1] = (v >> 8) & 0xFF
+    p[2] = (v >> 16) & 0xFF
+    p[3] = (v >> 24) & 0xFF
+
+cdef inline void st64(unsigned char* p, uint64_t v) noexcept nogil:
+    st32(p, <uint32_t>(v & 0xFFFFFFFFu))
+    st32(p + 4, <uint32_t>(v >> 32))
+
+cdef inline uint16_t ld16(const unsigned char* p) noexcept nogil:
+    return <uint16_t>(p[0] | (p[1] << 8))
+
+cdef inline uint32_t ld32(const unsigned char* p) noexcept nogil:
+    return (<uint32_t>p[0]) | (<uint32_t>p[1] << 8) | (<uint32_t>p[2] << 16) | (<uint32_t>p[3] << 24)
+
+cdef inline uint64_t ld64(const unsigned char* p) noexcept nogil:
+    return (<uint64_t>ld32(p)) | (<uint64_t>ld32(p + 4) << 32)
+
+
+cdef struct Piece:
+    const unsigned char* data
+    size_t length
+    uint64_t base
+    uint32_t count
+
+
+cdef struct BlockPlan:
+    uint64_t stream_id
+    uint64_t start
+    uint64_t end
+    uint64_t records
+    size_t position
+    size_t size
+    size_t first_piece
+    size_t pieces
+
+
+def encode_object(streams, size_t block_size):
+    """Encode an object from `streams`: a sequence of (stream_id, batches), stream ids strictly
+    ascending, each batches a sequence of (base_offset, count, payload) with contiguous offsets.
+    Returns (object bytes, index entries as tuples). A batch larger than `block_size` gets a
+    block of its own. The copy and checksums run with the GIL released."""
+    cdef list views = []          # keeps every payload buffer alive until the copy is done
+    cdef Py_buffer* bufs = NULL
+    cdef Piece* pieces = NULL
+    cdef BlockPlan* blocks = NULL
+    cdef size_t npieces = 0, nblocks = 0, i, j, k, pos, total, body
+    cdef uint64_t sid, prev_sid = 0, expect, base
+    cdef uint32_t count
+    cdef bint first_stream = True
+    cdef unsigned char* out
+    cdef unsigned char* p
+    cdef unsigned char* bp
+    cdef size_t index_pos, index_len
+    cdef Py_buffer view
+
+    if block_size < BLOCK_HEADER + BATCH_HEADER:
+        raise ValueError(f"block size {block_size} too small")
+    for _, batches in streams:
+        npieces += len(batches)
+    if npieces == 0:
+        raise ValueError("an object needs at least one batch")
+    pieces = <Piece*>malloc(npieces * sizeof(Piece))
+    blocks = <BlockPlan*>malloc(npieces * sizeof(BlockPlan))   # at most one block per batch
+    bufs = <Py_buffer*>malloc(npieces * sizeof(Py_buffer))
+    if pieces == NULL or blocks == NULL or bufs == NULL:
+        free(pieces); free(blocks); free(bufs)
+        raise MemoryError()
+    k = 0
+    try:
+        # Plan: cut each stream's batches into blocks of at most block_size bytes.
+        pos = 0
+        for stream_id, batches in streams:
+            sid = stream_id
+            if not first_stream and sid <= prev_sid:
+                raise ValueError(f"stream ids must be strictly ascending ({prev_sid} then {sid})")
+            if len(batches) == 0:
+                raise ValueError(f"stream {sid} has no batches")
+            first_stream = False
+            prev_sid = sid
+            expect = batches[0][0]
+            for base_offset, cnt, payload in batches:
+                base = base_offset
+                count = cnt
+                if count == 0:
+                    raise ValueError(f"stream {sid}: batch at {base} has count 0")
+                if base != expect:
+                    raise ValueError(f"stream {sid}: batch at {base} is not contiguous (expected {expect})")
+                expect = base + count
+                PyObject_GetBuffer(payload, &bufs[k], PyBUF_SIMPLE)
+                pieces[k].data = <const unsigned char*>bufs[k].buf
+                pieces[k].length = <size_t>bufs[k].len
+                pieces[k].base = base
+                pieces[k].count = count
+                k += 1
+                i = k - 1
+                if (nblocks == 0 or blocks[nblocks - 1].stream_id != sid
+                        or blocks[nblocks - 1].size + BATCH_HEADER + pieces[i].length > block_size):
+                    blocks[nblocks].stream_id = sid
+                    blocks[nblocks].start = base
+                    blocks[nblocks].end = base
+                    blocks[nblocks].records = 0
+                    blocks[nblocks].position = pos
+                    blocks[nblocks].size = BLOCK_HEADER
+                    blocks[nblocks].first_piece = i
+                    blocks[nblocks].pieces = 0
+                    nblocks += 1
+                blocks[nblocks - 1].size += BATCH_HEADER + pieces[i].length
+                blocks[nblocks - 1].end = base + count
+                blocks[nblocks - 1].records += count
+                blocks[nblocks - 1].pieces += 1
+                pos += BATCH_HEADER + pieces[i].length
+                if blocks[nblocks - 1].pieces == 1:
+                    pos += BLOCK_HEADER
+        index_pos = pos
+        index_len = nblocks * INDEX_ENTRY
+        total = index_pos + index_len + FOOTER
+        result = PyBytes_FromStringAndSize(NULL, <Py_ssize_t>total)
+        out = <unsigned char*>PyBytes_AS_STRING(result)
+        with nogil:
+            for i in range(nblocks):
+                bp = out + blocks[i].position
+                p = bp + BLOCK_HEADER
+                for j in range(blocks[i].first_piece, blocks[i].first_piece + blocks[i].pieces):
+                    st64(p, pieces[j].base)
+                    st32(p + 8, pieces[j].count)
+                    st32(p + 12, <uint32_t>pieces[j].length)
+                    memcpy(p + BATCH_HEADER, pieces[j].data, pieces[j].length)
+                    p += BATCH_HEADER + pieces[j].length
+                body = blocks[i].size - BLOCK_HEADER
+                st32(bp, BLOCK_MAGIC)
+                st32(bp + 4, FORMAT_VERSION)
+                st64(bp + 8, blocks[i].stream_id)
+                st64(bp + 16, blocks[i].start)
+                st32(bp + 24, <uint32_t>blocks[i].pieces)
+                st32(bp + 28, crc32_update(0, bp + BLOCK_HEADER, body))
+                p = out + index_pos + i * INDEX_ENTRY
+                st64(p, blocks[i].stream_id)
+                st64(p + 8, blocks[i].start)
+                st64(p + 16, blocks[i].end)
+                st32(p + 24, <uint32_t>blocks[i].records)
+                st32(p + 28, <uint32_t>blocks[i].size)
+                st64(p + 32, blocks[i].position)
+                st32(p + 40, <uint32_t>blocks[i].pieces)
+                st32(p + 44, 0)
+            p = out + index_pos + index_len
+            st64(p, index_pos)
+            st32(p + 8, <uint32_t>index_len)
+            st32(p + 12, crc32_update(0, out + index_pos, index_len))
+            st32(p + 16, <uint32_t>nblocks)
+            st16(p + 20, FORMAT_VERSION)
+            st16(p + 22, 0)
+            st64(p + 24, FOOTER_MAGIC)
+        entries = [(blocks[i].stream_id, blocks[i].start, blocks[i].end, blocks[i].records,
+                    blocks[i].size, blocks[i].position, blocks[i].pieces) for i in range(nblocks)]
+    finally:
+        for i in range(k):
+            PyBuffer_Release(&bufs[i])
+        free(bufs)
+        free(pieces)
+        free(blocks)
+    return result, entries
+
+
+def parse_footer(data, uint64_t object_size):
+    """(index position, index length, index CRC, entry count) from the last FOOTER bytes."""
+    cdef Py_buffer view
+    cdef const unsigned char* p
+    cdef uint64_t pos
+    cdef uint32_t length, crc, entries
+    PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
+    try:
+        if view.len < FOOTER:
+            raise ObjectFormatError(f"object footer needs {FOOTER} bytes, got {view.len}")
+        p = <const unsigned char*>view.buf + view.len - FOOTER
+        if ld64(p + 24) != FOOTER_MAGIC:
+            raise ObjectFormatError("bad object footer magic: not an s3stream object or truncated")
+        if ld16(p + 20) != FORMAT_VERSION:
+            raise ObjectFormatError(f"unsupported object format version {ld16(p + 20)}")
+        pos = ld64(p)
+        length = ld32(p + 8)
+        crc = ld32(p + 12)
+        entries = ld32(p + 16)
+    finally:
+        PyBuffer_Release(&view)
+    if length != <uint64_t>entries * INDEX_ENTRY or pos + length + FOOTER != object_size:
+        raise ObjectFormatError(
+            f"object footer is inconsistent: index at {pos}+{length} with {entries} entries "
+            f"in an object of {object_size} bytes")
+    return pos, length, crc, entries
+
+
+def parse_index(data, uint32_t expected_crc):
+    """Index entries (stream id, start, end, records, block size, block position, batches)."""
+    cdef Py_buffer view
+    cdef const unsigned char* p
+    cdef size_t n, i
+    cdef list out = []
+    PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
+    try:
+        if view.len % INDEX_ENTRY:
+            raise ObjectFormatError(f"index length {view.len} is not a multiple of {INDEX_ENTRY}")
+        p = <const unsigned char*>view.buf
+        if crc32_update(0, p, <size_t>view.len) != expected_crc:
+            raise ObjectFormatError("object index checksum mismatch")
+        n = <size_t>view.len // INDEX_ENTRY
+        for i in range(n):
+            out.append((ld64(p), ld64(p + 8), ld64(p + 16), ld32(p + 24), ld32(p + 28),
+                        ld64(p + 32), ld32(p + 40)))
+            p += INDEX_ENTRY
+    finally:
+        PyBuffer_Release(&view)
+    return out
+
+
+def decode_block(data, size_t offset=0, size_t length=0, expected_stream=None):
+    """Batches [(base, count, payload bytes)] of the block at data[offset:offset+length]
+    (length 0: to the end). Checks magic, version, stream id, CRC and every length."""
+    cdef Py_buffer view
+    cdef const unsigned char* b
+    cdef const unsigned char* p
+    cdef const unsigned char* end
+    cdef uint32_t nbatches, i, plen
+    cdef uint64_t sid, base, expect
+    cdef list out = []
+    PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
+    try:
+        if length == 0:
+            if offset > <size_t>view.len:
+                raise ObjectFormatError("block offset past the buffer")
+            length = <size_t>view.len - offset
+        if offset + length > <size_t>view.len or length < BLOCK_HEADER:
+            raise ObjectFormatError(f"block of {length} bytes at {offset} does not fit a {view.len}-byte buffer")
+        b = <const unsigned char*>view.buf + offset
+        end = b + length
+        if ld32(b) != BLOCK_MAGIC:
+            raise ObjectFormatError("bad data block magic")
+        if ld32(b + 4) != FORMAT_VERSION:
+            raise ObjectFormatError(f"unsupported data block version {ld32(b + 4)}")
+        sid = ld64(b + 8)
+        if expected_stream is not None and sid != <uint64_t>expected_stream:
+            raise ObjectFormatError(f"data block belongs to stream {sid}, index says {expected_stream}")
+        if crc32_update(0, b + BLOCK_HEADER, length - BLOCK_HEADER) != ld32(b + 28):
+            raise ObjectFormatError(f"data block checksum mismatch (stream {sid})")
+        nbatches = ld32(b + 24)
+        expect = ld64(b + 16)
+        p = b + BLOCK_HEADER
+        for i in range(nbatches):
+            if end - p < BATCH_HEADER:
+                raise ObjectFormatError("batch header runs past the block")
+            base = ld64(p)
+            plen = ld32(p + 12)
+            if base != expect:
+                raise ObjectFormatError(f"batch offsets not contiguous in block ({base} != {expect})")
+            if <size_t>(end - p - BATCH_HEADER) < plen:
+                raise ObjectFormatError("batch payload runs past the block")
+            expect = base + ld32(p + 8)
+            out.append((base, ld32(p + 8), PyBytes_FromStringAndSize(<const char*>(p + BATCH_HEADER), plen)))
+            p += BATCH_HEADER + plen
+        if p != end:
+            raise ObjectFormatError("data block has trailing bytes")
+    finally:
+        PyBuffer_Release(&view)
+    return out

@@ -1,0 +1,345 @@
+"""StreamClient: one node's engine (WAL, log cache, uploader, reader) over shared storage.
+
+Lifecycle of a node:
+1. register in metadata (node epoch + 1: an older instance of this node is fenced);
+2. open its WAL with that epoch and recover it: records above each stream's committed end are
+   uploaded and committed again, then the streams this node held open are closed, ready to be
+   reopened here or elsewhere;
+3. serve create/open of streams; appends go to the WAL, then the log cache, then objects;
+4. `close()` closes every open stream (force upload), then the WAL cleanly.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import threading
+import time
+from typing import Callable
+
+import wal
+
+from .config import Config
+from .errors import (
+    ConfigError, CorruptDataError, S3StreamError, StreamClosedError, StreamFencedError, StreamNotClosedError,
+    StreamNotFoundError, WALError, WALFullError,
+)
+from .lifecycle import ObjectReclaimer, ReclaimerThread
+from .logcache import CacheBlock, LogCache
+from .metadata import CommitResult, MetadataStore, StreamMeta, StreamState, open_metadata
+from .objectformat import Batch
+from .objectstore import ObjectStore, open_object_store
+from .read import Reader
+from .stream import Stream
+from .upload import Uploader
+
+log = logging.getLogger("s3stream")
+
+#: Header of a stream record in the WAL: stream id, stream epoch, base offset, record count.
+WAL_RECORD = struct.Struct("<QQQI")
+
+
+class StreamClient:
+    """The engine of one node. See the module docstring for its lifecycle.
+
+    `object_store` and `metadata` are URLs ("file:///dir", "s3://bucket/prefix?endpoint_url=...",
+    "sqlite:////path/meta.db") or ready-made store objects (shared, not closed by this client).
+    """
+
+    def __init__(self, node_id: int, wal_path: str | os.PathLike, object_store: str | ObjectStore,
+                 metadata: str | MetadataStore, config: Config | None = None, *,
+                 clock: Callable[[], int] = time.monotonic_ns) -> None:
+        if not isinstance(node_id, int) or node_id < 0:
+            raise ConfigError(f"node_id must be a non-negative integer, got {node_id!r}")
+        self.config = config or Config()
+        if not isinstance(self.config, Config):
+            raise ConfigError(f"config must be an s3stream.Config, got {type(self.config).__name__}")
+        self.node_id = node_id
+        self._clock = clock
+        self._owns_store = isinstance(object_store, str)
+        self._owns_meta = isinstance(metadata, str)
+        self._store: ObjectStore = open_object_store(object_store) if isinstance(object_store, str) else object_store
+        self._meta: MetadataStore = open_metadata(metadata) if isinstance(metadata, str) else metadata
+        self._lock = threading.Lock()
+        self._streams: dict[int, Stream] = {}
+        self._closed = False
+        self._fenced = False
+        self._admit_cond = threading.Condition()
+        self._uncommitted = 0
+        self._recovering = True
+        node = self._meta.register_node(node_id, os.fspath(wal_path))
+        self.node_epoch = node.node_epoch
+        try:
+            self._wal = wal.WriteAheadLog.open(wal_path, node_id=node_id, node_epoch=self.node_epoch,
+                                               config=self.config.wal_config)
+        except wal.WALConfigError as e:
+            raise ConfigError(str(e)) from e
+        except wal.WALError as e:
+            raise WALError(str(e)) from e
+        self._cache = LogCache(self.config.upload_threshold, self.config.cache_size, clock)
+        self._reader = Reader(self._store, self._meta, self._cache, self.config.block_cache_size,
+                              self.config.readahead_bytes)
+        self._uploader = Uploader(node_id=node_id, node_epoch=self.node_epoch, store=self._store,
+                                  metadata=self._meta, cache=self._cache, trim_wal=self._trim_wal,
+                                  config=self.config, on_committed=self._on_committed, on_fenced=self._on_fenced)
+        try:
+            self.recovered = self._recover()
+        except BaseException:
+            self._uploader.abort()
+            self._uploader.close()
+            self._wal.close()
+            raise
+        self.reclaimer = ObjectReclaimer(self._store, self._meta, self.config.destroy_delay)
+        self._reclaim_thread = None
+        if self.config.reclaim_interval is not None:
+            self._reclaim_thread = ReclaimerThread(self.reclaimer, self.config.reclaim_interval)
+        self._ticker = None
+        if self.config.upload_interval is not None:
+            self._ticker = threading.Thread(target=self._tick, name="s3stream-interval", daemon=True)
+            self._ticker.start()
+
+    # ---- streams ------------------------------------------------------------------------------
+
+    def create_stream(self) -> Stream:
+        """A new stream, opened by this node."""
+        self._check_usable()
+        return self._register(self._meta_call(self._meta.create_stream, self.node_id, self.node_epoch))
+
+    def open_stream(self, stream_id: int) -> Stream:
+        """Open an existing stream on this node with epoch + 1. StreamNotClosedError if another
+        node holds it open; StreamNotFoundError if it does not exist or was destroyed."""
+        self._check_usable()
+        with self._lock:
+            if stream_id in self._streams:
+                raise StreamNotClosedError(f"stream {stream_id} is already open on this client")
+        return self._register(self._meta_call(self._meta.open_stream, stream_id, self.node_id, self.node_epoch))
+
+    def _register(self, meta: StreamMeta) -> Stream:
+        stream = Stream(self, meta)
+        with self._lock:
+            self._streams[meta.stream_id] = stream
+        return stream
+
+    def _forget(self, stream: Stream) -> None:
+        with self._lock:
+            if self._streams.get(stream.stream_id) is stream:
+                del self._streams[stream.stream_id]
+
+    def streams(self) -> list[Stream]:
+        """The streams open on this client."""
+        with self._lock:
+            return list(self._streams.values())
+
+    def list_streams(self) -> list[StreamMeta]:
+        """Metadata of every stream in the cluster."""
+        return self._meta.list_streams()
+
+    # ---- write path (called by Stream) -----------------------------------------------------------
+
+    def _admit(self, nbytes: int) -> None:
+        """Backpressure: wait while un-uploaded data would exceed the cache size."""
+        deadline = time.monotonic() + self.config.append_timeout
+        with self._admit_cond:
+            while self._uncommitted + nbytes > self.config.cache_size:
+                self._check_usable()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise WALFullError(
+                        f"backpressure: {self._uncommitted} bytes not yet uploaded (cache_size "
+                        f"{self.config.cache_size}) for {self.config.append_timeout} s; the object store "
+                        "is not keeping up or failing")
+                self._admit_cond.wait(min(left, 0.5))
+            self._uncommitted += nbytes
+
+    def _release(self, nbytes: int) -> None:
+        with self._admit_cond:
+            self._uncommitted -= nbytes
+            self._admit_cond.notify_all()
+
+    def _wal_append(self, stream: Stream, base: int, count: int, payload: bytes, callback) -> None:
+        self._check_usable()
+        try:
+            self._wal.append(payload, callback=callback,
+                             prefix=WAL_RECORD.pack(stream.stream_id, stream.epoch, base, count))
+        except wal.WALError as e:
+            raise self._map_wal_error(e) from e
+
+    def _map_wal_error(self, error: BaseException) -> S3StreamError:
+        if isinstance(error, S3StreamError):
+            return error
+        if isinstance(error, wal.WALFullError):
+            return WALFullError(str(error))
+        if isinstance(error, wal.WALClosedError):
+            return StreamClosedError(f"the client is closed: {error}")
+        return WALError(str(error))
+
+    def _on_durable(self, stream: Stream, batch: Batch, wal_end: int) -> None:
+        sealed = self._cache.put(stream.stream_id, stream.epoch, batch, wal_end)
+        if sealed is not None:
+            self._uploader.submit(sealed)
+
+    def _force_upload(self, stream: Stream, timeout: float | None) -> None:
+        """Upload and commit every block still holding the stream's data (its tail only)."""
+        sealed = self._cache.seal(stream.stream_id)
+        if sealed is not None:
+            self._uploader.submit(sealed)
+        pending = self._cache.pending_blocks_with(stream.stream_id)
+        if pending:
+            self._uploader.wait_committed(max(b.block_id for b in pending), timeout)
+        if self._uploader.failure is not None:
+            raise self._upload_failure()
+
+    def _on_committed(self, block: CacheBlock, result: CommitResult) -> None:
+        with self._lock:
+            for stream_id, slice_ in block.streams.items():
+                stream = self._streams.get(stream_id)
+                if stream is not None and stream.epoch == slice_.epoch:
+                    stream._committed(slice_.end_offset)
+        if not self._recovering:
+            self._release(block.size)
+
+    def _on_fenced(self, stream_ids: list[int] | None) -> None:
+        with self._lock:
+            if stream_ids is None:
+                self._fenced = True
+                targets = list(self._streams.values())
+            else:
+                targets = [self._streams[s] for s in stream_ids if s in self._streams]
+        for stream in targets:
+            stream._fence()
+
+    def _trim_wal(self, offset: int) -> None:
+        if not self._recovering:     # recovery trims once, after its scan
+            self._wal.trim(offset)
+
+    def _tick(self) -> None:
+        age = int(self.config.upload_interval * 1e9)
+        while not self._closed:
+            time.sleep(min(self.config.upload_interval / 4, 0.5))
+            sealed = self._cache.seal_if_older(age)
+            if sealed is not None:
+                self._uploader.submit(sealed)
+
+    def _meta_call(self, fn, *args, stream: Stream | None = None):
+        try:
+            return fn(*args)
+        except StreamFencedError:
+            if stream is not None:
+                stream._fence()
+            raise
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise StreamClosedError(f"the client of node {self.node_id} is closed")
+        if self._fenced:
+            raise StreamFencedError(
+                f"node {self.node_id} epoch {self.node_epoch} was fenced (another instance or a failover "
+                "took over); this client stops")
+        if self._uploader.failure is not None:
+            raise self._upload_failure()
+
+    def _upload_failure(self) -> S3StreamError:
+        failure = self._uploader.failure
+        if isinstance(failure, S3StreamError):
+            return failure
+        return S3StreamError(f"uploads failed and stopped; un-uploaded data stays in the WAL: {failure}")
+
+    # ---- recovery -----------------------------------------------------------------------------
+
+    def _recover(self) -> dict:
+        """Upload and commit what the WAL holds above each stream's committed end, then close
+        the streams this node left open. Returns counts for logs and tests."""
+        metas: dict[int, StreamMeta | None] = {}
+        expected: dict[int, int] = {}
+        records = replayed = 0
+        last_end = None
+        last_block = -1
+        for rec in self._wal.recover():
+            records += 1
+            last_end = rec.end
+            stream_id, epoch, base, count = WAL_RECORD.unpack_from(rec.data)
+            if stream_id not in metas:
+                try:
+                    metas[stream_id] = self._meta.get_stream(stream_id)
+                except StreamNotFoundError:
+                    metas[stream_id] = None
+            meta = metas[stream_id]
+            if meta is None or meta.state == StreamState.DELETED or base + count <= meta.end_offset:
+                continue
+            if meta.state != StreamState.OPENED or meta.owner_node_id != self.node_id or meta.epoch != epoch:
+                log.error("stream %d: WAL holds offsets [%d, %d) above its committed end %d written at epoch %d, "
+                          "but the stream is now %s on node %s at epoch %d: they cannot be committed",
+                          stream_id, base, base + count, meta.end_offset, epoch, meta.state.value,
+                          meta.owner_node_id, meta.epoch)
+                continue
+            want = expected.get(stream_id, meta.end_offset)
+            if base != want:
+                raise CorruptDataError(
+                    f"WAL of node {self.node_id}: stream {stream_id} record at offset {base}, expected {want}")
+            expected[stream_id] = base + count
+            replayed += 1
+            sealed = self._cache.put(stream_id, epoch, Batch(base, count, rec.data[WAL_RECORD.size:]), rec.end)
+            if sealed is not None:
+                self._uploader.submit(sealed)
+                last_block = sealed.block_id
+                # bound memory: at most two blocks uploading behind the scan
+                if last_block >= 2:
+                    self._uploader.wait_committed(last_block - 2)
+        sealed = self._cache.seal()
+        if sealed is not None:
+            self._uploader.submit(sealed)
+            last_block = sealed.block_id
+        if last_block >= 0:
+            self._uploader.wait_committed(last_block)
+        closed = 0
+        for meta in self._meta.list_streams():
+            if meta.state == StreamState.OPENED and meta.owner_node_id == self.node_id:
+                self._meta.close_stream(meta.stream_id, meta.epoch, self.node_id)
+                closed += 1
+        self._recovering = False
+        if last_end is not None:
+            self._wal.trim(last_end)
+        result = dict(records=records, replayed=replayed, streams_closed=closed,
+                      stop_reason=self._wal.recovery_result.stop_reason if self._wal.recovery_result else None)
+        if records:
+            log.info("node %d recovered %d WAL records (%d uploaded), closed %d streams", self.node_id,
+                     records, replayed, closed)
+        return result
+
+    # ---- closing ------------------------------------------------------------------------------
+
+    def close(self, timeout: float | None = None) -> None:
+        """Close every open stream (force upload + CLOSED), then the WAL (clean shutdown)."""
+        if self._closed:
+            return
+        errors = []
+        for stream in self.streams():
+            try:
+                stream.close(timeout)
+            except (S3StreamError, TimeoutError) as e:
+                errors.append(e)
+        self._closed = True
+        if self._reclaim_thread is not None:
+            self._reclaim_thread.stop()
+        sealed = self._cache.seal()
+        if sealed is not None:
+            self._uploader.submit(sealed)
+        self._uploader.close(timeout)
+        self._wal.close()
+        if self._owns_meta:
+            self._meta.close()
+        if self._owns_store:
+            self._store.close()
+        if errors:
+            log.warning("client of node %d closed with errors: %s", self.node_id, errors)
+
+    def __enter__(self) -> "StreamClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def stats(self) -> dict:
+        return dict(node_id=self.node_id, node_epoch=self.node_epoch, open_streams=len(self._streams),
+                    uncommitted_bytes=self._uncommitted, cache=self._cache.stats(), upload=dict(self._uploader.stats),
+                    read=dict(self._reader.stats), wal=self._wal.stats())

@@ -1,0 +1,97 @@
+"""Engine configuration with documented defaults, checked as a whole when created."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import wal
+
+from .errors import ConfigError
+
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+
+
+@dataclass(frozen=True)
+class Config:
+    """How the engine batches, uploads, caches and reads.
+
+    upload_threshold: the log cache's active block is sealed and uploaded at this many bytes.
+        AutoMQ's library default is 100 MiB; 64 MiB here keeps the WAL (2 GiB) and memory of a
+        2-core, 24 GiB machine far from full while still making large objects.
+    upload_interval: seconds after which a non-empty block is uploaded even if small (None: never).
+    split_size: a stream with at least this many bytes in a block gets its own StreamObject; the
+        rest share one StreamSetObject (AutoMQ brokers: 8 MiB).
+    object_block_size: data block size inside objects, the unit of ranged reads (brokers: 512 KiB).
+    max_batch_bytes: largest RecordBatch payload accepted by append.
+    cache_size: log cache bytes: data not yet committed plus the recent tail kept for reads. An
+        append waits while uncommitted data alone would exceed it (backpressure).
+    block_cache_size: decoded object blocks kept for reads (LRU).
+    readahead_bytes: a read from objects fetches at least this much of the stream in one GET.
+    upload_concurrency: objects PUT in parallel.
+    prepared_ttl: seconds a PREPARED object id stays valid; one never committed is deleted after.
+    append_timeout: seconds an append may wait for backpressure (cache or WAL) before failing.
+    reclaim_interval: seconds between runs of the object reclaimer (expired PREPARED objects,
+        destroyed objects past destroy_delay); None disables it on this client.
+    destroy_delay: seconds a MARK_DESTROYED object stays readable for in-flight readers.
+    wal: configuration of the write-ahead log (capacity 2 GiB by default).
+    """
+
+    upload_threshold: int = 64 * MiB
+    upload_interval: float | None = None
+    split_size: int = 8 * MiB
+    object_block_size: int = 512 * KiB
+    max_batch_bytes: int = 8 * MiB
+    cache_size: int = 512 * MiB
+    block_cache_size: int = 128 * MiB
+    readahead_bytes: int = 4 * MiB
+    upload_concurrency: int = 4
+    prepared_ttl: float = 3600.0
+    append_timeout: float = 60.0
+    reclaim_interval: float | None = 60.0
+    destroy_delay: float = 60.0
+    wal: wal.WALConfig = field(default_factory=lambda: wal.WALConfig(capacity=2 * GiB, full_timeout=60.0))
+
+    def __post_init__(self) -> None:
+        positive = ("upload_threshold", "split_size", "object_block_size", "max_batch_bytes", "cache_size",
+                    "block_cache_size", "readahead_bytes", "upload_concurrency")
+        for name in positive:
+            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.split_size > self.upload_threshold:
+            raise ConfigError(
+                f"split_size ({self.split_size}) > upload_threshold ({self.upload_threshold}): no stream "
+                "could ever reach the split size inside one block; lower split_size or raise the threshold")
+        if self.cache_size < 2 * self.upload_threshold:
+            raise ConfigError(
+                f"cache_size ({self.cache_size}) must hold at least two blocks of upload_threshold "
+                f"({self.upload_threshold}): one filling while one uploads")
+        if self.object_block_size < 4 * KiB:
+            raise ConfigError(f"object_block_size must be at least 4 KiB, got {self.object_block_size}")
+        if self.max_batch_bytes > self.upload_threshold:
+            raise ConfigError(
+                f"max_batch_bytes ({self.max_batch_bytes}) exceeds upload_threshold ({self.upload_threshold})")
+        if self.upload_interval is not None and not self.upload_interval > 0:
+            raise ConfigError(f"upload_interval must be positive seconds or None, got {self.upload_interval}")
+        if self.reclaim_interval is not None and not self.reclaim_interval > 0:
+            raise ConfigError(f"reclaim_interval must be positive seconds or None, got {self.reclaim_interval}")
+        for name in ("prepared_ttl", "append_timeout", "destroy_delay"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be positive seconds, got {getattr(self, name)}")
+        wal_capacity = self.wal.capacity or wal.config.DEFAULT_CAPACITY
+        if wal_capacity < 2 * self.upload_threshold:
+            raise ConfigError(
+                f"the WAL capacity ({wal_capacity}) must be at least twice upload_threshold "
+                f"({self.upload_threshold}) so appends continue while a block uploads")
+        if self.wal.max_record_bytes is not None and self.wal.max_record_bytes < self.max_batch_bytes + 64:
+            raise ConfigError(
+                f"wal.max_record_bytes ({self.wal.max_record_bytes}) must exceed max_batch_bytes "
+                f"({self.max_batch_bytes}) plus the record header")
+
+    @property
+    def wal_config(self) -> wal.WALConfig:
+        """The WAL config, with a record limit that fits max_batch_bytes."""
+        if self.wal.max_record_bytes is None:
+            from dataclasses import replace
+            return replace(self.wal, max_record_bytes=self.max_batch_bytes + 64)
+        return self.wal

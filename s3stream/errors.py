@@ -1,0 +1,75 @@
+"""Public exceptions of s3stream, all under S3StreamError. Each message says what was wrong
+and what to do. Errors of the layers below (WAL, object stores) are mapped here, once."""
+from __future__ import annotations
+
+import wal
+
+
+class S3StreamError(Exception):
+    """Base class of every error s3stream raises on purpose."""
+
+
+class ConfigError(S3StreamError, ValueError):
+    """A configuration or URL that cannot work."""
+
+
+class StreamNotFoundError(S3StreamError, KeyError):
+    """No stream with that id (or it was destroyed)."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
+        return str(self.args[0]) if self.args else ""
+
+
+class StreamNotClosedError(S3StreamError):
+    """The stream is open on another node; close it there (or fail that node over) first."""
+
+
+class StreamFencedError(S3StreamError):
+    """This holder's epoch is stale: the stream was opened elsewhere with a newer epoch, or this
+    node was fenced. The holder stops writing; reopen the stream to continue."""
+
+
+class StreamClosedError(S3StreamError):
+    """The stream handle was closed on this node."""
+
+
+class OffsetOutOfRangeError(S3StreamError, IndexError):
+    """A fetch or trim outside [start_offset, confirm_offset] of the stream."""
+
+
+class InvalidBatchError(S3StreamError, ValueError):
+    """A record batch that cannot be appended (count <= 0, too large, wrong type)."""
+
+
+class CorruptDataError(S3StreamError):
+    """An object or WAL record failed its checksum or format checks; no bytes were returned."""
+
+
+class ObjectStoreError(S3StreamError):
+    """The object store failed (after retries)."""
+
+
+class ObjectNotFoundError(ObjectStoreError, KeyError):
+    """The object store has no object under that key."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class MetadataError(S3StreamError):
+    """A metadata operation failed its preconditions in a way no other error describes."""
+
+
+class WALFullError(S3StreamError, wal.WALFullError):
+    """The WAL stayed full: uploads are not keeping up or are failing."""
+
+
+class WALError(S3StreamError):
+    """The WAL failed (I/O error, foreign or corrupt WAL); the client stops accepting appends."""
+
+
+__all__ = [
+    "ConfigError", "CorruptDataError", "InvalidBatchError", "MetadataError", "ObjectNotFoundError",
+    "ObjectStoreError", "OffsetOutOfRangeError", "S3StreamError", "StreamClosedError",
+    "StreamFencedError", "StreamNotClosedError", "StreamNotFoundError", "WALError", "WALFullError",
+]

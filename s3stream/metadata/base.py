@@ -1,0 +1,305 @@
+"""The metadata model (article 002) and the MetadataStore interface.
+
+Model:
+- KV: small key -> bytes records (e.g. a partition name -> its meta stream id).
+- Stream: id, epoch, state (OPENED/CLOSED/DELETED), owner node, start offset (after trim), end
+  offset (committed to objects), ranges (which node wrote which offset span at which epoch, in
+  order), and its StreamObjects.
+- Node: id, node epoch (bumped at each start), failover flag, WAL location, heartbeat, and its
+  StreamSetObjects in commit order.
+- Object: id (never reused), key, size, type (SO / SSO), state PREPARED -> COMMITTED ->
+  MARK_DESTROYED -> (row removed once the store object is deleted), prepared / expiry / commit /
+  mark-destroy times, and for an SSO the stream ranges it holds.
+
+Contract of every implementation:
+- Every operation is one transaction that checks its preconditions and either applies all of
+  its changes or none.
+- Fencing: an operation naming a stream epoch other than the stream's current one, or a node
+  epoch other than the node's current one, raises StreamFencedError and changes nothing.
+- Contiguity: a commit's ranges for a stream start exactly at the stream's end offset and are
+  contiguous; otherwise MetadataError and nothing changes.
+- Idempotence: a commit retried after a timeout (all its objects already COMMITTED with the same
+  ranges) succeeds again without changing anything.
+- Several processes may share one store (SQLite file, PostgreSQL server).
+- Times are integers in nanoseconds from the store's injected clock.
+"""
+from __future__ import annotations
+
+import abc
+import hashlib
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Sequence
+
+
+class StreamState(str, Enum):
+    OPENED = "OPENED"
+    CLOSED = "CLOSED"
+    DELETED = "DELETED"
+
+
+class ObjectState(str, Enum):
+    PREPARED = "PREPARED"
+    COMMITTED = "COMMITTED"
+    MARK_DESTROYED = "MARK_DESTROYED"
+
+
+class ObjectType(str, Enum):
+    STREAM_OBJECT = "SO"
+    STREAM_SET_OBJECT = "SSO"
+
+
+def object_key(object_id: int) -> str:
+    """The store key of an object: a short hash first spreads keys over S3 partitions."""
+    digest = hashlib.blake2b(object_id.to_bytes(8, "little"), digest_size=2).hexdigest()
+    return f"{digest}/{object_id:016x}.obj"
+
+
+@dataclass(frozen=True)
+class Range:
+    """The span of a stream written while it was open on `node_id` at `epoch`."""
+    index: int
+    node_id: int
+    epoch: int
+    start_offset: int
+    end_offset: int
+
+
+@dataclass(frozen=True)
+class StreamMeta:
+    stream_id: int
+    epoch: int
+    state: StreamState
+    owner_node_id: int | None
+    start_offset: int
+    end_offset: int
+    ranges: tuple[Range, ...] = ()
+
+
+@dataclass(frozen=True)
+class StreamRange:
+    """A stream's offsets [start_offset, end_offset) held in one object."""
+    stream_id: int
+    start_offset: int
+    end_offset: int
+
+
+@dataclass(frozen=True)
+class ObjectMeta:
+    object_id: int
+    key: str
+    size: int                       # 0 while PREPARED
+    type: ObjectType | None         # None while PREPARED
+    state: ObjectState
+    node_id: int | None             # the node whose SSO list holds it (SSO only)
+    order_id: int | None            # commit order among the node's SSOs (SSO only)
+    prepared_ns: int
+    expire_ns: int
+    committed_ns: int | None
+    mark_destroyed_ns: int | None
+    ranges: tuple[StreamRange, ...] = ()   # SSO: every stream range in it; SO: its one range
+
+
+@dataclass(frozen=True)
+class NodeMeta:
+    node_id: int
+    node_epoch: int
+    failover: bool
+    wal_path: str
+    heartbeat_ns: int
+
+
+@dataclass(frozen=True)
+class ObjectRef:
+    """Where to read a stream's offsets [start_offset, end_offset) from (read path)."""
+    object_id: int
+    key: str
+    size: int
+    type: ObjectType
+    stream_id: int
+    start_offset: int
+    end_offset: int
+
+
+@dataclass(frozen=True)
+class CommitRange:
+    """A stream range written by `epoch` of the stream (fencing checks it)."""
+    stream_id: int
+    epoch: int
+    start_offset: int
+    end_offset: int
+
+
+@dataclass(frozen=True)
+class CommitStreamObject:
+    object_id: int
+    size: int
+    range: CommitRange
+
+
+@dataclass(frozen=True)
+class CommitSSO:
+    object_id: int
+    size: int
+    ranges: tuple[CommitRange, ...]
+
+
+@dataclass(frozen=True)
+class CommitRequest:
+    """One upload of one node: at most one SSO plus any number of SOs, committed atomically.
+
+    `compacted_ids` (compaction only) are COMMITTED objects the new ones replace: they are marked
+    for destruction in the same transaction.
+    """
+    node_id: int
+    node_epoch: int
+    sso: CommitSSO | None = None
+    stream_objects: tuple[CommitStreamObject, ...] = ()
+    compacted_ids: tuple[int, ...] = ()
+
+    def object_ids(self) -> list[int]:
+        ids = [so.object_id for so in self.stream_objects]
+        return ([self.sso.object_id] if self.sso else []) + ids
+
+    def all_ranges(self) -> list[CommitRange]:
+        ranges = list(self.sso.ranges) if self.sso else []
+        ranges += [so.range for so in self.stream_objects]
+        return sorted(ranges, key=lambda r: (r.stream_id, r.start_offset))
+
+
+@dataclass(frozen=True)
+class CommitResult:
+    #: stream id -> its end offset after the commit
+    end_offsets: dict[int, int] = field(default_factory=dict)
+    #: True if this was a retry of a commit that had already been applied
+    already_committed: bool = False
+
+
+class MetadataStore(abc.ABC):
+    """See the module docstring for the contract; errors are s3stream.errors classes."""
+
+    # ---- nodes -----------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def register_node(self, node_id: int, wal_path: str) -> NodeMeta:
+        """Create the node or bump its epoch (a (re)start): returns the new NodeMeta.
+        Clears the failover flag and records a heartbeat."""
+
+    @abc.abstractmethod
+    def get_node(self, node_id: int) -> NodeMeta:
+        """MetadataError if unknown."""
+
+    @abc.abstractmethod
+    def list_nodes(self) -> list[NodeMeta]: ...
+
+    @abc.abstractmethod
+    def heartbeat(self, node_id: int, node_epoch: int) -> None:
+        """StreamFencedError if `node_epoch` is not the node's current epoch."""
+
+    @abc.abstractmethod
+    def fence_node(self, node_id: int, failover: bool = True) -> NodeMeta:
+        """Bump the node's epoch so its current instance can no longer commit or open streams
+        (failover); sets the failover flag. Returns the new NodeMeta."""
+
+    # ---- streams ---------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def create_stream(self, node_id: int, node_epoch: int) -> StreamMeta:
+        """A new stream OPENED on the node at epoch 0, offsets 0, one empty range."""
+
+    @abc.abstractmethod
+    def open_stream(self, stream_id: int, node_id: int, node_epoch: int) -> StreamMeta:
+        """Open on this node with epoch + 1 and a new range starting at the end offset (an
+        empty last range is replaced instead). Allowed if CLOSED, or OPENED by this same node
+        (a restart). StreamNotClosedError if OPENED by another node; StreamNotFoundError if
+        missing or DELETED; StreamFencedError if the node epoch is stale."""
+
+    @abc.abstractmethod
+    def close_stream(self, stream_id: int, epoch: int, node_id: int) -> StreamMeta:
+        """OPENED -> CLOSED. StreamFencedError unless epoch and owner match. Closing an already
+        CLOSED stream at the same epoch is a no-op."""
+
+    @abc.abstractmethod
+    def trim_stream(self, stream_id: int, epoch: int, new_start_offset: int) -> StreamMeta:
+        """Raise the start offset (lower values are a no-op). StreamObjects wholly below it are
+        marked for destruction. StreamFencedError if the epoch is stale."""
+
+    @abc.abstractmethod
+    def delete_stream(self, stream_id: int, epoch: int) -> StreamMeta:
+        """-> DELETED; its StreamObjects are marked for destruction. StreamFencedError if the
+        epoch is stale; StreamNotFoundError if missing."""
+
+    @abc.abstractmethod
+    def get_stream(self, stream_id: int) -> StreamMeta:
+        """StreamNotFoundError if missing (DELETED streams are returned)."""
+
+    @abc.abstractmethod
+    def list_streams(self, include_deleted: bool = False) -> list[StreamMeta]: ...
+
+    # ---- objects ---------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def prepare_objects(self, count: int, ttl_ns: int) -> list[int]:
+        """Reserve `count` new object ids (ascending, never reused) as PREPARED, expiring
+        `ttl_ns` from now, with keys object_key(id)."""
+
+    @abc.abstractmethod
+    def commit(self, request: CommitRequest) -> CommitResult:
+        """Apply one upload atomically (see the module contract). Preconditions: the node epoch
+        is current; every object is PREPARED (or all are COMMITTED with these same ranges: a
+        retry); every range's stream exists, is OPENED, owned by the node at that epoch (else
+        StreamFencedError), and its ranges are contiguous from its end offset. Ranges of DELETED
+        streams are ignored. Effects: objects COMMITTED (type, size, commit time; the SSO joins
+        the node's SSO list with the next order id); SOs join their streams; each stream's end
+        offset and its last range's end advance; `compacted_ids` are marked for destruction."""
+
+    @abc.abstractmethod
+    def get_object(self, object_id: int) -> ObjectMeta:
+        """MetadataError if unknown."""
+
+    @abc.abstractmethod
+    def list_objects(self, state: ObjectState | None = None, type: ObjectType | None = None,
+                     node_id: int | None = None) -> list[ObjectMeta]: ...
+
+    @abc.abstractmethod
+    def get_object_refs(self, stream_id: int, start_offset: int, end_offset: int,
+                        limit: int = 64) -> list[ObjectRef]:
+        """COMMITTED objects holding data of the stream overlapping [start_offset, end_offset),
+        ordered by start offset, at most `limit`. StreamObjects and StreamSetObject ranges alike."""
+
+    @abc.abstractmethod
+    def node_stream_set_objects(self, node_id: int) -> list[ObjectMeta]:
+        """The node's COMMITTED SSOs in commit order."""
+
+    @abc.abstractmethod
+    def mark_destroyed(self, object_ids: Sequence[int]) -> None:
+        """COMMITTED -> MARK_DESTROYED (and out of stream/node lists), now."""
+
+    @abc.abstractmethod
+    def objects_to_delete(self, destroy_delay_ns: int) -> list[ObjectMeta]:
+        """PREPARED objects past expiry, and MARK_DESTROYED ones marked at least
+        `destroy_delay_ns` ago: the lifecycle deletes their store objects, then calls
+        `remove_objects`."""
+
+    @abc.abstractmethod
+    def remove_objects(self, object_ids: Sequence[int]) -> list[int]:
+        """Remove the rows of objects that are still expired-PREPARED or MARK_DESTROYED;
+        returns the ids removed (an object committed meanwhile is kept)."""
+
+    # ---- KV --------------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def get_kv(self, key: str) -> bytes | None: ...
+
+    @abc.abstractmethod
+    def put_kv(self, key: str, value: bytes) -> None: ...
+
+    @abc.abstractmethod
+    def put_kv_if_absent(self, key: str, value: bytes) -> bytes:
+        """Store `value` unless the key exists; returns the value now stored."""
+
+    @abc.abstractmethod
+    def delete_kv(self, key: str) -> None: ...
+
+    def close(self) -> None:
+        pass

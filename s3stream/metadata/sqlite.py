@@ -1,0 +1,786 @@
+"""MetadataStore on one SQLite file, shared by the threads and processes of one machine.
+
+Schema (version 1, recorded as the `schema_version` row of `schema_info`):
+
+    schema_info(name PK, value)                 the 'schema_version' row
+    kv(key PK, value BLOB)
+    nodes(node_id PK, node_epoch, failover, wal_path, heartbeat_ns)
+    streams(stream_id PK AUTOINCREMENT, epoch, state, owner_node_id, start_offset, end_offset)
+    ranges(stream_id, range_index, node_id, epoch, start_offset, end_offset)
+                                                PK (stream_id, range_index)
+    objects(object_id PK AUTOINCREMENT, key, size, type, state, node_id, order_id,
+            prepared_ns, expire_ns, committed_ns, mark_destroyed_ns)
+                                                index (state), index (node_id, order_id)
+    sso_ranges(object_id, stream_id, start_offset, end_offset)
+                                                PK (object_id, stream_id, start_offset),
+                                                index (stream_id, end_offset)
+    stream_objects(object_id PK, stream_id, start_offset, end_offset)
+                                                index (stream_id, end_offset, start_offset)
+
+The (stream_id, end_offset) indexes cover get_object_refs: an index range scan from the first
+range ending after the wanted start, in offset order, stopping after `limit` rows.
+
+AUTOINCREMENT keeps object and stream ids from ever being reused, even after their rows are gone.
+
+List membership follows `objects.state`: a stream's StreamObjects are its `stream_objects` rows
+whose object is COMMITTED, a node's SSO list is its COMMITTED SSOs by `order_id`, and
+`get_object_refs` joins on COMMITTED. Marking an object for destruction therefore only changes its
+state; its `sso_ranges` / `stream_objects` rows stay until `remove_objects` deletes the object, so
+`ObjectMeta.ranges` still says what a MARK_DESTROYED object held.
+
+Concurrency: the database runs in WAL journal mode with `synchronous=FULL` (a commit that
+acknowledges an upload must survive power loss) and a busy timeout. Every write is one
+`BEGIN IMMEDIATE` transaction that takes SQLite's write lock before reading its preconditions, so
+writers of several processes queue on the busy timeout instead of failing on a lock upgrade, and
+checks and changes can never interleave. Reads run in a plain transaction (one snapshot). Each
+process uses one connection, guarded by a lock; a forked child opens its own.
+
+Where the MetadataStore contract is silent, this store decides:
+- commit: an object past its expiry can no longer be committed, even if still PREPARED (the
+  lifecycle may already be deleting its data): MetadataError. A request with `compacted_ids` is a
+  compaction: its ranges are not appended at the stream ends (no stream epoch fencing, no end
+  offset change) but must lie within the ranges of the compacted objects and, above each stream's
+  start offset, cover them completely, so COMMITTED ranges of a stream never overlap and no data
+  is lost. A StreamObject of a DELETED stream is committed and at once marked for destruction (no
+  stream holds it any more). The retry check ignores ranges of DELETED streams.
+- SSO order ids are 1 + the largest order id of the node's SSO rows in any state (commit order).
+- trim_stream has no upper bound (the engine checks against its confirm offset) and works on
+  OPENED and CLOSED streams alike at the current epoch.
+- close_stream clears the owner; delete_stream of a DELETED stream at its epoch is a no-op;
+  close/trim/delete of a DELETED stream raise StreamNotFoundError (except that no-op).
+- mark_destroyed skips objects already MARK_DESTROYED and raises MetadataError for PREPARED or
+  unknown ones; get_object_refs does not check the stream's state.
+- Unknown nodes raise MetadataError; prepare_objects raises ValueError for count < 1 or ttl < 0.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import sqlite3
+import threading
+import time
+from typing import Callable, Iterator, Sequence
+
+from ..errors import (ConfigError, MetadataError, StreamFencedError, StreamNotClosedError,
+                      StreamNotFoundError)
+from .base import (CommitRange, CommitRequest, CommitResult, MetadataStore, NodeMeta, ObjectMeta,
+                   ObjectRef, ObjectState, ObjectType, Range, StreamMeta, StreamRange, StreamState,
+                   object_key)
+
+SCHEMA_VERSION = 1
+
+_SCHEMA = (
+    """CREATE TABLE IF NOT EXISTS kv (
+        key TEXT PRIMARY KEY, value BLOB NOT NULL) WITHOUT ROWID""",
+    """CREATE TABLE IF NOT EXISTS nodes (
+        node_id INTEGER PRIMARY KEY, node_epoch INTEGER NOT NULL, failover INTEGER NOT NULL,
+        wal_path TEXT NOT NULL, heartbeat_ns INTEGER NOT NULL)""",
+    """CREATE TABLE IF NOT EXISTS streams (
+        stream_id INTEGER PRIMARY KEY AUTOINCREMENT, epoch INTEGER NOT NULL, state TEXT NOT NULL,
+        owner_node_id INTEGER, start_offset INTEGER NOT NULL, end_offset INTEGER NOT NULL)""",
+    """CREATE TABLE IF NOT EXISTS ranges (
+        stream_id INTEGER NOT NULL REFERENCES streams (stream_id), range_index INTEGER NOT NULL,
+        node_id INTEGER NOT NULL, epoch INTEGER NOT NULL,
+        start_offset INTEGER NOT NULL, end_offset INTEGER NOT NULL,
+        PRIMARY KEY (stream_id, range_index)) WITHOUT ROWID""",
+    """CREATE TABLE IF NOT EXISTS objects (
+        object_id INTEGER PRIMARY KEY AUTOINCREMENT, key TEXT NOT NULL, size INTEGER NOT NULL,
+        type TEXT, state TEXT NOT NULL, node_id INTEGER, order_id INTEGER,
+        prepared_ns INTEGER NOT NULL, expire_ns INTEGER NOT NULL,
+        committed_ns INTEGER, mark_destroyed_ns INTEGER)""",
+    "CREATE INDEX IF NOT EXISTS objects_by_state ON objects (state)",
+    """CREATE INDEX IF NOT EXISTS objects_by_node_order ON objects (node_id, order_id)
+        WHERE node_id IS NOT NULL""",
+    """CREATE TABLE IF NOT EXISTS sso_ranges (
+        object_id INTEGER NOT NULL REFERENCES objects (object_id),
+        stream_id INTEGER NOT NULL REFERENCES streams (stream_id),
+        start_offset INTEGER NOT NULL, end_offset INTEGER NOT NULL,
+        PRIMARY KEY (object_id, stream_id, start_offset)) WITHOUT ROWID""",
+    """CREATE INDEX IF NOT EXISTS sso_ranges_by_stream
+        ON sso_ranges (stream_id, end_offset)""",
+    """CREATE TABLE IF NOT EXISTS stream_objects (
+        object_id INTEGER PRIMARY KEY REFERENCES objects (object_id),
+        stream_id INTEGER NOT NULL REFERENCES streams (stream_id),
+        start_offset INTEGER NOT NULL, end_offset INTEGER NOT NULL)""",
+    """CREATE INDEX IF NOT EXISTS stream_objects_by_stream
+        ON stream_objects (stream_id, end_offset, start_offset)""",
+)
+
+_STREAM_COLUMNS = "stream_id, epoch, state, owner_node_id, start_offset, end_offset"
+_OBJECT_COLUMNS = ("o.object_id, o.key, o.size, o.type, o.state, o.node_id, o.order_id, "
+                   "o.prepared_ns, o.expire_ns, o.committed_ns, o.mark_destroyed_ns")
+_NODE_COLUMNS = "node_id, node_epoch, failover, wal_path, heartbeat_ns"
+
+_PREPARED = ObjectState.PREPARED.value
+_COMMITTED = ObjectState.COMMITTED.value
+_MARK_DESTROYED = ObjectState.MARK_DESTROYED.value
+_SO = ObjectType.STREAM_OBJECT.value
+_SSO = ObjectType.STREAM_SET_OBJECT.value
+
+
+class SqliteMetadataStore(MetadataStore):
+    """The metadata of one cluster in the SQLite file `path` (created if absent).
+
+    `clock` gives the time in nanoseconds (inject a fake one in tests); `busy_timeout_s` bounds how
+    long an operation waits for another process's write transaction.
+    """
+
+    def __init__(self, path: str, *, clock: Callable[[], int] = time.time_ns,
+                 busy_timeout_s: float = 30.0) -> None:
+        path = os.fspath(path)
+        if not path or path == ":memory:" or path.startswith("file:"):
+            raise ConfigError(f"metadata database path {path!r} is not a file path; SQLite "
+                              f"metadata must live in a file that all processes can open")
+        if os.path.isdir(path):
+            raise ConfigError(f"metadata database path {path!r} is a directory; give a file "
+                              f"path such as {os.path.join(path, 'metadata.db')!r}")
+        if busy_timeout_s < 0:
+            raise ConfigError(f"busy_timeout_s must be >= 0, got {busy_timeout_s}")
+        self.path = path
+        self._clock = clock
+        self._busy_timeout_s = busy_timeout_s
+        self._lock = threading.Lock()
+        self._closed = False
+        self._pid = os.getpid()
+        self._conn = self._connect()
+        try:
+            self._init_schema()
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- connection and transactions -------------------------------------------------------
+
+    def _connect(self) -> sqlite3.Connection:
+        conn = None
+        try:
+            # isolation_level=None: the module issues no implicit BEGIN/COMMIT; we issue our own.
+            conn = sqlite3.connect(self.path, timeout=self._busy_timeout_s, isolation_level=None,
+                                   check_same_thread=False)
+            conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_s * 1000)}")
+            mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            conn.execute("PRAGMA synchronous = FULL")
+            conn.execute("PRAGMA foreign_keys = ON")
+        except sqlite3.Error as e:
+            if conn is not None:
+                conn.close()
+            raise ConfigError(f"cannot open metadata database {self.path!r}: {e}") from e
+        if str(mode).lower() != "wal":
+            conn.close()
+            raise ConfigError(f"metadata database {self.path!r} cannot use WAL journal mode (got "
+                              f"{mode!r}); put it on a local file system")
+        return conn
+
+    def _init_schema(self) -> None:
+        with self._transaction(write=True, error=ConfigError) as db:
+            db.execute("CREATE TABLE IF NOT EXISTS schema_info "
+                       "(name TEXT PRIMARY KEY, value INTEGER NOT NULL)")
+            row = db.execute(
+                "SELECT value FROM schema_info WHERE name = 'schema_version'").fetchone()
+            if row is None:
+                foreign = db.execute(
+                    "SELECT count(*) FROM sqlite_master WHERE type = 'table' "
+                    "AND name NOT IN ('schema_info', 'sqlite_sequence')").fetchone()[0]
+                if foreign:
+                    raise ConfigError(f"{self.path!r} is an SQLite database of something else "
+                                      f"(it has tables but no s3stream schema version)")
+                db.execute("INSERT INTO schema_info VALUES ('schema_version', ?)",
+                           (SCHEMA_VERSION,))
+            elif row[0] != SCHEMA_VERSION:
+                raise ConfigError(f"metadata database {self.path!r} has schema version {row[0]}, "
+                                  f"this s3stream reads version {SCHEMA_VERSION}; use a matching "
+                                  f"s3stream release")
+            for statement in _SCHEMA:
+                db.execute(statement)
+
+    @contextlib.contextmanager
+    def _transaction(self, write: bool,
+                     error: type[Exception] = MetadataError) -> Iterator[sqlite3.Connection]:
+        """One transaction: BEGIN IMMEDIATE (write lock taken up front) or a plain BEGIN.
+        Commits if the body returns, rolls back if it raises; SQLite errors become `error`."""
+        with self._lock:
+            if self._closed:
+                raise MetadataError(f"metadata store {self.path!r} is closed")
+            if self._pid != os.getpid():
+                # A connection must not cross fork(); the parent keeps using (and closes) its own.
+                self._conn, self._pid = self._connect(), os.getpid()
+            conn = self._conn
+            try:
+                conn.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+                try:
+                    yield conn
+                    conn.execute("COMMIT")
+                finally:
+                    if conn.in_transaction:
+                        conn.execute("ROLLBACK")
+            except sqlite3.Error as e:
+                raise error(f"metadata database {self.path!r}: {e}") from e
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                if self._pid == os.getpid():
+                    self._conn.close()
+
+    # ---- nodes -----------------------------------------------------------------------------
+
+    def register_node(self, node_id: int, wal_path: str) -> NodeMeta:
+        with self._transaction(write=True) as db:
+            now = self._clock()
+            row = db.execute("SELECT node_epoch FROM nodes WHERE node_id = ?",
+                             (node_id,)).fetchone()
+            epoch = 0 if row is None else row[0] + 1
+            db.execute("INSERT OR REPLACE INTO nodes VALUES (?, ?, 0, ?, ?)",
+                       (node_id, epoch, wal_path, now))
+            return NodeMeta(node_id, epoch, False, wal_path, now)
+
+    def get_node(self, node_id: int) -> NodeMeta:
+        with self._transaction(write=False) as db:
+            return _node_meta(_node_row(db, node_id))
+
+    def list_nodes(self) -> list[NodeMeta]:
+        with self._transaction(write=False) as db:
+            rows = db.execute(f"SELECT {_NODE_COLUMNS} FROM nodes ORDER BY node_id").fetchall()
+        return [_node_meta(row) for row in rows]
+
+    def heartbeat(self, node_id: int, node_epoch: int) -> None:
+        with self._transaction(write=True) as db:
+            _check_node_epoch(db, node_id, node_epoch)
+            db.execute("UPDATE nodes SET heartbeat_ns = ? WHERE node_id = ?",
+                       (self._clock(), node_id))
+
+    def fence_node(self, node_id: int, failover: bool = True) -> NodeMeta:
+        with self._transaction(write=True) as db:
+            _node_row(db, node_id)
+            db.execute("UPDATE nodes SET node_epoch = node_epoch + 1, failover = ? "
+                       "WHERE node_id = ?", (int(failover), node_id))
+            return _node_meta(_node_row(db, node_id))
+
+    # ---- streams ---------------------------------------------------------------------------
+
+    def create_stream(self, node_id: int, node_epoch: int) -> StreamMeta:
+        with self._transaction(write=True) as db:
+            _check_node_epoch(db, node_id, node_epoch)
+            stream_id = db.execute(
+                "INSERT INTO streams (epoch, state, owner_node_id, start_offset, end_offset) "
+                "VALUES (0, ?, ?, 0, 0)", (StreamState.OPENED.value, node_id)).lastrowid
+            db.execute("INSERT INTO ranges VALUES (?, 0, ?, 0, 0, 0)", (stream_id, node_id))
+            return _load_stream(db, stream_id)
+
+    def open_stream(self, stream_id: int, node_id: int, node_epoch: int) -> StreamMeta:
+        with self._transaction(write=True) as db:
+            _check_node_epoch(db, node_id, node_epoch)
+            stream = _live_stream(db, stream_id)
+            if stream.state == StreamState.OPENED and stream.owner_node_id != node_id:
+                raise StreamNotClosedError(
+                    f"stream {stream_id} is open on node {stream.owner_node_id} at epoch "
+                    f"{stream.epoch}; close it there or fail that node over first")
+            epoch = stream.epoch + 1
+            last = stream.ranges[-1]
+            # An empty last range recorded nothing: the new holder takes its place.
+            index = last.index if last.start_offset == last.end_offset else last.index + 1
+            db.execute("INSERT OR REPLACE INTO ranges VALUES (?, ?, ?, ?, ?, ?)",
+                       (stream_id, index, node_id, epoch, stream.end_offset, stream.end_offset))
+            db.execute("UPDATE streams SET epoch = ?, state = ?, owner_node_id = ? "
+                       "WHERE stream_id = ?",
+                       (epoch, StreamState.OPENED.value, node_id, stream_id))
+            return _load_stream(db, stream_id)
+
+    def close_stream(self, stream_id: int, epoch: int, node_id: int) -> StreamMeta:
+        with self._transaction(write=True) as db:
+            stream = _live_stream(db, stream_id)
+            if stream.state == StreamState.CLOSED and stream.epoch == epoch:
+                return stream
+            if (stream.state != StreamState.OPENED or stream.epoch != epoch
+                    or stream.owner_node_id != node_id):
+                raise StreamFencedError(
+                    f"stream {stream_id} epoch {epoch} on node {node_id} is fenced: the stream "
+                    f"is {stream.state.value} at epoch {stream.epoch} on node "
+                    f"{stream.owner_node_id}; reopen it to continue")
+            db.execute("UPDATE streams SET state = ?, owner_node_id = NULL WHERE stream_id = ?",
+                       (StreamState.CLOSED.value, stream_id))
+            return _load_stream(db, stream_id)
+
+    def trim_stream(self, stream_id: int, epoch: int, new_start_offset: int) -> StreamMeta:
+        with self._transaction(write=True) as db:
+            stream = _live_stream(db, stream_id)
+            _check_stream_epoch(stream, epoch)
+            if new_start_offset <= stream.start_offset:
+                return stream
+            db.execute("UPDATE streams SET start_offset = ? WHERE stream_id = ?",
+                       (new_start_offset, stream_id))
+            _mark_destroyed(db, self._clock(), _ids(db.execute(
+                "SELECT object_id FROM stream_objects WHERE stream_id = ? AND end_offset <= ?",
+                (stream_id, new_start_offset))))
+            return _load_stream(db, stream_id)
+
+    def delete_stream(self, stream_id: int, epoch: int) -> StreamMeta:
+        with self._transaction(write=True) as db:
+            stream = _load_stream(db, stream_id)
+            _check_stream_epoch(stream, epoch)
+            if stream.state == StreamState.DELETED:
+                return stream
+            db.execute("UPDATE streams SET state = ?, owner_node_id = NULL WHERE stream_id = ?",
+                       (StreamState.DELETED.value, stream_id))
+            _mark_destroyed(db, self._clock(), _ids(db.execute(
+                "SELECT object_id FROM stream_objects WHERE stream_id = ?", (stream_id,))))
+            return _load_stream(db, stream_id)
+
+    def get_stream(self, stream_id: int) -> StreamMeta:
+        with self._transaction(write=False) as db:
+            return _load_stream(db, stream_id)
+
+    def list_streams(self, include_deleted: bool = False) -> list[StreamMeta]:
+        where, params = ("", ()) if include_deleted else (
+            "WHERE state != ?", (StreamState.DELETED.value,))
+        with self._transaction(write=False) as db:
+            return _load_streams(db, where, params)
+
+    # ---- objects ---------------------------------------------------------------------------
+
+    def prepare_objects(self, count: int, ttl_ns: int) -> list[int]:
+        if count < 1:
+            raise ValueError(f"prepare_objects needs count >= 1, got {count}")
+        if ttl_ns < 0:
+            raise ValueError(f"prepare_objects needs ttl_ns >= 0, got {ttl_ns}")
+        with self._transaction(write=True) as db:
+            now = self._clock()
+            # The key derives from the id, which exists only once the row is inserted.
+            ids = [db.execute("INSERT INTO objects (key, size, state, prepared_ns, expire_ns) "
+                              "VALUES ('', 0, ?, ?, ?)", (_PREPARED, now, now + ttl_ns)).lastrowid
+                   for _ in range(count)]
+            db.executemany("UPDATE objects SET key = ? WHERE object_id = ?",
+                           [(object_key(object_id), object_id) for object_id in ids])
+            return ids
+
+    def commit(self, request: CommitRequest) -> CommitResult:
+        with self._transaction(write=True) as db:
+            now = self._clock()
+            _check_node_epoch(db, request.node_id, request.node_epoch)
+            object_ids = request.object_ids()
+            _check_request_shape(request, object_ids)
+            rows = {}
+            for object_id in object_ids:
+                row = db.execute("SELECT state, expire_ns FROM objects WHERE object_id = ?",
+                                 (object_id,)).fetchone()
+                if row is None:
+                    raise MetadataError(f"commit names object {object_id}, which does not exist "
+                                        f"(never prepared, or expired and removed)")
+                rows[object_id] = row
+            ranges = request.all_ranges()
+            streams = {}
+            for stream_id in {r.stream_id for r in ranges}:
+                try:
+                    streams[stream_id] = _load_stream(db, stream_id)
+                except StreamNotFoundError:
+                    raise MetadataError(f"commit names stream {stream_id}, which does not "
+                                        f"exist") from None
+            end_offsets = {stream_id: stream.end_offset for stream_id, stream in streams.items()}
+            not_prepared = [i for i in object_ids if rows[i][0] != _PREPARED]
+            if not_prepared:
+                if len(not_prepared) < len(object_ids):
+                    prepared = [i for i in object_ids if i not in not_prepared]
+                    raise MetadataError(
+                        f"commit mixes PREPARED objects {prepared} with object {not_prepared[0]}"
+                        f" in state {rows[not_prepared[0]][0]}: a commit's objects must all be "
+                        f"PREPARED, or all COMMITTED by an earlier attempt of the same commit")
+                _check_retry(db, request, streams)
+                return CommitResult(end_offsets, already_committed=True)
+            for object_id in object_ids:
+                if rows[object_id][1] <= now:
+                    raise MetadataError(
+                        f"object {object_id} expired at {rows[object_id][1]} ns (now {now}): "
+                        f"its data may be deleted already; upload it again as a new object")
+            deleted = {stream_id for stream_id, stream in streams.items()
+                       if stream.state == StreamState.DELETED}
+            if request.compacted_ids:
+                _check_compaction(db, request, streams)
+            else:
+                for stream_id, group in itertools.groupby(ranges, key=lambda r: r.stream_id):
+                    if stream_id not in deleted:
+                        _check_append(request.node_id, streams[stream_id], list(group))
+
+            if request.sso is not None:
+                order_id = db.execute("SELECT COALESCE(MAX(order_id), 0) + 1 FROM objects "
+                                      "WHERE node_id = ?", (request.node_id,)).fetchone()[0]
+                db.execute("UPDATE objects SET state = ?, type = ?, size = ?, node_id = ?, "
+                           "order_id = ?, committed_ns = ? WHERE object_id = ?",
+                           (_COMMITTED, _SSO, request.sso.size, request.node_id, order_id, now,
+                            request.sso.object_id))
+                db.executemany("INSERT INTO sso_ranges VALUES (?, ?, ?, ?)",
+                               [(request.sso.object_id, r.stream_id, r.start_offset,
+                                 r.end_offset)
+                                for r in request.sso.ranges if r.stream_id not in deleted])
+            for so in request.stream_objects:
+                if so.range.stream_id in deleted:
+                    # No stream holds it any more: committed straight into destruction.
+                    db.execute("UPDATE objects SET state = ?, type = ?, size = ?, "
+                               "committed_ns = ?, mark_destroyed_ns = ? WHERE object_id = ?",
+                               (_MARK_DESTROYED, _SO, so.size, now, now, so.object_id))
+                    continue
+                db.execute("UPDATE objects SET state = ?, type = ?, size = ?, committed_ns = ? "
+                           "WHERE object_id = ?", (_COMMITTED, _SO, so.size, now, so.object_id))
+                db.execute("INSERT INTO stream_objects VALUES (?, ?, ?, ?)",
+                           (so.object_id, so.range.stream_id, so.range.start_offset,
+                            so.range.end_offset))
+            _mark_destroyed(db, now, request.compacted_ids)
+            if not request.compacted_ids:
+                for stream_id, group in itertools.groupby(ranges, key=lambda r: r.stream_id):
+                    if stream_id in deleted:
+                        continue
+                    new_end = list(group)[-1].end_offset
+                    db.execute("UPDATE streams SET end_offset = ? WHERE stream_id = ?",
+                               (new_end, stream_id))
+                    db.execute("UPDATE ranges SET end_offset = ? WHERE stream_id = ? AND "
+                               "range_index = ?",
+                               (new_end, stream_id, streams[stream_id].ranges[-1].index))
+                    end_offsets[stream_id] = new_end
+            return CommitResult(end_offsets)
+
+    def get_object(self, object_id: int) -> ObjectMeta:
+        with self._transaction(write=False) as db:
+            found = _load_objects(db, "o.object_id = ?", (object_id,))
+        if not found:
+            raise MetadataError(f"object {object_id} does not exist")
+        return found[0]
+
+    def list_objects(self, state: ObjectState | None = None, type: ObjectType | None = None,
+                     node_id: int | None = None) -> list[ObjectMeta]:
+        conditions, params = ["1"], []
+        for column, value in (("state", state), ("type", type), ("node_id", node_id)):
+            if value is not None:
+                conditions.append(f"o.{column} = ?")
+                params.append(value.value if isinstance(value, (ObjectState, ObjectType))
+                              else value)
+        with self._transaction(write=False) as db:
+            return _load_objects(db, " AND ".join(conditions), params)
+
+    def get_object_refs(self, stream_id: int, start_offset: int, end_offset: int,
+                        limit: int = 64) -> list[ObjectRef]:
+        if limit <= 0 or start_offset >= end_offset:
+            return []
+        refs = []
+        # COMMITTED ranges of a stream never overlap (commit and compaction checks), so order by
+        # end offset equals order by start offset and lets the (stream_id, end_offset) index
+        # both find the first range and stop after `limit`.
+        with self._transaction(write=False) as db:
+            for table, kind in (("sso_ranges", ObjectType.STREAM_SET_OBJECT),
+                                ("stream_objects", ObjectType.STREAM_OBJECT)):
+                rows = db.execute(
+                    f"SELECT o.object_id, o.key, o.size, r.start_offset, r.end_offset "
+                    f"FROM {table} r JOIN objects o ON o.object_id = r.object_id "
+                    f"WHERE r.stream_id = ? AND r.end_offset > ? AND r.start_offset < ? "
+                    f"AND o.state = ? ORDER BY r.end_offset LIMIT ?",
+                    (stream_id, start_offset, end_offset, _COMMITTED, limit)).fetchall()
+                refs += [ObjectRef(object_id, key, size, kind, stream_id, start, end)
+                         for object_id, key, size, start, end in rows]
+        refs.sort(key=lambda ref: (ref.start_offset, ref.end_offset, ref.object_id))
+        return refs[:limit]
+
+    def node_stream_set_objects(self, node_id: int) -> list[ObjectMeta]:
+        with self._transaction(write=False) as db:
+            return _load_objects(db, "o.node_id = ? AND o.state = ? AND o.type = ?",
+                                 (node_id, _COMMITTED, _SSO), order="o.order_id")
+
+    def mark_destroyed(self, object_ids: Sequence[int]) -> None:
+        with self._transaction(write=True) as db:
+            to_mark = []
+            for object_id in object_ids:
+                row = db.execute("SELECT state FROM objects WHERE object_id = ?",
+                                 (object_id,)).fetchone()
+                if row is None or row[0] == _PREPARED:
+                    raise MetadataError(
+                        f"object {object_id} cannot be marked for destruction: "
+                        f"{'it does not exist' if row is None else 'it is not committed'}")
+                if row[0] == _COMMITTED:
+                    to_mark.append(object_id)
+            _mark_destroyed(db, self._clock(), to_mark)
+
+    def objects_to_delete(self, destroy_delay_ns: int) -> list[ObjectMeta]:
+        with self._transaction(write=False) as db:
+            now = self._clock()
+            return _load_objects(
+                db, "(o.state = ? AND o.expire_ns <= ?) OR (o.state = ? AND "
+                    "o.mark_destroyed_ns <= ?)",
+                (_PREPARED, now, _MARK_DESTROYED, now - destroy_delay_ns))
+
+    def remove_objects(self, object_ids: Sequence[int]) -> list[int]:
+        removed = []
+        with self._transaction(write=True) as db:
+            now = self._clock()
+            for object_id in sorted(set(object_ids)):
+                row = db.execute("SELECT state, expire_ns FROM objects WHERE object_id = ?",
+                                 (object_id,)).fetchone()
+                if row is None or not (row[0] == _MARK_DESTROYED
+                                       or (row[0] == _PREPARED and row[1] <= now)):
+                    continue
+                for table in ("sso_ranges", "stream_objects", "objects"):
+                    db.execute(f"DELETE FROM {table} WHERE object_id = ?", (object_id,))
+                removed.append(object_id)
+        return removed
+
+    # ---- KV --------------------------------------------------------------------------------
+
+    def get_kv(self, key: str) -> bytes | None:
+        with self._transaction(write=False) as db:
+            row = db.execute("SELECT value FROM kv WHERE key = ?", (key,)).fetchone()
+        return None if row is None else bytes(row[0])
+
+    def put_kv(self, key: str, value: bytes) -> None:
+        with self._transaction(write=True) as db:
+            db.execute("INSERT OR REPLACE INTO kv VALUES (?, ?)", (key, bytes(value)))
+
+    def put_kv_if_absent(self, key: str, value: bytes) -> bytes:
+        with self._transaction(write=True) as db:
+            db.execute("INSERT OR IGNORE INTO kv VALUES (?, ?)", (key, bytes(value)))
+            return bytes(db.execute("SELECT value FROM kv WHERE key = ?", (key,)).fetchone()[0])
+
+    def delete_kv(self, key: str) -> None:
+        with self._transaction(write=True) as db:
+            db.execute("DELETE FROM kv WHERE key = ?", (key,))
+
+
+# ---- helpers (all run inside a transaction) ----------------------------------------------------
+
+def _ids(cursor: sqlite3.Cursor) -> list[int]:
+    return [row[0] for row in cursor]
+
+
+def _node_row(db: sqlite3.Connection, node_id: int) -> tuple:
+    row = db.execute(f"SELECT {_NODE_COLUMNS} FROM nodes WHERE node_id = ?",
+                     (node_id,)).fetchone()
+    if row is None:
+        raise MetadataError(f"node {node_id} is not registered; call register_node first")
+    return row
+
+
+def _node_meta(row: tuple) -> NodeMeta:
+    node_id, epoch, failover, wal_path, heartbeat_ns = row
+    return NodeMeta(node_id, epoch, bool(failover), wal_path, heartbeat_ns)
+
+
+def _check_node_epoch(db: sqlite3.Connection, node_id: int, node_epoch: int) -> None:
+    current = _node_row(db, node_id)[1]
+    if node_epoch != current:
+        raise StreamFencedError(f"node {node_id} epoch {node_epoch} is fenced (current "
+                                f"{current}): this node instance was replaced; stop it")
+
+
+def _load_streams(db: sqlite3.Connection, where: str, params: Sequence) -> list[StreamMeta]:
+    ranges: dict[int, list[Range]] = {}
+    for stream_id, *fields in db.execute(
+            f"SELECT stream_id, range_index, node_id, epoch, start_offset, end_offset "
+            f"FROM ranges WHERE stream_id IN (SELECT stream_id FROM streams {where}) "
+            f"ORDER BY stream_id, range_index", params):
+        ranges.setdefault(stream_id, []).append(Range(*fields))
+    return [StreamMeta(stream_id, epoch, StreamState(state), owner, start, end,
+                       tuple(ranges.get(stream_id, ())))
+            for stream_id, epoch, state, owner, start, end in db.execute(
+                f"SELECT {_STREAM_COLUMNS} FROM streams {where} ORDER BY stream_id", params)]
+
+
+def _load_stream(db: sqlite3.Connection, stream_id: int) -> StreamMeta:
+    found = _load_streams(db, "WHERE stream_id = ?", (stream_id,))
+    if not found:
+        raise StreamNotFoundError(f"stream {stream_id} does not exist")
+    return found[0]
+
+
+def _live_stream(db: sqlite3.Connection, stream_id: int) -> StreamMeta:
+    stream = _load_stream(db, stream_id)
+    if stream.state == StreamState.DELETED:
+        raise StreamNotFoundError(f"stream {stream_id} was deleted")
+    return stream
+
+
+def _check_stream_epoch(stream: StreamMeta, epoch: int) -> None:
+    if epoch != stream.epoch:
+        raise StreamFencedError(f"stream {stream.stream_id} epoch {epoch} is fenced (current "
+                                f"epoch {stream.epoch}); reopen the stream to continue")
+
+
+def _load_objects(db: sqlite3.Connection, where: str, params: Sequence,
+                  order: str = "o.object_id") -> list[ObjectMeta]:
+    ranges: dict[int, list[StreamRange]] = {}
+    for object_id, *fields in db.execute(
+            f"SELECT r.object_id, r.stream_id, r.start_offset, r.end_offset "
+            f"FROM sso_ranges r JOIN objects o ON o.object_id = r.object_id WHERE ({where}) "
+            f"UNION ALL SELECT r.object_id, r.stream_id, r.start_offset, r.end_offset "
+            f"FROM stream_objects r JOIN objects o ON o.object_id = r.object_id WHERE ({where}) "
+            f"ORDER BY 1, 2, 3", (*params, *params)):
+        ranges.setdefault(object_id, []).append(StreamRange(*fields))
+    objects = []
+    for (object_id, key, size, type_, state, node_id, order_id, prepared_ns, expire_ns,
+         committed_ns, mark_destroyed_ns) in db.execute(
+            f"SELECT {_OBJECT_COLUMNS} FROM objects o WHERE ({where}) ORDER BY {order}", params):
+        objects.append(ObjectMeta(
+            object_id, key, size, None if type_ is None else ObjectType(type_),
+            ObjectState(state), node_id, order_id, prepared_ns, expire_ns, committed_ns,
+            mark_destroyed_ns, tuple(ranges.get(object_id, ()))))
+    return objects
+
+
+def _mark_destroyed(db: sqlite3.Connection, now: int, object_ids: Sequence[int]) -> None:
+    db.executemany("UPDATE objects SET state = ?, mark_destroyed_ns = ? "
+                   "WHERE object_id = ? AND state = ?",
+                   [(_MARK_DESTROYED, now, object_id, _COMMITTED) for object_id in object_ids])
+
+
+def _check_request_shape(request: CommitRequest, object_ids: list[int]) -> None:
+    """Checks that need no database: a malformed request is a caller bug."""
+    if not object_ids and not request.compacted_ids:
+        raise MetadataError("commit request has no objects and no compacted ids")
+    named = object_ids + list(request.compacted_ids)
+    if len(set(named)) != len(named):
+        raise MetadataError(f"commit request names an object twice: {named}")
+    sizes = ([request.sso.size] if request.sso else []) + [
+        so.size for so in request.stream_objects]
+    if any(size < 0 for size in sizes):
+        raise MetadataError(f"commit request has a negative object size: {sizes}")
+    for r in request.all_ranges():
+        if r.start_offset >= r.end_offset:
+            raise MetadataError(f"commit range of stream {r.stream_id} [{r.start_offset}, "
+                                f"{r.end_offset}) is empty; every range must hold data")
+
+
+def _check_append(node_id: int, stream: StreamMeta, ranges: list[CommitRange]) -> None:
+    """An upload: the stream is held by the node at the ranges' epoch; ranges continue its end."""
+    for r in ranges:
+        if (stream.state != StreamState.OPENED or stream.owner_node_id != node_id
+                or stream.epoch != r.epoch):
+            raise StreamFencedError(
+                f"stream {stream.stream_id} epoch {r.epoch} on node {node_id} is fenced: the "
+                f"stream is {stream.state.value} at epoch {stream.epoch} on node "
+                f"{stream.owner_node_id}; stop writing it and reopen it to continue")
+    expected = stream.end_offset
+    for r in ranges:
+        if r.start_offset != expected:
+            problem = "leaves a gap" if r.start_offset > expected else "overlaps committed data"
+            raise MetadataError(
+                f"stream {stream.stream_id}: commit range [{r.start_offset}, {r.end_offset}) "
+                f"{problem}: expected it to start at offset {expected} (stream end offset "
+                f"{stream.end_offset}); ranges must be contiguous from the end offset")
+        expected = r.end_offset
+    last = stream.ranges[-1] if stream.ranges else None
+    if last is None or (last.node_id, last.epoch) != (node_id, stream.epoch):
+        raise MetadataError(f"stream {stream.stream_id}: its last range {last} is not the one "
+                            f"opened by node {node_id} at epoch {stream.epoch}")
+
+
+def _check_compaction(db: sqlite3.Connection, request: CommitRequest,
+                      streams: dict[int, StreamMeta]) -> None:
+    """A compaction: the compacted objects are COMMITTED; per live stream, the new ranges lie
+    within the compacted ones and cover them above the stream's start offset."""
+    old: dict[int, list[tuple[int, int]]] = {}
+    for object_id in request.compacted_ids:
+        row = db.execute("SELECT state FROM objects WHERE object_id = ?",
+                         (object_id,)).fetchone()
+        if row is None or row[0] != _COMMITTED:
+            raise MetadataError(f"compacted object {object_id} is "
+                                f"{'missing' if row is None else row[0]}, not COMMITTED: "
+                                f"it was compacted or destroyed already; plan the compaction "
+                                f"again")
+        for stream_id, start, end in db.execute(
+                "SELECT stream_id, start_offset, end_offset FROM sso_ranges WHERE object_id = ? "
+                "UNION ALL SELECT stream_id, start_offset, end_offset FROM stream_objects "
+                "WHERE object_id = ?", (object_id, object_id)):
+            old.setdefault(stream_id, []).append((start, end))
+    new: dict[int, list[tuple[int, int]]] = {}
+    for r in request.all_ranges():
+        new.setdefault(r.stream_id, []).append((r.start_offset, r.end_offset))
+    for stream_id in sorted(set(old) | set(new)):
+        stream = streams.get(stream_id)
+        if stream is None:
+            stream = _load_stream(db, stream_id)
+        if stream.state == StreamState.DELETED:
+            continue
+        new_ranges = new.get(stream_id, [])
+        for (_, previous_end), (start, end) in zip(new_ranges, new_ranges[1:]):
+            if start < previous_end:
+                raise MetadataError(f"compaction ranges of stream {stream_id} overlap at "
+                                    f"[{start}, {previous_end})")
+        old_merged = _merge(old.get(stream_id, []))
+        outside = _uncovered(_merge(new_ranges), old_merged)
+        if outside:
+            raise MetadataError(f"compaction range of stream {stream_id} {outside[0]} is not "
+                                f"held by the compacted objects {list(request.compacted_ids)}")
+        live = [(max(start, stream.start_offset), end) for start, end in old_merged
+                if end > stream.start_offset]
+        lost = _uncovered(live, _merge(new_ranges))
+        if lost:
+            raise MetadataError(f"compaction would lose stream {stream_id} offsets {lost[0]} "
+                                f"held by the compacted objects {list(request.compacted_ids)}")
+
+
+def _check_retry(db: sqlite3.Connection, request: CommitRequest,
+                 streams: dict[int, StreamMeta]) -> None:
+    """All objects are past PREPARED: accept only a repeat of the commit that put them there."""
+    deleted = {stream_id for stream_id, stream in streams.items()
+               if stream.state == StreamState.DELETED}
+
+    def recorded(object_id: int, table: str) -> list[tuple[int, int, int]]:
+        return [row for row in db.execute(
+            f"SELECT stream_id, start_offset, end_offset FROM {table} WHERE object_id = ? "
+            f"ORDER BY stream_id, start_offset", (object_id,)) if row[0] not in deleted]
+
+    def mismatch(object_id: int, what: str) -> MetadataError:
+        return MetadataError(f"object {object_id} is already committed with a different {what}: "
+                             f"this request is not a retry of the commit that committed it")
+
+    def check(object_id: int, type_: str, size: int, table: str,
+              ranges: Sequence[CommitRange], may_be_destroyed: bool) -> None:
+        state, actual_type, actual_size, node_id = db.execute(
+            "SELECT state, type, size, node_id FROM objects WHERE object_id = ?",
+            (object_id,)).fetchone()
+        if state != _COMMITTED and not (may_be_destroyed and state == _MARK_DESTROYED):
+            raise MetadataError(f"object {object_id} is {state}: it cannot be committed (again)")
+        if actual_type != type_:
+            raise mismatch(object_id, "type")
+        if actual_size != size:
+            raise mismatch(object_id, "size")
+        if type_ == _SSO and node_id != request.node_id:
+            raise mismatch(object_id, "node")
+        wanted = sorted((r.stream_id, r.start_offset, r.end_offset) for r in ranges
+                        if r.stream_id not in deleted)
+        if recorded(object_id, table) != wanted:
+            raise mismatch(object_id, "ranges")
+
+    if request.sso is not None:
+        check(request.sso.object_id, _SSO, request.sso.size, "sso_ranges", request.sso.ranges,
+              may_be_destroyed=False)
+    for so in request.stream_objects:
+        check(so.object_id, _SO, so.size, "stream_objects", (so.range,),
+              may_be_destroyed=so.range.stream_id in deleted)
+
+
+def _merge(intervals: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    merged: list[tuple[int, int]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        elif start < end:
+            merged.append((start, end))
+    return merged
+
+
+def _uncovered(needed: list[tuple[int, int]],
+               covering: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of `needed` outside `covering` (both merged and sorted)."""
+    gaps = []
+    for start, end in needed:
+        position = start
+        for cover_start, cover_end in covering:
+            if cover_end <= position:
+                continue
+            if cover_start >= end:
+                break
+            if cover_start > position:
+                gaps.append((position, cover_start))
+            position = cover_end
+            if position >= end:
+                break
+        if position < end:
+            gaps.append((position, end))
+    return gaps

@@ -1,0 +1,95 @@
+"""Objects on the store: encode them, and read them footer -> index -> blocks with range GETs.
+
+Format: docs/object-format.md; codec: _native/objcodec.pyx (pure-Python twin:
+s3stream/objectformat_reference.py). A corrupt object raises CorruptDataError naming its key.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+from _native import objcodec
+
+from .errors import CorruptDataError
+from .objectstore import ObjectStore
+
+FOOTER_SIZE = objcodec.FOOTER_SIZE
+#: The first GET of an object's tail fetches this much, so the index usually comes with the footer.
+TAIL_READ = 64 * 1024
+
+
+class IndexEntry(NamedTuple):
+    stream_id: int
+    start_offset: int
+    end_offset: int
+    record_count: int
+    block_size: int
+    block_position: int
+    batch_count: int
+
+
+class Batch(NamedTuple):
+    base_offset: int
+    count: int
+    payload: bytes
+
+    @property
+    def end_offset(self) -> int:
+        return self.base_offset + self.count
+
+
+class EncodedObject(NamedTuple):
+    data: bytes
+    index: list[IndexEntry]
+
+
+def encode_object(streams: Sequence[tuple[int, Sequence[tuple[int, int, bytes]]]],
+                  block_size: int) -> EncodedObject:
+    """Encode (stream_id, [(base, count, payload)]) pairs, stream ids ascending."""
+    data, entries = objcodec.encode_object(streams, block_size)
+    return EncodedObject(data, [IndexEntry(*e) for e in entries])
+
+
+def read_index(store: ObjectStore, key: str, size: int) -> list[IndexEntry]:
+    """The object's index: one ranged GET of its tail (two if the index is large)."""
+    if size < FOOTER_SIZE:
+        raise CorruptDataError(f"object {key} is {size} bytes, smaller than a footer")
+    tail_start = max(0, size - TAIL_READ)
+    tail = store.get(key, tail_start, size)
+    try:
+        if len(tail) != size - tail_start:
+            raise objcodec.ObjectFormatError(f"short read of the object tail ({len(tail)} bytes)")
+        pos, length, crc, _ = objcodec.parse_footer(tail, size)
+        if pos >= tail_start:
+            raw = memoryview(tail)[pos - tail_start:pos - tail_start + length]
+        else:
+            raw = store.get(key, pos, pos + length)
+        return [IndexEntry(*e) for e in objcodec.parse_index(raw, crc)]
+    except objcodec.ObjectFormatError as e:
+        raise CorruptDataError(f"object {key} is corrupt: {e}") from None
+
+
+def entries_for(index: Sequence[IndexEntry], stream_id: int, start: int, end: int) -> list[IndexEntry]:
+    """Index entries of `stream_id` overlapping [start, end), in offset order."""
+    return [e for e in index if e.stream_id == stream_id and e.end_offset > start and e.start_offset < end]
+
+
+def read_blocks(store: ObjectStore, key: str, entries: Sequence[IndexEntry]) -> list[list[Batch]]:
+    """Decode consecutive blocks with one ranged GET; returns each block's batches."""
+    if not entries:
+        return []
+    first = entries[0].block_position
+    last = entries[-1].block_position + entries[-1].block_size
+    raw = store.get(key, first, last)
+    out = []
+    try:
+        if len(raw) != last - first:
+            raise objcodec.ObjectFormatError(f"short read: {len(raw)} of {last - first} bytes")
+        for e in entries:
+            batches = objcodec.decode_block(raw, e.block_position - first, e.block_size, e.stream_id)
+            if not batches or batches[0][0] != e.start_offset or batches[-1][0] + batches[-1][1] != e.end_offset:
+                raise objcodec.ObjectFormatError(
+                    f"block of stream {e.stream_id} does not hold offsets [{e.start_offset}, {e.end_offset})")
+            out.append([Batch(*b) for b in batches])
+    except objcodec.ObjectFormatError as e:
+        raise CorruptDataError(f"object {key} is corrupt: {e}") from None
+    return out

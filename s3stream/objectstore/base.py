@@ -1,0 +1,43 @@
+"""The object store interface.
+
+Contract (every implementation, every wrapper):
+- `put(key, data)` stores the whole object atomically: a reader sees either no object or all of
+  it, never a prefix. Objects larger than the store's part size are uploaded in parts (multipart
+  upload) and become visible only when complete; a failed multipart upload is aborted.
+- Objects are immutable: a key is written once by the engine (ids are never reused). A repeated
+  put of the same key with the same bytes (a retry) succeeds.
+- `get(key, start, end)` returns bytes [start, end) of the object (end=None: to the end); a range
+  past the end is clipped as HTTP ranges are. A missing key raises ObjectNotFoundError.
+- `delete(keys)` is idempotent: deleting a missing key is not an error.
+- `list(prefix)` yields ObjectInfo(key, size) of every object under the prefix, keys ascending.
+- All methods are thread-safe. Implementations bound their own concurrency and retry transient
+  failures with backoff before raising ObjectStoreError.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Iterator, NamedTuple, Protocol, runtime_checkable
+
+
+class ObjectInfo(NamedTuple):
+    key: str
+    size: int
+
+
+@runtime_checkable
+class ObjectStore(Protocol):
+    #: human-readable location, e.g. "file:///data/objects" or "s3://bucket/prefix"
+    url: str
+
+    def put(self, key: str, data: bytes | memoryview) -> None: ...
+
+    def get(self, key: str, start: int = 0, end: int | None = None) -> bytes: ...
+
+    def size(self, key: str) -> int:
+        """Size in bytes; ObjectNotFoundError if missing."""
+        ...
+
+    def delete(self, keys: Iterable[str]) -> None: ...
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]: ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,299 @@
+"""An object store on S3 (or any S3-compatible service) through one boto3 client.
+
+Transient failures (throttling, 5xx, dropped connections, timeouts) are retried by botocore's
+"standard" retry mode with exponential backoff; what still fails is raised as ObjectStoreError
+naming the operation and key, with the botocore error as its cause. Requests in flight are
+bounded by `max_concurrency` across all threads and puts.
+"""
+from __future__ import annotations
+
+import math
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Any, Callable, Iterable, Iterator, TypeVar
+
+import boto3
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError
+
+from ..errors import ConfigError, ObjectNotFoundError, ObjectStoreError
+from .base import ObjectInfo
+from .local import check_range
+
+MiB = 1024 * 1024
+#: S3 accepts at most this many keys per DeleteObjects request.
+DELETE_BATCH = 1000
+#: S3's minimum size of every part but the last.
+MIN_PART_SIZE = 5 * MiB
+
+_NOT_FOUND_CODES = {"NoSuchKey", "404", "NotFound"}
+T = TypeVar("T")
+
+
+class S3ObjectStore:
+    """ObjectStore on `bucket`, every key stored under `prefix` + "/".
+
+    Objects up to `part_size` bytes are one PutObject; larger ones a multipart upload whose parts
+    go up concurrently and which is aborted if anything fails. `client` (a boto3 S3 client) is for
+    tests; when given, the store does not close it.
+    """
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        endpoint_url: str | None = None,
+        region_name: str | None = None,
+        part_size: int = 16 * MiB,
+        max_concurrency: int = 16,
+        max_attempts: int = 8,
+        connect_timeout: float = 5.0,
+        read_timeout: float = 30.0,
+        client: Any = None,
+    ) -> None:
+        if not bucket:
+            raise ConfigError("S3 bucket name is empty; use s3://bucket[/prefix]")
+        if part_size < MIN_PART_SIZE:
+            raise ConfigError(
+                f"part_size {part_size} is below S3's minimum part size {MIN_PART_SIZE} (5 MiB)")
+        if max_concurrency < 1 or max_attempts < 1:
+            raise ConfigError(f"max_concurrency ({max_concurrency}) and max_attempts "
+                              f"({max_attempts}) must both be >= 1")
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.part_size = part_size
+        self.max_concurrency = max_concurrency
+        self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
+        self._owns_client = client is None
+        if client is None:
+            config = Config(
+                # Config's "max_attempts" counts retries only; "total_max_attempts" counts them all.
+                retries={"mode": "standard", "total_max_attempts": max_attempts},
+                max_pool_connections=max_concurrency,
+                connect_timeout=connect_timeout,
+                read_timeout=read_timeout,
+            )
+            # A private session: boto3's default session is not thread-safe to create clients on.
+            client = boto3.session.Session().client(
+                "s3", endpoint_url=endpoint_url, region_name=region_name, config=config)
+        self._client = client
+        # botocore's pool does not block when full (it opens and discards extra connections), so
+        # the bound on requests in flight is this semaphore, taken around every request.
+        self._slots = threading.BoundedSemaphore(max_concurrency)
+        self._executor = ThreadPoolExecutor(max_concurrency, thread_name_prefix="s3-part")
+        self._stats_lock = threading.Lock()
+        self._stats = dict.fromkeys(
+            ("put", "upload_part", "create_multipart", "complete_multipart", "abort_multipart",
+             "get", "head", "delete", "list"), 0)
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _full_key(self, key: str) -> str:
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"object key must be a non-empty string, got {key!r}")
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _request(self, stat: str, op: str, key: str, call: Callable[[], T]) -> T:
+        """Issue one request (botocore retries inside it), counted and bounded; map failures."""
+        with self._slots:
+            with self._stats_lock:
+                self._stats[stat] += 1
+            try:
+                return call()
+            except ClientError as e:
+                if e.response.get("Error", {}).get("Code") == "NoSuchBucket":
+                    raise ObjectStoreError(
+                        f"S3 {op} of {key!r} failed: bucket {self.bucket!r} does not exist; create "
+                        f"it (or add create_bucket=1 to the store URL)") from e
+                raise
+            except BotoCoreError as e:
+                raise ObjectStoreError(f"S3 {op} of {key!r} in {self.url} failed: {e}") from e
+
+    def _error(self, op: str, key: str, e: ClientError) -> ObjectStoreError:
+        return ObjectStoreError(f"S3 {op} of {key!r} in {self.url} failed: {e}")
+
+    # -- ObjectStore ---------------------------------------------------------------------------
+
+    def put(self, key: str, data: bytes | memoryview) -> None:
+        """Store `data` under `key`: one PutObject, or a multipart upload above `part_size`."""
+        full_key = self._full_key(key)
+        view = memoryview(data).cast("B")
+        if len(view) <= self.part_size:
+            body = data if isinstance(data, bytes) else view.tobytes()
+            try:
+                self._request("put", "put", key, lambda: self._client.put_object(
+                    Bucket=self.bucket, Key=full_key, Body=body))
+            except ClientError as e:
+                raise self._error("put", key, e) from e
+            return
+        self._put_multipart(key, full_key, view)
+
+    def _put_multipart(self, key: str, full_key: str, view: memoryview) -> None:
+        try:
+            upload_id = self._request("create_multipart", "create multipart upload", key,
+                                      lambda: self._client.create_multipart_upload(
+                                          Bucket=self.bucket, Key=full_key))["UploadId"]
+        except ClientError as e:
+            raise self._error("create multipart upload", key, e) from e
+        count = math.ceil(len(view) / self.part_size)
+        futures: list[Future] = []
+        try:
+            for index in range(count):
+                part = view[index * self.part_size:(index + 1) * self.part_size]
+                futures.append(self._executor.submit(
+                    self._upload_part, key, full_key, upload_id, index + 1, part))
+            parts = [f.result() for f in futures]
+            self._request("complete_multipart", "complete multipart upload", key,
+                          lambda: self._client.complete_multipart_upload(
+                              Bucket=self.bucket, Key=full_key, UploadId=upload_id,
+                              MultipartUpload={"Parts": parts}))
+        except BaseException as e:
+            for f in futures:
+                f.cancel()
+            # Parts still uploading would land after the abort and keep costing storage.
+            wait(futures)
+            self._abort(key, full_key, upload_id, e)
+            if isinstance(e, ClientError):
+                raise self._error("multipart put", key, e) from e
+            raise
+
+    def _upload_part(self, key: str, full_key: str, upload_id: str, number: int,
+                     part: memoryview) -> dict:
+        body = part.tobytes()  # botocore wants bytes or a file, not a memoryview
+        response = self._request("upload_part", f"upload part {number}", key,
+                                 lambda: self._client.upload_part(
+                                     Bucket=self.bucket, Key=full_key, UploadId=upload_id,
+                                     PartNumber=number, Body=body))
+        return {"PartNumber": number, "ETag": response["ETag"]}
+
+    def _abort(self, key: str, full_key: str, upload_id: str, cause: BaseException) -> None:
+        try:
+            self._request("abort_multipart", "abort multipart upload", key,
+                          lambda: self._client.abort_multipart_upload(
+                              Bucket=self.bucket, Key=full_key, UploadId=upload_id))
+        except (ClientError, ObjectStoreError) as e:
+            # The original failure is what the caller needs; a bucket lifecycle rule for
+            # incomplete uploads cleans up what this could not.
+            cause.add_note(f"aborting multipart upload {upload_id} also failed: {e}")
+
+    def get(self, key: str, start: int = 0, end: int | None = None) -> bytes:
+        """Bytes [start, end) of the object, clipped to its size (start past it: b"")."""
+        check_range(start, end)
+        full_key = self._full_key(key)
+        if end is not None and start == end:
+            return b""
+        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": full_key}
+        if start or end is not None:
+            kwargs["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
+
+        def call() -> bytes:
+            return self._client.get_object(**kwargs)["Body"].read()
+        try:
+            return self._request("get", "get", key, call)
+        except ClientError as e:
+            code = e.response.get("Error", {}).get("Code")
+            if code in _NOT_FOUND_CODES:
+                raise ObjectNotFoundError(f"no object {key!r} in {self.url}") from e
+            if code == "InvalidRange":
+                return b""  # the range starts at or past the end: nothing there
+            raise self._error("get", key, e) from e
+
+    def size(self, key: str) -> int:
+        """Size in bytes; ObjectNotFoundError if missing."""
+        full_key = self._full_key(key)
+        try:
+            response = self._request("head", "size", key, lambda: self._client.head_object(
+                Bucket=self.bucket, Key=full_key))
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code") in _NOT_FOUND_CODES:
+                raise ObjectNotFoundError(f"no object {key!r} in {self.url}") from e
+            raise self._error("size", key, e) from e
+        return int(response["ContentLength"])
+
+    def delete(self, keys: Iterable[str]) -> None:
+        """Delete the objects in batches of 1000; missing keys are not an error."""
+        batch: list[str] = []
+        for key in keys:
+            batch.append(key)
+            if len(batch) == DELETE_BATCH:
+                self._delete_batch(batch)
+                batch = []
+        if batch:
+            self._delete_batch(batch)
+
+    def _delete_batch(self, keys: list[str]) -> None:
+        objects = [{"Key": self._full_key(k)} for k in keys]
+        label = keys[0] if len(keys) == 1 else f"{keys[0]} (+{len(keys) - 1} more)"
+        try:
+            response = self._request("delete", "delete", label, lambda: self._client.delete_objects(
+                Bucket=self.bucket, Delete={"Objects": objects, "Quiet": True}))
+        except ClientError as e:
+            raise self._error("delete", label, e) from e
+        errors = [err for err in response.get("Errors", []) if err.get("Code") != "NoSuchKey"]
+        if errors:
+            first = errors[0]
+            raise ObjectStoreError(
+                f"S3 delete in {self.url} failed for {len(errors)} key(s), e.g. "
+                f"{first.get('Key')!r}: {first.get('Code')} {first.get('Message')}")
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """ObjectInfo of every object whose key starts with `prefix`, keys ascending."""
+        strip = len(self.prefix) + 1 if self.prefix else 0
+        kwargs: dict[str, Any] = {"Bucket": self.bucket,
+                                  "Prefix": (self.prefix + "/" if self.prefix else "") + prefix}
+        while True:
+            try:
+                page = self._request("list", "list", prefix, lambda: self._client.list_objects_v2(
+                    **kwargs))
+            except ClientError as e:
+                raise self._error("list", prefix, e) from e
+            for item in page.get("Contents", []):
+                yield ObjectInfo(item["Key"][strip:], int(item["Size"]))
+            if not page.get("IsTruncated"):
+                return
+            kwargs["ContinuationToken"] = page["NextContinuationToken"]
+
+    def ensure_bucket(self, create: bool = False) -> None:
+        """Check that the bucket exists; create it if `create`, else raise ConfigError.
+        A 403 on the check is let through: credentials may allow object access only."""
+        try:
+            self._client.head_bucket(Bucket=self.bucket)
+            return
+        except ClientError as e:
+            code = e.response.get("Error", {}).get("Code")
+            if code in ("403", "AccessDenied"):
+                return
+            if code not in ("404", "NoSuchBucket", "NotFound"):
+                raise self._error("head bucket", self.bucket, e) from e
+        except BotoCoreError as e:
+            raise ObjectStoreError(f"S3 head bucket of {self.url} failed: {e}") from e
+        if not create:
+            raise ConfigError(
+                f"S3 bucket {self.bucket!r} does not exist; create it, or add create_bucket=1 to "
+                f"the store URL to have it created")
+        region = self._client.meta.region_name
+        kwargs: dict[str, Any] = {"Bucket": self.bucket}
+        if region and region != "us-east-1":
+            kwargs["CreateBucketConfiguration"] = {"LocationConstraint": region}
+        try:
+            self._client.create_bucket(**kwargs)
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code") not in ("BucketAlreadyOwnedByYou",):
+                raise self._error("create bucket", self.bucket, e) from e
+        except BotoCoreError as e:
+            raise ObjectStoreError(f"S3 create bucket of {self.url} failed: {e}") from e
+
+    def stats(self) -> dict[str, int]:
+        """Requests issued so far, by kind (botocore's internal retries are not counted)."""
+        with self._stats_lock:
+            return dict(self._stats)
+
+    def close(self) -> None:
+        """Stop the part uploader and close the client (if the store made it)."""
+        self._executor.shutdown(wait=True)
+        if self._owns_client:
+            self._client.close()
+
+    def __repr__(self) -> str:
+        return f"S3ObjectStore({self.url!r})"

@@ -1,0 +1,279 @@
+"""Object store wrappers: counting (InstrumentedObjectStore) and, for tests, failing on demand
+(FaultInjectingObjectStore). Both keep the ObjectStore contract of what they wrap."""
+from __future__ import annotations
+
+import math
+import random
+import threading
+import time
+from typing import Callable, Iterable, Iterator
+
+from ..errors import ObjectStoreError
+from .base import ObjectInfo, ObjectStore
+
+KeyPredicate = Callable[[str], bool]
+
+
+def _part_size(inner: ObjectStore) -> int | None:
+    # part_size is not part of the Protocol; a store without it never splits a put.
+    return getattr(inner, "part_size", None)
+
+
+class _Wrapper:
+    """Forwards url, part_size and close() to the wrapped store."""
+
+    def __init__(self, inner: ObjectStore) -> None:
+        self.inner = inner
+
+    @property
+    def url(self) -> str:
+        return self.inner.url
+
+    @property
+    def part_size(self) -> int | None:
+        return _part_size(self.inner)
+
+    def close(self) -> None:
+        """Close the wrapped store."""
+        self.inner.close()
+
+
+class InstrumentedObjectStore(_Wrapper):
+    """Counts calls, the requests a real S3 would see, and bytes moved, for the wrapped store.
+
+    A put is 1 write request up to part_size, else create + ceil(size / part_size) parts +
+    complete. A get of an empty range is no request. Counts are taken when a call is made,
+    bytes when it succeeds; failures are also counted under "errors".
+    """
+
+    _KEYS = ("put", "put_requests", "bytes_written", "get", "get_requests", "bytes_read",
+             "size", "delete", "deleted_keys", "list", "errors")
+
+    def __init__(self, inner: ObjectStore) -> None:
+        super().__init__(inner)
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(self._KEYS, 0)
+
+    def _add(self, **amounts: int) -> None:
+        with self._lock:
+            for name, amount in amounts.items():
+                self._counts[name] += amount
+
+    def put(self, key: str, data: bytes | memoryview) -> None:
+        """Delegate, counting the write requests the put implies."""
+        size = len(memoryview(data).cast("B"))
+        part_size = _part_size(self.inner)
+        requests = 1 if part_size is None or size <= part_size else math.ceil(size / part_size) + 2
+        self._add(put=1, put_requests=requests)
+        try:
+            self.inner.put(key, data)
+        except Exception:
+            self._add(errors=1)
+            raise
+        self._add(bytes_written=size)
+
+    def get(self, key: str, start: int = 0, end: int | None = None) -> bytes:
+        """Delegate, counting the request and bytes returned."""
+        self._add(get=1, get_requests=0 if end is not None and start == end else 1)
+        try:
+            data = self.inner.get(key, start, end)
+        except Exception:
+            self._add(errors=1)
+            raise
+        self._add(bytes_read=len(data))
+        return data
+
+    def size(self, key: str) -> int:
+        """Delegate, counting the call."""
+        self._add(size=1)
+        try:
+            return self.inner.size(key)
+        except Exception:
+            self._add(errors=1)
+            raise
+
+    def delete(self, keys: Iterable[str]) -> None:
+        """Delegate, counting the call and the keys."""
+        keys = list(keys)
+        self._add(delete=1, deleted_keys=len(keys))
+        try:
+            self.inner.delete(keys)
+        except Exception:
+            self._add(errors=1)
+            raise
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Delegate, counting the call."""
+        self._add(list=1)
+        try:
+            yield from self.inner.list(prefix)
+        except Exception:
+            self._add(errors=1)
+            raise
+
+    def stats(self) -> dict[str, int]:
+        """A snapshot of the counters."""
+        with self._lock:
+            return dict(self._counts)
+
+    def reset(self) -> None:
+        """Zero every counter."""
+        with self._lock:
+            self._counts = dict.fromkeys(self._KEYS, 0)
+
+
+class FaultInjectingObjectStore(_Wrapper):
+    """Fails, delays or corrupts operations of the wrapped store when armed; for tests.
+
+    Every operation is logged in `events` as (op, key, outcome), outcome being "ok",
+    "injected_failure", "timeout_after_landing", "corrupted" or the name of an exception the
+    inner store raised. A delete logs one event per key; a list logs its prefix. `seed` makes
+    the corrupted byte positions reproducible; `sleep` is injectable for hang_puts.
+    """
+
+    def __init__(self, inner: ObjectStore, *, seed: int = 0,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        super().__init__(inner)
+        self._lock = threading.Lock()
+        self._random = random.Random(seed)
+        self._sleep = sleep
+        self.events: list[tuple[str, str, str]] = []
+        self.clear()
+
+    # -- arming --------------------------------------------------------------------------------
+
+    def fail_next_puts(self, n: int,
+                       exc: BaseException | type[BaseException] | None = None) -> None:
+        """The next `n` puts raise `exc` (default ObjectStoreError) without writing anything."""
+        with self._lock:
+            self._put_failures = n
+            self._put_exc = exc
+
+    def fail_puts_matching(self, predicate: KeyPredicate) -> None:
+        """Every put whose key satisfies `predicate` raises ObjectStoreError without writing."""
+        with self._lock:
+            self._put_fail_predicates.append(predicate)
+
+    def put_timeout_after_landing(self, n: int) -> None:
+        """The next `n` puts store the object, then raise ObjectStoreError as if the response
+        was lost: the caller cannot tell whether the write happened."""
+        with self._lock:
+            self._put_timeouts = n
+
+    def hang_puts(self, seconds: float) -> None:
+        """Every put sleeps `seconds` before delegating (0 disarms)."""
+        with self._lock:
+            self._put_delay = seconds
+
+    def fail_next_gets(self, n: int) -> None:
+        """The next `n` gets raise ObjectStoreError."""
+        with self._lock:
+            self._get_failures = n
+
+    def corrupt_gets(self, predicate: KeyPredicate) -> None:
+        """Gets of keys satisfying `predicate` return their data with one byte flipped."""
+        with self._lock:
+            self._corrupt_predicates.append(predicate)
+
+    def clear(self) -> None:
+        """Disarm every fault (the event log is kept)."""
+        with self._lock:
+            self._put_failures = 0
+            self._put_exc: BaseException | type[BaseException] | None = None
+            self._put_fail_predicates: list[KeyPredicate] = []
+            self._put_timeouts = 0
+            self._put_delay = 0.0
+            self._get_failures = 0
+            self._corrupt_predicates: list[KeyPredicate] = []
+
+    def _log(self, op: str, key: str, outcome: str) -> None:
+        with self._lock:
+            self.events.append((op, key, outcome))
+
+    def _delegate(self, op: str, key: str, call: Callable[[], object]) -> object:
+        try:
+            result = call()
+        except Exception as e:
+            self._log(op, key, type(e).__name__)
+            raise
+        return result
+
+    # -- ObjectStore ---------------------------------------------------------------------------
+
+    def put(self, key: str, data: bytes | memoryview) -> None:
+        """Delegate unless a put fault is armed."""
+        with self._lock:
+            delay = self._put_delay
+        if delay:
+            self._sleep(delay)
+        with self._lock:
+            exc: BaseException | type[BaseException] | None = None
+            if self._put_failures > 0:
+                self._put_failures -= 1
+                exc = self._put_exc or ObjectStoreError(f"injected failure of put {key!r}")
+            elif any(p(key) for p in self._put_fail_predicates):
+                exc = ObjectStoreError(f"injected failure of put {key!r}")
+        if exc is not None:
+            self._log("put", key, "injected_failure")
+            raise exc
+        self._delegate("put", key, lambda: self.inner.put(key, data))
+        with self._lock:
+            timed_out = self._put_timeouts > 0
+            if timed_out:
+                self._put_timeouts -= 1
+        if timed_out:
+            self._log("put", key, "timeout_after_landing")
+            raise ObjectStoreError(f"put {key!r} timed out (injected: the object was stored)")
+        self._log("put", key, "ok")
+
+    def get(self, key: str, start: int = 0, end: int | None = None) -> bytes:
+        """Delegate unless a get fault is armed; corrupt the result if asked to."""
+        with self._lock:
+            fail = self._get_failures > 0
+            if fail:
+                self._get_failures -= 1
+        if fail:
+            self._log("get", key, "injected_failure")
+            raise ObjectStoreError(f"injected failure of get {key!r}")
+        data = self._delegate("get", key, lambda: self.inner.get(key, start, end))
+        assert isinstance(data, bytes)
+        with self._lock:
+            corrupt = bool(data) and any(p(key) for p in self._corrupt_predicates)
+            position = self._random.randrange(len(data)) if corrupt else 0
+        if corrupt:
+            damaged = bytearray(data)
+            damaged[position] ^= 0xFF
+            self._log("get", key, "corrupted")
+            return bytes(damaged)
+        self._log("get", key, "ok")
+        return data
+
+    def size(self, key: str) -> int:
+        """Delegate."""
+        result = self._delegate("size", key, lambda: self.inner.size(key))
+        self._log("size", key, "ok")
+        return result  # type: ignore[return-value]
+
+    def delete(self, keys: Iterable[str]) -> None:
+        """Delegate."""
+        keys = list(keys)
+        try:
+            self.inner.delete(keys)
+        except Exception as e:
+            for key in keys:
+                self._log("delete", key, type(e).__name__)
+            raise
+        for key in keys:
+            self._log("delete", key, "ok")
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Delegate."""
+        try:
+            yield from self.inner.list(prefix)
+        except Exception as e:
+            self._log("list", prefix, type(e).__name__)
+            raise
+        self._log("list", prefix, "ok")
+
+
+__all__ = ["FaultInjectingObjectStore", "InstrumentedObjectStore"]

@@ -1,0 +1,730 @@
+"""SqliteMetadataStore on real files with a fake clock: nodes, streams, commits (fencing,
+contiguity, retries, compaction), reads, the object lifecycle, KV, several processes, URLs."""
+from __future__ import annotations
+
+import os
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from s3stream.errors import (ConfigError, MetadataError, StreamFencedError, StreamNotClosedError,
+                             StreamNotFoundError)
+from s3stream.metadata import (CommitRange, CommitRequest, CommitSSO, CommitStreamObject,
+                               ObjectState, ObjectType, Range, SqliteMetadataStore, StreamRange,
+                               StreamState, object_key, open_metadata)
+
+SECOND = 1_000_000_000
+TTL = 60 * SECOND
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class FakeClock:
+    def __init__(self, now: int = 1_000 * SECOND) -> None:
+        self.now = now
+
+    def __call__(self) -> int:
+        return self.now
+
+    def advance(self, ns: int) -> None:
+        self.now += ns
+
+
+@pytest.fixture
+def clock():
+    return FakeClock()
+
+
+@pytest.fixture
+def db_path(tmp_path):
+    return str(tmp_path / "meta.db")
+
+
+@pytest.fixture
+def store(db_path, clock):
+    s = SqliteMetadataStore(db_path, clock=clock)
+    yield s
+    s.close()
+
+
+def snapshot(store):
+    """Everything the store holds, to check that a failed operation changed nothing."""
+    return (store.list_nodes(), store.list_streams(include_deleted=True), store.list_objects())
+
+
+def rng(stream, start, end, epoch=0):
+    return CommitRange(stream.stream_id if hasattr(stream, "stream_id") else stream, epoch,
+                       start, end)
+
+
+def upload(store, node, sso_ranges=(), sos=(), compacted=(), size=100):
+    """Prepare and build a commit request: an SSO with `sso_ranges` (if any) plus one SO per
+    range in `sos`."""
+    count = (1 if sso_ranges else 0) + len(sos)
+    ids = store.prepare_objects(count, TTL) if count else []
+    sso = CommitSSO(ids.pop(0), size, tuple(sso_ranges)) if sso_ranges else None
+    stream_objects = tuple(CommitStreamObject(object_id, size, r) for object_id, r in zip(ids, sos))
+    return CommitRequest(node.node_id, node.node_epoch, sso=sso, stream_objects=stream_objects,
+                         compacted_ids=tuple(compacted))
+
+
+def refs(store, stream_id, start=0, end=1 << 62, limit=64):
+    return [(r.object_id, r.type, r.start_offset, r.end_offset)
+            for r in store.get_object_refs(stream_id, start, end, limit)]
+
+
+# ---- file, schema, configuration ---------------------------------------------------------------
+
+def test_schema_pragmas_and_reopen(db_path, clock):
+    s = SqliteMetadataStore(db_path, clock=clock)
+    node = s.register_node(1, "/wal/1")
+    s.put_kv("k", b"v")
+    assert s._conn.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
+    s.close()
+    s.close()  # idempotent
+    with pytest.raises(MetadataError, match="closed"):
+        s.get_kv("k")
+    raw = sqlite3.connect(db_path)
+    assert raw.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert raw.execute("SELECT value FROM schema_info WHERE name = 'schema_version'"
+                       ).fetchone()[0] == 1
+    raw.close()
+    s = SqliteMetadataStore(db_path, clock=clock)  # reopening is idempotent
+    assert s.get_node(1) == node and s.get_kv("k") == b"v"
+    s.close()
+
+
+def test_newer_schema_version_is_refused(db_path):
+    SqliteMetadataStore(db_path).close()
+    raw = sqlite3.connect(db_path)
+    with raw:
+        raw.execute("UPDATE schema_info SET value = 99 WHERE name = 'schema_version'")
+    raw.close()
+    with pytest.raises(ConfigError, match="schema version 99"):
+        SqliteMetadataStore(db_path)
+
+
+def test_foreign_or_corrupt_file_is_refused(tmp_path):
+    other = str(tmp_path / "other.db")
+    raw = sqlite3.connect(other)
+    raw.execute("CREATE TABLE t (x)")
+    raw.commit()
+    raw.close()
+    with pytest.raises(ConfigError, match="something else"):
+        SqliteMetadataStore(other)
+    garbage = tmp_path / "garbage.db"
+    garbage.write_bytes(b"this is not sqlite" * 100)
+    with pytest.raises(ConfigError, match="garbage.db"):
+        SqliteMetadataStore(str(garbage))
+
+
+def test_unusable_paths_raise_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="is a directory") as e:
+        SqliteMetadataStore(str(tmp_path))
+    assert str(tmp_path) in str(e.value)
+    missing = str(tmp_path / "no" / "such" / "dir" / "m.db")
+    with pytest.raises(ConfigError, match="cannot open") as e:
+        SqliteMetadataStore(missing)
+    assert missing in str(e.value)
+    with pytest.raises(ConfigError):
+        SqliteMetadataStore(":memory:")
+
+
+def test_open_metadata_urls(tmp_path, monkeypatch, clock):
+    absolute = str(tmp_path / "abs.db")
+    s = open_metadata("sqlite:///" + absolute, clock=clock)  # sqlite:////tmp/... (4 slashes)
+    assert isinstance(s, SqliteMetadataStore) and s.path == absolute
+    assert s.register_node(1, "w").heartbeat_ns == clock.now
+    s.close()
+    monkeypatch.chdir(tmp_path)
+    s = open_metadata("sqlite:///rel.db")
+    assert s.path == "rel.db" and (tmp_path / "rel.db").exists()
+    s.close()
+    s = open_metadata(str(tmp_path / "plain.db"))
+    assert s.path == str(tmp_path / "plain.db")
+    s.close()
+    with pytest.raises(ConfigError, match="PostgreSQL metadata is not implemented yet"):
+        open_metadata("postgresql://user@host/db")
+    for bad in ("mysql://host/db", "metadata.txt", "sqlite://", "sqlite:///", "sqlite://host/x.db"):
+        with pytest.raises(ConfigError, match="sqlite:///"):
+            open_metadata(bad)
+
+
+# ---- nodes -------------------------------------------------------------------------------------
+
+def test_nodes_register_fence_heartbeat(store, clock):
+    a = store.register_node(1, "/wal/a")
+    assert (a.node_epoch, a.failover, a.wal_path, a.heartbeat_ns) == (0, False, "/wal/a", clock.now)
+    fenced = store.fence_node(1)
+    assert (fenced.node_epoch, fenced.failover) == (1, True)
+    with pytest.raises(StreamFencedError, match=r"node 1 epoch 0 is fenced \(current 1\)"):
+        store.heartbeat(1, 0)
+    clock.advance(SECOND)
+    again = store.register_node(1, "/wal/b")
+    assert (again.node_epoch, again.failover, again.wal_path) == (2, False, "/wal/b")
+    clock.advance(SECOND)
+    store.heartbeat(1, 2)
+    assert store.get_node(1).heartbeat_ns == clock.now
+    store.register_node(7, "/wal/7")
+    assert [n.node_id for n in store.list_nodes()] == [1, 7]
+    with pytest.raises(MetadataError, match="node 3 is not registered"):
+        store.get_node(3)
+    with pytest.raises(MetadataError):
+        store.fence_node(3)
+
+
+# ---- streams -----------------------------------------------------------------------------------
+
+def test_create_open_close_reopen_epochs_and_ranges(store):
+    n1 = store.register_node(1, "w1")
+    n2 = store.register_node(2, "w2")
+    s = store.create_stream(1, n1.node_epoch)
+    assert (s.epoch, s.state, s.owner_node_id, s.start_offset, s.end_offset) == (
+        0, StreamState.OPENED, 1, 0, 0)
+    assert s.ranges == (Range(0, 1, 0, 0, 0),)
+    # Same node reopens (a restart): allowed; the empty range is replaced, not appended.
+    s = store.open_stream(s.stream_id, 1, n1.node_epoch)
+    assert s.epoch == 1 and s.ranges == (Range(0, 1, 1, 0, 0),)
+    store.commit(upload(store, n1, [rng(s, 0, 10, epoch=1)]))
+    assert store.get_stream(s.stream_id).ranges == (Range(0, 1, 1, 0, 10),)
+    s = store.close_stream(s.stream_id, 1, 1)
+    assert (s.state, s.owner_node_id) == (StreamState.CLOSED, None)
+    assert store.close_stream(s.stream_id, 1, 1) == s  # closing again at that epoch: no-op
+    s = store.open_stream(s.stream_id, 2, n2.node_epoch)
+    assert (s.epoch, s.state, s.owner_node_id) == (2, StreamState.OPENED, 2)
+    assert s.ranges == (Range(0, 1, 1, 0, 10), Range(1, 2, 2, 10, 10))
+    s = store.open_stream(s.stream_id, 2, n2.node_epoch)
+    assert s.epoch == 3 and s.ranges == (Range(0, 1, 1, 0, 10), Range(1, 2, 3, 10, 10))
+    store.commit(upload(store, n2, [rng(s, 10, 15, epoch=3)]))
+    s = store.open_stream(s.stream_id, 2, n2.node_epoch)
+    assert s.ranges[-1] == Range(2, 2, 4, 15, 15) and s.end_offset == 15
+    assert [x.stream_id for x in store.list_streams()] == [s.stream_id]
+
+
+def test_open_refused_while_another_node_holds_it(store):
+    n1 = store.register_node(1, "w1")
+    n2 = store.register_node(2, "w2")
+    s = store.create_stream(1, n1.node_epoch)
+    before = snapshot(store)
+    with pytest.raises(StreamNotClosedError, match="open on node 1"):
+        store.open_stream(s.stream_id, 2, n2.node_epoch)
+    with pytest.raises(StreamFencedError):
+        store.open_stream(s.stream_id, 1, n1.node_epoch + 1)
+    with pytest.raises(StreamFencedError):
+        store.close_stream(s.stream_id, 0, 2)  # not the owner
+    with pytest.raises(StreamFencedError):
+        store.close_stream(s.stream_id, 5, 1)  # not the epoch
+    with pytest.raises(StreamNotFoundError):
+        store.open_stream(999, 1, n1.node_epoch)
+    with pytest.raises(StreamNotFoundError):
+        store.get_stream(999)
+    assert snapshot(store) == before
+
+
+def test_fenced_node_can_no_longer_commit_or_open(store):
+    n1 = store.register_node(1, "w1")
+    s = store.create_stream(1, n1.node_epoch)
+    store.close_stream(s.stream_id, 0, 1)
+    request = upload(store, n1, [rng(s, 0, 10)])
+    store.fence_node(1)
+    before = snapshot(store)
+    with pytest.raises(StreamFencedError, match=r"node 1 epoch 0 is fenced \(current 1\)"):
+        store.commit(request)
+    with pytest.raises(StreamFencedError):
+        store.open_stream(s.stream_id, 1, n1.node_epoch)
+    with pytest.raises(StreamFencedError):
+        store.create_stream(1, n1.node_epoch)
+    assert snapshot(store) == before
+    assert store.get_object(request.sso.object_id).state == ObjectState.PREPARED
+
+
+def test_trim_marks_stream_objects_below_start(store, clock):
+    n1 = store.register_node(1, "w1")
+    s = store.create_stream(1, n1.node_epoch)
+    request = upload(store, n1, [rng(s, 0, 5)], sos=[rng(s, 5, 10), rng(s, 10, 20),
+                                                     rng(s, 20, 30)])
+    store.commit(request)
+    so_ids = [so.object_id for so in request.stream_objects]
+    with pytest.raises(StreamFencedError):
+        store.trim_stream(s.stream_id, 1, 20)
+    clock.advance(SECOND)
+    t = store.trim_stream(s.stream_id, 0, 20)
+    assert t.start_offset == 20 and t.end_offset == 30
+    states = [store.get_object(i) for i in so_ids]
+    assert [o.state for o in states] == [ObjectState.MARK_DESTROYED] * 2 + [ObjectState.COMMITTED]
+    assert states[0].mark_destroyed_ns == clock.now
+    assert states[0].ranges == (StreamRange(s.stream_id, 5, 10),)  # history kept
+    # The SSO is untouched (compaction drops trimmed ranges); lower trims are no-ops.
+    assert store.get_object(request.sso.object_id).state == ObjectState.COMMITTED
+    assert store.trim_stream(s.stream_id, 0, 15).start_offset == 20
+    assert refs(store, s.stream_id) == [(request.sso.object_id, ObjectType.STREAM_SET_OBJECT, 0, 5),
+                                        (so_ids[2], ObjectType.STREAM_OBJECT, 20, 30)]
+    # No upper bound here: the engine checks trims against its confirm offset.
+    assert store.trim_stream(s.stream_id, 0, 1000).start_offset == 1000
+
+
+def test_delete_stream(store):
+    n1 = store.register_node(1, "w1")
+    s = store.create_stream(1, n1.node_epoch)
+    request = upload(store, n1, [rng(s, 0, 5)], sos=[rng(s, 5, 10)])
+    store.commit(request)
+    with pytest.raises(StreamFencedError):
+        store.delete_stream(s.stream_id, 3)
+    d = store.delete_stream(s.stream_id, 0)
+    assert (d.state, d.owner_node_id) == (StreamState.DELETED, None)
+    assert store.delete_stream(s.stream_id, 0) == d
+    assert store.get_stream(s.stream_id).state == StreamState.DELETED
+    assert store.list_streams() == [] and store.list_streams(include_deleted=True) == [d]
+    so = store.get_object(request.stream_objects[0].object_id)
+    assert so.state == ObjectState.MARK_DESTROYED
+    for call in (lambda: store.open_stream(s.stream_id, 1, 0),
+                 lambda: store.close_stream(s.stream_id, 0, 1),
+                 lambda: store.trim_stream(s.stream_id, 0, 3)):
+        with pytest.raises(StreamNotFoundError, match="deleted"):
+            call()
+    with pytest.raises(StreamNotFoundError):
+        store.delete_stream(12345, 0)
+
+
+# ---- commit ------------------------------------------------------------------------------------
+
+def test_commit_sso_and_stream_objects(store, clock):
+    n1 = store.register_node(1, "w1")
+    a, b, c = (store.create_stream(1, n1.node_epoch) for _ in range(3))
+    request = upload(store, n1, [rng(a, 0, 10), rng(b, 0, 20), rng(c, 0, 5)],
+                     sos=[rng(a, 10, 15), rng(b, 20, 40)], size=1234)
+    clock.advance(SECOND)
+    result = store.commit(request)
+    assert not result.already_committed
+    assert result.end_offsets == {a.stream_id: 15, b.stream_id: 40, c.stream_id: 5}
+    for stream, end in ((a, 15), (b, 40), (c, 5)):
+        meta = store.get_stream(stream.stream_id)
+        assert meta.end_offset == end and meta.ranges == (Range(0, 1, 0, 0, end),)
+    sso = store.get_object(request.sso.object_id)
+    assert (sso.state, sso.type, sso.size, sso.node_id, sso.order_id, sso.committed_ns) == (
+        ObjectState.COMMITTED, ObjectType.STREAM_SET_OBJECT, 1234, 1, 1, clock.now)
+    assert sso.key == object_key(sso.object_id)
+    assert sso.ranges == (StreamRange(a.stream_id, 0, 10), StreamRange(b.stream_id, 0, 20),
+                          StreamRange(c.stream_id, 0, 5))
+    so = store.get_object(request.stream_objects[1].object_id)
+    assert (so.type, so.state, so.node_id, so.order_id) == (
+        ObjectType.STREAM_OBJECT, ObjectState.COMMITTED, None, None)
+    assert so.ranges == (StreamRange(b.stream_id, 20, 40),)
+    assert refs(store, a.stream_id) == [
+        (sso.object_id, ObjectType.STREAM_SET_OBJECT, 0, 10),
+        (request.stream_objects[0].object_id, ObjectType.STREAM_OBJECT, 10, 15)]
+    # Two more uploads: the node's SSO list grows in commit order.
+    store.commit(upload(store, n1, [rng(a, 15, 16)]))
+    store.commit(upload(store, n1, [rng(c, 5, 6)]))
+    assert [o.order_id for o in store.node_stream_set_objects(1)] == [1, 2, 3]
+    assert store.node_stream_set_objects(2) == []
+    assert len(store.list_objects(ObjectState.COMMITTED, ObjectType.STREAM_OBJECT)) == 2
+    assert len(store.list_objects(node_id=1)) == 3
+
+
+@pytest.mark.parametrize("case", ["gap", "overlap", "behind_end", "gap_inside_request",
+                                  "overlap_inside_request", "empty_range", "one_bad_stream"])
+def test_contiguity_violations_change_nothing(store, case):
+    n1 = store.register_node(1, "w1")
+    a, b = store.create_stream(1, n1.node_epoch), store.create_stream(1, n1.node_epoch)
+    store.commit(upload(store, n1, [rng(a, 0, 10), rng(b, 0, 10)]))
+    sso, sos = {
+        "gap": ([rng(a, 12, 20)], []),
+        "overlap": ([rng(a, 5, 20)], []),
+        "behind_end": ([rng(a, 0, 10)], []),
+        "gap_inside_request": ([rng(a, 10, 20)], [rng(a, 25, 30)]),
+        "overlap_inside_request": ([rng(a, 10, 20)], [rng(a, 15, 30)]),
+        "empty_range": ([rng(a, 10, 10)], []),
+        "one_bad_stream": ([rng(a, 10, 20), rng(b, 11, 20)], [rng(a, 20, 30)]),
+    }[case]
+    request = upload(store, n1, sso, sos=sos)
+    before = snapshot(store)
+    with pytest.raises(MetadataError, match=r"\[\d+, \d+\)"):
+        store.commit(request)
+    assert snapshot(store) == before
+    assert all(store.get_object(i).state == ObjectState.PREPARED for i in request.object_ids())
+    assert store.get_stream(a.stream_id).end_offset == 10
+
+
+def test_stale_stream_epoch_is_fenced(store):
+    n1 = store.register_node(1, "w1")
+    n2 = store.register_node(2, "w2")
+    s = store.create_stream(1, n1.node_epoch)
+    stale = upload(store, n1, [rng(s, 0, 10, epoch=0)])
+    store.close_stream(s.stream_id, 0, 1)
+    store.open_stream(s.stream_id, 2, n2.node_epoch)  # epoch 1 on node 2
+    before = snapshot(store)
+    fenced = rf"stream {s.stream_id} epoch 0.*epoch 1 on node 2"
+    with pytest.raises(StreamFencedError, match=fenced):
+        store.commit(stale)
+    assert snapshot(store) == before
+    # Node 2 committing with the epoch node 1 had is fenced too, as is a commit to a closed stream.
+    with pytest.raises(StreamFencedError):
+        store.commit(upload(store, n2, [rng(s, 0, 10, epoch=0)]))
+    store.close_stream(s.stream_id, 1, 2)
+    with pytest.raises(StreamFencedError, match="CLOSED"):
+        store.commit(upload(store, n2, [rng(s, 0, 10, epoch=1)]))
+    assert store.get_stream(s.stream_id).end_offset == 0
+
+
+def test_commit_retry_is_idempotent(store, clock):
+    n1 = store.register_node(1, "w1")
+    a, b = store.create_stream(1, n1.node_epoch), store.create_stream(1, n1.node_epoch)
+    request = upload(store, n1, [rng(a, 0, 10), rng(b, 0, 7)], sos=[rng(a, 10, 12)])
+    first = store.commit(request)
+    before = snapshot(store)
+    clock.advance(TTL * 2)  # a retry after the objects' expiry is still a retry
+    again = store.commit(request)
+    assert again.already_committed and again.end_offsets == first.end_offsets
+    assert snapshot(store) == before
+    # Not a retry: same objects, different size or ranges.
+    sso = request.sso
+    for changed in (CommitSSO(sso.object_id, sso.size + 1, sso.ranges),
+                    CommitSSO(sso.object_id, sso.size, (rng(a, 0, 10),))):
+        with pytest.raises(MetadataError, match="not a retry"):
+            store.commit(CommitRequest(1, n1.node_epoch, sso=changed,
+                                       stream_objects=request.stream_objects))
+    # A committed object next to a fresh one.
+    [fresh] = store.prepare_objects(1, TTL)
+    with pytest.raises(MetadataError, match="mixes"):
+        store.commit(CommitRequest(1, n1.node_epoch, sso=sso, stream_objects=(
+            CommitStreamObject(fresh, 5, rng(a, 12, 13)),)))
+    assert store.get_object(fresh).state == ObjectState.PREPARED
+    assert snapshot(store)[:2] == before[:2]
+
+
+def test_expired_prepared_object_cannot_be_committed(store, clock):
+    n1 = store.register_node(1, "w1")
+    s = store.create_stream(1, n1.node_epoch)
+    request = upload(store, n1, [rng(s, 0, 10)])
+    clock.advance(TTL)
+    before = snapshot(store)
+    with pytest.raises(MetadataError, match="expired"):
+        store.commit(request)
+    assert snapshot(store) == before
+    assert [o.object_id for o in store.objects_to_delete(0)] == [request.sso.object_id]
+
+
+def test_unknown_objects_and_streams_are_refused(store):
+    n1 = store.register_node(1, "w1")
+    s = store.create_stream(1, n1.node_epoch)
+    with pytest.raises(MetadataError, match="object 999"):
+        store.commit(CommitRequest(1, 0, sso=CommitSSO(999, 1, (rng(s, 0, 1),))))
+    with pytest.raises(MetadataError, match="stream 555"):
+        store.commit(upload(store, n1, [rng(555, 0, 1)]))
+    with pytest.raises(MetadataError, match="no objects"):
+        store.commit(CommitRequest(1, 0))
+    [x] = store.prepare_objects(1, TTL)
+    with pytest.raises(MetadataError, match="twice"):
+        store.commit(CommitRequest(1, 0, sso=CommitSSO(x, 1, (rng(s, 0, 1),)), stream_objects=(
+            CommitStreamObject(x, 1, rng(s, 1, 2)),)))
+
+
+def test_deleted_stream_ranges_are_ignored(store):
+    n1 = store.register_node(1, "w1")
+    a, b = store.create_stream(1, n1.node_epoch), store.create_stream(1, n1.node_epoch)
+    request = upload(store, n1, [rng(a, 0, 10), rng(b, 0, 10)], sos=[rng(b, 10, 20)])
+    store.delete_stream(b.stream_id, 0)
+    result = store.commit(request)
+    assert result.end_offsets == {a.stream_id: 10, b.stream_id: 0}
+    assert store.get_stream(b.stream_id).end_offset == 0
+    sso = store.get_object(request.sso.object_id)
+    assert sso.state == ObjectState.COMMITTED and sso.ranges == (StreamRange(a.stream_id, 0, 10),)
+    so = store.get_object(request.stream_objects[0].object_id)
+    assert so.state == ObjectState.MARK_DESTROYED and so.ranges == ()
+    assert refs(store, b.stream_id) == []
+    assert store.commit(request).already_committed
+
+
+# ---- compaction --------------------------------------------------------------------------------
+
+def test_compaction_swaps_objects_atomically(store, db_path, clock):
+    n1 = store.register_node(1, "w1")
+    a, b = store.create_stream(1, n1.node_epoch), store.create_stream(1, n1.node_epoch)
+    first = upload(store, n1, [rng(a, 0, 10), rng(b, 0, 5)])
+    second = upload(store, n1, [rng(a, 10, 20)], sos=[rng(b, 5, 8)])
+    store.commit(first)
+    store.commit(second)
+    old_ids = [first.sso.object_id, second.sso.object_id]
+
+    # Refused compactions change nothing.
+    before = snapshot(store)
+    for bad, message in (([rng(a, 0, 15), rng(b, 0, 5)], "lose"),        # drops [15, 20)
+                         ([rng(a, 0, 25), rng(b, 0, 5)], "not held"),    # invents [20, 25)
+                         ([rng(a, 0, 20)], "lose"),                      # drops b [0, 5)
+                         ([rng(a, 0, 12), rng(a, 10, 20), rng(b, 0, 5)], "overlap")):
+        with pytest.raises(MetadataError, match=message):
+            store.commit(upload(store, n1, bad, compacted=old_ids))
+    after_refusals = snapshot(store)
+    assert after_refusals[:2] == before[:2]
+    assert [o for o in after_refusals[2] if o.state != ObjectState.PREPARED] == [
+        o for o in before[2] if o.state != ObjectState.PREPARED]
+
+    # A reader on its own connection sees the old objects or the new one, never a mix.
+    reader = SqliteMetadataStore(db_path, clock=clock)
+    stop, seen, failures = threading.Event(), set(), []
+
+    def read_loop():
+        while not stop.is_set():
+            got = reader.get_object_refs(a.stream_id, 0, 20)
+            offsets = [(r.start_offset, r.end_offset) for r in got]
+            seen.add(tuple(r.object_id for r in got))
+            if offsets not in ([(0, 10), (10, 20)], [(0, 20)]):
+                failures.append(offsets)
+
+    thread = threading.Thread(target=read_loop)
+    thread.start()
+    try:
+        compaction = upload(store, n1, [rng(a, 0, 20), rng(b, 0, 5)], compacted=old_ids)
+        clock.advance(SECOND)
+        result = store.commit(compaction)
+        time.sleep(0.05)
+    finally:
+        stop.set()
+        thread.join()
+        reader.close()
+    assert failures == [] and len(seen) >= 1
+    new_id = compaction.sso.object_id
+    assert result.end_offsets == {a.stream_id: 20, b.stream_id: 8}  # ends do not move
+    assert refs(store, a.stream_id) == [(new_id, ObjectType.STREAM_SET_OBJECT, 0, 20)]
+    assert refs(store, b.stream_id) == [(new_id, ObjectType.STREAM_SET_OBJECT, 0, 5),
+                                        (second.stream_objects[0].object_id,
+                                         ObjectType.STREAM_OBJECT, 5, 8)]
+    for object_id in old_ids:
+        old = store.get_object(object_id)
+        assert old.state == ObjectState.MARK_DESTROYED and old.mark_destroyed_ns == clock.now
+    assert [(o.object_id, o.order_id) for o in store.node_stream_set_objects(1)] == [(new_id, 3)]
+    # A compaction of objects that are gone already is refused; its retry is recognised.
+    assert store.commit(compaction).already_committed
+    with pytest.raises(MetadataError, match="not COMMITTED"):
+        store.commit(upload(store, n1, [rng(a, 0, 20), rng(b, 0, 5)], compacted=old_ids))
+
+
+def test_compaction_may_drop_trimmed_and_deleted_data(store):
+    n1 = store.register_node(1, "w1")
+    a, b = store.create_stream(1, n1.node_epoch), store.create_stream(1, n1.node_epoch)
+    old = upload(store, n1, [rng(a, 0, 10), rng(b, 0, 10)])
+    store.commit(old)
+    store.commit(upload(store, n1, [rng(a, 10, 20)]))
+    store.trim_stream(a.stream_id, 0, 5)
+    store.delete_stream(b.stream_id, 0)
+    compaction = upload(store, n1, [], sos=[rng(a, 5, 10)], compacted=[old.sso.object_id])
+    store.commit(compaction)
+    assert [r[2:] for r in refs(store, a.stream_id)] == [(5, 10), (10, 20)]
+    # Everything of the object was dead: a compaction with no new object just drops it.
+    third = upload(store, n1, [rng(a, 20, 30)])
+    store.commit(third)
+    store.trim_stream(a.stream_id, 0, 30)
+    store.commit(CommitRequest(1, n1.node_epoch, compacted_ids=(third.sso.object_id,)))
+    assert store.get_object(third.sso.object_id).state == ObjectState.MARK_DESTROYED
+
+
+# ---- reads -------------------------------------------------------------------------------------
+
+def test_get_object_refs_order_overlap_and_limit(store):
+    n1 = store.register_node(1, "w1")
+    a, other = store.create_stream(1, n1.node_epoch), store.create_stream(1, n1.node_epoch)
+    ids = []
+    for start in range(0, 80, 20):
+        request = upload(store, n1, [rng(a, start, start + 10), rng(other, start, start + 20)],
+                         sos=[rng(a, start + 10, start + 20)])
+        store.commit(request)
+        ids += [request.sso.object_id, request.stream_objects[0].object_id]
+    spans = [(r[2], r[3]) for r in refs(store, a.stream_id)]
+    assert spans == [(x, x + 10) for x in range(0, 80, 10)]
+    assert [r[0] for r in refs(store, a.stream_id)] == ids
+    assert [r[2:] for r in refs(store, a.stream_id, 15, 35)] == [(10, 20), (20, 30), (30, 40)]
+    assert [r[2:] for r in refs(store, a.stream_id, 10, 20)] == [(10, 20)]
+    assert [r[2:] for r in refs(store, a.stream_id, 9, 10)] == [(0, 10)]
+    assert [r[2:] for r in refs(store, a.stream_id, 5, 80, limit=3)] == [(0, 10), (10, 20),
+                                                                         (20, 30)]
+    assert refs(store, a.stream_id, 80, 100) == [] and refs(store, a.stream_id, 5, 5) == []
+    assert refs(store, a.stream_id, 0, 80, limit=0) == []
+    ref = store.get_object_refs(a.stream_id, 0, 1)[0]
+    assert (ref.key, ref.size, ref.stream_id) == (object_key(ids[0]), 100, a.stream_id)
+
+
+# ---- object lifecycle --------------------------------------------------------------------------
+
+def test_prepare_objects_ids_and_keys(store, clock):
+    ids = store.prepare_objects(3, TTL)
+    assert ids == sorted(ids) and len(set(ids)) == 3
+    o = store.get_object(ids[0])
+    assert (o.state, o.size, o.type, o.key, o.prepared_ns, o.expire_ns) == (
+        ObjectState.PREPARED, 0, None, object_key(ids[0]), clock.now, clock.now + TTL)
+    clock.advance(TTL)
+    assert store.remove_objects(ids) == ids
+    assert store.prepare_objects(1, TTL)[0] > ids[-1]  # ids are never reused
+    with pytest.raises(ValueError):
+        store.prepare_objects(0, TTL)
+    with pytest.raises(MetadataError, match="does not exist"):
+        store.get_object(ids[0])
+
+
+def test_objects_to_delete_and_remove(store, clock):
+    n1 = store.register_node(1, "w1")
+    s = store.create_stream(1, n1.node_epoch)
+    committed = upload(store, n1, [rng(s, 0, 10)])
+    store.commit(committed)
+    destroyed = upload(store, n1, [rng(s, 10, 20)])
+    store.commit(destroyed)
+    [abandoned] = store.prepare_objects(1, 10 * SECOND)
+    with pytest.raises(MetadataError, match="not committed"):
+        store.mark_destroyed([abandoned])
+    store.mark_destroyed([destroyed.sso.object_id])
+    store.mark_destroyed([destroyed.sso.object_id])  # again: no-op
+    assert refs(store, s.stream_id) == [(committed.sso.object_id, ObjectType.STREAM_SET_OBJECT,
+                                         0, 10)]
+    assert store.objects_to_delete(5 * SECOND) == []
+    clock.advance(5 * SECOND)
+    assert [o.object_id for o in store.objects_to_delete(5 * SECOND)] == [
+        destroyed.sso.object_id]
+    clock.advance(5 * SECOND)
+    due = store.objects_to_delete(5 * SECOND)
+    assert [o.object_id for o in due] == [destroyed.sso.object_id, abandoned]
+    assert due[1].key == object_key(abandoned)
+    everything = [committed.sso.object_id, destroyed.sso.object_id, abandoned, 424242]
+    assert store.remove_objects(everything) == [destroyed.sso.object_id, abandoned]
+    assert store.get_object(committed.sso.object_id).state == ObjectState.COMMITTED
+    assert store.objects_to_delete(0) == []
+    assert [o.object_id for o in store.list_objects()] == [committed.sso.object_id]
+    raw = store._conn.execute("SELECT count(*) FROM sso_ranges").fetchone()[0]
+    assert raw == 1
+
+
+# ---- KV ----------------------------------------------------------------------------------------
+
+def test_kv(store):
+    assert store.get_kv("p") is None
+    store.put_kv("p", b"1")
+    store.put_kv("p", b"2")
+    assert store.get_kv("p") == b"2"
+    assert store.put_kv_if_absent("p", b"3") == b"2"
+    assert store.put_kv_if_absent("q", b"\x00\xff") == b"\x00\xff"
+    store.delete_kv("p")
+    store.delete_kv("p")
+    assert store.get_kv("p") is None and store.get_kv("q") == b"\x00\xff"
+
+
+def test_put_kv_if_absent_has_one_winner(db_path):
+    stores = [SqliteMetadataStore(db_path) for _ in range(4)]
+    results = []
+    threads = [threading.Thread(target=lambda s=s, i=i: results.append(
+        s.put_kv_if_absent("leader", str(i).encode()))) for i, s in enumerate(stores)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(results)) == 1 and len(results) == 4
+    for s in stores:
+        s.close()
+
+
+# ---- concurrency -------------------------------------------------------------------------------
+
+def test_threads_share_one_store(store):
+    node = store.register_node(1, "w1")
+    errors = []
+
+    def work():
+        try:
+            s = store.create_stream(1, node.node_epoch)
+            for i in range(20):
+                store.commit(upload(store, node, [rng(s, i, i + 1)]))
+                store.get_object_refs(s.stream_id, 0, i + 1)
+        except Exception as e:  # surfaced by the assert below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert [o.order_id for o in store.node_stream_set_objects(1)] == list(range(1, 81))
+    assert all(s.end_offset == 20 for s in store.list_streams())
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_forked_child_opens_its_own_connection(store):
+    node = store.register_node(1, "w1")
+    s = store.create_stream(1, node.node_epoch)
+    store.commit(upload(store, node, [rng(s, 0, 10)]))
+    pid = os.fork()
+    if pid == 0:  # the child uses the inherited store object, then leaves without cleanup
+        try:
+            store.commit(upload(store, node, [rng(s, 10, 20)]))
+            code = 0 if store.get_stream(s.stream_id).end_offset == 20 else 1
+        except BaseException:
+            code = 2
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    store.commit(upload(store, node, [rng(s, 20, 30)]))  # the parent's connection still works
+    assert store.get_stream(s.stream_id).end_offset == 30
+
+
+WORKER = textwrap.dedent("""
+    import os, sys, time
+    from s3stream.metadata import (CommitRange, CommitRequest, CommitSSO, CommitStreamObject,
+                                   SqliteMetadataStore)
+
+    path, node_id, uploads, go = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    store = SqliteMetadataStore(path)
+    node = store.register_node(node_id, f"/wal/{node_id}")
+    streams = [store.create_stream(node_id, node.node_epoch).stream_id for _ in range(3)]
+    open(f"{go}.ready{node_id}", "w").close()
+    while not os.path.exists(go):
+        time.sleep(0.001)
+    ends = dict.fromkeys(streams, 0)
+    for i in range(uploads):
+        sso_id, so_id = store.prepare_objects(2, 60 * 10**9)
+        ranges = tuple(CommitRange(s, 0, ends[s], ends[s] + 10) for s in streams)
+        first = streams[0]
+        so = CommitStreamObject(so_id, 10, CommitRange(first, 0, ends[first] + 10,
+                                                       ends[first] + 15))
+        result = store.commit(CommitRequest(node_id, node.node_epoch,
+                                            sso=CommitSSO(sso_id, 100, ranges),
+                                            stream_objects=(so,)))
+        ends = {s: e + 10 for s, e in ends.items()}
+        ends[first] += 5
+        assert result.end_offsets == ends, (result, ends)
+    store.close()
+    print(" ".join(map(str, streams)))
+""")
+
+
+def test_two_processes_commit_to_one_file(tmp_path):
+    path, go = str(tmp_path / "shared.db"), str(tmp_path / "go")
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    workers = [subprocess.Popen([sys.executable, "-c", WORKER, path, str(node_id), "50", go],
+                                cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+               for node_id in (1, 2)]
+    deadline = time.monotonic() + 30
+    while not all(os.path.exists(f"{go}.ready{n}") for n in (1, 2)):
+        assert all(w.poll() is None for w in workers), [w.communicate() for w in workers]
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    open(go, "w").close()
+    outputs = [w.communicate(timeout=60) for w in workers]
+    for worker, (out, err) in zip(workers, outputs):
+        assert worker.returncode == 0 and "locked" not in err, err
+    store = SqliteMetadataStore(path)
+    try:
+        assert len(store.list_objects(ObjectState.COMMITTED)) == 200
+        for node_id, (out, _) in zip((1, 2), outputs):
+            ssos = store.node_stream_set_objects(node_id)
+            assert [o.order_id for o in ssos] == list(range(1, 51))
+            streams = [int(x) for x in out.split()]
+            assert [store.get_stream(s).end_offset for s in streams] == [750, 500, 500]
+            spans = [(r.start_offset, r.end_offset)
+                     for r in store.get_object_refs(streams[0], 0, 750, limit=1000)]
+            assert len(spans) == 100 and spans[0][0] == 0 and spans[-1][1] == 750
+            assert all(x[1] == y[0] for x, y in zip(spans, spans[1:]))
+    finally:
+        store.close()

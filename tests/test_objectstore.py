@@ -1,0 +1,553 @@
+"""The ObjectStore contract, one test body over a local directory, S3 in-process (moto) and S3
+over real HTTP (moto server); plus URL parsing, multipart abort, retries and the wrappers."""
+from __future__ import annotations
+
+import itertools
+import random
+import socket
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import boto3
+import pytest
+from botocore.awsrequest import AWSResponse
+from botocore.exceptions import ClientError, EndpointConnectionError
+from moto import mock_aws
+from moto.server import ThreadedMotoServer
+
+from s3stream.errors import ConfigError, ObjectNotFoundError, ObjectStoreError
+from s3stream.objectstore import (
+    FaultInjectingObjectStore, InstrumentedObjectStore, LocalObjectStore, ObjectInfo, ObjectStore,
+    S3ObjectStore, open_object_store,
+)
+
+MiB = 1024 * 1024
+# moto enforces S3's 5 MiB minimum for every part but the last, so parts are 5 MiB and the
+# multipart object is 12 MiB: three parts (5 + 5 + 2).
+PART_SIZE = 5 * MiB
+BIG_SIZE = 12 * MiB
+
+
+def payload(size: int, seed: int = 0) -> bytes:
+    return random.Random(seed).randbytes(size)
+
+
+@dataclass
+class Backend:
+    kind: str
+    store: Any
+    raw_client: Any = None  # a boto3 client on the same S3, for checks behind the store's back
+    bucket: str = ""
+
+    @property
+    def is_s3(self) -> bool:
+        return self.kind != "local"
+
+
+@pytest.fixture
+def aws_env(monkeypatch, tmp_path):
+    """Fake credentials, and nothing from the host's AWS configuration."""
+    for name in ("AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint():
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture(params=["local", "moto", "moto_http"])
+def backend(request, tmp_path, aws_env):
+    if request.param == "local":
+        store = LocalObjectStore(str(tmp_path / "objects"), part_size=PART_SIZE)
+        yield Backend("local", store)
+        store.close()
+        return
+    bucket = f"test-{uuid.uuid4().hex[:12]}"
+    if request.param == "moto":
+        with mock_aws():
+            raw = boto3.client("s3", region_name="us-east-1")
+            raw.create_bucket(Bucket=bucket)
+            # A prefix here (none over HTTP) so both key mappings are exercised.
+            store = S3ObjectStore(bucket, "streams/v1", region_name="us-east-1",
+                                  part_size=PART_SIZE)
+            yield Backend("moto", store, raw, bucket)
+            store.close()
+        return
+    endpoint = request.getfixturevalue("moto_endpoint")
+    raw = boto3.client("s3", region_name="us-east-1", endpoint_url=endpoint)
+    raw.create_bucket(Bucket=bucket)
+    store = S3ObjectStore(bucket, endpoint_url=endpoint, region_name="us-east-1",
+                          part_size=PART_SIZE)
+    yield Backend("moto_http", store, raw, bucket)
+    store.close()
+    raw.close()
+
+
+# -- the contract ------------------------------------------------------------------------------
+
+def test_is_an_object_store(backend):
+    assert isinstance(backend.store, ObjectStore)
+    assert backend.store.url.startswith("s3://" if backend.is_s3 else "file:///")
+
+
+def test_put_get_roundtrip(backend):
+    store = backend.store
+    store.put("a", b"hello world")
+    store.put("dir/b", memoryview(b"from a memoryview"))
+    store.put("empty", b"")
+    assert store.get("a") == b"hello world"
+    assert store.get("dir/b") == b"from a memoryview"
+    assert store.get("empty") == b""
+    assert store.size("a") == 11
+    assert store.size("empty") == 0
+
+
+def test_ranged_gets(backend):
+    data = payload(1000)
+    backend.store.put("obj", data)
+    get = backend.store.get
+    assert get("obj", 0, 10) == data[:10]
+    assert get("obj", 500, 600) == data[500:600]
+    assert get("obj", 990) == data[990:]
+    assert get("obj", 990, 1000) == data[990:]
+    assert get("obj", 990, 5000) == data[990:]  # clipped at the end
+    assert get("obj", 7, 7) == b""
+    assert get("obj", 1000) == b""  # starts at the end
+    assert get("obj", 2000, 3000) == b""  # starts past the end
+    with pytest.raises(ValueError):
+        get("obj", 10, 5)
+    with pytest.raises(ValueError):
+        get("obj", -1)
+
+
+def test_missing_key(backend):
+    store = backend.store
+    with pytest.raises(ObjectNotFoundError) as info:
+        store.get("nope")
+    assert "nope" in str(info.value)
+    with pytest.raises(ObjectNotFoundError):
+        store.get("nope", 5, 10)
+    with pytest.raises(ObjectNotFoundError):
+        store.size("nope")
+    assert isinstance(info.value, ObjectStoreError) and isinstance(info.value, KeyError)
+
+
+def test_overwrite_with_identical_bytes(backend):
+    data = payload(4096, seed=1)
+    backend.store.put("k", data)
+    backend.store.put("k", data)  # a retried put
+    assert backend.store.get("k") == data
+    assert list(backend.store.list()) == [ObjectInfo("k", 4096)]
+
+
+def test_delete_is_idempotent(backend):
+    store = backend.store
+    store.put("x/1", b"1")
+    store.put("x/2", b"22")
+    store.delete(["x/1", "never-there"])
+    with pytest.raises(ObjectNotFoundError):
+        store.get("x/1")
+    store.delete(["x/1"])
+    store.delete([])
+    store.delete(k for k in ["x/2"])  # any iterable
+    assert list(store.list()) == []
+    # More keys than one DeleteObjects request takes; almost all missing.
+    store.put("keep", b"k")
+    store.put("x/3", b"3")
+    store.delete(itertools.chain([f"gone/{i}" for i in range(2499)], ["x/3"]))
+    assert list(store.list()) == [ObjectInfo("keep", 1)]
+    if backend.is_s3:
+        assert backend.store.stats()["delete"] == 3 + 3  # 2500 keys = 3 batches, plus 3 above
+
+
+def test_list_by_prefix(backend):
+    store = backend.store
+    # No key is also a "directory" of others ("a" and "a/1"): the local store cannot hold both.
+    objects = {"a/1": 2, "a/10": 3, "a/2": 4, "ab": 5, "b/x/y": 6, "a-b": 7, "a.": 8}
+    for key, size in objects.items():
+        store.put(key, b"x" * size)
+    everything = sorted(ObjectInfo(k, s) for k, s in objects.items())
+    assert list(store.list()) == everything
+    assert list(store.list("")) == everything
+    assert [o.key for o in store.list("a/")] == ["a/1", "a/10", "a/2"]
+    assert [o.key for o in store.list("a")] == ["a-b", "a.", "a/1", "a/10", "a/2", "ab"]
+    assert [o.key for o in store.list("a/1")] == ["a/1", "a/10"]
+    assert list(store.list("b/")) == [ObjectInfo("b/x/y", 6)]
+    assert list(store.list("b/x/")) == [ObjectInfo("b/x/y", 6)]
+    assert list(store.list("zz")) == []
+    assert list(store.list("b/x/y/")) == []
+    assert list(store.list("../")) == [] and list(store.list("/")) == []
+
+
+def test_s3_prefix_isolates_keys(backend):
+    if backend.kind != "moto":
+        pytest.skip("the moto store is the one with a prefix")
+    backend.raw_client.put_object(Bucket=backend.bucket, Key="other/obj", Body=b"not ours")
+    backend.raw_client.put_object(Bucket=backend.bucket, Key="streams/v1x", Body=b"not ours")
+    backend.store.put("mine", b"ours")
+    assert list(backend.store.list()) == [ObjectInfo("mine", 4)]
+    assert backend.raw_client.get_object(
+        Bucket=backend.bucket, Key="streams/v1/mine")["Body"].read() == b"ours"
+    assert backend.store.url == f"s3://{backend.bucket}/streams/v1"
+
+
+def test_multipart_put(backend):
+    data = payload(BIG_SIZE, seed=2)
+    backend.store.put("big", data)
+    assert backend.store.size("big") == BIG_SIZE
+    assert backend.store.get("big") == data
+    # A range across the first part boundary.
+    assert backend.store.get("big", PART_SIZE - 10, PART_SIZE + 10) == data[PART_SIZE - 10:
+                                                                           PART_SIZE + 10]
+    backend.store.put("big", memoryview(data))  # retried, from a memoryview
+    assert backend.store.get("big") == data
+    if backend.is_s3:
+        stats = backend.store.stats()
+        assert stats["upload_part"] == 2 * 3
+        assert stats["create_multipart"] == stats["complete_multipart"] == 2
+        assert stats["put"] == 0 and stats["abort_multipart"] == 0
+
+
+def test_concurrent_puts_and_gets(backend):
+    store = backend.store
+    store.put("shared", b"same bytes from everyone")
+    # moto races on concurrent overwrites of one key (it closes the replaced object's buffer
+    # while another request still reads it), so only the local store rewrites "shared" here.
+    rewrite_shared = not backend.is_s3
+
+    def work(thread: int) -> None:
+        for i in range(10):
+            key = f"t{thread}/{i}"
+            data = payload(1000 + i, seed=thread * 100 + i)
+            store.put(key, data)
+            if rewrite_shared:
+                store.put("shared", b"same bytes from everyone")
+            assert store.get(key) == data
+            assert store.get(key, 10, 20) == data[10:20]
+            assert store.get("shared") == b"same bytes from everyone"
+            assert store.size(key) == len(data)
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(work, range(8)))
+    assert len(list(store.list())) == 8 * 10 + 1
+
+
+def test_empty_and_bad_keys(backend):
+    with pytest.raises(ValueError):
+        backend.store.put("", b"x")
+    if backend.kind == "local":
+        for bad in ["../escape", "/abs", "a//b", "a/./b", "a/../b", "a/", ".s3stream-tmp.x"]:
+            with pytest.raises(ValueError):
+                backend.store.put(bad, b"x")
+
+
+# -- local specifics ---------------------------------------------------------------------------
+
+def test_local_put_is_atomic_for_readers(tmp_path):
+    store = LocalObjectStore(str(tmp_path))
+    data = payload(20 * MiB, seed=3)
+    seen = {"missing": 0, "full": 0}
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def reader() -> None:
+        try:
+            while not done.is_set():
+                try:
+                    got = store.get("big")
+                except ObjectNotFoundError:
+                    seen["missing"] += 1
+                else:
+                    assert got == data, f"partial read of {len(got)} bytes"
+                    seen["full"] += 1
+                for info in store.list():
+                    assert info == ObjectInfo("big", len(data))
+        except BaseException as e:  # surfaced in the main thread
+            errors.append(e)
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    store.put("big", data)
+    while seen["full"] == 0 and not errors:
+        done.wait(0.01)
+    done.set()
+    thread.join()
+    assert not errors, errors[0]
+    assert seen["full"] > 0
+    assert [p.name for p in tmp_path.iterdir()] == ["big"]  # no temp file left
+
+
+def test_local_key_cannot_also_be_a_directory(tmp_path):
+    store = LocalObjectStore(str(tmp_path))
+    store.put("a", b"x")
+    with pytest.raises(ObjectStoreError, match="cannot hold both"):
+        store.put("a/1", b"y")
+    store.put("b/1", b"y")
+    with pytest.raises(ObjectStoreError, match="cannot hold both"):
+        store.put("b", b"x")
+    with pytest.raises(ObjectNotFoundError):
+        store.get("b")
+    with pytest.raises(ObjectNotFoundError):
+        store.size("b")
+    with pytest.raises(ObjectNotFoundError):
+        store.get("a/1")
+    store.delete(["b", "a/1"])  # neither is an object: nothing to do
+    assert list(store.list()) == [ObjectInfo("a", 1), ObjectInfo("b/1", 1)]
+
+
+def test_local_failed_put_leaves_nothing(tmp_path):
+    store = LocalObjectStore(str(tmp_path / "s"))
+
+    class Exploding:
+        """Not bytes-like: the write fails after the temp file was created."""
+
+    with pytest.raises(TypeError):
+        store.put("k", Exploding())  # type: ignore[arg-type]
+    assert list(store.list()) == []
+    assert list((tmp_path / "s").iterdir()) == []
+
+
+# -- S3 specifics --------------------------------------------------------------------------------
+
+def test_failed_multipart_upload_is_aborted(backend, monkeypatch):
+    if not backend.is_s3:
+        pytest.skip("multipart uploads are S3's")
+    client = backend.store._client
+    real_upload_part = client.upload_part
+    calls = itertools.count()
+
+    def flaky_upload_part(**kw):
+        if next(calls) >= 1:
+            raise ClientError({"Error": {"Code": "InternalError", "Message": "boom"}}, "UploadPart")
+        return real_upload_part(**kw)
+
+    monkeypatch.setattr(client, "upload_part", flaky_upload_part)
+    with pytest.raises(ObjectStoreError) as info:
+        backend.store.put("big", payload(BIG_SIZE))
+    assert "big" in str(info.value) and isinstance(info.value.__cause__, ClientError)
+    assert backend.raw_client.list_multipart_uploads(Bucket=backend.bucket).get("Uploads", []) == []
+    assert backend.store.stats()["abort_multipart"] == 1
+    with pytest.raises(ObjectNotFoundError):
+        backend.store.size("big")
+
+
+def test_unreachable_endpoint_raises_after_retries(aws_env):
+    with socket.socket() as s:  # a port that nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = S3ObjectStore("bucket", endpoint_url=f"http://127.0.0.1:{port}",
+                          region_name="us-east-1", max_attempts=2, connect_timeout=0.5)
+    try:
+        with pytest.raises(ObjectStoreError) as info:
+            store.put("k", b"data")
+        assert "put" in str(info.value) and "'k'" in str(info.value)
+        assert isinstance(info.value.__cause__, EndpointConnectionError)
+        with pytest.raises(ObjectStoreError):
+            store.get("k")
+        assert store.stats()["put"] == 1 and store.stats()["get"] == 1
+    finally:
+        store.close()
+
+
+def test_transient_error_is_retried(backend):
+    if backend.kind != "moto_http":
+        pytest.skip("needs the real HTTP path (in-process moto answers before our hook)")
+    attempts = []
+
+    class Raw:
+        def stream(self, **kw):
+            yield (b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>InternalError</Code>"
+                   b"<Message>try again</Message></Error>")
+
+    def first_attempt_fails(request, **kw):
+        attempts.append(request.url)
+        if len(attempts) == 1:
+            return AWSResponse(request.url, 500, {}, Raw())
+        return None  # send it for real
+
+    backend.store._client.meta.events.register("before-send.s3.PutObject", first_attempt_fails)
+    backend.store.put("k", b"data")
+    assert len(attempts) == 2
+    assert backend.store.stats()["put"] == 1  # one request from the store's point of view
+    assert backend.store.get("k") == b"data"
+
+
+def test_missing_bucket_is_an_object_store_error(backend):
+    if not backend.is_s3:
+        pytest.skip("buckets are S3's")
+    store = S3ObjectStore("no-such-bucket-here", client=backend.store._client,
+                          part_size=PART_SIZE)
+    with pytest.raises(ObjectStoreError, match="does not exist"):
+        store.put("k", b"x")
+    store.close()
+
+
+# -- open_object_store -------------------------------------------------------------------------
+
+def test_open_local_by_path_and_url(tmp_path):
+    by_path = open_object_store(str(tmp_path / "p" / "q"))
+    assert isinstance(by_path, LocalObjectStore) and (tmp_path / "p" / "q").is_dir()
+    by_url = open_object_store(f"file://{tmp_path}/u%20v?part_size=6291456")
+    assert isinstance(by_url, LocalObjectStore) and (tmp_path / "u v").is_dir()
+    assert by_url.part_size == 6 * MiB and by_url.url == f"file://{tmp_path}/u v"
+    with pytest.raises(ConfigError, match="file:///"):
+        open_object_store("file://relative/path")
+    with pytest.raises(ConfigError, match="endpoint_url"):
+        open_object_store(f"file://{tmp_path}/x?endpoint_url=http://x")
+
+
+def test_open_s3_with_query_parameters(aws_env):
+    with mock_aws():
+        store = open_object_store(
+            "s3://my-bucket/some/prefix/?region=us-east-1&part_size=8388608&max_concurrency=4"
+            "&max_attempts=3&connect_timeout=1.5&read_timeout=7&create_bucket=1")
+        try:
+            assert isinstance(store, S3ObjectStore)
+            assert store.url == "s3://my-bucket/some/prefix"
+            assert store.part_size == 8 * MiB and store.max_concurrency == 4
+            config = store._client.meta.config
+            assert config.connect_timeout == 1.5 and config.read_timeout == 7
+            assert config.retries["total_max_attempts"] == 3
+            assert store._client.meta.region_name == "us-east-1"
+            store.put("k", b"v")
+            assert open_object_store("s3://my-bucket/some/prefix").get("k") == b"v"
+        finally:
+            store.close()
+        with pytest.raises(ConfigError, match="create_bucket=1"):
+            open_object_store("s3://missing-bucket")
+        # keyword arguments override the query
+        store = open_object_store("s3://my-bucket?part_size=8388608", part_size=6 * MiB)
+        assert store.part_size == 6 * MiB
+        store.close()
+
+
+def test_open_s3_endpoint_url(backend):
+    if backend.kind != "moto_http":
+        pytest.skip("needs the moto server")
+    endpoint = backend.store._client.meta.endpoint_url
+    store = open_object_store(f"s3://{backend.bucket}/pre?endpoint_url={endpoint}&region=us-east-1")
+    try:
+        store.put("k", b"over http")
+        assert backend.raw_client.get_object(
+            Bucket=backend.bucket, Key="pre/k")["Body"].read() == b"over http"
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("url, message", [
+    ("http://example.com/x", "supported: file:///"),
+    ("gs://bucket", "unsupported object store URL scheme 'gs'"),
+    ("s3://bucket?colour=blue&endpoint_url=http://x", "unknown parameter(s) colour"),
+    ("s3://bucket?part_size=big", "part_size='big'"),
+    ("s3://bucket?create_bucket=maybe", "must be 1 or 0"),
+    ("s3://bucket?region=a&region=b", "2 times"),
+    ("s3:///prefix-only", "no bucket"),
+    ("s3://bucket?part_size=1024", "minimum part size"),
+])
+def test_open_rejects_bad_urls(url, message, aws_env):
+    with pytest.raises(ConfigError) as info:
+        open_object_store(url)
+    assert message in str(info.value)
+
+
+# -- wrappers ----------------------------------------------------------------------------------
+
+def test_wrappers_forward(backend):
+    for wrapper in (InstrumentedObjectStore(backend.store),
+                    FaultInjectingObjectStore(backend.store)):
+        assert isinstance(wrapper, ObjectStore)
+        assert wrapper.url == backend.store.url
+        assert wrapper.part_size == PART_SIZE
+
+
+def test_fault_injection(backend):
+    store = FaultInjectingObjectStore(backend.store, seed=7)
+    store.fail_next_puts(2)
+    for _ in range(2):
+        with pytest.raises(ObjectStoreError):
+            store.put("a", b"first")
+    with pytest.raises(ObjectNotFoundError):
+        store.get("a")  # nothing was written
+    store.put("a", b"first")
+
+    store.fail_next_puts(1, exc=TimeoutError("custom"))
+    with pytest.raises(TimeoutError):
+        store.put("b", b"x")
+
+    store.fail_puts_matching(lambda key: key.startswith("bad/"))
+    with pytest.raises(ObjectStoreError):
+        store.put("bad/1", b"x")
+    store.put("good/1", b"x")
+
+    store.put_timeout_after_landing(1)
+    with pytest.raises(ObjectStoreError, match="timed out"):
+        store.put("landed", b"it is there")
+    assert backend.store.get("landed") == b"it is there"
+    store.put("landed", b"it is there")  # the caller's retry succeeds
+
+    store.fail_next_gets(1)
+    with pytest.raises(ObjectStoreError):
+        store.get("a")
+    assert store.get("a") == b"first"
+
+    store.corrupt_gets(lambda key: key == "a")
+    corrupted = store.get("a")
+    assert corrupted != b"first" and len(corrupted) == 5
+    assert sum(x != y for x, y in zip(corrupted, b"first")) == 1
+    assert store.get("landed") == b"it is there"
+
+    store.clear()
+    assert store.get("a") == b"first"
+    store.put("bad/2", b"now fine")
+
+    ticks = []
+    store.hang_puts(0.05)
+    store._sleep = ticks.append  # an injected clock keeps the test fast
+    store.put("slow", b"x")
+    assert ticks == [0.05]
+
+    assert ("put", "a", "injected_failure") in store.events
+    assert ("put", "landed", "timeout_after_landing") in store.events
+    assert ("get", "a", "corrupted") in store.events
+    assert ("get", "a", "ObjectNotFoundError") in store.events
+    assert store.events[-1] == ("put", "slow", "ok")
+
+
+def test_instrumented_counts(backend):
+    store = InstrumentedObjectStore(backend.store)
+    store.put("small", b"12345")
+    big = payload(BIG_SIZE)
+    store.put("big", big)
+    assert store.get("small") == b"12345"
+    assert store.get("big", 0, 100) == big[:100]
+    store.get("small", 2, 2)
+    with pytest.raises(ObjectNotFoundError):
+        store.get("missing")
+    store.size("small")
+    store.delete(["small", "missing"])
+    assert len(list(store.list())) == 1
+    stats = store.stats()
+    assert stats["put"] == 2
+    assert stats["put_requests"] == 1 + (3 + 2)  # small; create + 3 parts + complete
+    assert stats["bytes_written"] == 5 + BIG_SIZE
+    assert stats["get"] == 4 and stats["get_requests"] == 3
+    assert stats["bytes_read"] == 5 + 100
+    assert stats["size"] == 1 and stats["delete"] == 1 and stats["deleted_keys"] == 2
+    assert stats["list"] == 1 and stats["errors"] == 1
+    if backend.is_s3:
+        assert backend.store.stats()["upload_part"] == 3
+    store.reset()
+    assert set(store.stats().values()) == {0}

@@ -311,3 +311,34 @@ def test_second_writer_process_is_refused(tmp_path):
         w.append(b"x").result()
         with pytest.raises(wal.WALInUseError, match="in use"):
             wal.WriteAheadLog.open(p, node_id=1)
+
+
+def test_callbacks_stay_in_offset_order_when_appends_wait(tmp_path):
+    """Large records and few buffers make appends wait for space (callbacks registered after the
+    ring mutex is released): the dispatcher must still run them in offset order."""
+    cfg = wal.WALConfig(capacity=8 * MiB, batch_bytes=64 * KiB, buffers=2)
+    seen: list[int] = []
+    lock = threading.Lock()
+
+    def cb(h):
+        with lock:
+            seen.append(h.offset)
+
+    with wal.WriteAheadLog.open(tmp_path / "w", node_id=1, config=cfg) as w:
+        def producer(seed):
+            rng = random.Random(seed)
+            for i in range(120):
+                w.append(payload(rng, rng.choice([100, 40 * KiB, 70 * KiB])), callback=cb)
+                if i % 20 == 19:
+                    live = w.durable_end
+                    if live > 4 * MiB:
+                        w.trim(live)
+
+        threads = [threading.Thread(target=producer, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert w.sync(timeout=20)
+    assert len(seen) == 480
+    assert seen == sorted(seen)

@@ -166,6 +166,7 @@ cdef class Ring:
     cdef list callbacks
     cdef uint64_t pending_ends[256]      # ends of placed records whose callback is not registered yet
     cdef int pending_count
+    cdef int ncallbacks                  # entries in `callbacks` (readable without the GIL)
     cdef pthread_cond_t reg_cv
     cdef uint64_t callback_seq
     cdef uint64_t dispatched_end
@@ -483,6 +484,7 @@ cdef class Ring:
                         entry[1] = self.callback_seq
                         self.callback_seq += 1
                         heapq.heappush(self.callbacks, entry)
+                        self.ncallbacks += 1
                 pthread_mutex_unlock(&self.mutex)
             elif n >= NOGIL_BYTES:
                 with nogil:
@@ -688,6 +690,8 @@ cdef class Ring:
             entry[1] = self.callback_seq
             self.callback_seq += 1
             heapq.heappush(self.callbacks, entry)
+            self.ncallbacks += 1
+            pthread_cond_broadcast(&self.done_cv)    # it may be durable already
         if slot >= 0:
             self._release_pending(slot)
         pthread_mutex_unlock(&self.mutex)
@@ -707,7 +711,10 @@ cdef class Ring:
             ready = []
             with nogil:
                 pthread_mutex_lock(&self.mutex)
-                while self._dispatchable_end() <= self.dispatched_end and not self._dispatch_all_locked():
+                # Sleep while nothing is queued or nothing queued can run yet: a WAL without
+                # callbacks never wakes this thread (or takes the GIL) per write.
+                while ((self.ncallbacks == 0 or self._dispatchable_end() <= self.dispatched_end)
+                       and not self._dispatch_all_locked()):
                     pthread_cond_wait(&self.done_cv, &self.mutex)
                 pthread_mutex_unlock(&self.mutex)
             self._lock_with_gil()
@@ -715,6 +722,7 @@ cdef class Ring:
             upto = NO_SEQ if finished else self._dispatchable_end()
             while self.callbacks and (<list>self.callbacks[0])[0] <= upto:
                 ready.append(heapq.heappop(self.callbacks))
+                self.ncallbacks -= 1
             if upto > self.dispatched_end:
                 self.dispatched_end = upto
             finished = self.dispatch_stop

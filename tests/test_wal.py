@@ -342,3 +342,15 @@ def test_callbacks_stay_in_offset_order_when_appends_wait(tmp_path):
         assert w.sync(timeout=20)
     assert len(seen) == 480
     assert seen == sorted(seen)
+
+
+def test_add_done_callback_fires_without_append_callbacks(tmp_path):
+    with wal.WriteAheadLog.open(tmp_path / "w", node_id=1, config=wal.WALConfig(capacity=1 * MiB)) as w:
+        fired = threading.Event()
+        h = w.append(b"x")
+        h.add_done_callback(lambda _h: fired.set())
+        assert fired.wait(5)
+        h.result()
+        late = threading.Event()
+        h.add_done_callback(lambda _h: late.set())   # already durable: runs at once
+        assert late.is_set()

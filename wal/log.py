@@ -301,7 +301,10 @@ class WriteAheadLog:
                         self._max_record, (WALFullError, WALClosedError, WALIOError, RecordTooLargeError))
             self._writers = [threading.Thread(target=ring.run_writer, name=f"wal-writer-{i}", daemon=True)
                              for i in range(cfg.writer_threads)]
-            for t in self._writers:
+            # Callbacks (given to append or added to a handle later) run on this thread; it
+            # sleeps until some are queued.
+            self._dispatcher = threading.Thread(target=ring.run_dispatcher, name="wal-callbacks", daemon=True)
+            for t in self._writers + [self._dispatcher]:
                 t.start()
             self._ring = ring
             return ring
@@ -317,15 +320,7 @@ class WriteAheadLog:
         or failed; callbacks given here run in offset order.
         """
         ring = self._ring or self._start()
-        if callback is not None and self._dispatcher is None:
-            self._start_dispatcher(ring)
         return ring.append(data, callback, prefix)
-
-    def _start_dispatcher(self, ring: Ring) -> None:
-        with self._lock:
-            if self._dispatcher is None:
-                self._dispatcher = threading.Thread(target=ring.run_dispatcher, name="wal-callbacks", daemon=True)
-                self._dispatcher.start()
 
     def sync(self, timeout: float | None = None) -> bool:
         """Wait until every record appended so far is durable; False on timeout."""

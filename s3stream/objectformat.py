@@ -10,6 +10,7 @@ from typing import NamedTuple, Sequence
 from _native import objcodec
 
 from .errors import CorruptDataError
+from .recordbatch import FetchedBatch as Batch
 from .objectstore import ObjectStore
 
 FOOTER_SIZE = objcodec.FOOTER_SIZE
@@ -25,16 +26,6 @@ class IndexEntry(NamedTuple):
     block_size: int
     block_position: int
     batch_count: int
-
-
-class Batch(NamedTuple):
-    base_offset: int
-    count: int
-    payload: bytes
-
-    @property
-    def end_offset(self) -> int:
-        return self.base_offset + self.count
 
 
 class EncodedObject(NamedTuple):

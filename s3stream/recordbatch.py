@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .errors import InvalidBatchError
 
@@ -24,8 +25,8 @@ class AppendResult:
     base_offset: int
 
 
-@dataclass(frozen=True)
-class FetchedBatch:
+class FetchedBatch(NamedTuple):
+    """A batch as stored and returned by fetch: records [base_offset, base_offset + count)."""
     base_offset: int
     count: int
     payload: bytes

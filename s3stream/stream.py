@@ -11,7 +11,7 @@ from .errors import (
 )
 from .metadata import StreamMeta
 from .objectformat import Batch
-from .recordbatch import AppendResult, FetchedBatch, FetchResult, RecordBatch
+from .recordbatch import AppendResult, FetchResult, RecordBatch
 
 if TYPE_CHECKING:
     from .client import StreamClient
@@ -142,8 +142,7 @@ class Stream:
             raise ValueError(f"max_bytes must be positive, got {max_bytes}")
         if start_offset == end:
             return FetchResult([])
-        batches = self._client._reader.read(self.stream_id, start_offset, end, max_bytes)
-        return FetchResult([FetchedBatch(b.base_offset, b.count, b.payload) for b in batches])
+        return FetchResult(self._client._reader.read(self.stream_id, start_offset, end, max_bytes))
 
     # ---- trim, close, destroy -------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ import os
 import struct
 import threading
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import wal
 
@@ -33,10 +33,71 @@ from .read import Reader
 from .stream import Stream
 from .upload import Uploader
 
+if TYPE_CHECKING:
+    from .partition import Partition
+
 log = logging.getLogger("s3stream")
 
 #: Header of a stream record in the WAL: stream id, stream epoch, base offset, record count.
 WAL_RECORD = struct.Struct("<QQQI")
+
+
+def replay_wal(records, node_id: int, meta: MetadataStore, cache: LogCache, uploader: Uploader) -> dict:
+    """Upload and commit the WAL records of `node_id` above each stream's committed end, through
+    `cache` and `uploader` (whose node id and epoch are the ones committed under). Used at a
+    node's restart and, on a dead node's behalf, by failover. Records of streams that have moved
+    on (another owner or epoch) cannot be committed and are reported in the log."""
+    metas: dict[int, StreamMeta | None] = {}
+    expected: dict[int, int] = {}
+    count = replayed = 0
+    last_end = None
+    last_block = -1
+    for rec in records:
+        count += 1
+        last_end = rec.end
+        stream_id, epoch, base, n = WAL_RECORD.unpack_from(rec.data)
+        if stream_id not in metas:
+            try:
+                metas[stream_id] = meta.get_stream(stream_id)
+            except StreamNotFoundError:
+                metas[stream_id] = None
+        m = metas[stream_id]
+        if m is None or m.state == StreamState.DELETED or base + n <= m.end_offset:
+            continue
+        if m.state != StreamState.OPENED or m.owner_node_id != node_id or m.epoch != epoch:
+            log.error("stream %d: WAL of node %d holds offsets [%d, %d) above its committed end %d written at "
+                      "epoch %d, but the stream is now %s on node %s at epoch %d: they cannot be committed",
+                      stream_id, node_id, base, base + n, m.end_offset, epoch, m.state.value,
+                      m.owner_node_id, m.epoch)
+            continue
+        want = expected.get(stream_id, m.end_offset)
+        if base != want:
+            raise CorruptDataError(f"WAL of node {node_id}: stream {stream_id} record at offset {base}, expected {want}")
+        expected[stream_id] = base + n
+        replayed += 1
+        sealed = cache.put(stream_id, epoch, Batch(base, n, rec.data[WAL_RECORD.size:]), rec.end)
+        if sealed is not None:
+            uploader.submit(sealed)
+            last_block = sealed.block_id
+            if last_block >= 2:        # bound memory: at most two blocks uploading behind the scan
+                uploader.wait_committed(last_block - 2)
+    sealed = cache.seal()
+    if sealed is not None:
+        uploader.submit(sealed)
+        last_block = sealed.block_id
+    if last_block >= 0:
+        uploader.wait_committed(last_block)
+    return dict(records=count, replayed=replayed, last_end=last_end)
+
+
+def close_node_streams(meta: MetadataStore, node_id: int) -> int:
+    """Close every stream `node_id` holds open (after its data was committed)."""
+    closed = 0
+    for m in meta.list_streams():
+        if m.state == StreamState.OPENED and m.owner_node_id == node_id:
+            meta.close_stream(m.stream_id, m.epoch, node_id)
+            closed += 1
+    return closed
 
 
 class StreamClient:
@@ -62,6 +123,7 @@ class StreamClient:
         self._meta: MetadataStore = open_metadata(metadata) if isinstance(metadata, str) else metadata
         self._lock = threading.Lock()
         self._streams: dict[int, Stream] = {}
+        self._partitions: dict[str, "Partition"] = {}
         self._closed = False
         self._fenced = False
         self._admit_cond = threading.Condition()
@@ -113,6 +175,37 @@ class StreamClient:
             if stream_id in self._streams:
                 raise StreamNotClosedError(f"stream {stream_id} is already open on this client")
         return self._register(self._meta_call(self._meta.open_stream, stream_id, self.node_id, self.node_epoch))
+
+    def open_partition(self, name: str) -> "Partition":
+        """Create the named partition or open it on this node (see s3stream.partition)."""
+        from .partition import open_partition
+        self._check_usable()
+        with self._lock:
+            if name in self._partitions:
+                return self._partitions[name]
+        return open_partition(self, name)
+
+    def partitions(self) -> list["Partition"]:
+        with self._lock:
+            return list(self._partitions.values())
+
+    def _remember_partition(self, partition: "Partition") -> None:
+        with self._lock:
+            self._partitions[partition.name] = partition
+
+    def _forget_partition(self, partition: "Partition") -> None:
+        with self._lock:
+            if self._partitions.get(partition.name) is partition:
+                del self._partitions[partition.name]
+
+    def _stream(self, stream_id: int) -> Stream:
+        with self._lock:
+            return self._streams[stream_id]
+
+    def _unuploaded_bytes(self, stream: Stream) -> int:
+        """Bytes of the stream still only in the WAL and log cache."""
+        return sum(b.streams[stream.stream_id].size for b in self._cache.pending_blocks_with(stream.stream_id)
+                   if stream.stream_id in b.streams)
 
     def _register(self, meta: StreamMeta) -> Stream:
         stream = Stream(self, meta)
@@ -249,61 +342,16 @@ class StreamClient:
     def _recover(self) -> dict:
         """Upload and commit what the WAL holds above each stream's committed end, then close
         the streams this node left open. Returns counts for logs and tests."""
-        metas: dict[int, StreamMeta | None] = {}
-        expected: dict[int, int] = {}
-        records = replayed = 0
-        last_end = None
-        last_block = -1
-        for rec in self._wal.recover():
-            records += 1
-            last_end = rec.end
-            stream_id, epoch, base, count = WAL_RECORD.unpack_from(rec.data)
-            if stream_id not in metas:
-                try:
-                    metas[stream_id] = self._meta.get_stream(stream_id)
-                except StreamNotFoundError:
-                    metas[stream_id] = None
-            meta = metas[stream_id]
-            if meta is None or meta.state == StreamState.DELETED or base + count <= meta.end_offset:
-                continue
-            if meta.state != StreamState.OPENED or meta.owner_node_id != self.node_id or meta.epoch != epoch:
-                log.error("stream %d: WAL holds offsets [%d, %d) above its committed end %d written at epoch %d, "
-                          "but the stream is now %s on node %s at epoch %d: they cannot be committed",
-                          stream_id, base, base + count, meta.end_offset, epoch, meta.state.value,
-                          meta.owner_node_id, meta.epoch)
-                continue
-            want = expected.get(stream_id, meta.end_offset)
-            if base != want:
-                raise CorruptDataError(
-                    f"WAL of node {self.node_id}: stream {stream_id} record at offset {base}, expected {want}")
-            expected[stream_id] = base + count
-            replayed += 1
-            sealed = self._cache.put(stream_id, epoch, Batch(base, count, rec.data[WAL_RECORD.size:]), rec.end)
-            if sealed is not None:
-                self._uploader.submit(sealed)
-                last_block = sealed.block_id
-                # bound memory: at most two blocks uploading behind the scan
-                if last_block >= 2:
-                    self._uploader.wait_committed(last_block - 2)
-        sealed = self._cache.seal()
-        if sealed is not None:
-            self._uploader.submit(sealed)
-            last_block = sealed.block_id
-        if last_block >= 0:
-            self._uploader.wait_committed(last_block)
-        closed = 0
-        for meta in self._meta.list_streams():
-            if meta.state == StreamState.OPENED and meta.owner_node_id == self.node_id:
-                self._meta.close_stream(meta.stream_id, meta.epoch, self.node_id)
-                closed += 1
+        result = replay_wal(self._wal.recover(), self.node_id, self._meta, self._cache, self._uploader)
+        closed = close_node_streams(self._meta, self.node_id)
         self._recovering = False
-        if last_end is not None:
-            self._wal.trim(last_end)
-        result = dict(records=records, replayed=replayed, streams_closed=closed,
+        if result["last_end"] is not None:
+            self._wal.trim(result["last_end"])
+        result.update(streams_closed=closed,
                       stop_reason=self._wal.recovery_result.stop_reason if self._wal.recovery_result else None)
-        if records:
+        if result["records"]:
             log.info("node %d recovered %d WAL records (%d uploaded), closed %d streams", self.node_id,
-                     records, replayed, closed)
+                     result["records"], result["replayed"], closed)
         return result
 
     # ---- closing ------------------------------------------------------------------------------
@@ -313,6 +361,11 @@ class StreamClient:
         if self._closed:
             return
         errors = []
+        for partition in self.partitions():
+            try:
+                partition.close()
+            except (S3StreamError, TimeoutError) as e:
+                errors.append(e)
         for stream in self.streams():
             try:
                 stream.close(timeout)

@@ -728,3 +728,14 @@ def test_two_processes_commit_to_one_file(tmp_path):
             assert all(x[1] == y[0] for x, y in zip(spans, spans[1:]))
     finally:
         store.close()
+
+
+def test_list_kv_by_prefix(tmp_path):
+    from s3stream.metadata import SqliteMetadataStore
+    m = SqliteMetadataStore(str(tmp_path / "m.db"))
+    for k in ("assignment/a", "assignment/b", "assignmentx", "opened/a", "assignment/\u00e9"):
+        m.put_kv(k, k.encode())
+    assert list(m.list_kv("assignment/")) == ["assignment/a", "assignment/b", "assignment/\u00e9"]
+    assert m.list_kv("assignment/")["assignment/b"] == b"assignment/b"
+    assert m.list_kv("nothing/") == {}
+    m.close()

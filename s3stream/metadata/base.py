@@ -301,5 +301,9 @@ class MetadataStore(abc.ABC):
     @abc.abstractmethod
     def delete_kv(self, key: str) -> None: ...
 
+    @abc.abstractmethod
+    def list_kv(self, prefix: str) -> dict[str, bytes]:
+        """Every key starting with `prefix` and its value, keys ascending."""
+
     def close(self) -> None:
         pass

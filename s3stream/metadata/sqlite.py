@@ -541,6 +541,13 @@ class SqliteMetadataStore(MetadataStore):
         with self._transaction(write=True) as db:
             db.execute("DELETE FROM kv WHERE key = ?", (key,))
 
+    def list_kv(self, prefix: str) -> dict[str, bytes]:
+        # A range scan on the primary key: [prefix, prefix + U+10FFFF) holds every key with it.
+        with self._transaction(write=False) as db:
+            rows = db.execute("SELECT key, value FROM kv WHERE key >= ? AND key < ? ORDER BY key",
+                              (prefix, prefix + "\U0010ffff")).fetchall()
+        return {k: bytes(v) for k, v in rows}
+
 
 # ---- helpers (all run inside a transaction) ----------------------------------------------------
 

@@ -1,0 +1,278 @@
+"""Nodes, assignment, migration and failover over shared metadata (article 000).
+
+State in metadata KV (JSON values):
+- `assignment/<partition>`: {"node": id, "version": n}: where the partition should be open;
+  every change bumps the version (a migration is one version).
+- `opened/<partition>`: {"node", "version", "leader_epoch", "at"}: written by the node that
+  opened it for that version; `closed/<partition>` likewise by the node that closed it, with
+  the bytes its close force-uploaded.
+Nodes register (node epoch + 1) and heartbeat through the metadata store.
+
+Each node runs a NodeAgent: a bounded background loop that heartbeats and makes the node's open
+partitions equal to its assignment, closing what was moved away (force upload of the tail only)
+and opening what was moved to it (epoch + 1). `Cluster.migrate` changes an assignment and waits
+for the target to report the partition open, which takes time in the un-uploaded tail, never in
+the history. If the source does not let go in time, it is fenced and failed over.
+
+Failover: when a node's heartbeat is older than the timeout (or on request), one live node,
+elected through KV, fences it, commits its WAL's records on its behalf (s3stream.failover) and
+reassigns its partitions to the live nodes.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+
+from .client import StreamClient
+from .config import Config
+from .errors import ConfigError, S3StreamError, StreamFencedError, StreamNotClosedError
+from .failover import FailoverReport, fail_over
+from .metadata import MetadataStore
+from .objectstore import ObjectStore
+
+log = logging.getLogger("s3stream.cluster")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """agent_interval: seconds between a node agent's passes (assignment changes are seen within
+        it). heartbeat_interval / heartbeat_timeout: a node silent for the timeout is failed over
+        (if auto_failover). migration_timeout: seconds a migration waits for the source to let go
+        before fencing and failing it over. max_parallel_moves: partitions a node opens or closes
+        at once (the agent's thread bound)."""
+    agent_interval: float = 0.02
+    heartbeat_interval: float = 0.5
+    heartbeat_timeout: float = 5.0
+    migration_timeout: float = 10.0
+    max_parallel_moves: int = 4
+    auto_failover: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("agent_interval", "heartbeat_interval", "heartbeat_timeout", "migration_timeout"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be positive seconds, got {getattr(self, name)}")
+        if self.heartbeat_timeout <= 2 * self.heartbeat_interval:
+            raise ConfigError("heartbeat_timeout must exceed twice heartbeat_interval")
+        if self.max_parallel_moves < 1:
+            raise ConfigError(f"max_parallel_moves must be >= 1, got {self.max_parallel_moves}")
+
+
+@dataclass
+class MigrationReport:
+    partition: str
+    source: int | None
+    target: int
+    seconds: float
+    tail_bytes: int          # bytes the source force-uploaded for this partition
+    leader_epoch: int
+    failed_over: bool        # the source did not let go in time and was fenced
+
+
+def _get(meta: MetadataStore, key: str) -> dict | None:
+    raw = meta.get_kv(key)
+    return None if raw is None else json.loads(raw)
+
+
+def _put(meta: MetadataStore, key: str, value: dict) -> None:
+    meta.put_kv(key, json.dumps(value).encode())
+
+
+class Cluster:
+    """An admin view of the cluster: any process with the shared metadata and store may use it."""
+
+    def __init__(self, metadata: MetadataStore, store: ObjectStore, config: ClusterConfig | None = None,
+                 engine_config: Config | None = None) -> None:
+        self.meta = metadata
+        self.store = store
+        self.config = config or ClusterConfig()
+        self.engine_config = engine_config
+        self._lock = threading.Lock()
+
+    # ---- assignment ----------------------------------------------------------------------------
+
+    def assignment(self, name: str) -> dict | None:
+        return _get(self.meta, f"assignment/{name}")
+
+    def assignments(self) -> dict[str, dict]:
+        return {k.split("/", 1)[1]: json.loads(v) for k, v in self.meta.list_kv("assignment/").items()}
+
+    def assign(self, name: str, node_id: int) -> int:
+        """Point the partition at `node_id`; returns the new assignment version."""
+        with self._lock:
+            current = self.assignment(name)
+            version = (current["version"] if current else 0) + 1
+            _put(self.meta, f"assignment/{name}", {"node": node_id, "version": version})
+            return version
+
+    def owner(self, name: str) -> int | None:
+        """The node the partition is open on now (None while it moves)."""
+        a, o = self.assignment(name), _get(self.meta, f"opened/{name}")
+        if a and o and o["version"] == a["version"]:
+            return o["node"]
+        return None
+
+    def live_nodes(self) -> list[int]:
+        now = time.time_ns()
+        timeout = int(self.config.heartbeat_timeout * 1e9)
+        return sorted(n.node_id for n in self.meta.list_nodes() if not n.failover and now - n.heartbeat_ns < timeout)
+
+    # ---- migration ----------------------------------------------------------------------------
+
+    def wait_open(self, name: str, version: int, timeout: float) -> dict | None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            o = _get(self.meta, f"opened/{name}")
+            if o and o["version"] >= version:
+                return o
+            time.sleep(0.002)
+        return None
+
+    def migrate(self, name: str, to_node: int, timeout: float | None = None) -> MigrationReport:
+        """Move a partition to `to_node`: the source closes it (force upload of its tail), the
+        target opens it with a new epoch. Falls back to fencing + failover of the source if it
+        does not let go within the timeout."""
+        timeout = self.config.migration_timeout if timeout is None else timeout
+        current = self.assignment(name)
+        source = current["node"] if current else None
+        t0 = time.perf_counter()
+        version = self.assign(name, to_node)
+        opened = self.wait_open(name, version, timeout)
+        failed_over = False
+        if opened is None and source is not None and source != to_node:
+            closed = _get(self.meta, f"closed/{name}")
+            if not closed or closed["version"] < version:
+                log.warning("migration of %s: node %d did not let go in %.1f s: failing it over", name, source, timeout)
+                self.fail_over(source, reassign=False)
+                failed_over = True
+                opened = self.wait_open(name, version, timeout)
+        if opened is None:
+            raise S3StreamError(f"partition {name!r} was not opened on node {to_node} within {timeout} s")
+        closed = _get(self.meta, f"closed/{name}")
+        tail = closed["tail_bytes"] if closed and closed["version"] == version else 0
+        return MigrationReport(name, source, to_node, time.perf_counter() - t0, tail, opened["leader_epoch"],
+                               failed_over)
+
+    # ---- failover ------------------------------------------------------------------------------
+
+    def fail_over(self, node_id: int, reassign: bool = True) -> FailoverReport:
+        """Fence `node_id`, commit its WAL on its behalf, close its streams; then (if `reassign`)
+        spread its partitions over the live nodes."""
+        report = fail_over(node_id, store=self.store, metadata=self.meta, config=self.engine_config)
+        if reassign:
+            live = [n for n in self.live_nodes() if n != node_id]
+            if not live:
+                raise S3StreamError(f"node {node_id} failed over but no live node can take its partitions")
+            mine = sorted(name for name, a in self.assignments().items() if a["node"] == node_id)
+            for i, name in enumerate(mine):
+                self.assign(name, live[i % len(live)])
+        return report
+
+
+class NodeAgent:
+    """Keeps one node's open partitions equal to its assignment, heartbeats, and fails over dead
+    peers. One loop thread plus at most `max_parallel_moves` workers."""
+
+    def __init__(self, client: StreamClient, cluster: Cluster) -> None:
+        self.client = client
+        self.cluster = cluster
+        self.config = cluster.config
+        self.node_id = client.node_id
+        self._busy: set[str] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._pool = ThreadPoolExecutor(max_workers=self.config.max_parallel_moves,
+                                        thread_name_prefix=f"agent-{self.node_id}")
+        self._last_heartbeat = 0.0
+        self.fenced = False
+        self.errors: list[str] = []
+        self._thread = threading.Thread(target=self._run, name=f"node-agent-{self.node_id}", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._pool.shutdown(wait=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.config.agent_interval):
+            try:
+                self._pass()
+            except StreamFencedError as e:
+                log.error("node %d is fenced; its agent stops: %s", self.node_id, e)
+                self.fenced = True
+                return
+            except Exception as e:   # noqa: BLE001 - the next pass retries
+                log.exception("node agent %d pass failed", self.node_id)
+                self.errors.append(str(e))
+
+    def _pass(self) -> None:
+        now = time.monotonic()
+        if now - self._last_heartbeat >= self.config.heartbeat_interval:
+            self.client._meta.heartbeat(self.node_id, self.client.node_epoch)
+            self._last_heartbeat = now
+            if self.config.auto_failover:
+                self._fail_over_dead_peers()
+        assigned = self.cluster.assignments()
+        mine = {name: a["version"] for name, a in assigned.items() if a["node"] == self.node_id}
+        open_now = {p.name: p for p in self.client.partitions()}
+        for name, partition in open_now.items():
+            if name not in mine:
+                version = assigned.get(name, {}).get("version", 0)
+                self._submit(name, self._close, partition, version)
+        for name, version in mine.items():
+            if name not in open_now:
+                self._submit(name, self._open, name, version)
+
+    def _submit(self, name: str, fn, *args) -> None:
+        with self._lock:
+            if name in self._busy:
+                return
+            self._busy.add(name)
+
+        def task():
+            try:
+                fn(*args)
+            except StreamNotClosedError:
+                pass                       # the source has not let go yet: next pass
+            except Exception as e:        # noqa: BLE001 - reported, retried by the next pass
+                log.exception("node %d: moving partition %s failed", self.node_id, name)
+                self.errors.append(f"{name}: {e}")
+            finally:
+                with self._lock:
+                    self._busy.discard(name)
+
+        self._pool.submit(task)
+
+    def _open(self, name: str, version: int) -> None:
+        partition = self.client.open_partition(name)
+        _put(self.client._meta, f"opened/{name}", {"node": self.node_id, "version": version,
+                                                    "leader_epoch": partition.leader_epoch, "at": time.time()})
+
+    def _close(self, partition, version: int) -> None:
+        report = partition.close()
+        _put(self.client._meta, f"closed/{partition.name}",
+             {"node": self.node_id, "version": version, "tail_bytes": report.tail_bytes,
+              "seconds": report.seconds, "at": time.time()})
+
+    def _fail_over_dead_peers(self) -> None:
+        now = time.time_ns()
+        timeout = int(self.config.heartbeat_timeout * 1e9)
+        for node in self.client._meta.list_nodes():
+            if node.node_id == self.node_id or node.failover or now - node.heartbeat_ns < timeout:
+                continue
+            # One live node wins the right to fail this epoch of the node over.
+            claim = f"failover/{node.node_id}/{node.node_epoch}"
+            me = str(self.node_id).encode()
+            if self.client._meta.put_kv_if_absent(claim, me) != me:
+                continue
+            log.warning("node %d: node %d missed heartbeats for %.1f s: failing it over", self.node_id,
+                        node.node_id, (now - node.heartbeat_ns) / 1e9)
+            self.cluster.fail_over(node.node_id)
+
+
+def report_dict(report) -> dict:
+    return asdict(report)

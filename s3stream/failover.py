@@ -1,0 +1,65 @@
+"""Failover: recover a dead node's WAL on its behalf (articles 000 and 002).
+
+1. Fence the node: its epoch + 1 in metadata, so the old instance, if it is only paused (a
+   "zombie"), can no longer commit or open streams; its next commit fails and it stops.
+2. Open its WAL read-only (it must be reachable, as a shared EBS volume is) and replay the
+   records above each stream's committed end: upload and commit them under the dead node's id
+   and its new epoch, exactly as the node itself would have at restart.
+3. Close the streams it held, so that other nodes can open them (epoch + 1).
+Nothing acknowledged by the dead node before it was fenced is lost: it was durable in its WAL.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import wal
+
+from .config import Config
+from .errors import WALError
+from .logcache import LogCache
+from .metadata import MetadataStore
+from .objectstore import ObjectStore
+from .upload import Uploader
+
+log = logging.getLogger("s3stream.failover")
+
+
+@dataclass
+class FailoverReport:
+    node_id: int
+    fenced_epoch: int
+    records: int
+    replayed: int
+    streams_closed: int
+    seconds: float
+
+
+def fail_over(node_id: int, *, store: ObjectStore, metadata: MetadataStore, config: Config | None = None,
+              wal_path: str | None = None) -> FailoverReport:
+    """Fence `node_id`, commit what its WAL holds, close its streams (see module docstring)."""
+    from .client import close_node_streams, replay_wal
+    config = config or Config()
+    t0 = time.perf_counter()
+    path = wal_path or metadata.get_node(node_id).wal_path
+    node = metadata.fence_node(node_id, failover=True)
+    try:
+        w = wal.WriteAheadLog.open(path, node_id=node_id, recovery=True, config=config.wal_config)
+    except wal.WALError as e:
+        raise WALError(f"failover of node {node_id}: cannot open its WAL {path!r}: {e}") from e
+    cache = LogCache(config.upload_threshold, config.cache_size, time.monotonic_ns)
+    uploader = Uploader(node_id=node_id, node_epoch=node.node_epoch, store=store, metadata=metadata, cache=cache,
+                        trim_wal=lambda offset: None, config=config, on_committed=lambda block, result: None,
+                        on_fenced=lambda streams: None)
+    try:
+        result = replay_wal(w.recover(), node_id, metadata, cache, uploader)
+    finally:
+        uploader.close()
+        w.close()
+    closed = close_node_streams(metadata, node_id)
+    report = FailoverReport(node_id, node.node_epoch, result["records"], result["replayed"], closed,
+                            time.perf_counter() - t0)
+    log.warning("failed over node %d: %d WAL records (%d committed on its behalf), %d streams closed in %.3f s",
+                node_id, report.records, report.replayed, closed, report.seconds)
+    return report

@@ -1,1 +1,29 @@
-"""PySpark-driven load tests: distributed throughput and migration time, with reports and plots."""
+"""PySpark-driven load tests: each Spark task acts as one node (its own WAL file, the shared
+object store and metadata).
+
+    python -m spark_bench throughput [--nodes 1,2,4] [--duration S] [--master URL] ...
+    python -m spark_bench migration  [--histories 16M,256M,1G] [--tail 16M] [--migrations N] ...
+
+Each run writes a JSON report and PNG plots, and shows progress on stderr.
+"""
+from __future__ import annotations
+
+import sys
+
+USAGE = __doc__
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        raise SystemExit(0 if argv else 2)
+    kind, rest = argv[0], argv[1:]
+    if kind == "throughput":
+        from .throughput import run
+    elif kind == "migration":
+        from .migration import run
+    else:
+        print(f"unknown load test {kind!r}: choose throughput or migration\n\n{USAGE}", file=sys.stderr)
+        raise SystemExit(2)
+    return run(rest)

@@ -1,0 +1,29 @@
+"""The Spark load tests run end to end in local mode (tiny sizes): Spark tasks act as nodes."""
+import json
+import shutil
+
+import pytest
+
+pytest.importorskip("pyspark")
+if not shutil.which("java"):
+    pytest.skip("PySpark needs Java", allow_module_level=True)
+
+
+def test_spark_throughput_smoke(tmp_path):
+    from spark_bench import main
+    report = main(["throughput", "--nodes", "1,2", "--partitions", "1", "--duration", "1.5",
+                   "--out", str(tmp_path), "--store", f"file://{tmp_path}/objects", "--wal-capacity", "64M"])
+    assert [r["nodes"] for r in report["runs"]] == [1, 2]
+    assert all(r["mb_s"] > 0 and not r["errors"] for r in report["runs"])
+    assert len(report["runs"][1]["per_node_mb_s"]) == 2
+    assert json.loads((tmp_path / "report.json").read_text())["kind"] == "throughput"
+
+
+def test_spark_migration_smoke_loses_nothing(tmp_path):
+    from spark_bench import main
+    report = main(["migration", "--histories", "4M,16M", "--migrations", "3", "--tail", "4M", "--pause", "0.1",
+                   "--out", str(tmp_path), "--store", f"file://{tmp_path}/objects", "--wal-capacity", "64M"])
+    assert all(r["migrations"] == 3 and r["failed_over"] == 0 for r in report["histories"])
+    assert report["verification"]["acknowledged"] > 0
+    assert report["verification"]["lost"] == 0
+    assert not report["failures"]

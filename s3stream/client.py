@@ -155,6 +155,7 @@ class StreamClient:
         self._reclaim_thread = None
         if self.config.reclaim_interval is not None:
             self._reclaim_thread = ReclaimerThread(self.reclaimer, self.config.reclaim_interval)
+        self._stats_sources: dict[str, Callable[[dict], dict]] = {}
         self._ticker = None
         if self.config.upload_interval is not None:
             self._ticker = threading.Thread(target=self._tick, name="s3stream-interval", daemon=True)
@@ -271,16 +272,25 @@ class StreamClient:
         if sealed is not None:
             self._uploader.submit(sealed)
 
-    def _force_upload(self, stream: Stream, timeout: float | None) -> None:
-        """Upload and commit every block still holding the stream's data (its tail only)."""
-        sealed = self._cache.seal(stream.stream_id)
-        if sealed is not None:
-            self._uploader.submit(sealed)
-        pending = self._cache.pending_blocks_with(stream.stream_id)
-        if pending:
-            self._uploader.wait_committed(max(b.block_id for b in pending), timeout)
-        if self._uploader.failure is not None:
-            raise self._upload_failure()
+    def close_streams(self, streams: list[Stream], timeout: float | None = None) -> None:
+        """Close several streams with one force upload: wait for their pending appends, seal the
+        log cache once, wait until every block holding their tails is committed, then mark them
+        CLOSED in metadata. Only their un-uploaded tails move (and whatever shares the block)."""
+        closing = [s for s in streams if s._begin_close(timeout)]
+        try:
+            sealed = self._cache.seal()
+            if sealed is not None:
+                self._uploader.submit(sealed)
+            pending = [b.block_id for s in closing for b in self._cache.pending_blocks_with(s.stream_id)]
+            if pending:
+                self._uploader.wait_committed(max(pending), timeout)
+            if self._uploader.failure is not None:
+                raise self._upload_failure()
+            for s in closing:
+                self._meta_call(self._meta.close_stream, s.stream_id, s.epoch, self.node_id, stream=s)
+        finally:
+            for s in closing:
+                s._end_close()
 
     def _on_committed(self, block: CacheBlock, result: CommitResult) -> None:
         with self._lock:
@@ -393,6 +403,16 @@ class StreamClient:
         self.close()
 
     def stats(self) -> dict:
-        return dict(node_id=self.node_id, node_epoch=self.node_epoch, open_streams=len(self._streams),
-                    uncommitted_bytes=self._uncommitted, cache=self._cache.stats(), upload=dict(self._uploader.stats),
-                    read=dict(self._reader.stats), wal=self._wal.stats())
+        engine = dict(node_id=self.node_id, node_epoch=self.node_epoch, open_streams=len(self._streams),
+                      uncommitted_bytes=self._uncommitted, cache=self._cache.stats(), upload=dict(self._uploader.stats),
+                      read=dict(self._reader.stats), wal=self._wal.stats())
+        return dict(engine, **{name: source(engine) for name, source in list(self._stats_sources.items())})
+
+    # ---- extension point for add-ons (compaction) -----------------------------------------------
+
+    def add_stats_source(self, name: str, source: Callable[[dict], dict]) -> None:
+        """Include `source(engine_stats)` under `name` in stats(): how an add-on such as
+        compaction (which s3stream does not import) reports through the client."""
+        if not name or name in self.stats().keys() - self._stats_sources.keys():
+            raise ValueError(f"stats source name {name!r} is empty or taken by the engine")
+        self._stats_sources[name] = source

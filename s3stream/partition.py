@@ -112,13 +112,15 @@ class Partition:
             if self._closing:
                 return CloseReport(0, 0.0)
             self._closing = True
-        tail = sum(self._client._unuploaded_bytes(s) for s in self.streams.values())
+        # The clean checkpoint goes into the meta stream first, so that one force upload carries
+        # the data streams' tails and the checkpoint together.
         for s in self.streams.values():
-            s.close()
+            s._wait_confirmed(s.next_offset, None)
+        tail = sum(self._client._unuploaded_bytes(s) for s in self.streams.values())
         done = Checkpoint(self.checkpoint.streams, self.checkpoint.leader_epoch, True,
                           {role: s.start_offset for role, s in self.streams.items()})
         _write_checkpoint(self.meta_stream, done)
-        self.meta_stream.close()
+        self._client.close_streams([*self.streams.values(), self.meta_stream])
         self.checkpoint = done
         self._client._forget_partition(self)
         return CloseReport(tail, time.perf_counter() - t0)

@@ -168,22 +168,29 @@ class Stream:
     def close(self, timeout: float | None = None) -> None:
         """Wait for pending appends, force-upload this stream's un-uploaded tail (only that:
         nothing older moves), commit, and mark the stream CLOSED so another node may open it."""
+        self._client.close_streams([self], timeout)
+
+    def _begin_close(self, timeout: float | None) -> bool:
+        """Refuse new appends and wait until the pending ones are durable. False if there is
+        nothing to close (already closed or fenced)."""
         with self._lock:
             if self._state in (Stream.CLOSED, Stream.FENCED):
                 self._client._forget(self)
-                return
+                return False
             self._state = Stream.CLOSING
             target = self._next_offset
         try:
             self._wait_confirmed(target, timeout)
-            self._client._force_upload(self, timeout)
-            self._client._meta_call(self._client._meta.close_stream, self.stream_id, self.epoch,
-                                    self._client.node_id, stream=self)
-        finally:
-            with self._lock:
-                if self._state == Stream.CLOSING:
-                    self._state = Stream.CLOSED
-            self._client._forget(self)
+        except BaseException:
+            self._end_close()
+            raise
+        return True
+
+    def _end_close(self) -> None:
+        with self._lock:
+            if self._state == Stream.CLOSING:
+                self._state = Stream.CLOSED
+        self._client._forget(self)
 
     def destroy(self) -> None:
         """Delete the stream: it can no longer be opened; its objects are reclaimed."""

@@ -70,6 +70,8 @@ class MigrationReport:
     tail_bytes: int          # bytes the source force-uploaded for this partition
     leader_epoch: int
     failed_over: bool        # the source did not let go in time and was fenced
+    close_seconds: float = 0.0   # the source's close (wait for appends, force upload, commit)
+    open_seconds: float = 0.0    # the target's open (epoch + 1, checkpoint read and write)
 
 
 def _get(meta: MetadataStore, key: str) -> dict | None:
@@ -152,9 +154,10 @@ class Cluster:
         if opened is None:
             raise S3StreamError(f"partition {name!r} was not opened on node {to_node} within {timeout} s")
         closed = _get(self.meta, f"closed/{name}")
-        tail = closed["tail_bytes"] if closed and closed["version"] == version else 0
-        return MigrationReport(name, source, to_node, time.perf_counter() - t0, tail, opened["leader_epoch"],
-                               failed_over)
+        mine = closed if closed and closed["version"] == version else {}
+        return MigrationReport(name, source, to_node, time.perf_counter() - t0, mine.get("tail_bytes", 0),
+                               opened["leader_epoch"], failed_over, mine.get("seconds", 0.0),
+                               opened.get("seconds", 0.0))
 
     # ---- failover ------------------------------------------------------------------------------
 
@@ -248,9 +251,11 @@ class NodeAgent:
         self._pool.submit(task)
 
     def _open(self, name: str, version: int) -> None:
+        t0 = time.perf_counter()
         partition = self.client.open_partition(name)
         _put(self.client._meta, f"opened/{name}", {"node": self.node_id, "version": version,
-                                                    "leader_epoch": partition.leader_epoch, "at": time.time()})
+                                                    "leader_epoch": partition.leader_epoch, "at": time.time(),
+                                                    "seconds": time.perf_counter() - t0})
 
     def _close(self, partition, version: int) -> None:
         report = partition.close()

@@ -189,6 +189,8 @@ def summarize(args, histories, baseline, reports, results, lost, failures) -> di
                          tail_bytes_mean=sum(r.tail_bytes for r in mine) / len(mine) if mine else None,
                          tail_bytes_max=max((r.tail_bytes for r in mine), default=None),
                          failed_over=sum(r.failed_over for r in mine),
+                         close_p50_s=sorted(r.close_seconds for r in mine)[len(mine) // 2] if mine else None,
+                         open_p50_s=sorted(r.open_seconds for r in mine)[len(mine) // 2] if mine else None,
                          copy_seconds=baseline[name]["seconds"], copy_mb_s=baseline[name]["mb_s"],
                          speedup=baseline[name]["seconds"] / p99 if p99 else None))
     flat = rows[-1]["p99_s"] / rows[0]["p99_s"] if rows and rows[0]["p99_s"] and rows[-1]["p99_s"] else None
@@ -212,6 +214,9 @@ def format_report(report: dict) -> str:
                      f"{r['copy_seconds']:>8.2f} {r['speedup'] or 0:>7.0f}x  {ok}")
     flat = report["flatness"]
     last = report["histories"][-1]
+    lines.append("  of which (p50): source close " + ", ".join(f"{r['close_p50_s'] or 0:.3f}" for r in report["histories"])
+                 + " s; target open " + ", ".join(f"{r['open_p50_s'] or 0:.3f}" for r in report["histories"])
+                 + " s; the rest is agent polling and metadata writes")
     lines.append(f"flat in history: p99 largest / smallest = {flat or 0:.2f} (target <= {t['flatness']}: "
                  f"{'MET' if flat and flat <= t['flatness'] else 'MISSED'})")
     lines.append(f"speedup over the copy at the largest history: {last['speedup'] or 0:.0f}x (target >= "

@@ -1,0 +1,628 @@
+"""The `s3stream` command: look inside WALs, objects and metadata, move partitions, run benchmarks.
+
+    s3stream inspect wal PATH            a WAL's header and what recovery would read from it
+    s3stream inspect object PATH|KEY     an object's footer and index; --verify decodes every block
+    s3stream streams --meta URL          streams, objects, nodes and partitions in the metadata
+    s3stream migrate PARTITION NODE      move a partition to a node that runs a NodeAgent
+    s3stream bench                       the engine, WAL or Spark benchmarks
+
+`inspect` and `streams` only read. User errors (a missing file, a corrupt WAL or object, a bad URL)
+print one line saying what was wrong and what to do, and exit with status 1; usage errors exit 2.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import logging
+import os
+import time
+from collections import Counter, defaultdict
+from typing import Any, Callable, Iterator
+from urllib.parse import unquote, urlsplit
+
+import click
+
+import wal
+from _native import objcodec
+from wal.header import Header, pick_header
+from wal.log import HEADER_AREA, HEADER_SLOT
+
+from .client import WAL_RECORD
+from .cluster import Cluster, ClusterConfig, MigrationReport
+from .config import Config
+from .errors import S3StreamError
+from .metadata import MetadataStore, ObjectState, ObjectType, open_metadata
+from .objectformat import FOOTER_SIZE, IndexEntry, read_blocks, read_index
+from .objectstore import LocalObjectStore, ObjectStore, open_object_store
+
+META_HELP = ("Metadata URL: sqlite:////abs/path.db, sqlite:///rel/path.db or a path ending in .db "
+             "(env S3STREAM_META).")
+STORE_HELP = "Object store URL: file:///dir, a directory path, or s3://bucket/prefix?... (env S3STREAM_STORE)."
+
+
+# ---- shared helpers -------------------------------------------------------------------------------
+
+def user_errors(fn: Callable) -> Callable:
+    """Turn the library's errors (and OS errors such as a permission denied) into one-line
+    click errors: no traceback for a corrupt file or a bad URL."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (S3StreamError, wal.WALError) as e:
+            raise click.ClickException(str(e)) from e
+        except OSError as e:
+            where = f" ({e.filename})" if e.filename else ""
+            raise click.ClickException(f"{e.strerror or e}{where}") from e
+    return wrapper
+
+
+def emit_json(value: Any) -> None:
+    click.echo(json.dumps(value, indent=2, default=str))
+
+
+def table(headers: list[str], rows: list[list[Any]], indent: str = "  ") -> str:
+    """Rows under headers in aligned columns."""
+    cells = [[str(c) for c in row] for row in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+    lines = [headers] + cells
+    return "\n".join(indent + "  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)
+
+
+def _local_path(url: str) -> str | None:
+    """The path of a local object store URL (file:// or a plain path); None for other schemes."""
+    if "://" not in url:
+        return url
+    parts = urlsplit(url)
+    return unquote(parts.path) if parts.scheme.lower() == "file" else None
+
+
+def _sqlite_path(url: str) -> str | None:
+    """The database file a SQLite metadata URL names (the rules of open_metadata); None otherwise."""
+    if url.startswith("sqlite:///") and len(url) > len("sqlite:///"):
+        return url[len("sqlite:///"):]
+    if "://" not in url and url.endswith(".db"):
+        return url
+    return None
+
+
+def open_store(url: str) -> ObjectStore:
+    """The object store at `url`, which must already exist (opening a local store would create
+    its directory, which hides a mistyped path)."""
+    path = _local_path(url)
+    if path is not None and not os.path.isdir(path):
+        raise click.ClickException(
+            f"no object store directory at {path!r} (from store URL {url!r}); check the path")
+    try:
+        return open_object_store(url)
+    except S3StreamError as e:
+        raise click.ClickException(f"cannot open object store {url!r}: {e}") from e
+
+
+def open_meta(url: str) -> MetadataStore:
+    """The metadata store at `url`, which must already exist (SQLite would create an empty one)."""
+    path = _sqlite_path(url)
+    if path is not None and os.path.isdir(path):
+        raise click.ClickException(f"metadata path {path!r} (from metadata URL {url!r}) is a directory; "
+                                   "give the database file")
+    if path is not None and not os.path.isfile(path):
+        raise click.ClickException(
+            f"no metadata database at {path!r} (from metadata URL {url!r}); check the path "
+            "(sqlite:////abs/path.db has four slashes)")
+    try:
+        return open_metadata(url)
+    except S3StreamError as e:
+        raise click.ClickException(f"cannot open metadata {url!r}: {e}") from e
+
+
+def meta_option(fn: Callable) -> Callable:
+    return click.option("--meta", "meta_url", required=True, envvar="S3STREAM_META", metavar="URL",
+                        help=META_HELP)(fn)
+
+
+def store_option(required: bool, help: str = STORE_HELP) -> Callable:
+    return click.option("--store", "store_url", required=required, envvar="S3STREAM_STORE", metavar="URL",
+                        help=help)
+
+
+def json_option(fn: Callable) -> Callable:
+    return click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")(fn)
+
+
+def _iso(ns: int) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ns / 1e9)) if ns else "-"
+
+
+# ---- the group ------------------------------------------------------------------------------------
+
+@click.group(context_settings=dict(help_option_names=["-h", "--help"]))
+@click.version_option(package_name="s3stream", prog_name="s3stream")
+@click.option("-v", "--verbose", is_flag=True, help="Log the library's progress (INFO) to stderr.")
+def main(verbose: bool) -> None:
+    """Inspect and operate s3stream: append-only streams on object storage behind a WAL.
+
+    URLs: metadata as sqlite:////abs/path.db (or $S3STREAM_META), object stores as file:///dir,
+    a directory, or s3://bucket/prefix?endpoint_url=... (or $S3STREAM_STORE).
+    """
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+
+
+@main.group()
+def inspect() -> None:
+    """Look inside a WAL or an object (read-only)."""
+
+
+# ---- inspect wal ----------------------------------------------------------------------------------
+
+def read_wal_header(path: str) -> tuple[Header, tuple[str, str]]:
+    """The newest valid header slot of the WAL at `path`, and both slots' states."""
+    with open(path, "rb") as f:
+        raw = f.read(HEADER_AREA)
+    if len(raw) < HEADER_AREA:
+        raise click.ClickException(f"{path} is {len(raw)} bytes, too small to be a WAL (its header alone takes "
+                                   f"{HEADER_AREA})")
+    header, states = pick_header(raw[:HEADER_SLOT], raw[HEADER_SLOT:HEADER_AREA])
+    if header is None:
+        what = ("never formatted (all zero)" if states == ("empty", "empty") else
+                "a corrupt WAL header" if "corrupt" in states else "not an s3stream WAL")
+        raise click.ClickException(f"{path}: {what} (header slots: {states[0]}, {states[1]}); "
+                                   "nothing to inspect")
+    return header, states
+
+
+def describe_record(record: wal.Record) -> dict:
+    """A WAL record's position and, if its body is long enough to carry one, its stream header."""
+    row: dict[str, Any] = dict(offset=record.offset, end=record.end, length=len(record.data))
+    if len(record.data) >= WAL_RECORD.size:
+        stream_id, epoch, base, count = WAL_RECORD.unpack_from(record.data)
+        row.update(stream_id=stream_id, epoch=epoch, base_offset=base, count=count,
+                   payload_bytes=len(record.data) - WAL_RECORD.size)
+    return row
+
+
+def scan_wal(path: str, header: Header, keep_records: bool) -> dict:
+    """Recover the WAL read-only (recovery=True opens the file O_RDONLY: nothing is written)."""
+    records: list[dict] = []
+    streams: dict[int, dict] = {}
+    first = last_end = None
+    error = None
+    with wal.WriteAheadLog.open(path, node_id=header.node_id, node_epoch=header.node_epoch,
+                                recovery=True) as w:
+        try:
+            for record in w.recover():
+                row = describe_record(record)
+                first = record.offset if first is None else first
+                last_end = record.end
+                if keep_records:
+                    records.append(row)
+                if "stream_id" in row:
+                    s = streams.setdefault(row["stream_id"], dict(records=0, bytes=0, epochs=set(),
+                                                                  first_offset=row["base_offset"]))
+                    s["records"] += 1
+                    s["bytes"] += row["payload_bytes"]
+                    s["epochs"].add(row["epoch"])
+                    s["end_offset"] = row["base_offset"] + row["count"]
+        except wal.WALCorruptError as e:    # a clean WAL that cannot be read to its end
+            error = str(e)
+        result = w.recovery_result
+        info = dict(path=path, direct_io=w.direct_io, block_device=w.is_block_device, data_capacity=w.capacity)
+    recovery = dict(records=result.records, bytes=result.record_bytes, first_offset=first, end_offset=last_end,
+                    end=result.end, stop_reason=result.stop_reason, error=error)
+    stream_rows = [dict(stream_id=sid, epochs=sorted(s.pop("epochs")), **s) for sid, s in sorted(streams.items())]
+    return dict(info=info, recovery=recovery, streams=stream_rows, records=records if keep_records else None)
+
+
+def header_dict(header: Header, states: tuple[str, str]) -> dict:
+    return dict(node_id=header.node_id, node_epoch=header.node_epoch, generation=header.generation,
+                capacity=header.capacity, trim_offset=header.trim_offset, clean_shutdown=header.clean_shutdown,
+                clean_end=header.clean_end, write_seq=header.write_seq, write_time_ns=header.write_time_ns,
+                slots=list(states))
+
+
+def format_wal(report: dict) -> str:
+    h, info, rec = report["header"], report["info"], report["recovery"]
+    clean = ("yes: closed cleanly at offset %d" % h["clean_end"] if h["clean_shutdown"]
+             else "no: the writer crashed or is still running")
+    span = "none" if rec["first_offset"] is None else f"[{rec['first_offset']}, {rec['end_offset']})"
+    lines = [
+        f"WAL {info['path']}" + (" (block device)" if info["block_device"] else ""),
+        f"  node            {h['node_id']} epoch {h['node_epoch']}",
+        f"  generation      {h['generation']} (writer sessions)",
+        f"  capacity        {h['capacity']:,} bytes ({info['data_capacity']:,} of data area)",
+        f"  trim offset     {h['trim_offset']}",
+        f"  clean shutdown  {clean}",
+        f"  write seq       {h['write_seq']} at {_iso(h['write_time_ns'])} (slots: {', '.join(h['slots'])})",
+        "Recovery (read-only scan)",
+        f"  valid records   {rec['records']:,} ({rec['bytes']:,} bytes)",
+        f"  offsets         {span}; a new writer session resumes at {rec['end']}",
+        f"  stopped at      {rec['stop_reason']}",
+    ]
+    if report["streams"]:
+        lines.append(f"Streams in the WAL ({len(report['streams'])})")
+        lines.append(table(["stream", "epochs", "records", "bytes", "offsets"],
+                           [[s["stream_id"], ",".join(map(str, s["epochs"])), s["records"], s["bytes"],
+                             f"[{s['first_offset']}, {s['end_offset']})"] for s in report["streams"]]))
+    if report["records"] is not None:
+        lines.append(f"Records ({len(report['records'])})")
+        lines.append(table(["offset", "length", "stream", "epoch", "base", "count"],
+                           [[r["offset"], r["length"], r.get("stream_id", "-"), r.get("epoch", "-"),
+                             r.get("base_offset", "-"), r.get("count", "-")] for r in report["records"]]))
+    return "\n".join(lines)
+
+
+@inspect.command("wal")
+@click.argument("path", type=click.Path(exists=True, dir_okay=False))
+@click.option("--node-id", type=click.IntRange(min=0), metavar="N",
+              help="The node the WAL should belong to: fail if its header names another. Default: the "
+                   "node in the header.")
+@click.option("--records", "list_records", is_flag=True,
+              help="List every valid record: offset, length and its stream header (stream, epoch, base "
+                   "offset, count).")
+@json_option
+@user_errors
+def inspect_wal(path: str, node_id: int | None, list_records: bool, as_json: bool) -> None:
+    """Print a WAL's header and what recovery would read from it.
+
+    PATH is a WAL file or block device. It is opened read-only, the way a failover reads a dead
+    node's WAL, so this never modifies it and works on any node's WAL; on the WAL of a running
+    node it shows a snapshot. Exits 1 if the WAL is corrupt (a cleanly shut down WAL that cannot
+    be read to its end is reported after the summary).
+    """
+    header, states = read_wal_header(path)
+    if node_id is not None and node_id != header.node_id:
+        raise click.ClickException(f"{path} belongs to node {header.node_id} (epoch {header.node_epoch}), "
+                                   f"not node {node_id}; drop --node-id to inspect it anyway")
+    report = dict(header=header_dict(header, states), **scan_wal(path, header, list_records))
+    if as_json:
+        emit_json(report)
+    else:
+        click.echo(format_wal(report))
+    if report["recovery"]["error"]:
+        raise click.ClickException(report["recovery"]["error"])
+
+
+# ---- inspect object -------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def object_location(target: str, store_url: str | None) -> Iterator[tuple[ObjectStore, str, str | None]]:
+    """(store, key, local path) of an object: a key in the store at `store_url` (no local path),
+    or a local object file, read as a key of a local store on its directory."""
+    if store_url is not None:
+        store, key, path = open_store(store_url), target, None
+    else:
+        if not os.path.exists(target):
+            raise click.ClickException(f"no such file: {target!r} (to read a key from an object store, "
+                                       "pass --store URL)")
+        if not os.path.isfile(target):
+            raise click.ClickException(f"{target!r} is not a regular file; give an object file such as "
+                                       "objects/ab12/0000000000000007.obj")
+        path = os.path.abspath(target)
+        store, key = LocalObjectStore(os.path.dirname(path)), os.path.basename(path)
+    try:
+        yield store, key, path
+    finally:
+        store.close()
+
+
+def read_footer(store: ObjectStore, key: str, size: int) -> dict:
+    if size < FOOTER_SIZE:
+        raise click.ClickException(f"object {key} is {size} bytes, smaller than a {FOOTER_SIZE}-byte footer: "
+                                   "not an s3stream object, or truncated")
+    try:
+        position, length, crc, entries = objcodec.parse_footer(store.get(key, size - FOOTER_SIZE, size), size)
+    except objcodec.ObjectFormatError as e:
+        raise click.ClickException(f"object {key} is corrupt: {e}") from None
+    return dict(index_position=position, index_length=length, index_crc=f"{crc:08x}", entries=entries)
+
+
+def verify_block(store: ObjectStore, key: str, entry: IndexEntry) -> str | None:
+    """None if the block decodes (CRC, offsets) into what its index entry says, else the problem."""
+    try:
+        [batches] = read_blocks(store, key, [entry])
+    except S3StreamError as e:
+        return str(e)
+    records = sum(b.count for b in batches)
+    if len(batches) != entry.batch_count or records != entry.record_count:
+        return (f"block holds {len(batches)} batches / {records} records, the index says "
+                f"{entry.batch_count} / {entry.record_count}")
+    return None
+
+
+def format_object(report: dict) -> str:
+    f = report["footer"]
+    streams = sorted({e["stream_id"] for e in report["index"]})
+    where = report["path"] or f"{report['key']} in {report['store']}"
+    lines = [f"Object {where}",
+             f"  size     {report['size']:,} bytes",
+             f"  footer   index at {f['index_position']:,}, {f['index_length']:,} bytes, {f['entries']} entries, "
+             f"crc {f['index_crc']}",
+             f"  streams  {len(streams)}: {', '.join(map(str, streams[:20]))}{' ...' if len(streams) > 20 else ''}",
+             "Index"]
+    headers = ["stream", "start", "end", "records", "batches", "block pos", "block size"]
+    rows = [[e["stream_id"], e["start_offset"], e["end_offset"], e["record_count"], e["batch_count"],
+             e["block_position"], e["block_size"]] for e in report["index"]]
+    if report.get("verify") is not None:
+        headers.append("verify")
+        for row, problem in zip(rows, report["verify"]):
+            row.append("OK" if problem is None else "CORRUPT")
+    lines.append(table(headers, rows))
+    for e, problem in zip(report["index"], report.get("verify") or []):
+        if problem is not None:
+            lines.append(f"  stream {e['stream_id']} [{e['start_offset']}, {e['end_offset']}): {problem}")
+    return "\n".join(lines)
+
+
+@inspect.command("object")
+@click.argument("target", metavar="PATH|KEY")
+@store_option(required=False, help="Read KEY from this object store (file:///dir, a directory, s3://bucket/"
+                                   "prefix?...; env S3STREAM_STORE). Without it, PATH is a local object file.")
+@click.option("--verify", is_flag=True, help="Decode every block and check its CRC and offsets against the "
+                                             "index; exit 1 if any block is corrupt.")
+@json_option
+@user_errors
+def inspect_object(target: str, store_url: str | None, verify: bool, as_json: bool) -> None:
+    """Print an object's size, footer and index entries.
+
+    PATH|KEY is a local object file (e.g. objects/ab12/0000000000000007.obj) or, with --store, a
+    key in that store. Index entries: stream, offsets [start, end), records, and where the block
+    is. A corrupt footer or index is an error (exit 1).
+    """
+    with object_location(target, store_url) as (store, key, path):
+        try:
+            size = store.size(key)
+        except ValueError as e:     # a key the store cannot hold, e.g. with '..' segments
+            raise click.ClickException(f"invalid object key {key!r}: {e}") from None
+        footer = read_footer(store, key, size)
+        index = read_index(store, key, size)
+        report: dict[str, Any] = dict(path=path, store=None if path else store.url, key=key, size=size,
+                                      footer=footer,
+                                      index=[e._asdict() for e in index])
+        if verify:
+            report["verify"] = [verify_block(store, key, e) for e in index]
+    bad = sum(problem is not None for problem in report.get("verify") or [])
+    if as_json:
+        emit_json(report)
+    else:
+        click.echo(format_object(report))
+        if verify and not bad:
+            click.echo(f"verify: OK ({len(index)} blocks)")
+    if bad:
+        raise click.ClickException(f"object {key} is corrupt: {bad} of {len(index)} blocks failed verification")
+
+
+# ---- streams --------------------------------------------------------------------------------------
+
+def cluster_report(meta: MetadataStore, include_deleted: bool) -> dict:
+    """Streams, object totals, nodes and partitions, from the metadata only."""
+    objects = meta.list_objects()
+    stream_objects: Counter = Counter()
+    set_objects: Counter = Counter()
+    totals: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
+    for o in objects:
+        kind = o.type.value if o.type is not None else "-"
+        totals[(kind, o.state.value)][0] += 1
+        totals[(kind, o.state.value)][1] += o.size
+        if o.state == ObjectState.COMMITTED:
+            counter = stream_objects if o.type == ObjectType.STREAM_OBJECT else set_objects
+            counter.update({r.stream_id for r in o.ranges})
+    streams = [dict(stream_id=m.stream_id, state=m.state.value, epoch=m.epoch, owner_node_id=m.owner_node_id,
+                    start_offset=m.start_offset, end_offset=m.end_offset, ranges=len(m.ranges),
+                    stream_objects=stream_objects[m.stream_id], stream_set_objects=set_objects[m.stream_id])
+               for m in meta.list_streams(include_deleted=include_deleted)]
+    now = time.time_ns()
+    nodes = [dict(node_id=n.node_id, node_epoch=n.node_epoch, failover=n.failover,
+                  heartbeat_age_s=round((now - n.heartbeat_ns) / 1e9, 3), wal_path=n.wal_path)
+             for n in meta.list_nodes()]
+    cluster = Cluster(meta, store=None)     # assignment reads touch only the metadata
+    partitions = [dict(name=name, assigned_node=a["node"], version=a["version"], open_on=cluster.owner(name))
+                  for name, a in sorted(cluster.assignments().items())]
+    return dict(streams=streams,
+                objects=[dict(type=k[0], state=k[1], count=v[0], bytes=v[1]) for k, v in sorted(totals.items())],
+                nodes=nodes, partitions=partitions)
+
+
+def format_cluster(report: dict) -> str:
+    def none(v):
+        return "-" if v is None else v
+
+    lines = [f"Streams ({len(report['streams'])})"]
+    lines.append(table(["id", "state", "epoch", "owner", "start", "end", "ranges", "SOs", "in SSOs"],
+                       [[s["stream_id"], s["state"], s["epoch"], none(s["owner_node_id"]), s["start_offset"],
+                         s["end_offset"], s["ranges"], s["stream_objects"], s["stream_set_objects"]]
+                        for s in report["streams"]]))
+    lines.append("Objects")
+    lines.append(table(["type", "state", "count", "bytes"],
+                       [[o["type"], o["state"], o["count"], f"{o['bytes']:,}"] for o in report["objects"]]))
+    lines.append(f"Nodes ({len(report['nodes'])})")
+    lines.append(table(["id", "epoch", "failover", "heartbeat age", "WAL"],
+                       [[n["node_id"], n["node_epoch"], "yes" if n["failover"] else "no",
+                         f"{n['heartbeat_age_s']:.1f} s", n["wal_path"]] for n in report["nodes"]]))
+    if report["partitions"]:
+        lines.append(f"Partitions ({len(report['partitions'])})")
+        lines.append(table(["name", "assigned to", "version", "open on"],
+                           [[p["name"], p["assigned_node"], p["version"], none(p["open_on"])]
+                            for p in report["partitions"]]))
+    return "\n".join(lines)
+
+
+@main.command()
+@meta_option
+@click.option("--all", "include_deleted", is_flag=True, help="Include DELETED streams.")
+@json_option
+@user_errors
+def streams(meta_url: str, include_deleted: bool, as_json: bool) -> None:
+    """List streams, objects, nodes and partitions from the metadata.
+
+    Streams: id, state, epoch, owner node, start/end offsets (end = committed to objects),
+    number of ranges (one per open), StreamObjects (SOs) and StreamSetObjects holding it.
+    Objects: count and bytes by type (SO, SSO; '-' while PREPARED) and state. Nodes: epoch,
+    failover flag, seconds since the last heartbeat, WAL path. Partitions: assignment and the
+    node they are open on.
+    """
+    with contextlib.closing(open_meta(meta_url)) as meta:
+        report = cluster_report(meta, include_deleted)
+    if as_json:
+        emit_json(report)
+    else:
+        click.echo(format_cluster(report))
+
+
+# ---- migrate --------------------------------------------------------------------------------------
+
+def check_target(cluster: Cluster, partition: str, node_id: int) -> dict:
+    """Refuse a migration that cannot succeed: unknown partition or a target that is not live.
+    Returns the partition's current assignment."""
+    current = cluster.assignment(partition)
+    if current is None:
+        known = ", ".join(sorted(cluster.assignments())) or "none"
+        raise click.ClickException(f"partition {partition!r} has no assignment (known partitions: {known}); "
+                                   "`s3stream streams --meta URL` lists them")
+    if node_id not in cluster.live_nodes():
+        nodes = {n.node_id: n for n in cluster.meta.list_nodes()}
+        why = ("is not registered in the metadata" if node_id not in nodes else
+               "was failed over" if nodes[node_id].failover else
+               f"has not sent a heartbeat for {(time.time_ns() - nodes[node_id].heartbeat_ns) / 1e9:.1f} s")
+        raise click.ClickException(f"node {node_id} {why}: start its StreamClient with a NodeAgent, then "
+                                   "migrate again")
+    return current
+
+
+def format_migration(report: MigrationReport) -> str:
+    source = "-" if report.source is None else report.source
+    lines = [f"Migrated partition {report.partition!r}: node {source} -> node {report.target}",
+             f"  seconds       {report.seconds:.3f}",
+             f"  tail bytes    {report.tail_bytes:,} (force-uploaded by the source on close)",
+             f"  leader epoch  {report.leader_epoch}",
+             f"  failed over   " + ("yes: the source did not let go in time and was fenced and failed over"
+                                    if report.failed_over else "no")]
+    return "\n".join(lines)
+
+
+@main.command()
+@click.argument("partition")
+@click.argument("node", type=click.IntRange(min=0))
+@meta_option
+@store_option(required=True)
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=ClusterConfig.migration_timeout,
+              show_default=True, metavar="S",
+              help="Seconds to wait for the source to let go and for NODE to open the partition.")
+@json_option
+@user_errors
+def migrate(partition: str, node: int, meta_url: str, store_url: str, timeout: float, as_json: bool) -> None:
+    """Move PARTITION to node NODE and print the migration report.
+
+    NODE must be running a StreamClient with a NodeAgent (s3stream.cluster.NodeAgent): its agent
+    opens the partition once the source's agent has closed it (force-uploading its tail). A
+    target that is not live (unknown, failed over, or no heartbeat for 5 s) is refused before
+    anything changes. If the source does not let go within --timeout, it is fenced and failed
+    over from here, which needs its WAL path (see `s3stream streams`) readable by this process.
+    If NODE does not open the partition in time, the command fails (exit 1) and the partition
+    stays assigned to NODE.
+    """
+    # A failover opens the source's WAL with the capacity in its header, whatever it is.
+    failover_config = Config(wal=wal.WALConfig(capacity=None))
+    with contextlib.closing(open_meta(meta_url)) as meta, contextlib.closing(open_store(store_url)) as store:
+        cluster = Cluster(meta, store, engine_config=failover_config)
+        current = check_target(cluster, partition, node)
+        if current["node"] == node and cluster.owner(partition) == node:
+            if as_json:
+                emit_json(dict(partition=partition, source=node, target=node, moved=False))
+            else:
+                click.echo(f"partition {partition!r} is already open on node {node}: nothing to do")
+            return
+        try:
+            report = cluster.migrate(partition, node, timeout=timeout)
+        except S3StreamError as e:
+            raise click.ClickException(
+                f"{e}. Is node {node} running a NodeAgent? The partition stays assigned to node {node} and "
+                "opens there once its agent runs; or migrate it to another node.") from e
+    if as_json:
+        emit_json(dict(vars(report), moved=True))
+    else:
+        click.echo(format_migration(report))
+
+
+# ---- bench ----------------------------------------------------------------------------------------
+
+BENCH_KINDS = ("engine", "wal", "spark-throughput", "spark-migration")
+#: spark_bench has no --quick: these small settings stand for it (options given after them win).
+SPARK_QUICK = {
+    "throughput": ["--nodes", "1,2", "--partitions", "1", "--duration", "1.5", "--wal-capacity", "64M"],
+    "migration": ["--histories", "4M,16M", "--migrations", "3", "--tail", "4M", "--pause", "0.1",
+                  "--wal-capacity", "64M"],
+}
+
+
+def run_benchmark(run: Callable[[list[str]], Any], argv: list[str]) -> None:
+    """Run an argparse-based benchmark, turning its exits into click's."""
+    try:
+        result = run(argv)
+    except SystemExit as e:
+        if e.code in (None, 0):
+            return
+        if isinstance(e.code, int):
+            raise click.exceptions.Exit(e.code) from None
+        raise click.ClickException(str(e.code)) from None
+    if isinstance(result, int) and not isinstance(result, bool) and result:
+        raise click.exceptions.Exit(result)
+
+
+def spark_main() -> Callable[[list[str]], Any]:
+    try:
+        import spark_bench
+    except ImportError as e:
+        raise click.ClickException(f"the Spark load test is not available: the spark_bench package cannot be "
+                                   f"imported ({e}); install s3stream from a source checkout") from None
+    entry = getattr(spark_bench, "main", None)
+    if not callable(entry):
+        raise click.ClickException("the Spark load test is not available in this version: spark_bench has no "
+                                   "main() yet (run `python -m spark_bench` from a newer checkout)")
+
+    def run(argv: list[str]) -> Any:
+        try:
+            return entry(argv)
+        except ImportError as e:
+            raise click.ClickException(f"the Spark load test is not available: install pyspark "
+                                       f"(pip install pyspark): {e}") from None
+    return run
+
+
+@main.command(context_settings=dict(ignore_unknown_options=True))
+@click.option("--kind", type=click.Choice(BENCH_KINDS), default="engine", show_default=True,
+              help="Which benchmark (see above).")
+@click.option("--quick", is_flag=True, help="A short smoke run (seconds; the Spark tests: small sizes) instead "
+                                            "of the full benchmark.")
+@click.option("--out", type=click.Path(file_okay=False), default=None,
+              help="Report directory (report.json and PNG plots). Default: the benchmark's own, e.g. "
+                   "reports/engine-bench.")
+@click.argument("bench_args", nargs=-1, type=click.UNPROCESSED, metavar="[BENCH OPTIONS]...")
+@user_errors
+def bench(kind: str, quick: bool, out: str | None, bench_args: tuple[str, ...]) -> None:
+    """Run a benchmark on embedded defaults; print its results and write its report.
+
+    \b
+    engine            s3stream.bench: ingest into 10 and 1,000 streams against WAL-only
+                      ingest, object-store requests per GiB, catch-up and tail reads
+    wal               wal.bench: WAL throughput and latency against the raw disk limit
+    spark-throughput  spark_bench: Spark tasks as nodes, aggregate MB/s (needs pyspark, Java)
+    spark-migration   spark_bench: partition migration time under load (needs pyspark, Java)
+
+    Other options go to the benchmark itself: `s3stream bench --kind wal --quick --capacity 256M`;
+    list them with `s3stream bench --kind wal -- --help`.
+    """
+    argv = (["--out", out] if out else []) + list(bench_args)
+    if kind == "engine":
+        from . import bench as engine_bench
+        run_benchmark(engine_bench.run, (["--quick"] if quick else []) + argv)
+    elif kind == "wal":
+        from wal import bench as wal_bench
+        run_benchmark(wal_bench.run, (["--quick"] if quick else []) + argv)
+    else:
+        test = kind.removeprefix("spark-")
+        run_benchmark(spark_main(), [test] + (SPARK_QUICK[test] if quick else []) + argv)
+
+
+if __name__ == "__main__":
+    main()

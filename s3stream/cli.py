@@ -589,7 +589,8 @@ def spark_main() -> Callable[[list[str]], Any]:
     return run
 
 
-@main.command(context_settings=dict(ignore_unknown_options=True))
+@main.command(context_settings=dict(ignore_unknown_options=True),
+              short_help="Run the engine, WAL or Spark benchmarks.")
 @click.option("--kind", type=click.Choice(BENCH_KINDS), default="engine", show_default=True,
               help="Which benchmark (see above).")
 @click.option("--quick", is_flag=True, help="A short smoke run (seconds; the Spark tests: small sizes) instead "

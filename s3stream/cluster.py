@@ -138,6 +138,10 @@ class Cluster:
         target opens it with a new epoch. Falls back to fencing + failover of the source if it
         does not let go within the timeout."""
         timeout = self.config.migration_timeout if timeout is None else timeout
+        if to_node not in self.live_nodes():
+            raise S3StreamError(
+                f"cannot migrate {name!r} to node {to_node}: it is not a live node (no recent heartbeat, or failed "
+                f"over); live nodes: {self.live_nodes()}")
         current = self.assignment(name)
         source = current["node"] if current else None
         t0 = time.perf_counter()
@@ -185,6 +189,7 @@ class NodeAgent:
         self.config = cluster.config
         self.node_id = client.node_id
         self._busy: set[str] = set()
+        self._published: dict[str, int] = {}      # partition -> assignment version confirmed open
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=self.config.max_parallel_moves,
@@ -229,6 +234,13 @@ class NodeAgent:
         for name, version in mine.items():
             if name not in open_now:
                 self._submit(name, self._open, name, version)
+            elif self._published.get(name, 0) < version:
+                # Re-assigned to the node that already has it open: confirm the new version.
+                p = open_now[name]
+                _put(self.client._meta, f"opened/{name}", {"node": self.node_id, "version": version,
+                                                            "leader_epoch": p.leader_epoch, "at": time.time(),
+                                                            "seconds": 0.0})
+                self._published[name] = version
 
     def _submit(self, name: str, fn, *args) -> None:
         with self._lock:
@@ -256,6 +268,7 @@ class NodeAgent:
         _put(self.client._meta, f"opened/{name}", {"node": self.node_id, "version": version,
                                                     "leader_epoch": partition.leader_epoch, "at": time.time(),
                                                     "seconds": time.perf_counter() - t0})
+        self._published[name] = version
 
     def _close(self, partition, version: int) -> None:
         report = partition.close()

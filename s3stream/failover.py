@@ -43,11 +43,17 @@ def fail_over(node_id: int, *, store: ObjectStore, metadata: MetadataStore, conf
     config = config or Config()
     t0 = time.perf_counter()
     path = wal_path or metadata.get_node(node_id).wal_path
-    node = metadata.fence_node(node_id, failover=True)
+    # Open the WAL before fencing: a WAL that cannot be read must not leave the node fenced
+    # with its streams still open and nobody to replay them.
     try:
-        w = wal.WriteAheadLog.open(path, node_id=node_id, recovery=True, config=config.wal_config)
-    except wal.WALError as e:
+        w = wal.WriteAheadLog.open(path, node_id=node_id, recovery=True)
+    except (wal.WALError, OSError) as e:
         raise WALError(f"failover of node {node_id}: cannot open its WAL {path!r}: {e}") from e
+    try:
+        node = metadata.fence_node(node_id, failover=True)
+    except BaseException:
+        w.close()
+        raise
     cache = LogCache(config.upload_threshold, config.cache_size, time.monotonic_ns)
     uploader = Uploader(node_id=node_id, node_epoch=node.node_epoch, store=store, metadata=metadata, cache=cache,
                         trim_wal=lambda offset: None, config=config, on_committed=lambda block, result: None,

@@ -241,3 +241,48 @@ def test_failover_of_a_dead_node_process(tmp_path, how):
             agent2.stop()
             node2.close()
         meta.close()
+
+
+def test_migrate_to_current_owner_and_to_a_dead_node(tmp_path):
+    c = InProcessCluster(tmp_path, nodes=(1, 2))
+    try:
+        c.cluster.assign("p", 1)
+        c.cluster.wait_open("p", 1, 5)
+        rep = c.cluster.migrate("p", 1, timeout=5)          # already there: confirmed, not stuck
+        assert rep.target == 1 and c.cluster.owner("p") == 1
+        with pytest.raises(s3stream.S3StreamError, match="not a live node"):
+            c.cluster.migrate("p", 7)
+        assert c.cluster.owner("p") == 1                    # nothing changed
+    finally:
+        c.close()
+
+
+def test_failover_of_an_unreadable_wal_changes_nothing(tmp_path):
+    from s3stream.failover import fail_over
+    meta = SqliteMetadataStore(str(tmp_path / "meta.db"))
+    node = meta.register_node(5, str(tmp_path / "missing.wal"))
+    with pytest.raises(s3stream.WALError, match="cannot open its WAL"):
+        fail_over(5, store=LocalObjectStore(str(tmp_path / "o")), metadata=meta)
+    assert meta.get_node(5).node_epoch == node.node_epoch and not meta.get_node(5).failover
+    meta.close()
+
+
+def test_failover_reads_a_small_wal_with_any_engine_config(tmp_path):
+    """The failing-over node's config need not match the dead node's WAL size."""
+    import wal
+    from s3stream.failover import fail_over
+    small = small_config(wal=wal.WALConfig(capacity=4 * 1024 * 1024 + 8192, full_timeout=5),
+                         max_batch_bytes=64 * 1024)
+    c = StreamClient(5, tmp_path / "n5.wal", f"file://{tmp_path}/objects", f"sqlite:///{tmp_path}/meta.db", small)
+    s = c.create_stream()
+    s.append(RecordBatch(b"durable", 1)).result(10)
+    c._uploader.abort()                                        # dies before uploading
+    c._wal._ring.stop()
+    meta = SqliteMetadataStore(str(tmp_path / "meta.db"))
+    rep = fail_over(5, store=LocalObjectStore(str(tmp_path / "objects")), metadata=meta)   # default Config()
+    assert rep.replayed == 1 and rep.streams_closed == 1
+    other = StreamClient(6, tmp_path / "n6.wal", f"file://{tmp_path}/objects", f"sqlite:///{tmp_path}/meta.db",
+                         small_config())
+    assert other.open_stream(s.stream_id).fetch(0).batches[0].payload == b"durable"
+    other.close()
+    meta.close()

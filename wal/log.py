@@ -74,7 +74,8 @@ class WriteAheadLog:
         self._block_device = block_device
         self._recovery = recovery
         self._data_capacity = header.capacity - HEADER_AREA
-        self._max_record = config.record_limit(self._data_capacity)
+        # A read-only recovery open writes nothing: the record limit only matters to writers.
+        self._max_record = 0 if recovery else config.record_limit(self._data_capacity)
         self._previous_clean = header.clean_shutdown
         self._lock = threading.RLock()          # lifecycle: start, trim, close
         self._ring: Ring | None = None
@@ -195,7 +196,7 @@ class WriteAheadLog:
                 raise WALCorruptError(
                     f"WAL {path!r} header says {header.capacity} bytes but the "
                     f"{'device' if block_device else 'file'} has only {size}: truncated or wrong device")
-            if config.capacity is not None and not block_device and config.capacity != header.capacity:
+            if config.capacity is not None and not block_device and not recovery and config.capacity != header.capacity:
                 raise WALConfigError(
                     f"WAL {path!r} has capacity {header.capacity}, the config asks for {config.capacity}; "
                     "a WAL cannot be resized: use its capacity or a new path")

@@ -591,7 +591,7 @@ def spark_main() -> Callable[[list[str]], Any]:
 
 @main.command(context_settings=dict(ignore_unknown_options=True),
               short_help="Run the engine, WAL or Spark benchmarks.")
-@click.option("--kind", type=click.Choice(BENCH_KINDS), default="engine", show_default=True,
+@click.option("--kind", type=click.Choice(BENCH_KINDS), default="spark-throughput", show_default=True,
               help="Which benchmark (see above).")
 @click.option("--quick", is_flag=True, help="A short smoke run (seconds; the Spark tests: small sizes) instead "
                                             "of the full benchmark.")
@@ -603,12 +603,15 @@ def spark_main() -> Callable[[list[str]], Any]:
 def bench(kind: str, quick: bool, out: str | None, bench_args: tuple[str, ...]) -> None:
     """Run a benchmark on embedded defaults; print its results and write its report.
 
+    The default is the main job: the Spark load test, Spark tasks acting as nodes (each its own
+    WAL file) over a local object store and SQLite metadata, for 1, 2 and 4 nodes.
+
     \b
+    spark-throughput  spark_bench: aggregate and per-node MB/s, latency, scaling (needs pyspark, Java)
+    spark-migration   spark_bench: partition migration time under load against a copy baseline
     engine            s3stream.bench: ingest into 10 and 1,000 streams against WAL-only
                       ingest, object-store requests per GiB, catch-up and tail reads
     wal               wal.bench: WAL throughput and latency against the raw disk limit
-    spark-throughput  spark_bench: Spark tasks as nodes, aggregate MB/s (needs pyspark, Java)
-    spark-migration   spark_bench: partition migration time under load (needs pyspark, Java)
 
     Other options go to the benchmark itself: `s3stream bench --kind wal --quick --capacity 256M`;
     list them with `s3stream bench --kind wal -- --help`.

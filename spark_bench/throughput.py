@@ -77,12 +77,11 @@ def run(argv=None) -> dict:
 
 
 def _write_requests(store, meta) -> int:
-    """Write requests an S3 store would have seen for the committed objects (PUT or multipart)."""
-    part = getattr(store, "part_size", 16 * 1024 * 1024)
-    n = 0
-    for o in meta.list_objects():
-        n += 1 if o.size <= part else -(-o.size // part) + 2
-    return n
+    """Write requests an S3 store would have made for the committed objects."""
+    from s3stream.objectstore.base import write_requests
+    part = getattr(store, "part_size", None)
+    threshold = getattr(store, "multipart_threshold", None)
+    return sum(write_requests(o.size, part, threshold) for o in meta.list_objects())
 
 
 def format_report(report: dict) -> str:

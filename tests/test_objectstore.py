@@ -551,3 +551,12 @@ def test_instrumented_counts(backend):
         assert backend.store.stats()["upload_part"] == 3
     store.reset()
     assert set(store.stats().values()) == {0}
+
+
+def test_write_requests_rule():
+    from s3stream.objectstore.base import write_requests
+    mib = 1024 * 1024
+    assert write_requests(16 * mib + 8192, 16 * mib, 32 * mib) == 1      # a block plus its index: one PUT
+    assert write_requests(32 * mib, 16 * mib, 32 * mib) == 1
+    assert write_requests(32 * mib + 1, 16 * mib, 32 * mib) == 3 + 2      # create + 3 parts + complete
+    assert write_requests(10 * mib, None, None) == 1                      # a store that never splits

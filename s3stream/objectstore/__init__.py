@@ -13,6 +13,7 @@ from .wrappers import FaultInjectingObjectStore, InstrumentedObjectStore
 
 # URL query parameter -> (constructor argument, parser)
 _S3_PARAMS = {
+    "multipart_threshold": ("multipart_threshold", int),
     "endpoint_url": ("endpoint_url", str),
     "region": ("region_name", str),
     "part_size": ("part_size", int),
@@ -21,7 +22,7 @@ _S3_PARAMS = {
     "connect_timeout": ("connect_timeout", float),
     "read_timeout": ("read_timeout", float),
 }
-_FILE_PARAMS = {"part_size": ("part_size", int)}
+_FILE_PARAMS = {"part_size": ("part_size", int), "multipart_threshold": ("multipart_threshold", int)}
 _TRUE = {"1", "true", "yes"}
 _FALSE = {"0", "false", "no"}
 

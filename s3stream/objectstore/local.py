@@ -14,7 +14,7 @@ import uuid
 from typing import Iterable, Iterator
 
 from ..errors import ConfigError, ObjectNotFoundError, ObjectStoreError
-from .base import ObjectInfo
+from .base import ObjectInfo, default_multipart_threshold
 
 MiB = 1024 * 1024
 
@@ -51,9 +51,11 @@ class LocalObjectStore:
     """ObjectStore on a directory (created if missing). `part_size` is only reported: local puts
     are single writes. Thread-safe: puts of one key race benignly (last rename wins)."""
 
-    def __init__(self, root: str, part_size: int = 16 * MiB) -> None:
+    def __init__(self, root: str, part_size: int = 16 * MiB, multipart_threshold: int | None = None) -> None:
         if part_size <= 0:
             raise ConfigError(f"part_size must be positive, got {part_size}")
+        # Reported like part_size, so request counts match what an S3 store would do.
+        self.multipart_threshold = multipart_threshold or default_multipart_threshold(part_size)
         self.root = os.path.abspath(root)
         try:
             os.makedirs(self.root, exist_ok=True)

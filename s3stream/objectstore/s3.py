@@ -17,7 +17,7 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
 from ..errors import ConfigError, ObjectNotFoundError, ObjectStoreError
-from .base import ObjectInfo
+from .base import ObjectInfo, default_multipart_threshold, write_requests
 from .local import check_range
 
 MiB = 1024 * 1024
@@ -33,8 +33,8 @@ T = TypeVar("T")
 class S3ObjectStore:
     """ObjectStore on `bucket`, every key stored under `prefix` + "/".
 
-    Objects up to `part_size` bytes are one PutObject; larger ones a multipart upload whose parts
-    go up concurrently and which is aborted if anything fails. `client` (a boto3 S3 client) is for
+    Objects up to `multipart_threshold` bytes (default twice `part_size`) are one PutObject;
+    larger ones a multipart upload of `part_size` parts that go up concurrently and which is aborted if anything fails. `client` (a boto3 S3 client) is for
     tests; when given, the store does not close it.
     """
 
@@ -46,6 +46,7 @@ class S3ObjectStore:
         endpoint_url: str | None = None,
         region_name: str | None = None,
         part_size: int = 16 * MiB,
+        multipart_threshold: int | None = None,
         max_concurrency: int = 16,
         max_attempts: int = 8,
         connect_timeout: float = 5.0,
@@ -63,6 +64,9 @@ class S3ObjectStore:
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.part_size = part_size
+        self.multipart_threshold = multipart_threshold or default_multipart_threshold(part_size)
+        if self.multipart_threshold < part_size:
+            raise ConfigError(f"multipart_threshold ({self.multipart_threshold}) must be at least part_size ({part_size})")
         self.max_concurrency = max_concurrency
         self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
         self._owns_client = client is None
@@ -116,10 +120,10 @@ class S3ObjectStore:
     # -- ObjectStore ---------------------------------------------------------------------------
 
     def put(self, key: str, data: bytes | memoryview) -> None:
-        """Store `data` under `key`: one PutObject, or a multipart upload above `part_size`."""
+        """Store `data` under `key`: one PutObject, or a multipart upload above the threshold."""
         full_key = self._full_key(key)
         view = memoryview(data).cast("B")
-        if len(view) <= self.part_size:
+        if write_requests(len(view), self.part_size, self.multipart_threshold) == 1:
             body = data if isinstance(data, bytes) else view.tobytes()
             try:
                 self._request("put", "put", key, lambda: self._client.put_object(

@@ -2,14 +2,13 @@
 (FaultInjectingObjectStore). Both keep the ObjectStore contract of what they wrap."""
 from __future__ import annotations
 
-import math
 import random
 import threading
 import time
 from typing import Callable, Iterable, Iterator
 
 from ..errors import ObjectStoreError
-from .base import ObjectInfo, ObjectStore
+from .base import ObjectInfo, ObjectStore, write_requests
 
 KeyPredicate = Callable[[str], bool]
 
@@ -41,7 +40,7 @@ class _Wrapper:
 class InstrumentedObjectStore(_Wrapper):
     """Counts calls, the requests a real S3 would see, and bytes moved, for the wrapped store.
 
-    A put is 1 write request up to part_size, else create + ceil(size / part_size) parts +
+    A put counts the write requests of base.write_requests: 1 up to the multipart threshold, else create + ceil(size / part_size) parts +
     complete. A get of an empty range is no request. Counts are taken when a call is made,
     bytes when it succeeds; failures are also counted under "errors".
     """
@@ -62,8 +61,7 @@ class InstrumentedObjectStore(_Wrapper):
     def put(self, key: str, data: bytes | memoryview) -> None:
         """Delegate, counting the write requests the put implies."""
         size = len(memoryview(data).cast("B"))
-        part_size = _part_size(self.inner)
-        requests = 1 if part_size is None or size <= part_size else math.ceil(size / part_size) + 2
+        requests = write_requests(size, _part_size(self.inner), getattr(self.inner, "multipart_threshold", None))
         self._add(put=1, put_requests=requests)
         try:
             self.inner.put(key, data)

@@ -169,8 +169,9 @@ def collect(proc: subprocess.Popen, acks: dict, ready: threading.Event) -> threa
     return t
 
 
+@pytest.mark.parametrize("round_", range(int(os.environ.get("FAILOVER_ROUNDS", "1"))))
 @pytest.mark.parametrize("how", ["kill", "zombie"])
-def test_failover_of_a_dead_node_process(tmp_path, how):
+def test_failover_of_a_dead_node_process(tmp_path, how, round_):
     """Node 1 runs in its own process, producing to its partitions. It is SIGKILLed (or
     SIGSTOPped: a zombie). Node 2 sees its heartbeat expire, fails it over and serves its
     partitions: every record node 1 acknowledged is there. A zombie that wakes up is fenced and

@@ -36,7 +36,7 @@ from typing import Callable, Sequence
 from s3stream.errors import MetadataError, ObjectNotFoundError, StreamFencedError
 from s3stream.metadata import (
     CommitRange, CommitRequest, CommitSSO, CommitStreamObject, MetadataStore, ObjectMeta,
-    ObjectState, ObjectType, StreamMeta, StreamState, object_key,
+    ObjectState, ObjectType, StreamMeta, StreamRange, StreamState, object_key,
 )
 from s3stream.objectformat import TAIL_READ, Batch, IndexEntry, encode_object, read_blocks, read_index
 from s3stream.objectstore import ObjectStore
@@ -158,15 +158,13 @@ class Compactor:
             self._compact_group(group, streams, data_time, result, force_split=False)
 
     def _stream_object_round(self, result: CompactionResult) -> None:
-        streams = [s for s in self._meta.list_streams() if self._responsible(s)]
-        if not streams:
-            return
-        by_stream: dict[int, list[ObjectMeta]] = {}
-        for o in self._meta.list_objects(state=ObjectState.COMMITTED, type=ObjectType.STREAM_OBJECT):
-            if o.ranges:
-                by_stream.setdefault(o.ranges[0].stream_id, []).append(o)
-        for stream in streams:
-            objects = by_stream.get(stream.stream_id, [])
+        batch: list[_Merge] = []
+        for listed in self._meta.list_streams():
+            if not self._responsible(listed):
+                continue
+            # Fresh per stream: a round is long next to trims, and a stale plan is refused.
+            stream = self._meta.get_stream(listed.stream_id)
+            objects = self._stream_objects(stream)
             expired = [o for o in objects if o.ranges[0].end_offset <= stream.start_offset]
             if expired:
                 # Committed by a compaction planned before a trim: nothing can read them.
@@ -176,13 +174,33 @@ class Compactor:
             groups = plan_stream_merges(live, small_size=self.config.small_object_size,
                                         max_size=self.config.merged_object_size,
                                         growth=self.config.merge_growth)
-            merging = {o.object_id for group in groups for o in group}
-            # An object the trim cut into keeps its dead head until rewritten without it.
-            groups += [[o] for o in live if o.object_id not in merging
-                       and self._trimmed_ratio(o, stream, result) >= self.config.garbage_ratio]
+            if not groups and live:
+                # A trim cut into the first object: rewrite it without the dead head when that
+                # head is most of what the stream stores (else it goes with the next trims).
+                head = min(live, key=lambda o: o.ranges[0].start_offset)
+                if self._dead_head(head, stream, result) >= \
+                        self.config.garbage_ratio * sum(o.size for o in live):
+                    groups = [[head]]
             for group in groups:
                 self.gate.checkpoint()
-                self._merge_stream_objects(stream, group, result)
+                planned = self._plan_merge(stream, group, result)
+                if planned is not None:
+                    batch.append(planned)
+                if sum(o.size for m in batch for o in m.inputs) >= self.config.memory_budget:
+                    self._commit_merges(batch, result)
+                    batch = []
+        if batch:
+            self._commit_merges(batch, result)
+
+    def _stream_objects(self, stream: StreamMeta) -> list[ObjectMeta]:
+        """The stream's committed StreamObjects (those below its start offset included)."""
+        if stream.end_offset <= 0:
+            return []
+        refs = self._meta.get_object_refs(stream.stream_id, 0, stream.end_offset, limit=1 << 30)
+        return [ObjectMeta(r.object_id, r.key, r.size, ObjectType.STREAM_OBJECT, ObjectState.COMMITTED,
+                           None, None, 0, 0, None, None,
+                           (StreamRange(r.stream_id, r.start_offset, r.end_offset),))
+                for r in refs if r.type == ObjectType.STREAM_OBJECT]
 
     def _responsible(self, stream: StreamMeta) -> bool:
         if stream.state == StreamState.OPENED:
@@ -201,34 +219,64 @@ class Compactor:
                               max_output=self.config.max_output_size, force_split=force_split)
         except (PlanError, ObjectNotFoundError) as e:
             # An input vanished (another compactor of this node?) or disagrees with metadata.
-            log.warning("node %d: SSO compaction of %s skipped: %s", self.node_id,
-                        [o.object_id for o in group], e)
+            log.info("node %d: SSO compaction of %s skipped: %s", self.node_id,
+                     [o.object_id for o in group], e)
             result.failed_commits += 1
             return
         oldest = min(data_time[o.object_id] for o in group)
         self._execute(plan.inputs, plan.outputs, streams, result, sso_data_time=oldest,
                       dropped=plan.dropped_bytes)
 
-    def _merge_stream_objects(self, stream: StreamMeta, group: list[ObjectMeta],
-                              result: CompactionResult) -> None:
+    def _plan_merge(self, stream: StreamMeta, group: list[ObjectMeta],
+                    result: CompactionResult) -> "_Merge | None":
         pieces: list[Piece] = []
-        streams = {stream.stream_id: stream}
         dropped = 0
         try:
             for o in group:
                 index = self._index(o, result)
-                dropped += dead_bytes(index, streams)
+                dropped += dead_bytes(index, {stream.stream_id: stream})
                 entries = [e for e in index if e.stream_id == stream.stream_id
                            and not is_dead(stream, e.end_offset)]
                 if entries:
                     pieces.append(Piece(o, tuple(entries)))
         except ObjectNotFoundError as e:
-            log.warning("stream %d: merge of %s skipped: %s", stream.stream_id,
-                        [o.object_id for o in group], e)
+            log.info("stream %d: merge of %s skipped: %s", stream.stream_id,
+                     [o.object_id for o in group], e)
             result.failed_commits += 1
-            return
-        outputs = [Output("so", [(stream.stream_id, pieces)])] if pieces else []
-        self._execute(group, outputs, streams, result, sso_data_time=None, dropped=dropped)
+            return None
+        return _Merge(group, [Output("so", [(stream.stream_id, pieces)])] if pieces else [],
+                      stream, dropped)
+
+    def _commit_merges(self, batch: list["_Merge"], result: CompactionResult) -> None:
+        """Write the merged StreamObjects of several streams; commit them at once (one metadata
+        transaction for many merges). If a trim destroyed an input meanwhile, commit the merges
+        whose inputs are all still committed."""
+        outputs = [out for m in batch for out in m.outputs]
+        ids = iter(self._meta.prepare_objects(len(outputs), int(self.config.prepared_ttl * 1e9))
+                   if outputs else [])
+        written = []
+        for m in batch:
+            sos = []
+            for out in m.outputs:
+                object_id = next(ids)
+                size, ranges = self._write(out, object_id, {m.stream.stream_id: m.stream}, result)
+                sos.append(CommitStreamObject(object_id, size, ranges[0]))
+            written.append((m.inputs, sos, m.dropped))
+        for attempt in range(2):
+            request = CommitRequest(self.node_id, self.node_epoch,
+                                    stream_objects=tuple(so for _, sos, _ in written for so in sos),
+                                    compacted_ids=tuple(o.object_id for inputs, _, _ in written
+                                                        for o in inputs))
+            if self._commit(request, result, log_level=logging.DEBUG if attempt == 0 else logging.INFO):
+                for inputs, sos, dropped in written:
+                    result.objects_compacted += len(inputs)
+                    result.stream_objects_written += len(sos)
+                    result.bytes_dropped += dropped
+                return
+            written = [w for w in written if all(
+                self._meta.get_object(o.object_id).state == ObjectState.COMMITTED for o in w[0])]
+            if not written:
+                return
 
     # ---- writing and committing -----------------------------------------------------------------
 
@@ -248,27 +296,34 @@ class Compactor:
                 sso = CommitSSO(object_id, size, tuple(ranges))
             else:
                 stream_objects.append(CommitStreamObject(object_id, size, ranges[0]))
-        self._crash_point("after_put")
         request = CommitRequest(self.node_id, self.node_epoch, sso=sso,
                                 stream_objects=tuple(stream_objects),
                                 compacted_ids=tuple(o.object_id for o in inputs))
+        if not self._commit(request, result):
+            return
+        result.objects_compacted += len(inputs)
+        result.bytes_dropped += dropped
+        result.stream_set_objects_written += 1 if sso else 0
+        result.stream_objects_written += len(stream_objects)
+
+    def _commit(self, request: CommitRequest, result: CompactionResult,
+                log_level: int = logging.INFO) -> bool:
+        """One compaction commit; False if metadata refused it because its inputs changed
+        (trimmed away, compacted elsewhere): the outputs stay PREPARED and expire, and the next
+        round plans again from fresh metadata. StreamFencedError (node restarted) propagates."""
+        self._crash_point("after_put")
         try:
             self._meta.commit(request)
         except StreamFencedError:
             raise
         except MetadataError as e:
-            # The inputs changed under us (trimmed away, compacted elsewhere); the outputs stay
-            # PREPARED and expire. The next round plans again from fresh metadata.
-            log.warning("node %d: compaction commit of %s refused: %s", self.node_id,
-                        list(request.compacted_ids), e)
+            log.log(log_level, "node %d: compaction commit of %s refused: %s", self.node_id,
+                    list(request.compacted_ids), e)
             result.failed_commits += 1
-            return
+            return False
         result.commits += 1
-        result.objects_compacted += len(inputs)
-        result.bytes_dropped += dropped
-        result.stream_set_objects_written += 1 if sso else 0
-        result.stream_objects_written += len(stream_objects)
         self._crash_point("after_commit")
+        return True
 
     def _write(self, output: Output, object_id: int, streams: dict[int, StreamMeta],
                result: CompactionResult) -> tuple[int, list[CommitRange]]:
@@ -332,17 +387,11 @@ class Compactor:
         # No ranges at all: every stream in it was deleted before its upload committed.
         return not o.ranges or any(is_dead(streams.get(r.stream_id), r.end_offset) for r in o.ranges)
 
-    def _trimmed_ratio(self, o: ObjectMeta, stream: StreamMeta, result: CompactionResult) -> float:
-        """The fraction of a StreamObject's bytes below the stream's start offset."""
-        r = o.ranges[0]
-        if r.start_offset >= stream.start_offset:
-            return 0.0     # decided from metadata alone: no GET
-        if (stream.start_offset - r.start_offset) < self.config.garbage_ratio / 2 * (
-                r.end_offset - r.start_offset):
-            return 0.0     # not even close by offsets: spare the GET
-        index = self._index(o, result)
-        total = sum(e.block_size for e in index)
-        return dead_bytes(index, {stream.stream_id: stream}) / total if total else 1.0
+    def _dead_head(self, o: ObjectMeta, stream: StreamMeta, result: CompactionResult) -> int:
+        """Bytes of a StreamObject below the stream's start offset."""
+        if o.ranges[0].start_offset >= stream.start_offset:
+            return 0       # decided from metadata alone: no GET
+        return dead_bytes(self._index(o, result), {stream.stream_id: stream})
 
     def _garbage_ratio(self, o: ObjectMeta, streams: dict[int, StreamMeta]) -> float:
         if not self._has_dead_range(o, streams):
@@ -381,6 +430,15 @@ class Compactor:
             self._hook = None
             print(f"compaction-hook {point}", file=sys.stderr, flush=True)
             time.sleep(float(os.environ.get(HOOK_SLEEP_ENV, "3600")))
+
+
+@dataclass
+class _Merge:
+    """StreamObjects of one stream to replace by `outputs` (none if all their data is dead)."""
+    inputs: list[ObjectMeta]
+    outputs: list[Output]
+    stream: StreamMeta
+    dropped: int
 
 
 def _chunks(piece: Piece, max_bytes: int) -> list[Piece]:

@@ -105,18 +105,21 @@ class CompactionRunner:
         self.reclaimer.run_once()
 
     def metrics(self, uploaded_bytes: int | None = None) -> dict:
-        """Cumulative compaction figures, the store's objects by kind, and write amplification
-        ((uploaded + compaction written) / uploaded) when the uploaded bytes are known."""
+        """Cumulative compaction figures, the store's objects by kind, and when the uploaded bytes
+        are known the write amplification ((uploaded + compaction written) / uploaded) and the
+        part compaction adds (compaction written / uploaded)."""
         totals = self.compactor.totals.as_dict()
         if uploaded_bytes is None and self._uploaded_bytes is not None:
             uploaded_bytes = self._uploaded_bytes()
-        amplification = None
+        amplification = compaction_ratio = None
         if uploaded_bytes:
             amplification = (uploaded_bytes + totals["bytes_written"]) / uploaded_bytes
+            compaction_ratio = totals["bytes_written"] / uploaded_bytes
         return dict(node_id=self.compactor.node_id, rounds=self.rounds, errors=self.errors,
                     paused=self.paused, fenced=self.fenced, peak_memory=self.compactor.memory.peak,
                     memory_budget=self.compactor.config.memory_budget, totals=totals,
                     uploaded_bytes=uploaded_bytes, write_amplification=amplification,
+                    compaction_write_ratio=compaction_ratio,
                     objects_deleted=self.reclaimer.deleted if self.reclaimer else None,
                     objects=object_stats(self.compactor._meta))
 

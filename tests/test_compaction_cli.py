@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 from test_compaction import Node
+from test_engine import read_all
 
 
 def cli(*args):
@@ -35,7 +36,5 @@ def test_stats_and_run(tmp_path):
     assert "stream_set_objects:" in cli("stats", "--metadata", meta)
     reopened = Node(tmp_path, node_id=2)
     for stream_id, batches in expected.items():
-        s = reopened.client.open_stream(stream_id)
-        from test_engine import read_all
-        assert read_all(s) == batches
+        assert read_all(reopened.client.open_stream(stream_id)) == batches
     reopened.close()

@@ -15,18 +15,17 @@ Contract (every implementation, every wrapper):
 """
 from __future__ import annotations
 
-import math
 from typing import Iterable, Iterator, NamedTuple, Protocol, runtime_checkable
 
 
 def write_requests(size: int, part_size: int | None, multipart_threshold: int | None) -> int:
     """Write requests an S3 store makes for one object of `size` bytes: one PUT up to the
-    multipart threshold, else create + ceil(size / part_size) parts + complete. The threshold
-    sits above the part size so that an object just over a part (an upload block plus its index)
-    is still one request."""
+    multipart threshold, else create + floor(size / part_size) parts (the last one takes the
+    remainder) + complete. The threshold sits above the part size so that an object just over a
+    part (an upload block plus its index) is still one request."""
     if part_size is None or size <= (multipart_threshold or part_size):
         return 1
-    return math.ceil(size / part_size) + 2
+    return max(1, size // part_size) + 2
 
 
 def default_multipart_threshold(part_size: int) -> int:

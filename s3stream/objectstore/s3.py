@@ -7,7 +7,6 @@ bounded by `max_concurrency` across all threads and puts.
 """
 from __future__ import annotations
 
-import math
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Callable, Iterable, Iterator, TypeVar
@@ -140,11 +139,14 @@ class S3ObjectStore:
                                           Bucket=self.bucket, Key=full_key))["UploadId"]
         except ClientError as e:
             raise self._error("create multipart upload", key, e) from e
-        count = math.ceil(len(view) / self.part_size)
+        # The last part takes the remainder (S3 parts may be up to 5 GiB): an object a little over
+        # n parts is n requests, not n + 1 with a tiny last one.
+        count = max(1, len(view) // self.part_size)
         futures: list[Future] = []
         try:
             for index in range(count):
-                part = view[index * self.part_size:(index + 1) * self.part_size]
+                end = (index + 1) * self.part_size if index < count - 1 else len(view)
+                part = view[index * self.part_size:end]
                 futures.append(self._executor.submit(
                     self._upload_part, key, full_key, upload_id, index + 1, part))
             parts = [f.result() for f in futures]

@@ -706,9 +706,16 @@ def test_two_processes_commit_to_one_file(tmp_path):
                                 stderr=subprocess.PIPE, text=True)
                for node_id in (1, 2)]
     deadline = time.monotonic() + 30
+    def fail(why):
+        for w in workers:       # a worker still waiting for `go` must not keep us waiting
+            w.kill()
+        pytest.fail(f"{why}: {[w.communicate() for w in workers]}")
+
     while not all(os.path.exists(f"{go}.ready{n}") for n in (1, 2)):
-        assert all(w.poll() is None for w in workers), [w.communicate() for w in workers]
-        assert time.monotonic() < deadline
+        if not all(w.poll() is None for w in workers):
+            fail("a worker exited before starting")
+        if time.monotonic() > deadline:
+            fail("workers did not get ready")
         time.sleep(0.01)
     open(go, "w").close()
     outputs = [w.communicate(timeout=60) for w in workers]

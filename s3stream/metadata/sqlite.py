@@ -62,6 +62,8 @@ import threading
 import time
 from typing import Callable, Iterator, Sequence
 
+import tenacity
+
 from ..errors import (ConfigError, MetadataError, StreamFencedError, StreamNotClosedError,
                       StreamNotFoundError)
 from .base import (CommitRange, CommitRequest, CommitResult, MetadataStore, NodeMeta, ObjectMeta,
@@ -159,7 +161,15 @@ class SqliteMetadataStore(MetadataStore):
             conn = sqlite3.connect(self.path, timeout=self._busy_timeout_s, isolation_level=None,
                                    check_same_thread=False)
             conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_s * 1000)}")
-            mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            # Switching a new database to WAL needs an exclusive lock, and SQLite does not always
+            # run the busy handler for it: two processes opening a fresh file at once would see
+            # "database is locked". Retry within the busy timeout.
+            mode = tenacity.Retrying(
+                retry=tenacity.retry_if_exception(lambda e: isinstance(e, sqlite3.OperationalError)
+                                                  and "locked" in str(e)),
+                wait=tenacity.wait_random_exponential(multiplier=0.005, max=0.2),
+                stop=tenacity.stop_after_delay(self._busy_timeout_s), reraise=True,
+            )(lambda: conn.execute("PRAGMA journal_mode = WAL").fetchone()[0])
             conn.execute("PRAGMA synchronous = FULL")
             conn.execute("PRAGMA foreign_keys = ON")
         except sqlite3.Error as e:

@@ -47,6 +47,7 @@ from s3stream.logcache import LogCache
 from s3stream.metadata import SqliteMetadataStore
 from s3stream.objectstore import LocalObjectStore
 from s3stream.read import Reader
+from s3stream.reporting import pyplot, save_figure
 
 from . import CompactionConfig, Compactor, attach, object_stats
 
@@ -431,11 +432,8 @@ def format_report(report: dict) -> str:
 
 
 def write_plots(report: dict, out: str) -> list[str]:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot("compaction.bench")
+    if plt is None:
         return []
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for run, style in zip(report["runs"], ("--", "-", ":")):
@@ -453,11 +451,7 @@ def write_plots(report: dict, out: str) -> list[str]:
     for ax in axes:
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    path = os.path.join(out, "compaction.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return [save_figure(plt, fig, out, "compaction.png")]
 
 
 def main() -> None:

@@ -37,6 +37,7 @@ from wal.bench import fmt_size, parse_size, percentiles
 from . import Config, RecordBatch, StreamClient
 from .metadata import ObjectState, SqliteMetadataStore
 from .objectstore import InstrumentedObjectStore, LocalObjectStore
+from .reporting import pyplot, save_figure
 
 KiB, MiB, GiB = 1024, 1024 ** 2, 1024 ** 3
 TARGETS = {"ingest_ratio": 0.7, "catchup_ratio": 0.7}
@@ -331,12 +332,8 @@ def format_report(report: dict) -> str:
 
 
 def write_plots(report: dict, out: str) -> list[str]:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("s3stream.bench: matplotlib is not installed; no PNG plots (pip install matplotlib)", flush=True)
+    plt = pyplot("s3stream.bench")
+    if plt is None:
         return []
     runs = report["runs"]
     fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
@@ -360,11 +357,7 @@ def write_plots(report: dict, out: str) -> list[str]:
     axes[2].set_xticks(list(x), names)
     axes[2].set_title("Object-store cost")
     axes[2].legend(fontsize=8)
-    fig.tight_layout()
-    path = os.path.join(out, "engine.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return [save_figure(plt, fig, out, "engine.png")]
 
 
 def main() -> None:

@@ -22,6 +22,8 @@ import time
 
 from wal.bench import parse_size
 
+from s3stream.reporting import pyplot, save_figure
+
 from .common import (
     KiB, MiB, add_common_args, cleanup_dirs, latency_summary, node_spec, progress, run_nodes, spark_session, storage,
     write_json,
@@ -231,12 +233,8 @@ def format_report(report: dict) -> str:
 
 
 def plot(report: dict, out: str) -> list[str]:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no PNG plots")
+    plt = pyplot("spark_bench")
+    if plt is None:
         return []
     rows = report["histories"]
     xs = [r["history_bytes"] / MiB for r in rows]
@@ -251,8 +249,4 @@ def plot(report: dict, out: str) -> list[str]:
     ax.set_ylabel("seconds")
     ax.set_title("Migration time against history size")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = os.path.join(out, "migration.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return [save_figure(plt, fig, out, "migration.png")]

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from s3stream.reporting import pyplot, save_figure
+
 from .common import (
     GiB, add_common_args, cleanup_dirs, latency_summary, node_spec, progress, run_nodes, spark_session, storage,
     write_json,
@@ -101,12 +103,8 @@ def format_report(report: dict) -> str:
 
 
 def plot(report: dict, out: str) -> list[str]:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no PNG plots")
+    plt = pyplot("spark_bench")
+    if plt is None:
         return []
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for r in report["runs"]:
@@ -128,8 +126,4 @@ def plot(report: dict, out: str) -> list[str]:
     axes[2].set_yscale("log")
     axes[2].legend()
     axes[2].set_title("Latency percentiles")
-    fig.tight_layout()
-    path = os.path.join(out, "throughput.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return [save_figure(plt, fig, out, "throughput.png")]

@@ -495,7 +495,7 @@ def format_migration(report: MigrationReport) -> str:
              f"  seconds       {report.seconds:.3f}",
              f"  tail bytes    {report.tail_bytes:,} (force-uploaded by the source on close)",
              f"  leader epoch  {report.leader_epoch}",
-             f"  failed over   " + ("yes: the source did not let go in time and was fenced and failed over"
+             "  failed over   " + ("yes: the source did not let go in time and was fenced and failed over"
                                     if report.failed_over else "no")]
     return "\n".join(lines)
 

@@ -24,8 +24,9 @@ import json
 import logging
 import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from .client import StreamClient
 from .config import Config
@@ -196,7 +197,7 @@ class NodeAgent:
                                         thread_name_prefix=f"agent-{self.node_id}")
         self._last_heartbeat = 0.0
         self.fenced = False
-        self.errors: list[str] = []
+        self.errors: deque[str] = deque(maxlen=100)     # the latest failures, bounded
         self._thread = threading.Thread(target=self._run, name=f"node-agent-{self.node_id}", daemon=True)
         self._thread.start()
 
@@ -290,7 +291,3 @@ class NodeAgent:
             log.warning("node %d: node %d missed heartbeats for %.1f s: failing it over", self.node_id,
                         node.node_id, (now - node.heartbeat_ns) / 1e9)
             self.cluster.fail_over(node.node_id)
-
-
-def report_dict(report) -> dict:
-    return asdict(report)

@@ -84,7 +84,7 @@ class Uploader:
         self._pool = ThreadPoolExecutor(max_workers=config.upload_concurrency, thread_name_prefix="s3stream-put")
         self._thread = threading.Thread(target=self._run, name="s3stream-upload", daemon=True)
         self.stats = dict(blocks=0, objects=0, stream_objects=0, stream_set_objects=0, bytes=0,
-                          put_retries=0, commit_retries=0)
+                          put_retries=0, prepare_retries=0, commit_retries=0)
         self._thread.start()
 
     # ---- queueing and waiting ------------------------------------------------------------------
@@ -176,7 +176,7 @@ class Uploader:
         plan = plan_upload(block, self._config.split_size)
         n = len(plan.stream_objects) + (1 if plan.stream_set else 0)
         ttl_ns = int(self._config.prepared_ttl * 1e9)
-        ids = self._retrying("prepare", (OSError,), "commit_retries")(self._meta.prepare_objects, n, ttl_ns)
+        ids = self._retrying("prepare", (OSError,), "prepare_retries")(self._meta.prepare_objects, n, ttl_ns)
         objects: list[tuple[int, bytes]] = []
         sso = None
         next_id = iter(ids)

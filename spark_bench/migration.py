@@ -25,7 +25,7 @@ from wal.bench import parse_size
 from s3stream.reporting import pyplot, save_figure
 
 from .common import (
-    KiB, MiB, add_common_args, cleanup_dirs, latency_summary, node_spec, progress, run_nodes, spark_session, storage,
+    MiB, add_common_args, cleanup_dirs, latency_summary, node_spec, progress, run_nodes, spark_session, storage,
     write_json,
 )
 from .node import digest

@@ -91,7 +91,7 @@ def run_node(spec: dict) -> dict:
         fut, t0, data, name = item
         try:
             base = fut.result(60).base_offset
-        except Exception as e:     # noqa: BLE001 - not acknowledged: the producer would retry it
+        except Exception:     # noqa: BLE001 - not acknowledged: the producer would retry it
             return
         done = time.monotonic_ns()
         with lock:
@@ -119,5 +119,5 @@ def run_node(spec: dict) -> dict:
     meta.close()
     store.close()
     return dict(node_id=node_id, bytes=sent[0], seconds=elapsed, latencies=latencies, acks=acks,
-                timeline=sorted(timeline.items()), errors=errors + agent.errors[:20],
+                timeline=sorted(timeline.items()), errors=errors + list(agent.errors)[:20],
                 upload=stats["upload"], wal=stats["wal"])

@@ -32,9 +32,9 @@ def run(argv=None) -> dict:
     out, work, store, meta, cleanup = storage(args, "throughput")
     spark = spark_session(args.master if args.master != "local[*]" else f"local[{max(counts)}]",
                           "s3stream-throughput", max(counts))
-    from s3stream.cluster import Cluster, ClusterConfig
+    from s3stream.cluster import Cluster
     from s3stream.metadata import open_metadata
-    from s3stream.objectstore import InstrumentedObjectStore, open_object_store
+    from s3stream.objectstore import open_object_store
     runs = []
     try:
         for n in counts:

@@ -18,7 +18,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precon
 
 import s3stream
 from s3stream import RecordBatch, StreamClient
-from conftest import KiB, MiB, small_config
+from conftest import KiB, small_config
 
 CONFIG = small_config(upload_threshold=64 * KiB, split_size=16 * KiB, object_block_size=4 * KiB,
                       cache_size=256 * KiB, max_batch_bytes=16 * KiB, block_cache_size=64 * KiB,

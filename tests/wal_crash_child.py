@@ -4,7 +4,6 @@ Usage: wal_crash_child.py PATH ROUND THREADS CAPACITY
 Prints "ready N" after recovering N records, "trim OFFSET" before each trim, and
 "ack THREAD SEQ OFFSET" after each record's append was acknowledged as durable.
 """
-import struct
 import sys
 import threading
 from collections import deque

@@ -70,13 +70,6 @@ cdef inline uint64_t ld64(const unsigned char* p) noexcept nogil:
     return (<uint64_t>ld32(p)) | (<uint64_t>ld32(p + 4) << 32)
 
 
-cdef struct Piece:
-    const unsigned char* data
-    size_t length
-    uint64_t base
-    uint32_t count
-
-
 cdef struct BlockPlan:
     uint64_t stream_id
     uint64_t start
@@ -88,83 +81,42 @@ cdef struct BlockPlan:
     size_t pieces
 
 
-def encode_object(streams, size_t block_size):
-    """Encode an object from `streams`: a sequence of (stream_id, batches), stream ids strictly
-    ascending, each batches a sequence of (base_offset, count, payload) with contiguous offsets.
-    Returns (object bytes, index entries as tuples). A batch larger than `block_size` gets a
-    block of its own. The copy and checksums run with the GIL released."""
-    cdef list views = []          # keeps every payload buffer alive until the copy is done
-    cdef Py_buffer* bufs = NULL
-    cdef Piece* pieces = NULL
-    cdef BlockPlan* blocks = NULL
-    cdef size_t npieces = 0, nblocks = 0, i, j, k, pos, total, body
-    cdef uint64_t sid, prev_sid = 0, expect, base
-    cdef uint32_t count
-    cdef bint first_stream = True
+cdef tuple encode_pieces(const Piece* pieces, size_t npieces, size_t block_size):
+    """Encode an object from `npieces` batches, grouped by stream (stream ids ascending, offsets
+    contiguous within a stream: the caller checks). Each stream's batches are cut into blocks of
+    at most `block_size` bytes; a batch larger than that gets a block of its own. Returns (object
+    bytes, index entries as tuples). Planning is O(batches); the copy and checksums run with the
+    GIL released, so the payload memory must stay alive and unchanged for the call."""
+    cdef BlockPlan* blocks
+    cdef size_t nblocks = 0, i, j, pos = 0, total, body, index_pos, index_len
     cdef unsigned char* out
     cdef unsigned char* p
     cdef unsigned char* bp
-    cdef size_t index_pos, index_len
-    cdef Py_buffer view
-
-    if block_size < BLOCK_HEADER + BATCH_HEADER:
-        raise ValueError(f"block size {block_size} too small")
-    for _, batches in streams:
-        npieces += len(batches)
     if npieces == 0:
         raise ValueError("an object needs at least one batch")
-    pieces = <Piece*>malloc(npieces * sizeof(Piece))
+    if block_size < BLOCK_HEADER + BATCH_HEADER:
+        raise ValueError(f"block size {block_size} too small")
     blocks = <BlockPlan*>malloc(npieces * sizeof(BlockPlan))   # at most one block per batch
-    bufs = <Py_buffer*>malloc(npieces * sizeof(Py_buffer))
-    if pieces == NULL or blocks == NULL or bufs == NULL:
-        free(pieces); free(blocks); free(bufs)
+    if blocks == NULL:
         raise MemoryError()
-    k = 0
     try:
-        # Plan: cut each stream's batches into blocks of at most block_size bytes.
-        pos = 0
-        for stream_id, batches in streams:
-            sid = stream_id
-            if not first_stream and sid <= prev_sid:
-                raise ValueError(f"stream ids must be strictly ascending ({prev_sid} then {sid})")
-            if len(batches) == 0:
-                raise ValueError(f"stream {sid} has no batches")
-            first_stream = False
-            prev_sid = sid
-            expect = batches[0][0]
-            for base_offset, cnt, payload in batches:
-                base = base_offset
-                count = cnt
-                if count == 0:
-                    raise ValueError(f"stream {sid}: batch at {base} has count 0")
-                if base != expect:
-                    raise ValueError(f"stream {sid}: batch at {base} is not contiguous (expected {expect})")
-                expect = base + count
-                PyObject_GetBuffer(payload, &bufs[k], PyBUF_SIMPLE)
-                pieces[k].data = <const unsigned char*>bufs[k].buf
-                pieces[k].length = <size_t>bufs[k].len
-                pieces[k].base = base
-                pieces[k].count = count
-                k += 1
-                i = k - 1
-                if (nblocks == 0 or blocks[nblocks - 1].stream_id != sid
-                        or blocks[nblocks - 1].size + BATCH_HEADER + pieces[i].length > block_size):
-                    blocks[nblocks].stream_id = sid
-                    blocks[nblocks].start = base
-                    blocks[nblocks].end = base
-                    blocks[nblocks].records = 0
-                    blocks[nblocks].position = pos
-                    blocks[nblocks].size = BLOCK_HEADER
-                    blocks[nblocks].first_piece = i
-                    blocks[nblocks].pieces = 0
-                    nblocks += 1
-                blocks[nblocks - 1].size += BATCH_HEADER + pieces[i].length
-                blocks[nblocks - 1].end = base + count
-                blocks[nblocks - 1].records += count
-                blocks[nblocks - 1].pieces += 1
-                pos += BATCH_HEADER + pieces[i].length
-                if blocks[nblocks - 1].pieces == 1:
-                    pos += BLOCK_HEADER
+        for i in range(npieces):
+            if (nblocks == 0 or blocks[nblocks - 1].stream_id != pieces[i].stream_id
+                    or blocks[nblocks - 1].size + BATCH_HEADER + pieces[i].length > block_size):
+                blocks[nblocks].stream_id = pieces[i].stream_id
+                blocks[nblocks].start = pieces[i].base
+                blocks[nblocks].records = 0
+                blocks[nblocks].position = pos
+                blocks[nblocks].size = BLOCK_HEADER
+                blocks[nblocks].first_piece = i
+                blocks[nblocks].pieces = 0
+                nblocks += 1
+                pos += BLOCK_HEADER
+            blocks[nblocks - 1].size += BATCH_HEADER + pieces[i].length
+            blocks[nblocks - 1].end = pieces[i].base + pieces[i].count
+            blocks[nblocks - 1].records += pieces[i].count
+            blocks[nblocks - 1].pieces += 1
+            pos += BATCH_HEADER + pieces[i].length
         index_pos = pos
         index_len = nblocks * INDEX_ENTRY
         total = index_pos + index_len + FOOTER
@@ -207,12 +159,61 @@ def encode_object(streams, size_t block_size):
         entries = [(blocks[i].stream_id, blocks[i].start, blocks[i].end, blocks[i].records,
                     blocks[i].size, blocks[i].position, blocks[i].pieces) for i in range(nblocks)]
     finally:
+        free(blocks)
+    return result, entries
+
+
+def encode_object(streams, size_t block_size):
+    """Encode an object from `streams`: a sequence of (stream_id, batches), stream ids strictly
+    ascending, each batches a sequence of (base_offset, count, payload) with contiguous offsets.
+    Returns (object bytes, index entries as tuples). A batch larger than `block_size` gets a
+    block of its own. The copy and checksums run with the GIL released."""
+    cdef Py_buffer* bufs = NULL
+    cdef Piece* pieces = NULL
+    cdef size_t npieces = 0, k = 0, i
+    cdef uint64_t sid, prev_sid = 0, expect, base
+    cdef uint32_t count
+    cdef bint first_stream = True
+    for _, batches in streams:
+        npieces += len(batches)
+    if npieces == 0:
+        raise ValueError("an object needs at least one batch")
+    pieces = <Piece*>malloc(npieces * sizeof(Piece))
+    bufs = <Py_buffer*>malloc(npieces * sizeof(Py_buffer))
+    if pieces == NULL or bufs == NULL:
+        free(pieces); free(bufs)
+        raise MemoryError()
+    try:
+        for stream_id, batches in streams:
+            sid = stream_id
+            if not first_stream and sid <= prev_sid:
+                raise ValueError(f"stream ids must be strictly ascending ({prev_sid} then {sid})")
+            if len(batches) == 0:
+                raise ValueError(f"stream {sid} has no batches")
+            first_stream = False
+            prev_sid = sid
+            expect = batches[0][0]
+            for base_offset, cnt, payload in batches:
+                base = base_offset
+                count = cnt
+                if count == 0:
+                    raise ValueError(f"stream {sid}: batch at {base} has count 0")
+                if base != expect:
+                    raise ValueError(f"stream {sid}: batch at {base} is not contiguous (expected {expect})")
+                expect = base + count
+                PyObject_GetBuffer(payload, &bufs[k], PyBUF_SIMPLE)
+                pieces[k].data = <const unsigned char*>bufs[k].buf
+                pieces[k].length = <size_t>bufs[k].len
+                pieces[k].base = base
+                pieces[k].count = count
+                pieces[k].stream_id = sid
+                k += 1
+        return encode_pieces(pieces, npieces, block_size)
+    finally:
         for i in range(k):
             PyBuffer_Release(&bufs[i])
         free(bufs)
         free(pieces)
-        free(blocks)
-    return result, entries
 
 
 def parse_footer(data, uint64_t object_size):

@@ -72,19 +72,6 @@ cdef enum:
 cdef uint64_t NO_SEQ = 0xFFFFFFFFFFFFFFFF
 
 
-
-cdef struct Batch:
-    unsigned char* buf
-    size_t buf_size
-    uint64_t start        # logical offset of buf[0], 4 KiB aligned
-    uint64_t pos          # logical offset just past the last record placed
-    uint64_t data_end     # end of the last data record, 0 if none (padding-only batch)
-    size_t write_len      # bytes to write, set when sealed
-    uint32_t records
-    int state
-    int error             # errno of a failed write
-
-
 cdef class AppendHandle:
     """The pending acknowledgement of one appended record (a lightweight future).
 
@@ -92,10 +79,6 @@ cdef class AppendHandle:
     `trim` once the record's data is safe elsewhere. `result()` returns `offset` once the record
     is durable, or raises the WAL's failure.
     """
-    cdef readonly uint64_t offset
-    cdef readonly uint64_t end
-    cdef readonly int64_t submitted_ns
-    cdef Ring ring
 
     def done(self) -> bool:
         return self.ring._settled(self.end) != 0
@@ -133,53 +116,6 @@ cdef class AppendHandle:
 cdef class Ring:
     """The in-memory half of the WAL: offsets, batches, writers. The `wal` package owns the
     file, the header and recovery, and hands the Ring where to resume."""
-    cdef int fd
-    cdef uint64_t header_area
-    cdef readonly uint64_t capacity
-    cdef size_t batch_size
-    cdef readonly size_t max_record
-    cdef readonly uint32_t generation
-    cdef int nbatches
-    cdef Batch* batches
-    cdef uint64_t open_seq
-    cdef uint64_t write_seq
-    cdef uint64_t done_seq
-    cdef uint64_t failed_seq
-    cdef bint has_open
-    cdef uint64_t next_offset
-    cdef uint64_t _trim_offset
-    cdef uint64_t _durable_end
-    cdef uint64_t _appended_end
-    cdef unsigned char* resume_block
-    cdef int io_errno
-    cdef bint stopping
-    cdef bint dispatch_stop
-    cdef int idle_writers
-    cdef int64_t full_timeout_ns
-    cdef pthread_mutex_t mutex
-    cdef pthread_cond_t work_cv
-    cdef pthread_cond_t space_cv
-    cdef pthread_cond_t done_cv
-    cdef uint64_t* log_end
-    cdef int64_t* log_ns
-    cdef uint64_t log_count
-    cdef list callbacks
-    cdef uint64_t pending_ends[256]      # ends of placed records whose callback is not registered yet
-    cdef int pending_count
-    cdef int ncallbacks                  # entries in `callbacks` (readable without the GIL)
-    cdef pthread_cond_t reg_cv
-    cdef uint64_t callback_seq
-    cdef uint64_t dispatched_end
-    cdef uint64_t stat_records
-    cdef uint64_t stat_record_bytes
-    cdef uint64_t stat_batches
-    cdef uint64_t stat_bytes_written
-    cdef uint64_t stat_full_waits
-    cdef bint initialized
-    cdef object full_error
-    cdef object closed_error
-    cdef object failed_error
-    cdef object too_large_error
 
     def __cinit__(self, int fd, uint64_t header_area, uint64_t capacity, size_t batch_size,
                   int nbatches, uint32_t generation, uint64_t resume_offset, uint64_t trim_offset,
@@ -271,7 +207,7 @@ cdef class Ring:
 
     # ---- locking helpers -------------------------------------------------------------------
 
-    cdef inline void _lock_with_gil(self) noexcept:
+    cdef void _lock_with_gil(self) noexcept:
         # Take the mutex while holding the GIL without ever holding the mutex while waiting
         # for the GIL (see the module docstring): try; if busy, wait for the holder without
         # the GIL, let go, and try again with it.
@@ -309,7 +245,7 @@ cdef class Ring:
 
     # ---- placement (mutex held) -------------------------------------------------------------
 
-    cdef inline Batch* _slot(self, uint64_t seq) noexcept nogil:
+    cdef Batch* _slot(self, uint64_t seq) noexcept nogil:
         return &self.batches[seq % <uint64_t>self.nbatches]
 
     cdef void _seal(self, Batch* b, bint wrap) noexcept nogil:
@@ -430,6 +366,49 @@ cdef class Ring:
             pthread_cond_signal(&self.work_cv)
         return PLACE_OK
 
+    cdef int place_record(self, const unsigned char* prefix, size_t plen,
+                          const unsigned char* data, size_t n, uint64_t* out_pos) except -1:
+        """Encode one record whose body is `prefix + data` into the ring (GIL held); returns 0
+        with its logical offset in `out_pos`, or raises the configured errors. Waits without the
+        GIL (at most `full_timeout`) for space or a free batch buffer. The native append path of
+        the engine calls this directly; it never registers a callback."""
+        cdef uint32_t crc
+        cdef int rc = PLACE_WAIT_SPACE
+        if n + plen > self.max_record:
+            raise self.too_large_error(f"record of {n + plen} bytes exceeds the WAL's maximum record size of "
+                                       f"{self.max_record} bytes; split it or raise max_record_bytes")
+        if n < NOGIL_BYTES:
+            crc = crc32_update(crc32_update(0, prefix, plen), data, n)
+            if pthread_mutex_trylock(&self.mutex) == 0:
+                rc = self._place_and_copy(prefix, plen, data, n, crc, out_pos, False)
+                pthread_mutex_unlock(&self.mutex)
+        else:
+            with nogil:
+                crc = crc32_update(crc32_update(0, prefix, plen), data, n)
+        if rc == PLACE_WAIT_SPACE or rc == PLACE_WAIT_BUFFER:
+            with nogil:
+                pthread_mutex_lock(&self.mutex)
+                rc = self._place_and_copy(prefix, plen, data, n, crc, out_pos, True)
+                pthread_mutex_unlock(&self.mutex)
+        if rc != PLACE_OK:
+            raise self._place_error(rc, n + plen)
+        return 0
+
+    cdef uint64_t durable_hint(self) noexcept nogil:
+        """The durable watermark read without the mutex: monotonic, possibly a moment old."""
+        return self._durable_end
+
+    cdef uint64_t untrimmed_hint(self) noexcept nogil:
+        """Bytes of the ring between the trim offset and the append position, read without the
+        mutex (for pressure checks that tolerate a moment's staleness)."""
+        cdef uint64_t end = self._appended_end
+        cdef uint64_t trim = self._trim_offset
+        return end - trim if end > trim else 0
+
+    cdef object failure(self):
+        """The WAL's failure as an exception, or None while it works."""
+        return self._failure() if self.io_errno else None
+
     # ---- public append ------------------------------------------------------------------------
 
     def append(self, data, callback=None, prefix=None) -> AppendHandle:
@@ -467,6 +446,11 @@ cdef class Ring:
                 raise self.too_large_error(f"record of {n + plen} bytes exceeds the WAL's maximum record size of "
                                            f"{self.max_record} bytes; split it or raise max_record_bytes")
             handle.submitted_ns = monotonic_ns()
+            if entry is None:
+                self.place_record(psrc, plen, src, n, &pos)
+                handle.offset = pos
+                handle.end = pos + RECORD_HEADER_SIZE + plen + n
+                return handle
             rc = PLACE_WAIT_SPACE
             waited = True
             # One trylock: when the writer holds the mutex, the nogil path below lets other
@@ -627,7 +611,7 @@ cdef class Ring:
 
     # ---- waiting and callbacks ----------------------------------------------------------------
 
-    cdef inline int _settled_locked(self, uint64_t end) noexcept nogil:
+    cdef int _settled_locked(self, uint64_t end) noexcept nogil:
         if self._durable_end >= end:
             return 1
         if self.io_errno and self.done_seq > self.failed_seq:
@@ -698,7 +682,7 @@ cdef class Ring:
         if now:
             _call(fn, handle)
 
-    cdef inline bint _dispatch_all_locked(self) noexcept nogil:
+    cdef bint _dispatch_all_locked(self) noexcept nogil:
         return self.dispatch_stop or (self.io_errno != 0 and self.done_seq > self.failed_seq)
 
     def run_dispatcher(self) -> None:

@@ -310,6 +310,12 @@ class WriteAheadLog:
             self._ring = ring
             return ring
 
+    def start(self) -> Ring:
+        """Begin the writer session (after `recover()`, if it is called at all) and return its
+        native Ring, for native appenders that place records without a Python call (the
+        engine's append path cimports it). `append` and the Ring share the one session."""
+        return self._ring or self._start()
+
     def append(self, data, callback: Callable[[AppendHandle], object] | None = None,
                prefix: bytes | None = None) -> AppendHandle:
         """Append one record; returns its handle at once (see the module contract).

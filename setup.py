@@ -19,6 +19,8 @@ MODULES = [
     ("walring", ["z"]),
     ("walscan", ["z"]),
     ("objcodec", ["z"]),
+    ("logcache", []),
+    ("appendpath", []),
 ]
 
 directives = {"language_level": 3, "embedsignature": True}

@@ -42,7 +42,7 @@ import time
 import wal
 from wal.bench import percentiles
 
-from s3stream import Config, RecordBatch, StreamClient
+from s3stream import Config, FetchedBatch, RecordBatch, StreamClient
 from s3stream.logcache import LogCache
 from s3stream.metadata import SqliteMetadataStore
 from s3stream.objectstore import LocalObjectStore
@@ -278,7 +278,7 @@ def read_cost(args, store_dir: str, meta: SqliteMetadataStore, stream_ids: list[
     for stream_id in stream_ids:
         m = meta.get_stream(stream_id)
         store = KeyRecordingStore(LocalObjectStore(store_dir))
-        reader = Reader(store, meta, LogCache(64 * MiB, 128 * MiB, time.monotonic_ns), 64 * MiB, 1 * MiB)
+        reader = Reader(store, meta, LogCache(64 * MiB, 128 * MiB, time.monotonic_ns, FetchedBatch), 64 * MiB, 1 * MiB)
         pos = m.start_offset
         nbytes = 0
         while pos < m.end_offset:

@@ -6,15 +6,15 @@ S3StreamError.
 from .client import StreamClient
 from .config import Config
 from .errors import (
-    ConfigError, CorruptDataError, InvalidBatchError, MetadataError, ObjectNotFoundError, ObjectStoreError,
+    AppendFailedError, ConfigError, CorruptDataError, InvalidBatchError, MetadataError, ObjectNotFoundError, ObjectStoreError,
     OffsetOutOfRangeError, S3StreamError, StreamClosedError, StreamFencedError, StreamNotClosedError,
     StreamNotFoundError, WALError, WALFullError,
 )
-from .recordbatch import AppendResult, FetchedBatch, FetchResult, RecordBatch
+from .recordbatch import AppendFuture, AppendResult, FetchedBatch, FetchResult, RecordBatch
 from .stream import Stream
 
 __all__ = [
-    "AppendResult", "Config", "ConfigError", "CorruptDataError", "FetchResult", "FetchedBatch",
+    "AppendFailedError", "AppendFuture", "AppendResult", "Config", "ConfigError", "CorruptDataError", "FetchResult", "FetchedBatch",
     "InvalidBatchError", "MetadataError", "ObjectNotFoundError", "ObjectStoreError", "OffsetOutOfRangeError",
     "RecordBatch", "S3StreamError", "Stream", "StreamClient", "StreamClosedError", "StreamFencedError",
     "StreamNotClosedError", "StreamNotFoundError", "WALError", "WALFullError",

@@ -18,16 +18,16 @@ import time
 from typing import TYPE_CHECKING, Callable
 
 import wal
+from _native.appendpath import AppendPath
 
 from .config import Config
 from .errors import (
-    ConfigError, CorruptDataError, S3StreamError, StreamClosedError, StreamFencedError, StreamNotClosedError,
+    AppendFailedError, ConfigError, CorruptDataError, InvalidBatchError, S3StreamError, StreamClosedError, StreamFencedError, StreamNotClosedError,
     StreamNotFoundError, WALError, WALFullError,
 )
 from .lifecycle import ObjectReclaimer, ReclaimerThread
-from .logcache import CacheBlock, LogCache
+from .logcache import CacheBlock, LogCache, new_log_cache
 from .metadata import CommitResult, MetadataStore, StreamMeta, StreamState, open_metadata
-from .objectformat import Batch
 from .objectstore import ObjectStore, open_object_store
 from .read import Reader
 from .stream import Stream
@@ -75,7 +75,7 @@ def replay_wal(records, node_id: int, meta: MetadataStore, cache: LogCache, uplo
             raise CorruptDataError(f"WAL of node {node_id}: stream {stream_id} record at offset {base}, expected {want}")
         expected[stream_id] = base + n
         replayed += 1
-        sealed = cache.put(stream_id, epoch, Batch(base, n, rec.data[WAL_RECORD.size:]), rec.end)
+        sealed = cache.put(stream_id, epoch, (base, n, memoryview(rec.data)[WAL_RECORD.size:]), rec.end, rec.offset)
         if sealed is not None:
             uploader.submit(sealed)
             last_block = sealed.block_id
@@ -127,7 +127,6 @@ class StreamClient:
         self._closed = False
         self._fenced = False
         self._admit_cond = threading.Condition()
-        self._uncommitted = 0
         self._recovering = True
         node = self._meta.register_node(node_id, os.fspath(wal_path))
         self.node_epoch = node.node_epoch
@@ -138,19 +137,33 @@ class StreamClient:
             raise ConfigError(str(e)) from e
         except wal.WALError as e:
             raise WALError(str(e)) from e
-        self._cache = LogCache(self.config.upload_threshold, self.config.cache_size, clock)
+        self._cache = new_log_cache(self.config, clock)
         self._reader = Reader(self._store, self._meta, self._cache, self.config.block_cache_size,
                               self.config.readahead_bytes)
         self._uploader = Uploader(node_id=node_id, node_epoch=self.node_epoch, store=self._store,
                                   metadata=self._meta, cache=self._cache, trim_wal=self._trim_wal,
-                                  config=self.config, on_committed=self._on_committed, on_fenced=self._on_fenced)
+                                  config=self.config, on_committed=self._on_committed, on_fenced=self._on_fenced,
+                                  wait_durable=self._wait_wal_durable, on_failure=self._on_upload_failure)
+        self._append_path: AppendPath | None = None
         try:
             self.recovered = self._recover()
+            ring = self._wal.start()
         except BaseException:
             self._uploader.abort()
             self._uploader.close()
             self._wal.close()
             raise
+        self._append_path = AppendPath(
+            ring, self._cache, self.config.max_batch_bytes, self.config.cache_size,
+            int(self._wal.capacity * self.config.wal_pressure),
+            self._uploader.submit, self._on_wal_pressure, self._admit, self._map_wal_error,
+            dict(invalid_batch=InvalidBatchError, closed=StreamClosedError, fenced=StreamFencedError,
+                 append_failed=AppendFailedError))
+        # User callbacks (AppendFuture.add_done_callback, future(), await) run here, never on
+        # the WAL's writer threads or the uploader's.
+        self._callbacks = threading.Thread(target=self._append_path.run_callbacks, name="s3stream-callbacks",
+                                           daemon=True)
+        self._callbacks.start()
         self.reclaimer = ObjectReclaimer(self._store, self._meta, self.config.destroy_delay)
         self._reclaim_thread = None
         if self.config.reclaim_interval is not None:
@@ -205,8 +218,7 @@ class StreamClient:
 
     def _unuploaded_bytes(self, stream: Stream) -> int:
         """Bytes of the stream still only in the WAL and log cache."""
-        return sum(b.streams[stream.stream_id].size for b in self._cache.pending_blocks_with(stream.stream_id)
-                   if stream.stream_id in b.streams)
+        return self._cache.unuploaded_bytes(stream.stream_id)
 
     def _register(self, meta: StreamMeta) -> Stream:
         stream = Stream(self, meta)
@@ -231,32 +243,50 @@ class StreamClient:
     # ---- write path (called by Stream) -----------------------------------------------------------
 
     def _admit(self, nbytes: int) -> None:
-        """Backpressure: wait while un-uploaded data would exceed the cache size."""
+        """Backpressure (called by the append path when admission is full): wait while
+        uncommitted data would exceed the cache size; WALFullError after append_timeout."""
+        path = self._append_path
         deadline = time.monotonic() + self.config.append_timeout
         with self._admit_cond:
-            while self._uncommitted + nbytes > self.config.cache_size:
+            while path.uncommitted + nbytes > path.admit_limit and path.uncommitted > 0:
                 self._check_usable()
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise WALFullError(
-                        f"backpressure: {self._uncommitted} bytes not yet uploaded (cache_size "
+                        f"backpressure: {path.uncommitted} bytes not yet uploaded (cache_size "
                         f"{self.config.cache_size}) for {self.config.append_timeout} s; the object store "
                         "is not keeping up or failing")
                 self._admit_cond.wait(min(left, 0.5))
-            self._uncommitted += nbytes
 
     def _release(self, nbytes: int) -> None:
-        with self._admit_cond:
-            self._uncommitted -= nbytes
-            self._admit_cond.notify_all()
+        if nbytes:
+            self._append_path.released(nbytes)
+            with self._admit_cond:
+                self._admit_cond.notify_all()
 
-    def _wal_append(self, stream: Stream, base: int, count: int, payload: bytes, callback) -> None:
-        self._check_usable()
+    def _on_wal_pressure(self) -> None:
+        """The WAL's untrimmed bytes passed Config.wal_pressure (called by an append): seal the
+        active block if it holds at least half of them, so its upload and commit free the WAL."""
+        path = self._append_path
         try:
-            self._wal.append(payload, callback=callback,
-                             prefix=WAL_RECORD.pack(stream.stream_id, stream.epoch, base, count))
+            untrimmed = path.untrimmed_bytes()
+            sealed = self._cache.seal_if_span(untrimmed // 2, self._wal.start().appended_end)
+            if sealed is not None:
+                self._uploader.submit(sealed)
+        finally:
+            path.pressure_handled()
+
+    def _wait_wal_durable(self, wal_end: int) -> None:
+        """Uploader hook: block until the WAL holds everything before `wal_end` durably."""
+        if self._recovering:
+            return               # replayed records were read back from the WAL: durable
+        try:
+            durable = self._wal.start().wait_durable(wal_end, self.config.append_timeout)
         except wal.WALError as e:
             raise self._map_wal_error(e) from e
+        if not durable:
+            raise WALError(f"WAL records up to {wal_end} not durable after {self.config.append_timeout} s: "
+                           "the WAL device is not keeping up")
 
     def _map_wal_error(self, error: BaseException) -> S3StreamError:
         if isinstance(error, S3StreamError):
@@ -265,12 +295,9 @@ class StreamClient:
             return WALFullError(str(error))
         if isinstance(error, wal.WALClosedError):
             return StreamClosedError(f"the client is closed: {error}")
+        if isinstance(error, wal.RecordTooLargeError):
+            return InvalidBatchError(str(error))
         return WALError(str(error))
-
-    def _on_durable(self, stream: Stream, batch: Batch, wal_end: int) -> None:
-        sealed = self._cache.put(stream.stream_id, stream.epoch, batch, wal_end)
-        if sealed is not None:
-            self._uploader.submit(sealed)
 
     def close_streams(self, streams: list[Stream], timeout: float | None = None) -> None:
         """Close several streams with one force upload: wait for their pending appends, seal the
@@ -298,13 +325,21 @@ class StreamClient:
                 stream = self._streams.get(stream_id)
                 if stream is not None and stream.epoch == slice_.epoch:
                     stream._committed(slice_.end_offset)
-        if not self._recovering:
-            self._release(block.size)
+        self._release(block.admitted)
+
+    def _on_upload_failure(self, error: BaseException) -> None:
+        if self._append_path is not None:
+            failure = self._upload_failure()
+            self._append_path.refuse(type(failure), str(failure))
 
     def _on_fenced(self, stream_ids: list[int] | None) -> None:
         with self._lock:
             if stream_ids is None:
                 self._fenced = True
+                if self._append_path is not None:
+                    self._append_path.refuse(StreamFencedError, (
+                        f"node {self.node_id} epoch {self.node_epoch} was fenced (another instance or a "
+                        "failover took over); this client stops"))
                 targets = list(self._streams.values())
             else:
                 targets = [self._streams[s] for s in stream_ids if s in self._streams]
@@ -382,6 +417,7 @@ class StreamClient:
             except (S3StreamError, TimeoutError) as e:
                 errors.append(e)
         self._closed = True
+        self._append_path.refuse(StreamClosedError, f"the client of node {self.node_id} is closed")
         if self._reclaim_thread is not None:
             self._reclaim_thread.stop()
         sealed = self._cache.seal()
@@ -389,6 +425,8 @@ class StreamClient:
             self._uploader.submit(sealed)
         self._uploader.close(timeout)
         self._wal.close()
+        self._append_path.stop_callbacks()
+        self._callbacks.join()
         if self._owns_meta:
             self._meta.close()
         if self._owns_store:
@@ -404,7 +442,8 @@ class StreamClient:
 
     def stats(self) -> dict:
         engine = dict(node_id=self.node_id, node_epoch=self.node_epoch, open_streams=len(self._streams),
-                      uncommitted_bytes=self._uncommitted, cache=self._cache.stats(), upload=dict(self._uploader.stats),
+                      uncommitted_bytes=self._append_path.uncommitted, cache=self._cache.stats(),
+                      append=self._append_path.stats(), upload=dict(self._uploader.stats),
                       read=dict(self._reader.stats), wal=self._wal.stats())
         return dict(engine, **{name: source(engine) for name, source in list(self._stats_sources.items())})
 

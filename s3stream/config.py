@@ -28,7 +28,13 @@ class Config:
         append waits while uncommitted data alone would exceed it (backpressure).
     block_cache_size: decoded object blocks kept for reads (LRU).
     readahead_bytes: a read from objects fetches at least this much of the stream in one GET.
-    upload_concurrency: objects PUT in parallel.
+    upload_concurrency: threads that encode and PUT objects (objects in flight at once).
+    upload_pipeline: sealed blocks uploading at once (plan, prepare, encode, PUT); their commits
+        stay in block order. Encoded objects of these blocks are in memory beside the cache.
+    wal_pressure: fraction of the WAL's capacity; when the untrimmed part of the WAL passes it,
+        the active block is sealed and uploaded whatever its size (if it holds at least half of
+        the untrimmed span), so small records that fill the WAL faster than the cache (each
+        synchronous append takes a 4 KiB WAL block) never wedge the engine.
     prepared_ttl: seconds a PREPARED object id stays valid; one never committed is deleted after.
     append_timeout: seconds an append may wait for backpressure (cache or WAL) before failing.
     reclaim_interval: seconds between runs of the object reclaimer (expired PREPARED objects,
@@ -46,6 +52,8 @@ class Config:
     block_cache_size: int = 128 * MiB
     readahead_bytes: int = 4 * MiB
     upload_concurrency: int = 4
+    upload_pipeline: int = 3
+    wal_pressure: float = 0.5
     prepared_ttl: float = 3600.0
     append_timeout: float = 60.0
     reclaim_interval: float | None = 60.0
@@ -54,7 +62,7 @@ class Config:
 
     def __post_init__(self) -> None:
         positive = ("upload_threshold", "split_size", "object_block_size", "max_batch_bytes", "cache_size",
-                    "block_cache_size", "readahead_bytes", "upload_concurrency")
+                    "block_cache_size", "readahead_bytes", "upload_concurrency", "upload_pipeline")
         for name in positive:
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
@@ -71,6 +79,8 @@ class Config:
         if self.max_batch_bytes > self.upload_threshold:
             raise ConfigError(
                 f"max_batch_bytes ({self.max_batch_bytes}) exceeds upload_threshold ({self.upload_threshold})")
+        if not (isinstance(self.wal_pressure, (int, float)) and 0.1 <= self.wal_pressure <= 0.9):
+            raise ConfigError(f"wal_pressure must be a fraction between 0.1 and 0.9, got {self.wal_pressure!r}")
         if self.upload_interval is not None and not self.upload_interval > 0:
             raise ConfigError(f"upload_interval must be positive seconds or None, got {self.upload_interval}")
         if self.reclaim_interval is not None and not self.reclaim_interval > 0:

@@ -73,3 +73,9 @@ __all__ = [
     "ObjectStoreError", "OffsetOutOfRangeError", "S3StreamError", "StreamClosedError",
     "StreamFencedError", "StreamNotClosedError", "StreamNotFoundError", "WALError", "WALFullError",
 ]
+
+
+class AppendFailedError(S3StreamError):
+    """An append reached the WAL but could not enter the log cache (out of memory): the stream
+    takes no more appends on this node. Close it and open it again; the WAL record is recovered
+    by the node's restart or failover."""

@@ -18,7 +18,7 @@ import wal
 
 from .config import Config
 from .errors import WALError
-from .logcache import LogCache
+from .logcache import new_log_cache
 from .metadata import MetadataStore
 from .objectstore import ObjectStore
 from .upload import Uploader
@@ -54,7 +54,7 @@ def fail_over(node_id: int, *, store: ObjectStore, metadata: MetadataStore, conf
     except BaseException:
         w.close()
         raise
-    cache = LogCache(config.upload_threshold, config.cache_size, time.monotonic_ns)
+    cache = new_log_cache(config, time.monotonic_ns)
     uploader = Uploader(node_id=node_id, node_epoch=node.node_epoch, store=store, metadata=metadata, cache=cache,
                         trim_wal=lambda offset: None, config=config, on_committed=lambda block, result: None,
                         on_fenced=lambda streams: None)

@@ -1,28 +1,22 @@
-"""RecordBatch, the unit of append and fetch, and the results returned to callers."""
+"""RecordBatch, the unit of append and fetch, and the results returned to callers.
+
+RecordBatch and AppendResult are native (the append path takes a batch without a Python-level
+call); RecordBatch(payload, count=1) raises InvalidBatchError for a payload that is not
+bytes-like or a count outside [1, 2**32).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from _native import appendpath
+from _native.appendpath import AppendFuture, AppendResult, RecordBatch
+
 from .errors import InvalidBatchError
 
+appendpath.set_error_types(invalid_batch=InvalidBatchError)
 
-@dataclass(frozen=True)
-class RecordBatch:
-    """`count` records carried as one opaque payload; they occupy offsets [base, base + count)."""
-    payload: bytes
-    count: int = 1
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.count, int) or isinstance(self.count, bool) or self.count <= 0:
-            raise InvalidBatchError(f"a record batch needs count >= 1, got {self.count!r}")
-        if not isinstance(self.payload, (bytes, bytearray, memoryview)):
-            raise InvalidBatchError(f"payload must be bytes-like, got {type(self.payload).__name__}")
-
-
-@dataclass(frozen=True)
-class AppendResult:
-    base_offset: int
+__all__ = ["AppendFuture", "AppendResult", "FetchResult", "FetchedBatch", "RecordBatch"]
 
 
 class FetchedBatch(NamedTuple):

@@ -1,12 +1,19 @@
 """Upload of sealed log-cache blocks: split, prepare, PUT, commit in block order, trim the WAL.
 
-Per block (strictly one after another, so commits are in block order and SSO ids rise):
-1. plan: a stream with at least `split_size` bytes in the block becomes its own StreamObject;
-   the other streams share one StreamSetObject;
-2. prepare object ids in metadata (PREPARED, with expiry);
-3. encode (native codec) and PUT the objects concurrently, retrying store errors with backoff;
-4. commit everything in ONE metadata transaction, retried (a commit is idempotent);
+Per block:
+1. plan (native, CacheBlock.plan): a stream with at least `split_size` bytes in the block
+   becomes its own StreamObject; the other streams share one StreamSetObject;
+2. prepare object ids in metadata (PREPARED, with expiry), on the uploader's thread in block
+   order, so SSO ids rise with block order;
+3. encode straight from the cache's buffers (native, without the GIL) and PUT, each object a
+   task on the upload pool, retrying store errors with backoff;
+4. once every PUT of the block returned and its WAL records are durable, commit everything in
+   ONE metadata transaction, retried (a commit is idempotent);
 5. mark the block committed in the cache and trim the WAL to the block's last record.
+
+Steps 1-3 of up to `Config.upload_pipeline` blocks run at once (a slow PUT slows ingest only
+once the cache bound is reached); commits (4-5) stay strictly in block order, so the WAL is
+trimmed only below what is committed.
 
 Failure rules: an object is committed only after its PUT returned; a failed PUT is retried, never
 skipped; acknowledged data stays in the WAL until its commit, so a crash at any step loses
@@ -20,41 +27,37 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
 import tenacity
 
+from _native.logcache import CacheBlock, CacheSlice, encode_slices
+
 from .config import Config
 from .errors import ObjectStoreError, S3StreamError, StreamFencedError
-from .logcache import CacheBlock, LogCache, StreamSlice
 from .metadata import (
     CommitRange, CommitRequest, CommitResult, CommitSSO, CommitStreamObject, MetadataStore, StreamState,
     object_key,
 )
-from .objectformat import encode_object
 from .objectstore import ObjectStore
 
 log = logging.getLogger("s3stream.upload")
 
 
-@dataclass
-class UploadPlan:
-    stream_set: list[StreamSlice]     # streams sharing the StreamSetObject (ascending ids)
-    stream_objects: list[StreamSlice]  # streams getting a StreamObject each
-
-
-def plan_upload(block: CacheBlock, split_size: int) -> UploadPlan:
-    plan = UploadPlan([], [])
-    for stream_id in sorted(block.streams):
-        s = block.streams[stream_id]
-        (plan.stream_objects if s.size >= split_size else plan.stream_set).append(s)
-    return plan
-
-
-def _commit_range(s: StreamSlice) -> CommitRange:
+def _commit_range(s: CacheSlice) -> CommitRange:
     return CommitRange(s.stream_id, s.epoch, s.start_offset, s.end_offset)
+
+
+@dataclass
+class _InFlight:
+    """A block whose objects are being encoded and PUT; each task's result is its commit entry."""
+    block: CacheBlock
+    puts: list[Future]
+
+    def ready(self) -> bool:
+        return all(f.done() for f in self.puts)
 
 
 class UploadAborted(S3StreamError):
@@ -62,10 +65,16 @@ class UploadAborted(S3StreamError):
 
 
 class Uploader:
+    """Uploads sealed blocks (see the module docstring). `wait_durable(wal_end)` blocks until
+    the WAL holds everything before `wal_end` durably (raising if it never will); `trim_wal`,
+    `on_committed` and `on_fenced` are the client's hooks, run on the uploader's thread."""
+
     def __init__(self, *, node_id: int, node_epoch: int, store: ObjectStore, metadata: MetadataStore,
-                 cache: LogCache, trim_wal: Callable[[int], None], config: Config,
+                 cache, trim_wal: Callable[[int], None], config: Config,
                  on_committed: Callable[[CacheBlock, CommitResult], None],
-                 on_fenced: Callable[[list[int] | None], None]) -> None:
+                 on_fenced: Callable[[list[int] | None], None],
+                 wait_durable: Callable[[int], None] = lambda end: None,
+                 on_failure: Callable[[BaseException], None] = lambda e: None) -> None:
         self._node_id = node_id
         self._node_epoch = node_epoch
         self._store = store
@@ -75,8 +84,11 @@ class Uploader:
         self._config = config
         self._on_committed = on_committed
         self._on_fenced = on_fenced
+        self._wait_durable = wait_durable
+        self._on_failure = on_failure
         self._cond = threading.Condition()
-        self._queue: deque[CacheBlock] = deque()
+        self._queue: deque[CacheBlock] = deque()       # sealed, not started
+        self._inflight: deque[_InFlight] = deque()     # started, not committed (block order)
         self._committed_id = -1          # highest block id committed (blocks commit in id order)
         self._failure: BaseException | None = None
         self._stopping = False
@@ -84,7 +96,7 @@ class Uploader:
         self._pool = ThreadPoolExecutor(max_workers=config.upload_concurrency, thread_name_prefix="s3stream-put")
         self._thread = threading.Thread(target=self._run, name="s3stream-upload", daemon=True)
         self.stats = dict(blocks=0, objects=0, stream_objects=0, stream_set_objects=0, bytes=0,
-                          put_retries=0, prepare_retries=0, commit_retries=0)
+                          put_retries=0, prepare_retries=0, commit_retries=0, max_inflight=0)
         self._thread.start()
 
     # ---- queueing and waiting ------------------------------------------------------------------
@@ -112,6 +124,12 @@ class Uploader:
     def failure(self) -> BaseException | None:
         return self._failure
 
+    @property
+    def pending_blocks(self) -> int:
+        """Blocks sealed but not yet committed."""
+        with self._cond:
+            return len(self._queue) + len(self._inflight)
+
     def close(self, timeout: float | None = None) -> None:
         """Upload everything queued, then stop. On timeout, abort what is left (it stays in the
         WAL and is uploaded at the next start)."""
@@ -131,32 +149,95 @@ class Uploader:
 
     # ---- the upload loop -------------------------------------------------------------------------
 
+    def _next_step(self) -> str:
+        """What the loop does next (condition held): start, commit, stop or wait."""
+        if self._aborted or self._failure is not None:
+            return "stop"
+        if self._inflight and self._inflight[0].ready():
+            return "commit"
+        if self._queue and len(self._inflight) < self._config.upload_pipeline:
+            return "start"
+        if self._stopping and not self._queue and not self._inflight:
+            return "stop"
+        return "wait"
+
     def _run(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._queue or self._stopping or self._aborted)
-                if self._aborted or (not self._queue and self._stopping) or self._failure is not None:
+                while (step := self._next_step()) == "wait":
+                    self._cond.wait()
+                if step == "stop":
                     return
-                block = self._queue[0]
+                block = self._queue.popleft() if step == "start" else self._inflight[0].block
             try:
-                result = self._upload(block)
+                if step == "start":
+                    self._start(block)
+                else:
+                    self._finish(self._inflight[0])
             except BaseException as e:   # noqa: BLE001 - any failure stops uploads; data stays in the WAL
                 if not isinstance(e, UploadAborted):
                     log.exception("upload of block %d failed; uploads stop", block.block_id)
                 with self._cond:
                     self._failure = e
                     self._cond.notify_all()
+                self._on_failure(e)
                 return
-            self._cache.mark_committed(block)
-            self._on_committed(block, result)
-            try:
-                self._trim_wal(block.wal_end)
-            except Exception:   # noqa: BLE001 - the WAL failing is reported by its own appends
-                log.exception("WAL trim to %d failed", block.wal_end)
-            with self._cond:
-                self._queue.popleft()
-                self._committed_id = block.block_id
-                self._cond.notify_all()
+
+    def _notify(self, _future=None) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def _start(self, block: CacheBlock) -> None:
+        """Plan, prepare ids (in block order) and hand encode + PUT of each object to the pool."""
+        stream_set, stream_objects = block.plan(self._config.split_size)
+        n = len(stream_objects) + (1 if stream_set else 0)
+        ttl_ns = int(self._config.prepared_ttl * 1e9)
+        ids = iter(self._retrying("prepare", (OSError,), "prepare_retries")(self._meta.prepare_objects, n, ttl_ns))
+        job = _InFlight(block, [])
+        if stream_set:
+            ranges = tuple(_commit_range(s) for s in stream_set)
+            job.puts.append(self._pool.submit(self._encode_and_put, next(ids), stream_set,
+                                              lambda oid, size: CommitSSO(oid, size, ranges)))
+        for s in stream_objects:
+            job.puts.append(self._pool.submit(self._encode_and_put, next(ids), [s],
+                                              lambda oid, size, r=_commit_range(s): CommitStreamObject(oid, size, r)))
+        with self._cond:
+            self._inflight.append(job)
+            self.stats["max_inflight"] = max(self.stats["max_inflight"], len(self._inflight))
+        for f in job.puts:
+            f.add_done_callback(self._notify)
+
+    def _encode_and_put(self, object_id: int, slices: list, entry):
+        """Pool task: encode `slices` into one object, PUT it; returns its commit entry."""
+        data, _ = encode_slices(slices, self._config.object_block_size)
+        self._put(object_key(object_id), data)
+        return entry(object_id, len(data))
+
+    def _finish(self, job: _InFlight) -> None:
+        """Commit the head block (its PUTs are done), then trim the WAL below it."""
+        entries = [f.result() for f in job.puts]      # re-raises a PUT that failed for good
+        if self._aborted:
+            raise UploadAborted("aborted before commit")
+        block = job.block
+        self._wait_durable(block.wal_end)
+        sso = next((e for e in entries if isinstance(e, CommitSSO)), None)
+        sos = tuple(e for e in entries if isinstance(e, CommitStreamObject))
+        result = self._commit(CommitRequest(self._node_id, self._node_epoch, sso=sso, stream_objects=sos))
+        self.stats["blocks"] += 1
+        self.stats["objects"] += len(entries)
+        self.stats["stream_objects"] += len(sos)
+        self.stats["stream_set_objects"] += 1 if sso else 0
+        self.stats["bytes"] += sum(e.size for e in entries)
+        self._cache.mark_committed(block)
+        self._on_committed(block, result)
+        try:
+            self._trim_wal(block.wal_end)
+        except Exception:   # noqa: BLE001 - the WAL failing is reported by its own appends
+            log.exception("WAL trim to %d failed", block.wal_end)
+        with self._cond:
+            self._inflight.popleft()
+            self._committed_id = block.block_id
+            self._cond.notify_all()
 
     def _retrying(self, what: str, retry_on: tuple[type[BaseException], ...], counter: str) -> tenacity.Retrying:
         def before_sleep(state: tenacity.RetryCallState) -> None:
@@ -171,39 +252,6 @@ class Uploader:
             before_sleep=before_sleep,
             reraise=True,
         )
-
-    def _upload(self, block: CacheBlock) -> CommitResult:
-        plan = plan_upload(block, self._config.split_size)
-        n = len(plan.stream_objects) + (1 if plan.stream_set else 0)
-        ttl_ns = int(self._config.prepared_ttl * 1e9)
-        ids = self._retrying("prepare", (OSError,), "prepare_retries")(self._meta.prepare_objects, n, ttl_ns)
-        objects: list[tuple[int, bytes]] = []
-        sso = None
-        next_id = iter(ids)
-        if plan.stream_set:
-            oid = next(next_id)
-            enc = encode_object([(s.stream_id, s.batches) for s in plan.stream_set], self._config.object_block_size)
-            objects.append((oid, enc.data))
-            sso = CommitSSO(oid, len(enc.data), tuple(_commit_range(s) for s in plan.stream_set))
-        sos = []
-        for s in plan.stream_objects:
-            oid = next(next_id)
-            enc = encode_object([(s.stream_id, s.batches)], self._config.object_block_size)
-            objects.append((oid, enc.data))
-            sos.append(CommitStreamObject(oid, len(enc.data), _commit_range(s)))
-        futures = [self._pool.submit(self._put, object_key(oid), data) for oid, data in objects]
-        for f in futures:
-            f.result()
-        if self._aborted:
-            raise UploadAborted("aborted before commit")
-        request = CommitRequest(self._node_id, self._node_epoch, sso=sso, stream_objects=tuple(sos))
-        result = self._commit(request)
-        self.stats["blocks"] += 1
-        self.stats["objects"] += len(objects)
-        self.stats["stream_objects"] += len(sos)
-        self.stats["stream_set_objects"] += 1 if sso else 0
-        self.stats["bytes"] += sum(len(d) for _, d in objects)
-        return result
 
     def _put(self, key: str, data: bytes) -> None:
         self._retrying(f"PUT {key}", (ObjectStoreError, OSError), "put_retries")(self._store.put, key, data)

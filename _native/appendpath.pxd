@@ -1,0 +1,73 @@
+# The engine's native append path (appendpath.pyx): record batches, per-stream writers, the
+# append future and the path that ties the WAL ring to the log cache.
+from libc.stdint cimport uint32_t, uint64_t, int64_t
+from _native.sysdeps cimport pthread_mutex_t
+
+from _native.walring cimport Ring
+from _native.logcache cimport LogCache, CacheSlice
+
+
+cdef class RecordBatch:
+    cdef readonly object payload
+    cdef readonly uint32_t count
+
+
+cdef class AppendResult:
+    cdef readonly uint64_t base_offset
+
+
+cdef class AppendFuture:
+    cdef readonly uint64_t base_offset
+    cdef readonly uint32_t count
+    cdef readonly uint64_t wal_end
+    cdef readonly int64_t submitted_ns
+    cdef AppendPath path
+    cdef object error
+
+
+cdef class StreamWriter:
+    cdef readonly uint64_t stream_id
+    cdef readonly uint64_t epoch
+    cdef uint64_t next_off
+    cdef uint64_t confirmed
+    cdef int wstate
+    cdef object failure
+    cdef AppendPath path
+    cdef CacheSlice slice
+    cdef uint64_t* q_wal             # confirm queue: WAL end of each pending append ...
+    cdef uint64_t* q_end             # ... and the stream offset it confirms up to
+    cdef size_t q_head
+    cdef size_t q_tail
+    cdef size_t q_cap
+
+    cdef int _push_pending(self, uint64_t wal_end, uint64_t end_offset) except -1
+    cdef void _advance_confirm(self) noexcept
+
+
+cdef class AppendPath:
+    cdef Ring ring
+    cdef LogCache cache
+    cdef pthread_mutex_t append_mutex
+    cdef bint mutex_ready
+    cdef readonly uint64_t max_batch_bytes
+    cdef readonly uint64_t admit_limit
+    cdef readonly uint64_t uncommitted
+    cdef readonly uint64_t pressure_bytes
+    cdef bint pressure_signalled
+    cdef object refusal              # (error type, message) once the engine takes no appends
+    cdef object on_sealed
+    cdef object on_pressure
+    cdef object admit_wait
+    cdef object map_error
+    cdef object errors               # dict of error types by role
+    cdef object cb_cond
+    cdef list cb_heap
+    cdef uint64_t cb_seq
+    cdef bint cb_stop
+    cdef uint64_t stat_appends
+    cdef uint64_t stat_bytes
+
+    cdef void _lock_append(self) noexcept
+    cdef void _unlock_append(self) noexcept
+    cdef AppendFuture _append(self, StreamWriter w, object payload, uint32_t count)
+    cdef object _wal_failure(self)

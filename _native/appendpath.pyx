@@ -1,0 +1,529 @@
+# cython: language_level=3
+"""The engine's append path: one native call per append, from the batch to the WAL and the cache.
+
+`StreamWriter.append(batch)` (the base of s3stream's Stream) does, under the path's append lock:
+assign the stream's offsets, frame the WAL record (stream id, epoch, base offset, count, then the
+payload) straight into the ring's open batch, and copy the payload into the stream's slice of the
+log cache's active block. Holding one lock across both keeps the cache's blocks in WAL order (see
+logcache.pyx). No Python object is created per append beyond the returned AppendFuture.
+
+Durability is the ring's: an AppendFuture is done when the WAL's durable watermark passes its
+record. Each writer keeps a queue of (WAL end, stream end offset) of its pending appends; its
+confirm offset, the bound of every read, advances along that queue as the watermark moves. No
+thread runs per record to complete anything: waiting in `result()` sleeps on the ring's
+condition, and the only per-record work after the append call is a reader's or waiter's.
+
+Callbacks (`add_done_callback`, `future()`) run on the engine's callback thread
+(`run_callbacks`), in WAL order, never on the WAL's writer threads: a callback that blocks
+delays later callbacks only, never an acknowledgement.
+
+The append lock is taken by trylock with the GIL, else waited for without the GIL; the ring may
+wait (bounded by its full_timeout) for space while it is held. The cache's lock is never held
+while waiting, so sealing and uploading (which free WAL space) never wait for an appender.
+"""
+import heapq
+import logging
+import threading
+
+from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t
+from libc.stdlib cimport realloc, free
+from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE
+cimport cython
+
+from _native.sysdeps cimport (
+    monotonic_ns, pthread_mutex_init, pthread_mutex_destroy, pthread_mutex_lock, pthread_mutex_trylock,
+    pthread_mutex_unlock,
+)
+from _native.walrecord cimport RECORD_HEADER_SIZE
+from _native.walring cimport Ring
+from _native.logcache cimport LogCache, CacheSlice, CacheBlock
+
+log = logging.getLogger("s3stream.append")
+
+cdef enum:
+    WAL_PREFIX = 28          # u64 stream id | u64 epoch | u64 base offset | u32 count
+
+# Writer states (s3stream.Stream names them).
+OPEN = 0
+CLOSING = 1
+CLOSED = 2
+FENCED = 3
+
+cdef enum:
+    W_OPEN = 0
+    W_CLOSING = 1
+    W_CLOSED = 2
+    W_FENCED = 3
+
+# Failpoints for tests: names -> armed. Checked only where the append path can fail after its
+# record is in the WAL (the insert into the log cache).
+cdef bint _fail_insert = False
+
+#: Error types used before an engine exists (RecordBatch validation); s3stream sets its own.
+_error_types = {"invalid_batch": ValueError}
+
+
+def set_error_types(**types) -> None:
+    """Name the exception types raised by this module: invalid_batch (bad RecordBatch)."""
+    _error_types.update(types)
+
+
+def set_failpoint(str name, bint armed) -> None:
+    """Arm or disarm a failpoint (tests only). 'cache_insert': the insert into the log cache
+    fails after the record is placed in the WAL, as an allocation failure would."""
+    global _fail_insert
+    if name != "cache_insert":
+        raise ValueError(f"unknown failpoint {name!r}")
+    _fail_insert = armed
+
+
+cdef inline void store32(unsigned char* p, uint32_t v) noexcept nogil:
+    p[0] = v & 0xFF
+    p[1] = (v >> 8) & 0xFF
+    p[2] = (v >> 16) & 0xFF
+    p[3] = (v >> 24) & 0xFF
+
+
+cdef inline void store64(unsigned char* p, uint64_t v) noexcept nogil:
+    store32(p, <uint32_t>(v & 0xFFFFFFFFu))
+    store32(p + 4, <uint32_t>(v >> 32))
+
+
+@cython.no_gc
+cdef class RecordBatch:
+    """`count` records carried as one opaque payload; they occupy offsets [base, base + count).
+    Immutable; the payload is copied when appended, so a bytearray may be reused afterwards."""
+
+    def __cinit__(self, payload, count=1):
+        if not isinstance(payload, (bytes, bytearray, memoryview)):
+            raise _error_types["invalid_batch"](
+                f"payload must be bytes-like (bytes, bytearray, memoryview), got {type(payload).__name__}")
+        if type(count) is not int or not 0 < count <= 0xFFFFFFFF:
+            raise _error_types["invalid_batch"](
+                f"a record batch needs an int count between 1 and {0xFFFFFFFF}, got {count!r}")
+        self.payload = payload
+        self.count = count
+
+    def __eq__(self, other):
+        if not isinstance(other, RecordBatch):
+            return NotImplemented
+        return self.count == (<RecordBatch>other).count and self.payload == (<RecordBatch>other).payload
+
+    def __hash__(self):
+        return hash((bytes(self.payload), self.count))
+
+    def __reduce__(self):
+        return (RecordBatch, (self.payload, self.count))
+
+    def __repr__(self):
+        return f"RecordBatch(payload=<{len(self.payload)} bytes>, count={self.count})"
+
+
+cdef class AppendResult:
+    """What a completed append returns: the offset of its first record."""
+
+    def __cinit__(self, uint64_t base_offset):
+        self.base_offset = base_offset
+
+    def __eq__(self, other):
+        if not isinstance(other, AppendResult):
+            return NotImplemented
+        return self.base_offset == (<AppendResult>other).base_offset
+
+    def __hash__(self):
+        return hash(self.base_offset)
+
+    def __reduce__(self):
+        return (AppendResult, (self.base_offset,))
+
+    def __repr__(self):
+        return f"AppendResult(base_offset={self.base_offset})"
+
+
+cdef class AppendFuture:
+    """The pending acknowledgement of one append (a light future). `result()` returns an
+    AppendResult once the batch is durable in the WAL, or raises why it never will be.
+    `future()` gives a concurrent.futures.Future and `await` works in asyncio code; both, like
+    `add_done_callback`, complete on the engine's callback thread."""
+
+    def done(self) -> bool:
+        return self.error is not None or self.path.ring._settled(self.wal_end) != 0
+
+    def result(self, timeout=None) -> AppendResult:
+        cdef int state
+        if self.error is not None:
+            raise self.error
+        state = self.path.ring._wait(self.wal_end, timeout)
+        if state == 1:
+            return AppendResult(self.base_offset)
+        if state == 2:
+            raise self.path._wal_failure()
+        raise TimeoutError(f"append at offset {self.base_offset} not durable after {timeout} s")
+
+    def exception(self, timeout=None):
+        cdef int state
+        if self.error is not None:
+            return self.error
+        state = self.path.ring._wait(self.wal_end, timeout)
+        if state == 1:
+            return None
+        if state == 2:
+            return self.path._wal_failure()
+        raise TimeoutError(f"append at offset {self.base_offset} not durable after {timeout} s")
+
+    def add_done_callback(self, fn) -> None:
+        """Call `fn(self)` on the engine's callback thread once done (in WAL order)."""
+        self.path._add_callback(self, fn)
+
+    def future(self):
+        """A concurrent.futures.Future completed with the AppendResult (or the error)."""
+        import concurrent.futures
+        fut = concurrent.futures.Future()
+        fut.set_running_or_notify_cancel()
+
+        def settle(handle):
+            err = handle.exception(0)
+            if err is None:
+                fut.set_result(AppendResult(handle.base_offset))
+            else:
+                fut.set_exception(err)
+        self.add_done_callback(settle)
+        return fut
+
+    def __await__(self):
+        import asyncio
+        return asyncio.wrap_future(self.future()).__await__()
+
+    @property
+    def completed_ns(self):
+        """CLOCK_MONOTONIC time the append became durable; None if pending (or too old to know)."""
+        if self.error is not None:
+            return None
+        return self.path.ring._completion_time(self.wal_end)
+
+    def __repr__(self):
+        return (f"<AppendFuture base_offset={self.base_offset} count={self.count} "
+                f"done={self.done()}>")
+
+
+cdef class StreamWriter:
+    """The native half of a stream open on this node: its offsets and its append."""
+
+    def __dealloc__(self):
+        free(self.q_wal)
+        free(self.q_end)
+
+    def _init_writer(self, AppendPath path, uint64_t stream_id, uint64_t epoch, uint64_t next_offset):
+        self.path = path
+        self.stream_id = stream_id
+        self.epoch = epoch
+        self.next_off = next_offset
+        self.confirmed = next_offset
+        self.wstate = W_OPEN
+
+    cdef int _push_pending(self, uint64_t wal_end, uint64_t end_offset) except -1:
+        """Queue an append's (WAL end, end offset) for the confirm offset (cache lock held)."""
+        cdef size_t cap, live, i
+        cdef void* p
+        if self.q_tail == self.q_head:
+            self.q_tail = self.q_head = 0
+        if self.q_head == self.q_cap:
+            live = self.q_head - self.q_tail
+            if self.q_tail and live <= self.q_cap // 2:
+                # Slide the live entries down rather than grow.
+                for i in range(live):
+                    self.q_wal[i] = self.q_wal[self.q_tail + i]
+                    self.q_end[i] = self.q_end[self.q_tail + i]
+                self.q_tail, self.q_head = 0, live
+            else:
+                cap = self.q_cap * 2 if self.q_cap else 64
+                p = realloc(self.q_wal, cap * sizeof(uint64_t))
+                if p == NULL:
+                    raise MemoryError()
+                self.q_wal = <uint64_t*>p
+                p = realloc(self.q_end, cap * sizeof(uint64_t))
+                if p == NULL:
+                    raise MemoryError()
+                self.q_end = <uint64_t*>p
+                self.q_cap = cap
+        self.q_wal[self.q_head] = wal_end
+        self.q_end[self.q_head] = end_offset
+        self.q_head += 1
+        return 0
+
+    cdef void _advance_confirm(self) noexcept:
+        """Move the confirm offset over the appends now durable (cache lock held)."""
+        cdef uint64_t durable = self.path.ring.durable_hint()
+        while self.q_tail < self.q_head and self.q_wal[self.q_tail] <= durable:
+            self.confirmed = self.q_end[self.q_tail]
+            self.q_tail += 1
+
+    def append(self, batch) -> AppendFuture:
+        """Append a RecordBatch; the returned AppendFuture completes once it is durable.
+        Raises at once for an invalid batch or a stream that is closed or fenced."""
+        if type(batch) is not RecordBatch:
+            if not isinstance(batch, RecordBatch):
+                raise _error_types["invalid_batch"](f"append takes a RecordBatch, got {type(batch).__name__}")
+        return self.path._append(self, (<RecordBatch>batch).payload, (<RecordBatch>batch).count)
+
+    def append_many(self, batches) -> list:
+        """Append several RecordBatches in order; their AppendFutures, in the same order. On an
+        error, the batches before the failing one are appended and the error is raised."""
+        cdef list out = []
+        for batch in batches:
+            if not isinstance(batch, RecordBatch):
+                raise _error_types["invalid_batch"](f"append_many takes RecordBatches, got {type(batch).__name__}")
+            out.append(self.path._append(self, (<RecordBatch>batch).payload, (<RecordBatch>batch).count))
+        return out
+
+    @property
+    def next_offset(self) -> int:
+        """The offset the next append gets."""
+        return self.next_off
+
+    @property
+    def confirm_offset(self) -> int:
+        """Every offset below this is durable (acknowledged and readable)."""
+        self.path.cache.acquire()
+        self._advance_confirm()
+        self.path.cache.release()
+        return self.confirmed
+
+    def _writer_state(self) -> int:
+        return self.wstate
+
+    def _set_writer_state(self, int state) -> None:
+        """Change the state with no append in flight (takes the append lock): after this returns
+        with CLOSING, no append of this stream can still be placed."""
+        self.path._lock_append()
+        self.wstate = state
+        self.path._unlock_append()
+
+    def _mark_fenced(self) -> None:
+        """Refuse further appends at once (no wait for appends in flight)."""
+        self.wstate = W_FENCED
+
+    def _writer_failure(self):
+        return self.failure
+
+    def _wait_confirmed(self, uint64_t offset, timeout=None) -> None:
+        """Block until every append below `offset` is durable; TimeoutError after `timeout`."""
+        cdef uint64_t need = 0
+        cdef size_t i
+        cdef int state
+        self.path.cache.acquire()
+        self._advance_confirm()
+        if self.confirmed < offset:
+            for i in range(self.q_tail, self.q_head):
+                need = self.q_wal[i]
+                if self.q_end[i] >= offset:
+                    break
+        self.path.cache.release()
+        if self.failure is not None and self.confirmed < offset:
+            raise self.failure
+        if need == 0:
+            return
+        state = self.path.ring._wait(need, timeout)
+        if state == 2:
+            raise self.path._wal_failure()
+        if state == 0:
+            raise TimeoutError(f"stream {self.stream_id}: appends below {offset} not durable after {timeout} s")
+
+
+cdef class AppendPath:
+    """Ties one WAL ring to one log cache for a node's streams (see the module docstring).
+
+    on_sealed(block): a block was sealed by an append (threshold reached): upload it.
+    on_pressure(): the WAL's untrimmed bytes passed `pressure_bytes`: seal and upload now.
+    admit_wait(nbytes): block until `nbytes` more uncommitted bytes fit `admit_limit` (raise on
+        timeout); called without any lock held.
+    map_error(exc): the engine's exception for an error of the WAL.
+    errors: exception types by role: invalid_batch, closed, fenced, append_failed.
+    """
+
+    def __cinit__(self, Ring ring, LogCache cache, uint64_t max_batch_bytes, uint64_t admit_limit,
+                  uint64_t pressure_bytes, on_sealed, on_pressure, admit_wait, map_error, dict errors):
+        pthread_mutex_init(&self.append_mutex, NULL)
+        self.mutex_ready = True
+        self.ring = ring
+        self.cache = cache
+        self.max_batch_bytes = max_batch_bytes
+        self.admit_limit = admit_limit
+        self.pressure_bytes = pressure_bytes
+        self.on_sealed = on_sealed
+        self.on_pressure = on_pressure
+        self.admit_wait = admit_wait
+        self.map_error = map_error
+        self.errors = errors
+        self.cb_cond = threading.Condition()
+        self.cb_heap = []
+
+    def __dealloc__(self):
+        if self.mutex_ready:
+            pthread_mutex_destroy(&self.append_mutex)
+
+    cdef void _lock_append(self) noexcept:
+        # Never wait for the mutex while holding the GIL: its holder may be waiting for the GIL.
+        if pthread_mutex_trylock(&self.append_mutex) != 0:
+            with nogil:
+                pthread_mutex_lock(&self.append_mutex)
+
+    cdef void _unlock_append(self) noexcept:
+        pthread_mutex_unlock(&self.append_mutex)
+
+    cdef object _wal_failure(self):
+        return self.map_error(self.ring._failure())
+
+    cdef AppendFuture _append(self, StreamWriter w, object payload, uint32_t count):
+        cdef Py_buffer view
+        cdef unsigned char prefix[WAL_PREFIX]
+        cdef uint64_t pos = 0, base, wal_end
+        cdef size_t n
+        cdef bint seal = False
+        cdef CacheBlock sealed = None
+        cdef CacheSlice s
+        cdef AppendFuture fut
+        PyObject_GetBuffer(payload, &view, PyBUF_SIMPLE)
+        try:
+            n = <size_t>view.len
+            if n > self.max_batch_bytes:
+                raise self.errors["invalid_batch"](
+                    f"batch payload of {n} bytes exceeds max_batch_bytes ({self.max_batch_bytes}); split it "
+                    "or raise Config.max_batch_bytes")
+            if self.refusal is not None:
+                raise self.refusal[0](self.refusal[1])
+            if self.uncommitted + n > self.admit_limit:
+                self.admit_wait(n)
+            fut = AppendFuture.__new__(AppendFuture)
+            fut.path = self
+            fut.count = count
+            fut.submitted_ns = monotonic_ns()
+            self._lock_append()
+            try:
+                if w.wstate != W_OPEN:
+                    if w.wstate == W_FENCED:
+                        raise self.errors["fenced"](
+                            f"stream {w.stream_id} epoch {w.epoch} was fenced: it was opened elsewhere with a "
+                            "newer epoch (or this node was fenced). Stop writing; reopen the stream to continue.")
+                    raise self.errors["closed"](
+                        f"stream {w.stream_id} is {('open', 'closing', 'closed')[w.wstate]} on this node; "
+                        "open it again to append")
+                if w.failure is not None:
+                    raise w.failure
+                base = w.next_off
+                store64(prefix, w.stream_id)
+                store64(prefix + 8, w.epoch)
+                store64(prefix + 16, base)
+                store32(prefix + 24, count)
+                try:
+                    self.ring.place_record(prefix, WAL_PREFIX, <const unsigned char*>view.buf, n, &pos)
+                except BaseException as e:
+                    raise self.map_error(e) from e
+                # The record is in the WAL from here on: its offsets are taken whatever happens.
+                w.next_off = base + count
+                wal_end = pos + RECORD_HEADER_SIZE + WAL_PREFIX + n
+                fut.base_offset = base
+                fut.wal_end = wal_end
+                self.cache.acquire()
+                try:
+                    if _fail_insert:
+                        raise MemoryError("failpoint cache_insert")
+                    s = w.slice
+                    if s is None or s.block_id != self.cache.active.block_id:
+                        s = self.cache._slice_for(w.stream_id, w.epoch)
+                        w.slice = s
+                    seal = self.cache.insert(s, base, count, <const unsigned char*>view.buf, n,
+                                             pos, wal_end, True) == 1
+                    self.uncommitted += n
+                    w._push_pending(wal_end, base + count)
+                    if seal:
+                        sealed = self.cache._seal_locked()
+                except BaseException as e:
+                    # Durable in the WAL but not in the cache: this stream can no longer be
+                    # served consistently here. Fail this append and every later one, clearly.
+                    fut.error = self.errors["append_failed"](
+                        f"stream {w.stream_id}: the append at offset {base} reached the WAL but not the log "
+                        f"cache ({e!r}); the stream stops taking appends here. Close it and open it again "
+                        "(its WAL record is recovered on the node's restart or failover).")
+                    w.failure = fut.error
+                finally:
+                    self.cache.release()
+            finally:
+                self._unlock_append()
+        finally:
+            PyBuffer_Release(&view)
+        self.stat_appends += 1
+        self.stat_bytes += n
+        if sealed is not None:
+            self.on_sealed(sealed)
+        if not self.pressure_signalled and self.ring.untrimmed_hint() > self.pressure_bytes:
+            self.pressure_signalled = True
+            self.on_pressure()
+        return fut
+
+    # ---- accounting used by the client and the uploader -----------------------------------------
+
+    def released(self, uint64_t nbytes) -> None:
+        """`nbytes` of admitted data were committed: they no longer count against admission."""
+        self.cache.acquire()
+        self.uncommitted = self.uncommitted - nbytes if self.uncommitted > nbytes else 0
+        self.cache.release()
+
+    def pressure_handled(self) -> None:
+        """The uploader acted on WAL pressure; the next append above the mark signals again."""
+        self.pressure_signalled = False
+
+    def untrimmed_bytes(self) -> int:
+        return self.ring.untrimmed_hint()
+
+    def refuse(self, error_type, str message) -> None:
+        """From now on every append raises `error_type(message)` (client closed, fenced, failed)."""
+        self.refusal = (error_type, message)
+
+    def stats(self) -> dict:
+        return dict(appends=self.stat_appends, bytes=self.stat_bytes, uncommitted=self.uncommitted)
+
+    # ---- callbacks ---------------------------------------------------------------------------
+
+    def _add_callback(self, AppendFuture fut, fn) -> None:
+        with self.cb_cond:
+            heapq.heappush(self.cb_heap, (fut.wal_end, self.cb_seq, fut, fn))
+            self.cb_seq += 1
+            self.cb_cond.notify()
+
+    def run_callbacks(self) -> None:
+        """Body of the engine's callback thread: runs callbacks in WAL order as their appends
+        settle. Returns after `stop_callbacks()` once none is left (the WAL is closed by then,
+        so every append has settled)."""
+        cdef AppendFuture head
+        cdef uint64_t durable
+        cdef list ready
+        cdef bint everything
+        while True:
+            with self.cb_cond:
+                while not self.cb_heap and not self.cb_stop:
+                    self.cb_cond.wait()
+                if not self.cb_heap:
+                    return
+                head = self.cb_heap[0][2]
+                everything = self.cb_stop
+            if head.error is None and not everything:
+                self.ring._wait(head.wal_end, 0.05)     # bounded: re-checks stop and new heads
+            durable = self.ring.durable_hint()
+            everything = everything or self.ring.io_errno != 0
+            ready = []
+            with self.cb_cond:
+                while self.cb_heap and (everything or self.cb_heap[0][0] <= durable
+                                        or (<AppendFuture>self.cb_heap[0][2]).error is not None):
+                    ready.append(heapq.heappop(self.cb_heap))
+            for entry in ready:
+                try:
+                    entry[3](entry[2])
+                except BaseException:
+                    log.exception("append callback %r raised", entry[3])
+
+    def stop_callbacks(self) -> None:
+        """Make `run_callbacks` run what is queued and return."""
+        with self.cb_cond:
+            self.cb_stop = True
+            self.cb_cond.notify_all()

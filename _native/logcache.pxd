@@ -1,0 +1,54 @@
+# The native log cache (logcache.pyx): per-stream buffers of durable records, grouped in blocks
+# that are sealed, uploaded and committed in order. Declared here for the append path.
+from libc.stdint cimport uint32_t, uint64_t, int64_t
+from _native.sysdeps cimport pthread_mutex_t
+
+
+cdef class CacheSlice:
+    cdef readonly uint64_t stream_id
+    cdef readonly uint64_t epoch
+    cdef readonly int64_t block_id
+    cdef unsigned char* buf          # payloads, back to back
+    cdef size_t buf_cap
+    cdef readonly uint64_t size      # payload bytes (== bytes used in buf)
+    cdef uint64_t* bases             # base offset of each batch
+    cdef uint32_t* counts            # records in each batch
+    cdef uint64_t* positions         # where each payload starts in buf
+    cdef size_t n                    # batches
+    cdef size_t cap                  # capacity of the three arrays
+
+    cdef int add(self, uint64_t base, uint32_t count, const unsigned char* data, size_t length) except -1
+    cdef size_t find(self, uint64_t offset) noexcept
+    cdef size_t length_of(self, size_t i) noexcept
+
+
+cdef class CacheBlock:
+    cdef readonly int64_t block_id
+    cdef public str state
+    cdef readonly dict streams       # stream id -> CacheSlice
+    cdef readonly uint64_t size      # payload bytes
+    cdef readonly uint64_t admitted  # payload bytes that went through append admission
+    cdef readonly uint64_t wal_start # lowest WAL offset of a record in the block (0 if empty)
+    cdef readonly uint64_t wal_end   # end of the block's last WAL record
+    cdef readonly int64_t created_ns
+
+
+cdef class LogCache:
+    cdef readonly uint64_t threshold
+    cdef readonly uint64_t cache_size
+    cdef object clock
+    cdef object batch_type
+    cdef object blocks               # deque of sealed and committed blocks, oldest first
+    cdef CacheBlock active
+    cdef int64_t next_id
+    cdef uint64_t nbytes
+    cdef pthread_mutex_t mutex
+    cdef bint mutex_ready
+
+    cdef void acquire(self) noexcept
+    cdef void release(self) noexcept
+    cdef CacheBlock _new_block(self)
+    cdef CacheSlice _slice_for(self, uint64_t stream_id, uint64_t epoch)
+    cdef int insert(self, CacheSlice s, uint64_t base, uint32_t count, const unsigned char* data,
+                    size_t length, uint64_t wal_start, uint64_t wal_end, bint admitted) except -1
+    cdef CacheBlock _seal_locked(self)

@@ -1,0 +1,416 @@
+# cython: language_level=3
+"""The log cache: records batched per stream in blocks, until uploaded and beyond.
+
+Records enter the *active* block, each stream's payloads back to back in one growable buffer
+(a CacheSlice) with three parallel arrays (base offset, record count, position). The engine's
+append path inserts a record right after placing it in the WAL, under the engine's append lock,
+so blocks hold records in WAL order: every record of block k lies before every record of block
+k + 1 in the WAL, which is what lets the WAL be trimmed to block k's end once k is committed. A
+record is readable only once durable: the stream's confirm offset (kept by the append path)
+bounds every read.
+
+When the active block reaches the upload threshold (or an interval passes, or a stream closes,
+or the WAL fills up) it is *sealed*: it never changes again, so the uploader plans and encodes it
+without the GIL. Blocks are committed in seal order; committed blocks stay as a tail cache for
+readers until evicted by size, oldest first. Uncommitted blocks are never evicted (append
+admission and the WAL bound them).
+
+Locking: `mutex` guards the structure. It is taken with the GIL held by trylock, falling back to a
+wait without the GIL, so a holder that loses the GIL (a finalizer, a thread switch) never
+deadlocks against a waiter.
+"""
+from collections import deque
+
+from libc.stdint cimport uint32_t, uint64_t, int64_t
+from libc.stdlib cimport malloc, realloc, free
+from libc.string cimport memcpy
+from cpython.bytes cimport PyBytes_FromStringAndSize
+from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE
+from _native.sysdeps cimport (
+    pthread_mutex_init, pthread_mutex_destroy, pthread_mutex_lock, pthread_mutex_trylock, pthread_mutex_unlock,
+)
+
+from _native.objcodec cimport Piece, encode_pieces
+
+ACTIVE = "active"
+SEALED = "sealed"
+COMMITTED = "committed"
+
+cdef enum:
+    FIRST_BUFFER = 4096
+    FIRST_BATCHES = 16
+
+
+cdef class CacheSlice:
+    """One stream's contiguous batches inside one block."""
+
+    def __cinit__(self, uint64_t stream_id, uint64_t epoch, int64_t block_id):
+        self.stream_id = stream_id
+        self.epoch = epoch
+        self.block_id = block_id
+
+    def __dealloc__(self):
+        free(self.buf)
+        free(self.bases)
+        free(self.counts)
+        free(self.positions)
+
+    cdef int add(self, uint64_t base, uint32_t count, const unsigned char* data, size_t length) except -1:
+        cdef size_t cap
+        cdef void* p
+        if self.n and base != self.bases[self.n - 1] + self.counts[self.n - 1]:
+            raise AssertionError(f"stream {self.stream_id}: batch at {base} after "
+                                 f"{self.bases[self.n - 1] + self.counts[self.n - 1]} in one block")
+        if self.n == self.cap:
+            cap = self.cap * 2 if self.cap else FIRST_BATCHES
+            p = realloc(self.bases, cap * sizeof(uint64_t))
+            if p == NULL:
+                raise MemoryError()
+            self.bases = <uint64_t*>p
+            p = realloc(self.counts, cap * sizeof(uint32_t))
+            if p == NULL:
+                raise MemoryError()
+            self.counts = <uint32_t*>p
+            p = realloc(self.positions, cap * sizeof(uint64_t))
+            if p == NULL:
+                raise MemoryError()
+            self.positions = <uint64_t*>p
+            self.cap = cap
+        if self.size + length > self.buf_cap:
+            cap = self.buf_cap * 2 if self.buf_cap else FIRST_BUFFER
+            while cap < self.size + length:
+                cap *= 2
+            p = realloc(self.buf, cap)
+            if p == NULL:
+                raise MemoryError()
+            self.buf = <unsigned char*>p
+            self.buf_cap = cap
+        if length:
+            memcpy(self.buf + self.size, data, length)
+        self.bases[self.n] = base
+        self.counts[self.n] = count
+        self.positions[self.n] = self.size
+        self.n += 1
+        self.size += length
+        return 0
+
+    cdef size_t find(self, uint64_t offset) noexcept:
+        """Index of the batch holding `offset` (the first batch if before, n if past the end)."""
+        cdef size_t lo = 0, hi = self.n, mid
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.bases[mid] + self.counts[mid] <= offset:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
+    cdef size_t length_of(self, size_t i) noexcept:
+        return <size_t>((self.positions[i + 1] if i + 1 < self.n else self.size) - self.positions[i])
+
+    @property
+    def start_offset(self) -> int:
+        return self.bases[0] if self.n else 0
+
+    @property
+    def end_offset(self) -> int:
+        return self.bases[self.n - 1] + self.counts[self.n - 1] if self.n else 0
+
+    @property
+    def batch_count(self) -> int:
+        return self.n
+
+    @property
+    def batches(self) -> list:
+        """(base, count, payload bytes) of every batch (a copy: for tests and tools)."""
+        return [(self.bases[i], self.counts[i],
+                 PyBytes_FromStringAndSize(<const char*>self.buf + self.positions[i], self.length_of(i)))
+                for i in range(self.n)]
+
+    def __repr__(self):
+        return f"<CacheSlice stream {self.stream_id} [{self.start_offset}, {self.end_offset}) {self.size} bytes>"
+
+
+cdef class CacheBlock:
+    """An upload unit: the slices of the streams that wrote while it was active."""
+
+    def __cinit__(self, int64_t block_id, int64_t created_ns):
+        self.block_id = block_id
+        self.created_ns = created_ns
+        self.state = ACTIVE
+        self.streams = {}
+
+    def plan(self, uint64_t split_size) -> tuple:
+        """The SO/SSO split: (slices sharing the StreamSetObject, slices getting a StreamObject
+        each), both by ascending stream id. A stream with at least `split_size` bytes in the
+        block gets its own StreamObject. Twin: s3stream.upload_reference.plan_upload."""
+        cdef list stream_set = []
+        cdef list stream_objects = []
+        cdef CacheSlice s
+        for stream_id in sorted(self.streams):
+            s = self.streams[stream_id]
+            if s.size >= split_size:
+                stream_objects.append(s)
+            else:
+                stream_set.append(s)
+        return stream_set, stream_objects
+
+    def __repr__(self):
+        return f"<CacheBlock {self.block_id} {self.state} {len(self.streams)} streams {self.size} bytes>"
+
+
+def encode_slices(list slices, size_t block_size) -> tuple:
+    """Encode one object straight from sealed slices (stream ids strictly ascending): (bytes,
+    index entries), byte for byte what objcodec.encode_object makes of the same batches. The
+    copy runs without the GIL; sealed slices never change, and the list keeps them alive."""
+    cdef size_t npieces = 0, k = 0, i
+    cdef Piece* pieces
+    cdef CacheSlice s
+    cdef uint64_t prev = 0
+    for j, obj in enumerate(slices):
+        s = <CacheSlice?>obj
+        if s.n == 0:
+            raise ValueError(f"stream {s.stream_id} has no batches")
+        if j and s.stream_id <= prev:
+            raise ValueError(f"stream ids must be strictly ascending ({prev} then {s.stream_id})")
+        prev = s.stream_id
+        npieces += s.n
+    pieces = <Piece*>malloc((npieces or 1) * sizeof(Piece))
+    if pieces == NULL:
+        raise MemoryError()
+    try:
+        for obj in slices:
+            s = <CacheSlice>obj
+            for i in range(s.n):
+                pieces[k].data = s.buf + s.positions[i]
+                pieces[k].length = s.length_of(i)
+                pieces[k].base = s.bases[i]
+                pieces[k].count = s.counts[i]
+                pieces[k].stream_id = s.stream_id
+                k += 1
+        return encode_pieces(pieces, npieces, block_size)
+    finally:
+        free(pieces)
+
+
+cdef class LogCache:
+    """Blocks of durable records per stream; see the module docstring.
+
+    `batch_type(base, count, payload)` builds what `read` returns; `clock()` gives block ages in ns.
+    """
+
+    def __cinit__(self, uint64_t upload_threshold, uint64_t cache_size, clock, batch_type=tuple):
+        pthread_mutex_init(&self.mutex, NULL)
+        self.mutex_ready = True
+        self.threshold = upload_threshold
+        self.cache_size = cache_size
+        self.clock = clock
+        self.batch_type = batch_type
+        self.blocks = deque()
+        self.active = self._new_block()
+
+    def __dealloc__(self):
+        if self.mutex_ready:
+            pthread_mutex_destroy(&self.mutex)
+
+    cdef void acquire(self) noexcept:
+        # Never wait for the mutex while holding the GIL: its holder may need the GIL to finish.
+        if pthread_mutex_trylock(&self.mutex) != 0:
+            with nogil:
+                pthread_mutex_lock(&self.mutex)
+
+    cdef void release(self) noexcept:
+        pthread_mutex_unlock(&self.mutex)
+
+    cdef CacheBlock _new_block(self):
+        cdef CacheBlock block = CacheBlock(self.next_id, self.clock())
+        self.next_id += 1
+        return block
+
+    cdef CacheSlice _slice_for(self, uint64_t stream_id, uint64_t epoch):
+        """The stream's slice in the active block, created if needed (lock held)."""
+        cdef CacheSlice s = self.active.streams.get(stream_id)
+        if s is None:
+            s = CacheSlice(stream_id, epoch, self.active.block_id)
+            self.active.streams[stream_id] = s
+        elif s.epoch != epoch:
+            raise AssertionError(f"stream {stream_id} changed epoch inside block {self.active.block_id}")
+        return s
+
+    cdef int insert(self, CacheSlice s, uint64_t base, uint32_t count, const unsigned char* data,
+                    size_t length, uint64_t wal_start, uint64_t wal_end, bint admitted) except -1:
+        """Add a batch to `s`, a slice of the active block (lock held). Returns 1 when the
+        block has reached the upload threshold (the caller seals it), else 0."""
+        cdef CacheBlock block = self.active
+        s.add(base, count, data, length)
+        if block.wal_end == 0:          # the block's first record
+            block.wal_start = wal_start
+        block.size += length
+        if admitted:
+            block.admitted += length
+        if wal_end > block.wal_end:
+            block.wal_end = wal_end
+        self.nbytes += length
+        return 1 if block.size >= self.threshold else 0
+
+    cdef CacheBlock _seal_locked(self):
+        cdef CacheBlock block = self.active
+        block.state = SEALED
+        self.blocks.append(block)
+        self.active = self._new_block()
+        return block
+
+    # ---- the Python face (recovery replay, the uploader, readers, tools) -------------------------
+
+    def put(self, uint64_t stream_id, uint64_t epoch, batch, uint64_t wal_end, uint64_t wal_start=0):
+        """Add a durable batch `(base, count, payload)` whose WAL record ends at `wal_end`;
+        returns the block it sealed if the threshold was reached. (Recovery's path: appends
+        go through the native append path instead.)"""
+        cdef Py_buffer view
+        cdef CacheBlock sealed = None
+        base, count, payload = batch
+        PyObject_GetBuffer(payload, &view, PyBUF_SIMPLE)
+        self.acquire()
+        try:
+            if self.insert(self._slice_for(stream_id, epoch), base, count,
+                           <const unsigned char*>view.buf, <size_t>view.len, wal_start, wal_end, False):
+                sealed = self._seal_locked()
+        finally:
+            self.release()
+            PyBuffer_Release(&view)
+        return sealed
+
+    def seal(self, stream_id=None):
+        """Seal the active block if it holds anything (or, with `stream_id`, that stream)."""
+        self.acquire()
+        try:
+            if not self.active.streams or (stream_id is not None and stream_id not in self.active.streams):
+                return None
+            return self._seal_locked()
+        finally:
+            self.release()
+
+    def seal_if_older(self, int64_t age_ns):
+        self.acquire()
+        try:
+            if self.active.streams and self.clock() - self.active.created_ns >= age_ns:
+                return self._seal_locked()
+            return None
+        finally:
+            self.release()
+
+    def seal_if_span(self, uint64_t wal_bytes, uint64_t appended_end):
+        """Seal the active block if its records span at least `wal_bytes` of the WAL up to
+        `appended_end` (the WAL-pressure rule: only sealing this block would free that much)."""
+        self.acquire()
+        try:
+            if self.active.streams and appended_end - self.active.wal_start >= wal_bytes:
+                return self._seal_locked()
+            return None
+        finally:
+            self.release()
+
+    def mark_committed(self, CacheBlock block) -> None:
+        cdef CacheBlock oldest
+        self.acquire()
+        try:
+            block.state = COMMITTED
+            while self.nbytes > self.cache_size and self.blocks:
+                oldest = self.blocks[0]
+                if oldest.state != COMMITTED:
+                    break
+                self.blocks.popleft()
+                self.nbytes -= oldest.size
+        finally:
+            self.release()
+
+    def drop_stream(self, uint64_t stream_id) -> None:
+        """Forget a stream's committed data (after trim past it or destroy); uncommitted stays."""
+        cdef CacheBlock block
+        cdef CacheSlice s
+        self.acquire()
+        try:
+            for block in self.blocks:
+                if block.state == COMMITTED and stream_id in block.streams:
+                    s = block.streams.pop(stream_id)
+                    block.size -= s.size
+                    self.nbytes -= s.size
+        finally:
+            self.release()
+
+    def pending_blocks_with(self, uint64_t stream_id) -> list:
+        """Uncommitted blocks holding the stream (the active one included)."""
+        cdef CacheBlock block
+        self.acquire()
+        try:
+            out = [block for block in self.blocks if block.state == SEALED and stream_id in block.streams]
+            if stream_id in self.active.streams:
+                out.append(self.active)
+            return out
+        finally:
+            self.release()
+
+    def unuploaded_bytes(self, uint64_t stream_id) -> int:
+        """Bytes of the stream in blocks not yet committed."""
+        cdef uint64_t total = 0
+        cdef CacheBlock block
+        self.acquire()
+        try:
+            for block in list(self.blocks) + [self.active]:
+                if block.state != COMMITTED and stream_id in block.streams:
+                    total += (<CacheSlice>block.streams[stream_id]).size
+            return total
+        finally:
+            self.release()
+
+    def read(self, uint64_t stream_id, uint64_t start, uint64_t end, uint64_t max_bytes) -> list:
+        """Cached batches of the stream from the one containing `start`, up to `end` or
+        `max_bytes` (at least one batch). Empty if the cache does not hold `start`. The caller
+        bounds `end` by the confirm offset (only durable data is read)."""
+        cdef list out = []
+        cdef uint64_t size = 0, pos = start
+        cdef size_t i, length
+        cdef CacheSlice s
+        cdef CacheBlock block
+        self.acquire()
+        try:
+            for block in list(self.blocks) + [self.active]:
+                s = block.streams.get(stream_id)
+                if s is None or s.n == 0:
+                    continue
+                if s.bases[s.n - 1] + s.counts[s.n - 1] <= pos:
+                    continue
+                if s.bases[0] > pos:
+                    break          # a hole: the data at `pos` is in objects, not here
+                i = s.find(pos)
+                while i < s.n:
+                    length = s.length_of(i)
+                    if s.bases[i] >= end or (out and size + length > max_bytes):
+                        return out
+                    out.append(self.batch_type(
+                        s.bases[i], s.counts[i],
+                        PyBytes_FromStringAndSize(<const char*>s.buf + s.positions[i], length)))
+                    size += length
+                    pos = s.bases[i] + s.counts[i]
+                    i += 1
+            return out
+        finally:
+            self.release()
+
+    @property
+    def active_block(self) -> CacheBlock:
+        return self.active
+
+    @property
+    def size(self) -> int:
+        return self.nbytes
+
+    def stats(self) -> dict:
+        cdef CacheBlock block
+        self.acquire()
+        try:
+            sealed = sum(1 for block in self.blocks if block.state == SEALED)
+            return dict(bytes=self.nbytes, blocks=len(self.blocks) + 1, sealed_blocks=sealed,
+                        active_bytes=self.active.size)
+        finally:
+            self.release()

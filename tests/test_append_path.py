@@ -1,0 +1,272 @@
+"""The native write path: append futures and callbacks, append_many, failure in the completion
+path, WAL pressure, pipelined uploads, and the planner and encoder against their twins."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import s3stream
+import wal
+from _native import appendpath, objcodec
+from s3stream import RecordBatch, StreamClient
+from s3stream.logcache import LogCache, encode_slices
+from s3stream.metadata import ObjectState, ObjectType, SqliteMetadataStore
+from s3stream.objectformat_reference import encode_object as reference_encode
+from s3stream.objectstore import FaultInjectingObjectStore, LocalObjectStore
+from s3stream.upload_reference import plan_upload
+from conftest import KiB, MiB, small_config
+
+
+def client(tmp_path, node_id=1, config=None, store=None):
+    return StreamClient(node_id, tmp_path / f"node{node_id}.wal", store or f"file://{tmp_path}/objects",
+                        f"sqlite:///{tmp_path}/meta.db", config or small_config())
+
+
+def read_all(stream):
+    out, pos = [], stream.start_offset
+    while pos < stream.confirm_offset:
+        res = stream.fetch(pos)
+        out += [(b.base_offset, b.payload) for b in res.batches]
+        pos = res.end_offset
+    return out
+
+
+# ---- futures and callbacks -----------------------------------------------------------------------
+
+def test_callback_that_appends_and_waits_does_not_stop_acknowledgements(tmp_path):
+    """The old engine ran callbacks on the WAL's dispatcher: this one wedged the node for good."""
+    c = client(tmp_path)
+    try:
+        s = c.create_stream()
+        inner = []
+        seen_threads = []
+
+        def callback(fut):
+            seen_threads.append(threading.current_thread().name)
+            inner.append(s.append(RecordBatch(b"from-callback", 1)).result(10).base_offset)
+
+        s.append(RecordBatch(b"first", 1)).add_done_callback(callback)
+        # Acknowledgements keep coming while (and after) the callback waits on its own append.
+        for i in range(50):
+            assert s.append(RecordBatch(b"x%d" % i, 1)).result(10).base_offset >= 1
+        deadline = time.monotonic() + 10
+        while not inner and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert inner, "the callback's own append was never acknowledged"
+        assert seen_threads == ["s3stream-callbacks"]
+        assert (inner[0], b"from-callback") in read_all(s)
+    finally:
+        c.close()
+
+
+def test_callbacks_run_in_offset_order_and_survive_a_raising_one(tmp_path, caplog):
+    c = client(tmp_path)
+    try:
+        s = c.create_stream()
+        order = []
+        futs = [s.append(RecordBatch(b"r%d" % i, 1)) for i in range(200)]
+        for i, f in enumerate(futs):
+            if i == 7:
+                f.add_done_callback(lambda _f: 1 / 0)
+            f.add_done_callback(lambda f: order.append(f.base_offset))
+        deadline = time.monotonic() + 10
+        while len(order) < 200 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert order == list(range(200))
+        assert any("ZeroDivisionError" in r.getMessage() or r.exc_info for r in caplog.records)
+    finally:
+        c.close()
+
+
+def test_future_and_await(tmp_path):
+    c = client(tmp_path)
+    try:
+        s = c.create_stream()
+        f = s.append(RecordBatch(b"a", 3)).future()
+        assert f.result(10) == s3stream.AppendResult(0)
+
+        async def produce():
+            return [(await s.append(RecordBatch(b"b", 2))).base_offset for _ in range(3)]
+
+        assert asyncio.run(produce()) == [3, 5, 7]
+        fut = s.append(RecordBatch(b"c", 1))
+        fut.result(10)
+        assert fut.done() and fut.exception() is None
+        assert fut.completed_ns is not None and fut.completed_ns >= fut.submitted_ns
+    finally:
+        c.close()
+
+
+def test_append_many_assigns_contiguous_offsets(tmp_path):
+    c = client(tmp_path)
+    try:
+        s = c.create_stream()
+        futs = s.append_many([RecordBatch(b"p%d" % i, i + 1) for i in range(10)])
+        bases = [f.result(10).base_offset for f in futs]
+        assert bases == [sum(range(1, i + 1)) for i in range(10)]
+        assert s.next_offset == sum(range(1, 11))
+        with pytest.raises(s3stream.InvalidBatchError, match="RecordBatch"):
+            s.append_many([RecordBatch(b"ok", 1), b"not a batch"])
+        assert s.next_offset == sum(range(1, 11)) + 1       # the batch before the bad one went in
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("payload, count, match", [
+    ("text", 1, "bytes-like"), (b"x", 0, "count"), (b"x", True, "count"), (b"x", 2 ** 32, "count"),
+    (b"x", 1.0, "count"),
+])
+def test_bad_batches_are_refused(payload, count, match):
+    with pytest.raises(s3stream.InvalidBatchError, match=match):
+        RecordBatch(payload, count)
+
+
+def test_oversized_batch_is_refused_and_nothing_is_written(tmp_path):
+    c = client(tmp_path)
+    try:
+        s = c.create_stream()
+        with pytest.raises(s3stream.InvalidBatchError, match="max_batch_bytes"):
+            s.append(RecordBatch(bytes(c.config.max_batch_bytes + 1)))
+        with pytest.raises(s3stream.InvalidBatchError, match="RecordBatch"):
+            s.append(b"raw bytes")
+        assert s.next_offset == 0 and c.stats()["wal"]["records"] == 0
+    finally:
+        c.close()
+
+
+# ---- a failure in the completion path ------------------------------------------------------------
+
+def test_failure_after_the_wal_fails_the_append_clearly_and_close_does_not_hang(tmp_path):
+    c = client(tmp_path)
+    s, other = c.create_stream(), c.create_stream()
+    acked = [s.append(RecordBatch(b"before%d" % i, 1)).result(10).base_offset for i in range(5)]
+    appendpath.set_failpoint("cache_insert", True)
+    try:
+        fut = s.append(RecordBatch(b"doomed", 1))
+    finally:
+        appendpath.set_failpoint("cache_insert", False)
+    assert fut.done()
+    with pytest.raises(s3stream.AppendFailedError, match="reached the WAL but not the log cache"):
+        fut.result(1)
+    with pytest.raises(s3stream.AppendFailedError):
+        s.append(RecordBatch(b"after", 1))
+    # Other streams are unaffected.
+    assert other.append(RecordBatch(b"fine", 1)).result(10).base_offset == 0
+    t0 = time.monotonic()
+    with pytest.raises(s3stream.AppendFailedError):
+        s.close(timeout=10)
+    assert time.monotonic() - t0 < 5
+    c.close(timeout=10)
+    # The records acknowledged before the failure survive a restart.
+    c2 = client(tmp_path)
+    try:
+        s2 = c2.open_stream(s.stream_id)
+        got = dict(read_all(s2))
+        assert [got[o] for o in acked] == [b"before%d" % i for i in range(5)]
+    finally:
+        c2.close()
+
+
+# ---- WAL pressure ----------------------------------------------------------------------------------
+
+def test_small_synchronous_appends_never_fill_the_wal(tmp_path):
+    """Each synchronous 100-byte append takes a whole 4 KiB WAL block: 16 MiB hold 4,094 of them,
+    long before 512 KiB of payload reaches the upload threshold. The old engine wedged there."""
+    cfg = small_config(upload_threshold=512 * KiB, split_size=128 * KiB, cache_size=2 * MiB,
+                       wal=wal.WALConfig(capacity=16 * MiB, full_timeout=5))
+    c = client(tmp_path, config=cfg)
+    s = c.create_stream()
+    acked = []
+    for i in range(6000):
+        payload = b"%06d" % i + bytes(94)
+        acked.append((s.append(RecordBatch(payload, 1)).result(10).base_offset, payload))
+    assert c.stats()["upload"]["blocks"] >= 1          # sealed by pressure, not by size
+    c._wal.close()                                      # crash-like: no force upload, no clean close
+    c._uploader.abort()
+    c2 = client(tmp_path, config=cfg)
+    try:
+        s2 = c2.open_stream(s.stream_id)
+        assert read_all(s2) == acked
+    finally:
+        c2.close()
+
+
+# ---- pipelined uploads -------------------------------------------------------------------------
+
+def test_slow_puts_keep_several_blocks_in_flight_and_commit_in_order(tmp_path):
+    store = FaultInjectingObjectStore(LocalObjectStore(str(tmp_path / "objects")))
+    store.hang_puts(0.2)
+    cfg = small_config(upload_threshold=256 * KiB, split_size=64 * KiB, cache_size=4 * MiB, upload_pipeline=3)
+    c = client(tmp_path, config=cfg, store=store)
+    try:
+        streams = [c.create_stream() for _ in range(3)]
+        expected = {s.stream_id: [] for s in streams}
+        futs = []
+        for i in range(300):
+            s = streams[i % 3]
+            payload = bytes([i % 256]) * 4000
+            futs.append((s.stream_id, s.append(RecordBatch(payload, 1)), payload))
+        for sid, f, payload in futs:
+            expected[sid].append((f.result(10).base_offset, payload))
+        for s in streams:
+            s.close(timeout=30)
+        assert c._uploader.stats["max_inflight"] >= 2
+        meta = SqliteMetadataStore(str(tmp_path / "meta.db"))
+        ssos = meta.node_stream_set_objects(1)
+        assert [o.object_id for o in ssos] == sorted(o.object_id for o in ssos)
+        meta.close()
+    finally:
+        c.close()
+    c2 = client(tmp_path, node_id=2)
+    try:
+        for sid, want in expected.items():
+            assert read_all(c2.open_stream(sid)) == want
+    finally:
+        c2.close()
+
+
+# ---- the twins ----------------------------------------------------------------------------------
+
+blocks = st.lists(st.tuples(st.integers(1, 6), st.binary(max_size=300), st.integers(1, 5)), min_size=1,
+                  max_size=60)
+
+
+@settings(max_examples=150, deadline=None)
+@given(blocks, st.integers(1, 2000), st.integers(64, 1024))
+def test_native_planner_and_encoder_match_their_twins(records, split_size, block_size):
+    cache = LogCache(1 << 30, 1 << 31, time.monotonic_ns, s3stream.FetchedBatch)
+    offsets: dict[int, int] = {}
+    batches: dict[int, list] = {}
+    wal_end = 0
+    for stream_id, payload, count in records:
+        base = offsets.get(stream_id, 0)
+        wal_end += 64 + len(payload)
+        assert cache.put(stream_id, 1, (base, count, payload), wal_end) is None
+        offsets[stream_id] = base + count
+        batches.setdefault(stream_id, []).append((base, count, payload))
+    block = cache.seal()
+    stream_set, stream_objects = block.plan(split_size)
+    sizes = {sid: sum(len(p) for _, _, p in b) for sid, b in batches.items()}
+    assert ([s.stream_id for s in stream_set], [s.stream_id for s in stream_objects]) == plan_upload(sizes, split_size)
+    slices = [block.streams[sid] for sid in sorted(batches)]
+    data, entries = encode_slices(slices, block_size)
+    want = [(sid, batches[sid]) for sid in sorted(batches)]
+    assert (data, entries) == reference_encode(want, block_size)
+    assert (data, entries) == objcodec.encode_object(want, block_size)
+
+
+def test_cache_reads_only_what_it_holds(tmp_path):
+    cache = LogCache(1 << 20, 1 << 22, time.monotonic_ns, s3stream.FetchedBatch)
+    for i in range(10):
+        cache.put(5, 1, (10 + i * 2, 2, b"p%d" % i), 100 * (i + 1))
+    assert cache.read(5, 0, 100, 1 << 20) == []                       # below what it holds
+    got = cache.read(5, 13, 17, 1 << 20)
+    assert [(b.base_offset, b.payload) for b in got] == [(12, b"p1"), (14, b"p2"), (16, b"p3")]
+    assert [b.base_offset for b in cache.read(5, 10, 30, 5)] == [10, 12]  # max_bytes, at least one
+    assert cache.read(6, 0, 10, 100) == []
+    assert cache.unuploaded_bytes(5) == 20

@@ -347,8 +347,14 @@ class StreamClient:
             stream._fence()
 
     def _trim_wal(self, offset: int) -> None:
-        if not self._recovering:     # recovery trims once, after its scan
-            self._wal.trim(offset)
+        if self._recovering:         # recovery trims once, after its scan
+            return
+        self._wal.trim(offset)
+        # Appenders signal WAL pressure when they cross the mark; if they are all waiting for
+        # space, nobody crosses it again, so the uploader looks once more after each trim.
+        path = self._append_path
+        if path is not None and path.untrimmed_bytes() > path.pressure_bytes:
+            self._on_wal_pressure()
 
     def _tick(self) -> None:
         age = int(self.config.upload_interval * 1e9)

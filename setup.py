@@ -11,17 +11,8 @@ from setuptools import Extension, setup
 
 DEBUG = os.environ.get("S3STREAM_DEBUG_BUILD") == "1"
 
-# Each module: (name, extra libraries). zlib provides the CRC-32 used by every record and block.
-MODULES = [
-    ("checksum", ["z"]),
-    ("walio", []),
-    ("walrecord", ["z"]),
-    ("walring", ["z"]),
-    ("walscan", ["z"]),
-    ("objcodec", ["z"]),
-    ("logcache", []),
-    ("appendpath", []),
-]
+# The modules of the core; checksum.pyx includes _native/crc32c.h (CRC-32C of records and blocks).
+MODULES = ["checksum", "walio", "walrecord", "walring", "walscan", "objcodec", "logcache", "appendpath"]
 
 directives = {"language_level": 3, "embedsignature": True}
 macros = []
@@ -35,11 +26,11 @@ extensions = [
     Extension(
         f"_native.{name}",
         [f"_native/{name}.pyx"],
-        libraries=libs,
+        include_dirs=["_native"],
         extra_compile_args=cflags,
         define_macros=macros,
     )
-    for name, libs in MODULES
+    for name in MODULES
 ]
 
 setup(

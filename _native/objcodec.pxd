@@ -9,4 +9,4 @@ cdef struct Piece:
     uint32_t count                # records in the batch
     uint64_t stream_id
 
-cdef tuple encode_pieces(const Piece* pieces, size_t npieces, size_t block_size)
+cdef tuple encode_pieces(const Piece* pieces, size_t npieces, size_t block_size, bytearray into=*)

@@ -7,6 +7,7 @@ FOOTER_SIZE: int
 VERSION: int
 
 class ObjectFormatError(ValueError): ...
+class ObjectVersionError(ObjectFormatError): ...
 
 Batch = tuple[int, int, bytes]
 Entry = tuple[int, int, int, int, int, int, int]

@@ -7,7 +7,7 @@ Layout (docs/object-format.md):
 
     data block  = header (32) + batches, all of one stream, contiguous offsets
       header    : u32 magic 'S3DB' | u32 version | u64 stream id | u64 start offset
-                  | u32 batch count | u32 CRC-32 of the batches
+                  | u32 batch count | u32 CRC-32C of the batches
       batch     : u64 base offset | u32 record count | u32 payload length | payload
     index entry = u64 stream id | u64 start | u64 end | u32 record count | u32 block size
                   | u64 block position | u32 batch count | u32 zero            (48 bytes)
@@ -21,9 +21,10 @@ from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t
 from libc.stdlib cimport malloc, free
 from libc.string cimport memcpy
 from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING
+from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE, PyByteArray_Resize
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE
 
-from _native.checksum cimport crc32_update
+from _native.checksum cimport crc32c_update
 
 cdef enum:
     BLOCK_HEADER = 32
@@ -31,7 +32,7 @@ cdef enum:
     INDEX_ENTRY = 48
     FOOTER = 32
     BLOCK_MAGIC = 0x42443353   # 'S3DB'
-    FORMAT_VERSION = 1
+    FORMAT_VERSION = 2          # 2: CRC-32C (1: zlib's CRC-32)
 
 cdef uint64_t FOOTER_MAGIC = 0x31304A424F535333  # 'S3SOBJ01'
 
@@ -44,6 +45,17 @@ VERSION = FORMAT_VERSION
 
 class ObjectFormatError(ValueError):
     """The bytes are not a valid object (bad magic, version, length or checksum)."""
+
+
+class ObjectVersionError(ObjectFormatError):
+    """An object of a format version this build does not read."""
+
+
+cdef object _version_error(unsigned int version, str what):
+    return ObjectVersionError(
+        f"{what} is format version {version}; this build reads version {FORMAT_VERSION} (CRC-32C "
+        "checksums): the object was written by another s3stream release. Rewrite it with that release "
+        "(or delete the stream) before reading it here.")
 
 
 cdef inline void st16(unsigned char* p, uint16_t v) noexcept nogil:
@@ -81,12 +93,14 @@ cdef struct BlockPlan:
     size_t pieces
 
 
-cdef tuple encode_pieces(const Piece* pieces, size_t npieces, size_t block_size):
+cdef tuple encode_pieces(const Piece* pieces, size_t npieces, size_t block_size, bytearray into=None):
     """Encode an object from `npieces` batches, grouped by stream (stream ids ascending, offsets
     contiguous within a stream: the caller checks). Each stream's batches are cut into blocks of
     at most `block_size` bytes; a batch larger than that gets a block of its own. Returns (object
-    bytes, index entries as tuples). Planning is O(batches); the copy and checksums run with the
-    GIL released, so the payload memory must stay alive and unchanged for the call."""
+    bytes, index entries as tuples); with `into`, the object is written into that bytearray
+    (grown if needed, never shrunk: memory reused across objects is not faulted in again) and
+    returned as a memoryview of its first bytes. Planning is O(batches); the copy and checksums
+    run with the GIL released, so the payload memory must stay alive and unchanged for the call."""
     cdef BlockPlan* blocks
     cdef size_t nblocks = 0, i, j, pos = 0, total, body, index_pos, index_len
     cdef unsigned char* out
@@ -120,8 +134,15 @@ cdef tuple encode_pieces(const Piece* pieces, size_t npieces, size_t block_size)
         index_pos = pos
         index_len = nblocks * INDEX_ENTRY
         total = index_pos + index_len + FOOTER
-        result = PyBytes_FromStringAndSize(NULL, <Py_ssize_t>total)
-        out = <unsigned char*>PyBytes_AS_STRING(result)
+        if into is None:
+            result = PyBytes_FromStringAndSize(NULL, <Py_ssize_t>total)
+            out = <unsigned char*>PyBytes_AS_STRING(result)
+        else:
+            if <size_t>PyByteArray_GET_SIZE(into) < total:
+                PyByteArray_Resize(into, <Py_ssize_t>total)
+            out = <unsigned char*>PyByteArray_AS_STRING(into)
+            # A slice of a view keeps the bytearray exported (not resizable) while it lives.
+            result = memoryview(into)[:total]
         with nogil:
             for i in range(nblocks):
                 bp = out + blocks[i].position
@@ -138,7 +159,7 @@ cdef tuple encode_pieces(const Piece* pieces, size_t npieces, size_t block_size)
                 st64(bp + 8, blocks[i].stream_id)
                 st64(bp + 16, blocks[i].start)
                 st32(bp + 24, <uint32_t>blocks[i].pieces)
-                st32(bp + 28, crc32_update(0, bp + BLOCK_HEADER, body))
+                st32(bp + 28, crc32c_update(0, bp + BLOCK_HEADER, body))
                 p = out + index_pos + i * INDEX_ENTRY
                 st64(p, blocks[i].stream_id)
                 st64(p + 8, blocks[i].start)
@@ -151,7 +172,7 @@ cdef tuple encode_pieces(const Piece* pieces, size_t npieces, size_t block_size)
             p = out + index_pos + index_len
             st64(p, index_pos)
             st32(p + 8, <uint32_t>index_len)
-            st32(p + 12, crc32_update(0, out + index_pos, index_len))
+            st32(p + 12, crc32c_update(0, out + index_pos, index_len))
             st32(p + 16, <uint32_t>nblocks)
             st16(p + 20, FORMAT_VERSION)
             st16(p + 22, 0)
@@ -230,7 +251,7 @@ def parse_footer(data, uint64_t object_size):
         if ld64(p + 24) != FOOTER_MAGIC:
             raise ObjectFormatError("bad object footer magic: not an s3stream object or truncated")
         if ld16(p + 20) != FORMAT_VERSION:
-            raise ObjectFormatError(f"unsupported object format version {ld16(p + 20)}")
+            raise _version_error(ld16(p + 20), "the object")
         pos = ld64(p)
         length = ld32(p + 8)
         crc = ld32(p + 12)
@@ -255,7 +276,7 @@ def parse_index(data, uint32_t expected_crc):
         if view.len % INDEX_ENTRY:
             raise ObjectFormatError(f"index length {view.len} is not a multiple of {INDEX_ENTRY}")
         p = <const unsigned char*>view.buf
-        if crc32_update(0, p, <size_t>view.len) != expected_crc:
+        if crc32c_update(0, p, <size_t>view.len) != expected_crc:
             raise ObjectFormatError("object index checksum mismatch")
         n = <size_t>view.len // INDEX_ENTRY
         for i in range(n):
@@ -290,11 +311,11 @@ def decode_block(data, size_t offset=0, size_t length=0, expected_stream=None):
         if ld32(b) != BLOCK_MAGIC:
             raise ObjectFormatError("bad data block magic")
         if ld32(b + 4) != FORMAT_VERSION:
-            raise ObjectFormatError(f"unsupported data block version {ld32(b + 4)}")
+            raise _version_error(ld32(b + 4), "the data block")
         sid = ld64(b + 8)
         if expected_stream is not None and sid != <uint64_t>expected_stream:
             raise ObjectFormatError(f"data block belongs to stream {sid}, index says {expected_stream}")
-        if crc32_update(0, b + BLOCK_HEADER, length - BLOCK_HEADER) != ld32(b + 28):
+        if crc32c_update(0, b + BLOCK_HEADER, length - BLOCK_HEADER) != ld32(b + 28):
             raise ObjectFormatError(f"data block checksum mismatch (stream {sid})")
         nbatches = ld32(b + 24)
         expect = ld64(b + 16)

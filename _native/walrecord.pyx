@@ -4,8 +4,8 @@
 A record is a 32-byte header followed by its body:
 
     0  u32 magic 'S3WR'     4  u8 type (1 data, 2 padding)   5  u8[3] zero
-    8  u32 body length      12 u32 CRC-32 of the body        16 u64 logical offset of the record
-    24 u32 writer generation                                 28 u32 CRC-32 of bytes 0..28
+    8  u32 body length      12 u32 CRC-32C of the body       16 u64 logical offset of the record
+    24 u32 writer generation                                 28 u32 CRC-32C of bytes 0..28
 
 All integers are little-endian. The logical offset makes bytes left from an earlier lap of the
 ring fail validation; the generation (bumped each time the WAL is opened for writing) makes
@@ -16,7 +16,7 @@ from libc.string cimport memcpy, memset
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE
 from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING
 
-from _native.checksum cimport crc32_update
+from _native.checksum cimport crc32c_update
 
 BLOCK = BLOCK_SIZE
 HEADER_SLOT = HEADER_SLOT_SIZE
@@ -70,13 +70,13 @@ cdef void encode_record_header(unsigned char* p, uint8_t rtype, uint32_t body_le
     store32(p + 12, body_crc)
     store64(p + 16, offset)
     store32(p + 24, generation)
-    store32(p + 28, crc32_update(0, p, 28))
+    store32(p + 28, crc32c_update(0, p, 28))
 
 
 cdef int decode_record_header(const unsigned char* p, RecordHeader* out) noexcept nogil:
     if load32(p) != RECORD_MAGIC:
         return REC_BAD_MAGIC
-    if crc32_update(0, p, 28) != load32(p + 28):
+    if crc32c_update(0, p, 28) != load32(p + 28):
         return REC_BAD_HEADER_CRC
     out.rtype = p[4]
     out.body_len = load32(p + 8)
@@ -104,7 +104,7 @@ def encode_record(uint64_t offset, uint32_t generation, data, int rtype=RECORD_T
             raise ValueError("record body longer than 4 GiB")
         result = PyBytes_FromStringAndSize(NULL, RECORD_HEADER_SIZE + view.len)
         out = <unsigned char*>PyBytes_AS_STRING(result)
-        crc = crc32_update(0, <const unsigned char*>view.buf, <size_t>view.len)
+        crc = crc32c_update(0, <const unsigned char*>view.buf, <size_t>view.len)
         encode_record_header(out, <uint8_t>rtype, <uint32_t>view.len, crc, offset, generation)
         if view.len:
             memcpy(out + RECORD_HEADER_SIZE, view.buf, <size_t>view.len)

@@ -31,7 +31,7 @@ from libc.string cimport memcpy, memset
 from libc.errno cimport errno, ETIMEDOUT
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE
 
-from _native.checksum cimport crc32_update
+from _native.checksum cimport crc32c_update
 from _native.sysdeps cimport (
     pthread_mutex_t, pthread_cond_t, pthread_condattr_t, pthread_mutex_init, pthread_mutex_destroy,
     pthread_mutex_lock, pthread_mutex_trylock, pthread_mutex_unlock, pthread_condattr_init,
@@ -378,13 +378,13 @@ cdef class Ring:
             raise self.too_large_error(f"record of {n + plen} bytes exceeds the WAL's maximum record size of "
                                        f"{self.max_record} bytes; split it or raise max_record_bytes")
         if n < NOGIL_BYTES:
-            crc = crc32_update(crc32_update(0, prefix, plen), data, n)
+            crc = crc32c_update(crc32c_update(0, prefix, plen), data, n)
             if pthread_mutex_trylock(&self.mutex) == 0:
                 rc = self._place_and_copy(prefix, plen, data, n, crc, out_pos, False)
                 pthread_mutex_unlock(&self.mutex)
         else:
             with nogil:
-                crc = crc32_update(crc32_update(0, prefix, plen), data, n)
+                crc = crc32c_update(crc32c_update(0, prefix, plen), data, n)
         if rc == PLACE_WAIT_SPACE or rc == PLACE_WAIT_BUFFER:
             with nogil:
                 pthread_mutex_lock(&self.mutex)
@@ -457,7 +457,7 @@ cdef class Ring:
             # Python threads run meanwhile (measured faster than spinning with the GIL).
             if n < NOGIL_BYTES and pthread_mutex_trylock(&self.mutex) == 0:
                 # Fast path, GIL and mutex held (taken by trylock): place without waiting.
-                crc = crc32_update(crc32_update(0, psrc, plen), src, n)
+                crc = crc32c_update(crc32c_update(0, psrc, plen), src, n)
                 rc = self._place_and_copy(psrc, plen, src, n, crc, &pos, False)
                 if rc == PLACE_OK:
                     waited = False
@@ -472,9 +472,9 @@ cdef class Ring:
                 pthread_mutex_unlock(&self.mutex)
             elif n >= NOGIL_BYTES:
                 with nogil:
-                    crc = crc32_update(crc32_update(0, psrc, plen), src, n)
+                    crc = crc32c_update(crc32c_update(0, psrc, plen), src, n)
             else:
-                crc = crc32_update(crc32_update(0, psrc, plen), src, n)
+                crc = crc32c_update(crc32c_update(0, psrc, plen), src, n)
             if waited and (rc == PLACE_WAIT_SPACE or rc == PLACE_WAIT_BUFFER):
                 # Slow path: wait without the GIL; the mutex is released before the GIL is
                 # taken back, so the callback is registered afterwards (pending slot).

@@ -12,7 +12,7 @@ from libc.stdlib cimport free
 from libc.string cimport memset
 from cpython.bytes cimport PyBytes_FromStringAndSize
 
-from _native.checksum cimport crc32_update
+from _native.checksum cimport crc32c_update
 from _native.sysdeps cimport posix_memalign, pread_full
 from _native.walrecord cimport (
     BLOCK_SIZE, RECORD_HEADER_SIZE, RECORD_TYPE_PADDING, RecordHeader,
@@ -136,7 +136,7 @@ cdef class Scanner:
                 continue
             self._ensure(q, RECORD_HEADER_SIZE + h.body_len)
             body = self.buf + (q - self.buf_start) + RECORD_HEADER_SIZE
-            if crc32_update(0, body, h.body_len) != h.body_crc:
+            if crc32c_update(0, body, h.body_len) != h.body_crc:
                 return self._stop(REC_BAD_BODY_CRC)
             self.last_generation = h.generation
             self.pos = rec_end

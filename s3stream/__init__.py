@@ -8,7 +8,7 @@ from .config import Config
 from .errors import (
     AppendFailedError, ConfigError, CorruptDataError, InvalidBatchError, MetadataError, ObjectNotFoundError, ObjectStoreError,
     OffsetOutOfRangeError, S3StreamError, StreamClosedError, StreamFencedError, StreamNotClosedError,
-    StreamNotFoundError, WALError, WALFullError,
+    StreamNotFoundError, UnsupportedFormatError, WALError, WALFullError,
 )
 from .recordbatch import AppendFuture, AppendResult, FetchedBatch, FetchResult, RecordBatch
 from .stream import Stream
@@ -17,5 +17,5 @@ __all__ = [
     "AppendFailedError", "AppendFuture", "AppendResult", "Config", "ConfigError", "CorruptDataError", "FetchResult", "FetchedBatch",
     "InvalidBatchError", "MetadataError", "ObjectNotFoundError", "ObjectStoreError", "OffsetOutOfRangeError",
     "RecordBatch", "S3StreamError", "Stream", "StreamClient", "StreamClosedError", "StreamFencedError",
-    "StreamNotClosedError", "StreamNotFoundError", "WALError", "WALFullError",
+    "StreamNotClosedError", "StreamNotFoundError", "UnsupportedFormatError", "WALError", "WALFullError",
 ]

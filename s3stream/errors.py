@@ -45,6 +45,11 @@ class CorruptDataError(S3StreamError):
     """An object or WAL record failed its checksum or format checks; no bytes were returned."""
 
 
+class UnsupportedFormatError(CorruptDataError):
+    """An object written in a format version this build does not read (another release wrote
+    it); no bytes were returned."""
+
+
 class ObjectStoreError(S3StreamError):
     """The object store failed (after retries)."""
 

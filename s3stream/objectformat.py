@@ -9,7 +9,7 @@ from typing import NamedTuple, Sequence
 
 from _native import objcodec
 
-from .errors import CorruptDataError
+from .errors import CorruptDataError, UnsupportedFormatError
 from .recordbatch import FetchedBatch as Batch
 from .objectstore import ObjectStore
 
@@ -56,7 +56,7 @@ def read_index(store: ObjectStore, key: str, size: int) -> list[IndexEntry]:
             raw = store.get(key, pos, pos + length)
         return [IndexEntry(*e) for e in objcodec.parse_index(raw, crc)]
     except objcodec.ObjectFormatError as e:
-        raise CorruptDataError(f"object {key} is corrupt: {e}") from None
+        raise _format_error(key, e) from None
 
 
 def entries_for(index: Sequence[IndexEntry], stream_id: int, start: int, end: int) -> list[IndexEntry]:
@@ -82,5 +82,11 @@ def read_blocks(store: ObjectStore, key: str, entries: Sequence[IndexEntry]) -> 
                     f"block of stream {e.stream_id} does not hold offsets [{e.start_offset}, {e.end_offset})")
             out.append([Batch(*b) for b in batches])
     except objcodec.ObjectFormatError as e:
-        raise CorruptDataError(f"object {key} is corrupt: {e}") from None
+        raise _format_error(key, e) from None
     return out
+
+
+def _format_error(key: str, error: objcodec.ObjectFormatError) -> CorruptDataError:
+    if isinstance(error, objcodec.ObjectVersionError):
+        return UnsupportedFormatError(f"object {key}: {error}")
+    return CorruptDataError(f"object {key} is corrupt: {error}")

@@ -3,11 +3,12 @@ compare the native codec with it byte for byte."""
 from __future__ import annotations
 
 import struct
-import zlib
+
+from wal.reference import crc32c
 
 BLOCK_MAGIC = 0x42443353
 FOOTER_MAGIC = 0x31304A424F535333
-VERSION = 1
+VERSION = 2
 _BLOCK = struct.Struct("<IIQQII")
 _BATCH = struct.Struct("<QII")
 _ENTRY = struct.Struct("<QQQIIQII")
@@ -31,12 +32,12 @@ def encode_object(streams, block_size: int) -> tuple[bytes, list[tuple]]:
     for stream_id, batches in blocks:
         body = b"".join(_BATCH.pack(b, c, len(p)) + p for b, c, p in batches)
         position = len(out)
-        out += _BLOCK.pack(BLOCK_MAGIC, VERSION, stream_id, batches[0][0], len(batches), zlib.crc32(body)) + body
+        out += _BLOCK.pack(BLOCK_MAGIC, VERSION, stream_id, batches[0][0], len(batches), crc32c(body)) + body
         start, end = batches[0][0], batches[-1][0] + batches[-1][1]
         entries.append((stream_id, start, end, end - start, _BLOCK.size + len(body), position, len(batches)))
     index = b"".join(_ENTRY.pack(*e, 0) for e in entries)
     index_pos = len(out)
-    out += index + _FOOTER.pack(index_pos, len(index), zlib.crc32(index), len(entries), VERSION, 0, FOOTER_MAGIC)
+    out += index + _FOOTER.pack(index_pos, len(index), crc32c(index), len(entries), VERSION, 0, FOOTER_MAGIC)
     return bytes(out), entries
 
 
@@ -46,14 +47,14 @@ def decode_object(data: bytes) -> dict[int, list[tuple[int, int, bytes]]]:
     if magic != FOOTER_MAGIC or version != VERSION:
         raise ValueError("bad footer")
     index = data[index_pos:index_pos + index_len]
-    if zlib.crc32(index) != index_crc:
+    if crc32c(index) != index_crc:
         raise ValueError("bad index checksum")
     out: dict[int, list] = {}
     for i in range(n):
         sid, start, end, _, size, pos, nb, _ = _ENTRY.unpack_from(index, i * _ENTRY.size)
         magic, version, bsid, bstart, bn, crc = _BLOCK.unpack_from(data, pos)
         body = data[pos + _BLOCK.size:pos + size]
-        if magic != BLOCK_MAGIC or bsid != sid or zlib.crc32(body) != crc:
+        if magic != BLOCK_MAGIC or bsid != sid or crc32c(body) != crc:
             raise ValueError("bad block")
         p = 0
         for _ in range(bn):

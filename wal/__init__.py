@@ -8,12 +8,12 @@ from _native.walring import AppendHandle
 from .config import WALConfig
 from .errors import (
     ForeignWALError, RecordTooLargeError, WALClosedError, WALConfigError, WALCorruptError, WALError,
-    WALFencedError, WALFullError, WALInUseError, WALIOError,
+    WALFencedError, WALFullError, WALInUseError, WALIOError, WALVersionError,
 )
 from .log import Record, RecoveryResult, WriteAheadLog
 
 __all__ = [
     "AppendHandle", "ForeignWALError", "Record", "RecordTooLargeError", "RecoveryResult", "WALClosedError",
     "WALConfig", "WALConfigError", "WALCorruptError", "WALError", "WALFencedError", "WALFullError",
-    "WALInUseError", "WALIOError", "WriteAheadLog",
+    "WALInUseError", "WALIOError", "WALVersionError", "WriteAheadLog",
 ]

@@ -29,6 +29,11 @@ class WALCorruptError(WALError):
     """The header is corrupt or not a WAL's, or a clean-shutdown WAL lost records."""
 
 
+class WALVersionError(WALError):
+    """The WAL was written in a format version this build does not read (version 1 used zlib's
+    CRC-32; this build uses CRC-32C)."""
+
+
 class ForeignWALError(WALError):
     """The WAL belongs to another node. Open it with `recovery=True` to recover it on that
     node's behalf (failover), or use a path of your own."""

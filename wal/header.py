@@ -6,13 +6,14 @@ written; the valid slot with the highest `write_seq` is the header.
 from __future__ import annotations
 
 import struct
-import zlib
 from dataclasses import dataclass, replace
 
+from _native.checksum import crc32c
 from _native.walrecord import HEADER_SLOT
 
 MAGIC = b"S3STRWAL"
-VERSION = 1
+#: 2: CRC-32C everywhere (version 1 used zlib's CRC-32).
+VERSION = 2
 _LAYOUT = struct.Struct("<8sIIQQQQQQIIQ")  # 80 bytes, then a u32 CRC of them
 _CRC = struct.Struct("<I")
 
@@ -36,14 +37,15 @@ class Header:
         body = _LAYOUT.pack(MAGIC, VERSION, HEADER_SLOT, self.capacity, self.trim_offset, self.write_seq,
                             self.write_time_ns, self.node_id, self.node_epoch, self.generation,
                             1 if self.clean_shutdown else 0, self.clean_end)
-        slot = body + _CRC.pack(zlib.crc32(body))
+        slot = body + _CRC.pack(crc32c(body))
         return slot + bytes(HEADER_SLOT - len(slot))
 
 
 class SlotState:
     EMPTY = "empty"        # all zero: never written
     VALID = "valid"
-    CORRUPT = "corrupt"    # our magic, bad checksum or version
+    CORRUPT = "corrupt"    # our magic, bad checksum
+    OTHER_VERSION = "other version"   # our magic, a format version this build does not read
     FOREIGN = "foreign"    # not our magic and not zero
 
 
@@ -54,15 +56,24 @@ def decode_slot(raw: bytes) -> tuple[str, Header | None]:
     body = raw[:_LAYOUT.size]
     if body[:8] != MAGIC:
         return SlotState.FOREIGN, None
+    if slot_version(raw) != VERSION:
+        return SlotState.OTHER_VERSION, None
     (crc,) = _CRC.unpack_from(raw, _LAYOUT.size)
-    if zlib.crc32(body) != crc:
+    if crc32c(body) != crc:
         return SlotState.CORRUPT, None
     (_, version, slot_size, capacity, trim, seq, wtime, node_id, node_epoch, generation,
      clean, clean_end) = _LAYOUT.unpack(body)
-    if version != VERSION or slot_size != HEADER_SLOT:
+    if slot_size != HEADER_SLOT:
         return SlotState.CORRUPT, None
     return SlotState.VALID, Header(capacity, trim, seq, wtime, node_id, node_epoch, generation,
                                    bool(clean), clean_end)
+
+
+def slot_version(raw: bytes) -> int | None:
+    """The format version a slot claims (None if it is not one of ours)."""
+    if raw[:8] != MAGIC:
+        return None
+    return struct.unpack_from("<I", raw, 8)[0]
 
 
 def pick_header(slot0: bytes, slot1: bytes) -> tuple[Header | None, tuple[str, str]]:

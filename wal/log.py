@@ -29,9 +29,9 @@ from _native.walscan import Scanner
 from .config import DEFAULT_CAPACITY, WALConfig
 from .errors import (
     ForeignWALError, RecordTooLargeError, WALClosedError, WALConfigError, WALCorruptError,
-    WALFencedError, WALFullError, WALInUseError, WALIOError,
+    WALFencedError, WALFullError, WALInUseError, WALIOError, WALVersionError,
 )
-from .header import Header, SlotState, pick_header
+from .header import VERSION, Header, SlotState, pick_header, slot_version
 
 log = logging.getLogger("wal")
 
@@ -204,6 +204,13 @@ class WriteAheadLog:
                 log.warning("WAL %s header slots differ (%s, %s): using write %d", path, *states,
                             header.write_seq)
             return header
+        if SlotState.OTHER_VERSION in states and not force_format:
+            versions = sorted({v for v in (slot_version(raw[:HEADER_SLOT]), slot_version(raw[HEADER_SLOT:]))
+                               if v is not None and v != VERSION})
+            raise WALVersionError(
+                f"{path!r} is a WAL of format version {', '.join(map(str, versions))}; this build reads and "
+                f"writes version {VERSION} (CRC-32C checksums). Recover its records with the s3stream release "
+                "that wrote it, or pass force_format=True if its contents may be destroyed.")
         if recovery:
             raise WALCorruptError(f"{path!r} holds no valid WAL header ({states[0]}, {states[1]}): nothing to recover")
         if not force_format and states != (SlotState.EMPTY, SlotState.EMPTY):

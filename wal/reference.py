@@ -6,7 +6,6 @@ documents the format in executable form (docs/wal-format.md is the prose).
 from __future__ import annotations
 
 import struct
-import zlib
 
 BLOCK = 4096
 HEADER_AREA = 8192
@@ -15,6 +14,27 @@ MAGIC = 0x52573353
 TYPE_DATA = 1
 TYPE_PADDING = 2
 _HEAD = struct.Struct("<IB3xIIQI")  # magic, type, body_len, body_crc, offset, generation (28 bytes)
+
+
+def _crc32c_table() -> list[int]:
+    table = []
+    for i in range(256):
+        c = i
+        for _ in range(8):
+            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
+        table.append(c)
+    return table
+
+
+_CRC32C = _crc32c_table()
+
+
+def crc32c(data: bytes, crc: int = 0) -> int:
+    """CRC-32C (Castagnoli), bit-reflected, byte at a time: the checksum of records and blocks."""
+    c = crc ^ 0xFFFFFFFF
+    for byte in data:
+        c = _CRC32C[(c ^ byte) & 0xFF] ^ (c >> 8)
+    return c ^ 0xFFFFFFFF
 
 
 def align_up(x: int) -> int:
@@ -27,8 +47,8 @@ def record_start(pos: int) -> int:
 
 
 def encode_record(offset: int, generation: int, data: bytes, rtype: int = TYPE_DATA) -> bytes:
-    head = _HEAD.pack(MAGIC, rtype, len(data), zlib.crc32(data), offset, generation)
-    return head + struct.pack("<I", zlib.crc32(head)) + bytes(data)
+    head = _HEAD.pack(MAGIC, rtype, len(data), crc32c(data), offset, generation)
+    return head + struct.pack("<I", crc32c(head)) + bytes(data)
 
 
 def scan(ring: bytes, capacity: int, start: int) -> tuple[list[tuple[int, bytes]], int]:
@@ -45,7 +65,7 @@ def scan(ring: bytes, capacity: int, start: int) -> tuple[list[tuple[int, bytes]
         phys = q % capacity
         head = ring[phys:phys + RECORD_HEADER]
         magic, rtype, length, body_crc, offset, gen = _HEAD.unpack(head[:28])
-        if magic != MAGIC or zlib.crc32(head[:28]) != struct.unpack("<I", head[28:])[0]:
+        if magic != MAGIC or crc32c(head[:28]) != struct.unpack("<I", head[28:])[0]:
             break
         if rtype not in (TYPE_DATA, TYPE_PADDING) or offset != q or gen < last_gen:
             break
@@ -54,7 +74,7 @@ def scan(ring: bytes, capacity: int, start: int) -> tuple[list[tuple[int, bytes]
             break
         if rtype == TYPE_DATA:
             body = ring[phys + RECORD_HEADER:phys + RECORD_HEADER + length]
-            if zlib.crc32(body) != body_crc:
+            if crc32c(body) != body_crc:
                 break
             records.append((q, bytes(body)))
         last_gen = gen

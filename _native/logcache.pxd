@@ -4,22 +4,41 @@ from libc.stdint cimport uint32_t, uint64_t, int64_t
 from _native.sysdeps cimport pthread_mutex_t
 
 
+cdef class ChunkPool:
+    cdef void** free_chunks[4]       # per size class, a stack of free chunks
+    cdef size_t free_count[4]
+    cdef size_t free_cap[4]
+    cdef readonly uint64_t free_bytes
+    cdef readonly uint64_t max_free_bytes
+    cdef readonly uint64_t allocated  # chunks obtained from malloc (not reused)
+    cdef readonly uint64_t reused
+
+    cdef unsigned char* take(self, int size_class) noexcept
+    cdef void give(self, unsigned char* chunk, int size_class) noexcept
+
+
 cdef class CacheSlice:
     cdef readonly uint64_t stream_id
     cdef readonly uint64_t epoch
     cdef readonly int64_t block_id
-    cdef unsigned char* buf          # payloads, back to back
-    cdef size_t buf_cap
-    cdef readonly uint64_t size      # payload bytes (== bytes used in buf)
+    cdef ChunkPool pool
+    cdef unsigned char** chunks      # the chunks holding the payloads ...
+    cdef signed char* chunk_class    # ... their size class (-1: a dedicated allocation)
+    cdef size_t nchunks
+    cdef size_t chunks_cap
+    cdef unsigned char* fill         # next free byte of the last chunk
+    cdef size_t room                 # bytes left there
+    cdef readonly uint64_t size      # payload bytes
     cdef uint64_t* bases             # base offset of each batch
     cdef uint32_t* counts            # records in each batch
-    cdef uint64_t* positions         # where each payload starts in buf
+    cdef const unsigned char** data  # where each payload is
+    cdef size_t* lengths             # its length
     cdef size_t n                    # batches
-    cdef size_t cap                  # capacity of the three arrays
+    cdef size_t cap                  # capacity of the four arrays
 
+    cdef unsigned char* _reserve(self, size_t length) except NULL
     cdef int add(self, uint64_t base, uint32_t count, const unsigned char* data, size_t length) except -1
     cdef size_t find(self, uint64_t offset) noexcept
-    cdef size_t length_of(self, size_t i) noexcept
 
 
 cdef class CacheBlock:
@@ -42,6 +61,7 @@ cdef class LogCache:
     cdef CacheBlock active
     cdef int64_t next_id
     cdef uint64_t nbytes
+    cdef ChunkPool pool
     cdef pthread_mutex_t mutex
     cdef bint mutex_ready
 

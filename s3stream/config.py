@@ -28,7 +28,9 @@ class Config:
         append waits while uncommitted data alone would exceed it (backpressure).
     block_cache_size: decoded object blocks kept for reads (LRU).
     readahead_bytes: a read from objects fetches at least this much of the stream in one GET.
-    upload_concurrency: threads that encode and PUT objects (objects in flight at once).
+    upload_concurrency: threads that encode and PUT objects (objects in flight at once); each
+        keeps one encode buffer as large as the largest object it made (at most about
+        upload_threshold), reused so that uploads do not fault in fresh memory.
     upload_pipeline: sealed blocks uploading at once (plan, prepare, encode, PUT); their commits
         stay in block order. Encoded objects of these blocks are in memory beside the cache.
     wal_pressure: fraction of the WAL's capacity; when the untrimmed part of the WAL passes it,

@@ -25,6 +25,7 @@ end) and commits the rest; a fenced node stops uploading altogether.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -94,6 +95,11 @@ class Uploader:
         self._stopping = False
         self._aborted = False
         self._pool = ThreadPoolExecutor(max_workers=config.upload_concurrency, thread_name_prefix="s3stream-put")
+        # One encode buffer per pool thread, reused: fresh memory per object would be faulted in
+        # page by page, which costs more here than the copy into it.
+        self._buffers: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
+        for _ in range(config.upload_concurrency):
+            self._buffers.put(bytearray())
         self._thread = threading.Thread(target=self._run, name="s3stream-upload", daemon=True)
         self.stats = dict(blocks=0, objects=0, stream_objects=0, stream_set_objects=0, bytes=0,
                           put_retries=0, prepare_retries=0, commit_retries=0, max_inflight=0)
@@ -208,10 +214,16 @@ class Uploader:
             f.add_done_callback(self._notify)
 
     def _encode_and_put(self, object_id: int, slices: list, entry):
-        """Pool task: encode `slices` into one object, PUT it; returns its commit entry."""
-        data, _ = encode_slices(slices, self._config.object_block_size)
-        self._put(object_key(object_id), data)
-        return entry(object_id, len(data))
+        """Pool task: encode `slices` into one object (in a reused buffer), PUT it; returns its
+        commit entry."""
+        buffer = self._buffers.get_nowait()        # never empty: one per pool thread
+        try:
+            view, _ = encode_slices(slices, self._config.object_block_size, buffer)
+            with view:
+                self._put(object_key(object_id), view)
+                return entry(object_id, len(view))
+        finally:
+            self._buffers.put(buffer)
 
     def _finish(self, job: _InFlight) -> None:
         """Commit the head block (its PUTs are done), then trim the WAL below it."""
@@ -253,7 +265,7 @@ class Uploader:
             reraise=True,
         )
 
-    def _put(self, key: str, data: bytes) -> None:
+    def _put(self, key: str, data: bytes | memoryview) -> None:
         self._retrying(f"PUT {key}", (ObjectStoreError, OSError), "put_retries")(self._store.put, key, data)
 
     def _commit(self, request: CommitRequest) -> CommitResult:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -149,6 +150,25 @@ def test_many_migrations_under_load_lose_nothing(tmp_path):
 NODE = Path(__file__).with_name("cluster_node_child.py")
 
 
+def pause_outside_a_transaction(proc: subprocess.Popen, db_path: Path) -> None:
+    """SIGSTOP the node, retrying until it is not paused inside a SQLite write transaction.
+    SQLite cannot break the lock of a paused process: every other node would wait for it (that
+    case needs a metadata service, not a file). This test is about fencing a paused node."""
+    for _ in range(100):
+        proc.send_signal(signal.SIGSTOP)
+        conn = sqlite3.connect(db_path, timeout=0.2, isolation_level=None)
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            conn.execute("ROLLBACK")
+            return
+        except sqlite3.OperationalError:
+            proc.send_signal(signal.SIGCONT)
+            time.sleep(0.01)
+        finally:
+            conn.close()
+    raise AssertionError("node 1 held the metadata write lock at every attempt to pause it")
+
+
 def start_node_process(tmp: Path, node_id: int, partitions: list[str]) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(NODE.parent), os.environ.get("PYTHONPATH", "")]))
     return subprocess.Popen([sys.executable, str(NODE), str(tmp), str(node_id), ",".join(partitions)],
@@ -191,7 +211,10 @@ def test_failover_of_a_dead_node_process(tmp_path, how, round_):
         node2 = StreamClient(2, tmp_path / "node2.wal", f"file://{tmp_path}/objects",
                              f"sqlite:///{tmp_path}/meta.db", small_config())
         agent2 = NodeAgent(node2, cluster)
-        proc.send_signal(signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+        if how == "kill":
+            proc.send_signal(signal.SIGKILL)
+        else:
+            pause_outside_a_transaction(proc, tmp_path / "meta.db")
         time.sleep(0.3)                          # let the pipe drain what node 1 printed before
         stopped_with = dict(acks)
         deadline = time.monotonic() + 30

@@ -1,4 +1,4 @@
-"""Engine benchmark: ingest, object-store requests per GiB, catch-up and tail reads.
+"""Engine benchmark: ingest, small records, open-loop latency, requests per GiB, reads.
 
     python -m s3stream.bench [--quick] [--out DIR]
 
@@ -6,7 +6,15 @@ Everything is measured in one run, each figure next to the limit it is judged ag
 - WAL-only ingest: the same producers (64 KiB batches, 128 in flight each) appending straight to
   a WAL on the same file: the ceiling for the engine, whose appends go through that WAL.
 - Engine ingest into 1,000 streams on the local store: MB/s, append latency p50/p99/p999 (call
-  to future completion), ratio to WAL-only (target >= 0.7).
+  to completion), ratio to WAL-only (target >= 0.8).
+- Small records (128 B to 64 KiB, one record per batch, 4 threads x 256 in flight): records/s
+  of the engine (one stream per thread) against the WAL alone, in alternating rounds (target
+  >= 0.8 at every size; the WAL alone >= 250,000 records/s at 128 B), and CPU seconds per GiB
+  ingested of each (getrusage around each round; the engine's includes the uploads of the
+  blocks its round sealed).
+- Append latency in open loop: producers on a fixed schedule at half the engine's measured
+  maximum records/s, latency from each record's scheduled send time to its completion, so a
+  stalled append delays the measurement of those behind it (target p99 < 10 ms).
 - Object-store write requests (PUT + multipart parts, as S3 would count them) and objects
   created per GiB ingested, for 10 and for 1,000 streams, against the floor of one request per
   part size.
@@ -14,10 +22,10 @@ Everything is measured in one run, each figure next to the limit it is judged ag
   evicted from the page cache) against a raw sequential read of the same object files, equally
   cold (target >= 0.7); tail read from the log cache.
 
-For the 1,000-stream ingest the object store directory defaults to /dev/shm when it exists: the
-store stands for S3, which does not share the WAL's disk (on-disk objects would halve the disk
-bandwidth the WAL gets). The 10-stream data set is stored on disk next to the WAL, because the
-catch-up read is judged against reading those files from the device.
+For the 1,000-stream and small-record runs the object store directory defaults to /dev/shm when
+it exists: the store stands for S3, which does not share the WAL's disk (on-disk objects would
+halve the disk bandwidth the WAL gets). The 10-stream data set is stored on disk next to the
+WAL, because the catch-up read is judged against reading those files from the device.
 Report: JSON and PNG plots in --out.
 """
 from __future__ import annotations
@@ -26,13 +34,14 @@ import argparse
 import collections
 import json
 import os
+import resource
 import shutil
 import sys
 import threading
 import time
 
 import wal
-from wal.bench import fmt_size, parse_size, percentiles
+from wal.bench import Trimmer, fmt_size, parse_size, percentiles
 
 from . import Config, RecordBatch, StreamClient
 from .metadata import ObjectState, SqliteMetadataStore
@@ -40,16 +49,64 @@ from .objectstore import InstrumentedObjectStore, LocalObjectStore
 from .reporting import pyplot, save_figure
 
 KiB, MiB, GiB = 1024, 1024 ** 2, 1024 ** 3
-TARGETS = {"ingest_ratio": 0.7, "catchup_ratio": 0.7}
+TARGETS = {"ingest_ratio": 0.8, "catchup_ratio": 0.7, "small_record_ratio": 0.8,
+           "wal_records_s_128": 250_000, "open_loop_p99_ms": 10.0}
+#: The small-record case: record sizes, producers, appends each keeps in flight.
+SMALL_SIZES = (128, 1 * KiB, 16 * KiB, 64 * KiB)
+SMALL_THREADS, SMALL_INFLIGHT = 4, 256
+#: The open-loop latency run: sizes, the share of the measured maximum rate, the in-flight bound.
+OPEN_LOOP_SIZES = (1 * KiB, 64 * KiB)
+OPEN_LOOP_LOAD, OPEN_LOOP_INFLIGHT = 0.5, 4096
+#: An open-loop producer sleeps at least this long, then sends every record that fell due (each
+#: still timed from its own scheduled time): at 100,000/s, waking for every record means a GIL
+#: handover per record, which makes the producers themselves late (reported as send_lag).
+OPEN_LOOP_TICK_NS = 200_000
 
 
 def _progress(msg: str) -> None:
     print(f"[s3stream.bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+# ---- completion times of append handles -----------------------------------------------------------
+
+def watch_completion(handle) -> None:
+    """Make `completion_ns(handle)` work once `handle` is done. A handle that carries its own
+    `completed_ns` (the WAL's AppendHandle, the engine's once its write path returns one) needs
+    nothing; a concurrent.futures.Future gets a done-callback stamping the time. That callback
+    costs about as much as the append: never call this in a loop that measures throughput."""
+    # the type first: on a WAL handle hasattr(handle, ...) would run the property (a mutex)
+    if not (hasattr(type(handle), "completed_ns") or hasattr(handle, "completed_ns")):
+        handle.add_done_callback(_stamp_completion)
+
+
+def _stamp_completion(future) -> None:
+    future.bench_completed_ns = time.monotonic_ns()
+
+
+def completion_ns(handle) -> int | None:
+    """CLOCK_MONOTONIC ns (the clock of time.monotonic_ns) at which the append completed: the
+    handle's `completed_ns`, else the stamp of `watch_completion`; None if unknown (pending, not
+    watched, the WAL's completion log no longer covers it, or the stamp's callback is still to
+    run just after the future completed)."""
+    done = getattr(handle, "completed_ns", None)
+    return done if done is not None else getattr(handle, "bench_completed_ns", None)
+
+
+def append_latency_ns(handle, called_ns: int) -> int:
+    """Latency of a completed append: `completed_ns - submitted_ns` when the handle has both,
+    else from `called_ns` (taken just before the call) to its completion. An unknown completion
+    counts as now: the caller has just seen the handle done."""
+    done = completion_ns(handle)
+    if done is None:
+        done = time.monotonic_ns()
+    return done - getattr(handle, "submitted_ns", called_ns)
+
+
+# ---- producers ----------------------------------------------------------------------------------
+
 class Producers:
     """`threads` producers, each keeping up to `inflight` appends pending, until `total` bytes.
-    `submit(i, payload)` returns an object with .result(); latency = submit to completion."""
+    `submit(i, payload)` returns a handle or future; latency = submit to completion."""
 
     def __init__(self, submit, payload: bytes, threads: int, inflight: int, total: int) -> None:
         self.submit, self.payload, self.threads, self.inflight, self.total = submit, payload, threads, inflight, total
@@ -64,19 +121,21 @@ class Producers:
             window: collections.deque = collections.deque()
             lat: list[int] = []
 
-            def track(handle_or_future, t0: int) -> None:
-                # completion time from the completion itself, not from when the producer looks
-                handle_or_future.add_done_callback(lambda _f: lat.append(time.monotonic_ns() - t0))
+            def settle() -> None:
+                called, handle = window.popleft()
+                handle.result()
+                lat.append(append_latency_ns(handle, called))
 
             for i in range(per_thread):
-                t0 = time.monotonic_ns()
-                f = self.submit(t + i * self.threads, self.payload)
-                track(f, t0)
-                window.append(f)
+                called = time.monotonic_ns()
+                handle = self.submit(t + i * self.threads, self.payload)
+                # from the completion itself, not from when the producer looks
+                watch_completion(handle)
+                window.append((called, handle))
                 if len(window) >= self.inflight:
-                    window.popleft().result()
+                    settle()
             while window:
-                window.popleft().result()
+                settle()
             with self._lock:
                 self.latencies += lat
                 self.sent += per_thread * len(self.payload)
@@ -90,32 +149,78 @@ class Producers:
         return time.perf_counter() - start
 
 
-class WalOnly:
-    """The same producers appending straight to a WAL on the same disk: the engine's ceiling."""
+def _run_threads(body, args_per_thread: list[tuple]) -> None:
+    """Run `body(*args)` in one thread per tuple; re-raise the first error of any of them."""
+    errors: list[BaseException] = []
 
-    def __init__(self, path: str, cfg: wal.WALConfig, payload: bytes, threads: int) -> None:
+    def guarded(*args) -> None:
+        try:
+            body(*args)
+        except BaseException as e:     # noqa: BLE001 - re-raised by the caller's thread
+            errors.append(e)
+
+    workers = [threading.Thread(target=guarded, args=a) for a in args_per_thread]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    if errors:
+        raise errors[0]
+
+
+def lean_producers(appends: list, arg, records: int, inflight: int, seconds: float) -> tuple[int, float]:
+    """One thread per callable in `appends`, each calling `append(arg)` `records` times (or until
+    `seconds` pass, checked every `inflight` records) while keeping `inflight` pending. The loop
+    does only the append, a deque push and `.result()` of the oldest: no clock read, no
+    callback, so the producers cost the least they can. Returns (records appended, seconds)."""
+    done = [0] * len(appends)
+    deadline = time.monotonic() + seconds
+    monotonic = time.monotonic
+
+    def body(index: int, append) -> None:
+        window: collections.deque = collections.deque()
+        push, pop = window.append, window.popleft
+        sent = 0
+        while sent < records and monotonic() < deadline:
+            chunk = min(inflight, records - sent)
+            for _ in range(chunk):
+                push(append(arg))
+                if len(window) >= inflight:
+                    pop().result()
+            sent += chunk
+        while window:
+            pop().result()
+        done[index] = sent
+
+    start = time.perf_counter()
+    _run_threads(body, list(enumerate(appends)))
+    return sum(done), time.perf_counter() - start
+
+
+class WalOnly:
+    """A WAL on the same disk as the engine's, appended to directly: the engine's ceiling. A
+    trimmer thread keeps its ring from filling, so producers never stall on trims."""
+
+    def __init__(self, path: str, cfg: wal.WALConfig) -> None:
         if os.path.exists(path):
             os.unlink(path)
-        self.path, self.payload, self.threads = path, payload, threads
+        self.path = path
         self.wal = wal.WriteAheadLog.open(path, node_id=999, config=cfg)
-        self.trim_every = cfg.capacity // 4
-        self.next_trim = self.trim_every
+        self.wal.trim(self.wal.trim_offset)      # start the writer session outside any measurement
+        self.trimmer = Trimmer(self.wal, (cfg.capacity or wal.config.DEFAULT_CAPACITY) // 4)
+        self.trimmer.start()
 
-    def _submit(self, i: int, data: bytes):
-        h = self.wal.append(data)
-        if h.end > self.next_trim:
-            self.next_trim = h.end + self.trim_every
-            self.wal.trim(max(self.wal.durable_end - self.trim_every, self.wal.trim_offset))
-        return h
-
-    def run(self, total: int) -> tuple[int, float, list[int]]:
-        p = Producers(self._submit, self.payload, self.threads, 128, total)
+    def run(self, payload: bytes, threads: int, total: int) -> tuple[int, float, list[int]]:
+        p = Producers(lambda _i, data: self.wal.append(data), payload, threads, 128, total)
         elapsed = p.run()
         return p.sent, elapsed, p.latencies
 
     def close(self) -> None:
+        self.trimmer.stop()
         self.wal.close()
         os.unlink(self.path)
+        if self.trimmer.error is not None:
+            raise self.trimmer.error
 
 
 def engine_ingest(workdir: str, store_dir: str, config: Config, payload: bytes, threads: int, total: int,
@@ -125,7 +230,7 @@ def engine_ingest(workdir: str, store_dir: str, config: Config, payload: bytes, 
     store = InstrumentedObjectStore(LocalObjectStore(store_dir))
     meta = SqliteMetadataStore(os.path.join(workdir, "meta.db"))
     client = StreamClient(1, os.path.join(workdir, "node1.wal"), store, meta, config)
-    walonly = WalOnly(os.path.join(workdir, "walonly.wal"), config.wal, payload, threads)
+    walonly = WalOnly(os.path.join(workdir, "walonly.wal"), config.wal)
     streams = [client.create_stream() for _ in range(nstreams)]
     stop = threading.Event()
 
@@ -140,7 +245,7 @@ def engine_ingest(workdir: str, store_dir: str, config: Config, payload: bytes, 
     wlat: list[int] = []
     per_round = []
     for _ in range(rounds):
-        b, t, l = walonly.run(total // rounds)
+        b, t, l = walonly.run(payload, threads, total // rounds)
         wsent, welapsed, wlat = wsent + b, welapsed + t, wlat + l
         p = Producers(lambda i, data: streams[i % nstreams].append(RecordBatch(data, 1)), payload, threads, 128,
                       total // rounds)
@@ -235,26 +340,227 @@ def tail_read(streams, rounds: int = 3) -> dict:
     return dict(bytes=got, mb_s=got / el / 1e6)
 
 
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _wait_uploads(client: StreamClient, timeout: float = 120.0) -> None:
+    """Wait until no sealed block waits for upload (the active block stays: a later round's
+    data fills it): the uploads a round caused are then counted in that round's CPU time."""
+    deadline = time.monotonic() + timeout
+    while client.stats()["cache"].get("sealed_blocks", 0) and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
+class SmallRecordBench:
+    """Records of one size, one per batch, from `threads` producers: the engine (one stream per
+    producer, through its own WAL) against the same producers appending to a WAL alone, on the
+    same disk, in alternating rounds. Then appends on a fixed schedule (open loop) for latency."""
+
+    def __init__(self, workdir: str, store_dir: str, config: Config, threads: int = SMALL_THREADS,
+                 inflight: int = SMALL_INFLIGHT) -> None:
+        self.threads, self.inflight = threads, inflight
+        self.meta = SqliteMetadataStore(os.path.join(workdir, "meta.db"))
+        self.client = StreamClient(1, os.path.join(workdir, "node1.wal"), LocalObjectStore(store_dir), self.meta,
+                                   config)
+        self.walonly = WalOnly(os.path.join(workdir, "walonly.wal"), config.wal)
+
+    def close(self) -> None:
+        try:
+            self.client.close()
+        finally:
+            try:
+                self.walonly.close()
+            finally:
+                self.meta.close()
+
+    def _round(self, appends: list, arg, records: int, seconds: float, settle=None) -> tuple[int, float, float]:
+        cpu = _cpu_seconds()
+        count, elapsed = lean_producers(appends, arg, records, self.inflight, seconds)
+        if settle is not None:
+            settle()
+        return count, elapsed, _cpu_seconds() - cpu
+
+    def throughput(self, size: int, rounds: int, round_seconds: float) -> tuple[dict, list]:
+        """Records/s and CPU s/GiB of both sides at `size`. Each side's record count is set from a
+        short probe so that a round lasts about `round_seconds` (the two differ by orders of
+        magnitude when the engine is slow). Returns the result and the streams, still open."""
+        payload = os.urandom(size)
+        streams = [self.client.create_stream() for _ in range(self.threads)]
+        batch = RecordBatch(payload, 1)         # immutable: one object serves every append
+        sides = dict(wal=([self.walonly.wal.append] * self.threads, payload, None),
+                     engine=([s.append for s in streams], batch, lambda: _wait_uploads(self.client)))
+        per_thread = {}
+        for name, (appends, arg, settle) in sides.items():     # the probe also warms both up
+            count, elapsed, _ = self._round(appends, arg, 1 << 40, max(0.05, round_seconds / 4), settle)
+            per_thread[name] = max(self.inflight, int(count / elapsed * round_seconds / self.threads))
+        totals = {name: [0, 0.0, 0.0] for name in sides}
+        per_round = []
+        for _ in range(rounds):
+            rates = {}
+            for name, (appends, arg, settle) in sides.items():
+                count, elapsed, cpu = self._round(appends, arg, per_thread[name], 3 * round_seconds + 1, settle)
+                rates[name] = count / elapsed
+                for i, v in enumerate((count, elapsed, cpu)):
+                    totals[name][i] += v
+            per_round.append(dict(wal_records_s=rates["wal"], engine_records_s=rates["engine"],
+                                  ratio=rates["engine"] / rates["wal"]))
+        res = dict(size=size, rounds=rounds, records_per_round=dict(
+            wal=per_thread["wal"] * self.threads, engine=per_thread["engine"] * self.threads), per_round=per_round)
+        for name, (count, elapsed, cpu) in totals.items():
+            res[name] = dict(records=count, seconds=elapsed, records_s=count / elapsed, mb_s=count * size / elapsed / 1e6,
+                             cpu_seconds=cpu, cpu_s_per_gib=cpu / (count * size / GiB))
+        res["ratio"] = res["engine"]["records_s"] / res["wal"]["records_s"]
+        res["cpu_ratio"] = res["engine"]["cpu_s_per_gib"] / res["wal"]["cpu_s_per_gib"]
+        return res, streams
+
+    def open_loop(self, appends: list, arg, rate: float, seconds: float, inflight: int = OPEN_LOOP_INFLIGHT) -> dict:
+        """Call `append(arg)` at `rate` per second in total, one producer per callable in
+        `appends`, each on a fixed schedule (staggered), never waiting for completions except to
+        keep at most `inflight` pending. Latency runs from each record's scheduled send time to
+        its completion, so a stall counts for every record scheduled during it."""
+        threads = len(appends)
+        interval = threads * 1e9 / rate
+        per_thread = max(1, int(rate * seconds / threads))
+        latencies: list[int] = []
+        send_lags: list[int] = []           # how late the producers called append: their own share
+        unknown, capped, last_send = [0], [0], [0]
+        lock = threading.Lock()
+        start = time.monotonic_ns() + 10_000_000        # let every thread start before the schedule does
+
+        def body(index: int, append) -> None:
+            first = start + index * interval / threads
+            window: collections.deque = collections.deque()
+            lat: list[int] = []
+            lag: list[int] = []
+            missing = waits = 0
+
+            def harvest(block: bool) -> None:
+                nonlocal missing
+                while window:
+                    scheduled, called, handle = window[0]
+                    if block:
+                        handle.result()
+                        block = False
+                    elif not handle.done():
+                        return
+                    window.popleft()
+                    done = completion_ns(handle)
+                    if done is None:
+                        missing += 1
+                        done = time.monotonic_ns()
+                    lat.append(done - scheduled)
+                    lag.append(called - scheduled)
+
+            sent = 0
+            while sent < per_thread:
+                due = min(per_thread, int((time.monotonic_ns() - first) // interval) + 1)
+                if due <= sent:                 # ahead of the schedule: collect, then sleep
+                    harvest(False)
+                    gap = first + sent * interval - time.monotonic_ns()
+                    if gap > 0:
+                        time.sleep(max(gap, OPEN_LOOP_TICK_NS) / 1e9)
+                    continue
+                while sent < due:               # on time, or late: send every record now due
+                    called = time.monotonic_ns()
+                    handle = append(arg)
+                    watch_completion(handle)
+                    window.append((int(first + sent * interval), called, handle))
+                    sent += 1
+                    if len(window) >= inflight:
+                        waits += 1
+                        harvest(True)
+            sent_ns = time.monotonic_ns()
+            while window:
+                harvest(True)
+            with lock:
+                latencies.extend(lat)
+                send_lags.extend(lag)
+                unknown[0] += missing
+                capped[0] += waits
+                last_send[0] = max(last_send[0], sent_ns)
+
+        _run_threads(body, list(enumerate(appends)))
+        records = per_thread * threads
+        send_seconds = (last_send[0] - start) / 1e9
+        return dict(target_records_s=rate, achieved_records_s=records / send_seconds, records=records,
+                    seconds=send_seconds, threads=threads, inflight_bound=inflight, inflight_bound_hits=capped[0],
+                    completion_unknown=unknown[0], latency=percentiles(latencies), send_lag=percentiles(send_lags))
+
+
+def small_records(workdir: str, store_dir: str, config: Config, sizes, rounds: int, round_seconds: float,
+                  open_loop_sizes, open_loop_seconds: float) -> tuple[dict, list[dict]]:
+    """The small-record throughput and CPU at each size, then the open-loop latency at the sizes
+    asked (at OPEN_LOOP_LOAD of the engine's records/s just measured at that size), with the WAL
+    alone on the same schedule as a reference: the floor these producers reach."""
+    bench = SmallRecordBench(workdir, store_dir, config)
+    sizes_out, open_loop = [], []
+    try:
+        for size in sizes:
+            _progress(f"small records: {fmt_size(size)}, {rounds} rounds of ~{round_seconds:g} s "
+                      "alternating WAL alone and engine")
+            res, streams = bench.throughput(size, rounds, round_seconds)
+            sizes_out.append(res)
+            _progress(f"  WAL {res['wal']['records_s']:,.0f} rec/s, engine {res['engine']['records_s']:,.0f} rec/s")
+            if size in open_loop_sizes:
+                rate = res["engine"]["records_s"] * OPEN_LOOP_LOAD
+                _progress(f"open loop: {fmt_size(size)} at {rate:,.0f} rec/s for {open_loop_seconds:g} s, "
+                          "WAL alone then engine")
+                payload = os.urandom(size)
+                reference = bench.open_loop([bench.walonly.wal.append] * len(streams), payload, rate,
+                                            open_loop_seconds)
+                engine = bench.open_loop([s.append for s in streams], RecordBatch(payload, 1), rate,
+                                         open_loop_seconds)
+                open_loop.append(dict(engine, size=size, max_records_s=res["engine"]["records_s"],
+                                      load=OPEN_LOOP_LOAD, wal_reference=reference))
+            bench.client.close_streams(streams)
+    finally:
+        bench.close()
+    return dict(threads=bench.threads, inflight=bench.inflight, streams=bench.threads, batch_records=1,
+                round_seconds=round_seconds, sizes=sizes_out), open_loop
+
+
+def _size_list(text: str) -> tuple[int, ...]:
+    return tuple(parse_size(t) for t in text.split(",") if t.strip())
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m s3stream.bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="reports/engine-bench", help="report directory (JSON + PNG)")
     ap.add_argument("--workdir", default=None, help="WAL and metadata directory (default: OUT/work)")
     ap.add_argument("--store-dir", default=None, help="object store directory (default: /dev/shm/... if present)")
-    ap.add_argument("--ingest", type=parse_size, default=2 * GiB, help="bytes ingested into 1,000 streams")
-    ap.add_argument("--dataset", type=parse_size, default=1 * GiB, help="bytes ingested into 10 streams")
+    ap.add_argument("--ingest", type=parse_size, default=None, help="bytes ingested into 1,000 streams "
+                    "(default 2G; --quick 96M)")
+    ap.add_argument("--dataset", type=parse_size, default=None, help="bytes ingested into 10 streams "
+                    "(default 1G; --quick 64M)")
     ap.add_argument("--batch", type=parse_size, default=64 * KiB, help="batch payload size")
     ap.add_argument("--threads", type=int, default=4, help="producer threads")
     ap.add_argument("--rounds", type=int, default=4,
                     help="alternate this many WAL-only and engine rounds (the disk's speed drifts)")
+    ap.add_argument("--record-sizes", type=_size_list, default=SMALL_SIZES,
+                    help="record sizes of the small-record case (default 128,1K,16K,64K)")
+    ap.add_argument("--round-seconds", type=float, default=None,
+                    help="length of each small-record round (default 2; --quick 0.2)")
+    ap.add_argument("--open-loop-sizes", type=_size_list, default=OPEN_LOOP_SIZES,
+                    help="record sizes of the open-loop latency run, among --record-sizes (default 1K,64K)")
+    ap.add_argument("--open-loop-seconds", type=float, default=None,
+                    help="length of each open-loop latency run (default 3; --quick 0.4)")
     ap.add_argument("--quick", action="store_true", help="small sizes (CI smoke run)")
     ap.add_argument("--keep", action="store_true", help="keep the work and store directories")
     return ap
 
 
 def run(argv: list[str] | None = None) -> dict:
-    args = build_parser().parse_args(argv)
-    if args.quick:
-        args.ingest, args.dataset = 96 * MiB, 64 * MiB
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not set(args.open_loop_sizes) <= set(args.record_sizes):
+        parser.error("--open-loop-sizes must be among --record-sizes (the open loop runs at half the rate "
+                     "measured there)")
+    defaults = (96 * MiB, 64 * MiB, 0.2, 0.4) if args.quick else (2 * GiB, 1 * GiB, 2.0, 3.0)
+    for name, value in zip(("ingest", "dataset", "round_seconds", "open_loop_seconds"), defaults):
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     os.makedirs(args.out, exist_ok=True)
     base_work = os.path.abspath(args.workdir or os.path.join(args.out, "work"))
     base_store = os.path.abspath(args.store_dir) if args.store_dir else (os.path.join("/dev/shm", f"s3stream-bench-{os.getpid()}")
@@ -290,6 +596,13 @@ def run(argv: list[str] | None = None) -> dict:
                 _progress("catch-up read from objects (fresh node, cold caches)")
                 res["catchup"] = catchup_read(work, store, config)
             runs.append(res)
+        work, store = os.path.join(base_work, "small"), os.path.join(base_store, "small")
+        for d in (work, store):
+            shutil.rmtree(d, ignore_errors=True)
+            os.makedirs(d)
+        report["small_records"], report["open_loop"] = small_records(
+            work, store, config, args.record_sizes, args.rounds, args.round_seconds,
+            set(args.open_loop_sizes), args.open_loop_seconds)
     finally:
         if not args.keep:
             shutil.rmtree(base_store, ignore_errors=True)
@@ -302,6 +615,10 @@ def run(argv: list[str] | None = None) -> dict:
     return report
 
 
+def _met(ok: bool) -> str:
+    return "MET" if ok else "MISSED"
+
+
 def format_report(report: dict) -> str:
     lines = ["=" * 100, "s3stream engine benchmark (" + ", ".join(f"{k}={v}" for k, v in report["config"].items()) + ")"]
     for r in report["runs"]:
@@ -311,7 +628,7 @@ def format_report(report: dict) -> str:
                      f"({fmt_size(r['bytes'])} in {r['seconds']:.1f} s; close/drain {r['close_seconds']:.2f} s)")
         lines.append(f"  WAL-only, same producers, same disk, alternating rounds: {r['wal_only']['mb_s']:.0f} MB/s  ->  ratio "
                      f"{r['ratio_to_wal']:.2f} (target >= {TARGETS['ingest_ratio']}: "
-                     f"{'MET' if r['ratio_to_wal'] >= TARGETS['ingest_ratio'] else 'MISSED'}; per round {rr})")
+                     f"{_met(r['ratio_to_wal'] >= TARGETS['ingest_ratio'])}; per round {rr})")
         lines.append(f"  append latency p50 {lat['p50_ms']:.1f} ms, p99 {lat['p99_ms']:.1f} ms, p99.9 {lat['p999_ms']:.1f} ms"
                      f"  (WAL-only p99 {r['wal_only']['latency']['p99_ms']:.1f} ms)")
         lines.append(f"  object store: {r['put_requests']} write requests = {r['requests_per_gib']:.1f} per GiB "
@@ -324,11 +641,53 @@ def format_report(report: dict) -> str:
             lines.append(f"  catch-up read of {c['bytes'] / MiB:,.0f} MiB "
                          f"from objects: {c['mb_s']:.0f} MB/s; raw read of the same objects {c['raw_mb_s']:.0f} MB/s"
                          f"  ->  ratio {c['ratio']:.2f} (target >= {TARGETS['catchup_ratio']}: "
-                         f"{'MET' if c['ratio'] >= TARGETS['catchup_ratio'] else 'MISSED'})")
+                         f"{_met(c['ratio'] >= TARGETS['catchup_ratio'])})")
+    lines += _format_small_records(report)
     if report.get("plots"):
         lines.append("\nplots: " + ", ".join(report["plots"]))
     lines.append("=" * 100)
     return "\n".join(lines)
+
+
+def _format_small_records(report: dict) -> list[str]:
+    small = report.get("small_records")
+    if not small:
+        return []
+    want = TARGETS["small_record_ratio"]
+    lines = [f"\nSmall records, one per batch: {small['threads']} threads x {small['inflight']} in flight; the engine "
+             f"(one stream per thread) against the WAL alone, same disk, {small['sizes'][0]['rounds']} alternating "
+             f"rounds of ~{small['round_seconds']:g} s",
+             f"  {'size':>6} {'WAL rec/s':>11} {'engine rec/s':>13}  {f'ratio (>= {want})':<19} {'per round':<22}"
+             f"{'CPU s/GiB: WAL':>15} {'engine':>8} {'ratio':>7}"]
+    for r in small["sizes"]:
+        rounds = ", ".join(f"{x['ratio']:.2f}" for x in r["per_round"])
+        lines.append(f"  {fmt_size(r['size']):>6} {r['wal']['records_s']:>11,.0f} {r['engine']['records_s']:>13,.0f}  "
+                     f"{r['ratio']:>5.2f} {_met(r['ratio'] >= want):<13} {rounds:<22}"
+                     f"{r['wal']['cpu_s_per_gib']:>15.1f} {r['engine']['cpu_s_per_gib']:>8.1f} {r['cpu_ratio']:>7.2f}")
+    tiny = [r for r in small["sizes"] if r["size"] == 128]
+    if tiny:
+        rate, floor = tiny[0]["wal"]["records_s"], TARGETS["wal_records_s_128"]
+        lines.append(f"  WAL alone at 128 B: {rate:,.0f} records/s (target >= {floor:,}: {_met(rate >= floor)})")
+    lines.append("  CPU: user + system seconds of the whole process per GiB of payload (the engine's includes "
+                 "uploading the blocks its rounds sealed); ratio = engine / WAL alone")
+    if report.get("open_loop"):
+        first = report["open_loop"][0]
+        lines.append(f"\nAppend latency in open loop at {first['load']:g} x the engine's measured maximum: "
+                     f"{first['threads']} producers on fixed schedules, at most {first['inflight_bound']} in flight, "
+                     "latency from each record's scheduled send time to its completion")
+        for r in report["open_loop"]:
+            lat, limit = r["latency"], TARGETS["open_loop_p99_ms"]
+            behind = r["achieved_records_s"] < 0.95 * r["target_records_s"]
+            lines.append(f"  {fmt_size(r['size']):>6}: {r['target_records_s']:,.0f} rec/s asked (max "
+                         f"{r['max_records_s']:,.0f}), {r['achieved_records_s']:,.0f} sent"
+                         f"{' (the producers fell behind their schedule)' if behind else ''}: p50 "
+                         f"{lat['p50_ms']:.2f} ms, p99 {lat['p99_ms']:.2f} ms, p99.9 {lat['p999_ms']:.2f} ms "
+                         f"(target p99 < {limit:g} ms: {_met(lat['p99_ms'] < limit)})")
+            ref = r["wal_reference"]["latency"]
+            lines.append(f"  {'':>6}  of which the producers were late calling append: p99 "
+                         f"{r['send_lag']['p99_ms']:.2f} ms; WAL alone on the same schedule: p50 {ref['p50_ms']:.2f} ms, "
+                         f"p99 {ref['p99_ms']:.2f} ms, p99.9 {ref['p999_ms']:.2f} ms")
+    return lines
 
 
 def write_plots(report: dict, out: str) -> list[str]:
@@ -357,7 +716,41 @@ def write_plots(report: dict, out: str) -> list[str]:
     axes[2].set_xticks(list(x), names)
     axes[2].set_title("Object-store cost")
     axes[2].legend(fontsize=8)
-    return [save_figure(plt, fig, out, "engine.png")]
+    paths = [save_figure(plt, fig, out, "engine.png")]
+    if report.get("small_records"):
+        paths.append(_plot_small_records(plt, report, out))
+    return paths
+
+
+def _plot_small_records(plt, report: dict, out: str) -> str:
+    sizes = report["small_records"]["sizes"]
+    names = [fmt_size(r["size"]) for r in sizes]
+    x = list(range(len(sizes)))
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
+    for ax, key, label in ((axes[0], "records_s", "records/s"), (axes[1], "cpu_s_per_gib", "CPU s per GiB")):
+        ax.bar([i - 0.2 for i in x], [r["wal"][key] for r in sizes], 0.4, label="WAL alone")
+        ax.bar([i + 0.2 for i in x], [r["engine"][key] for r in sizes], 0.4, label="engine")
+        ax.set_xticks(x, names)
+        ax.set_yscale("log")
+        ax.set_ylabel(label)
+        ax.legend()
+    axes[0].set_title(f"Small records (target engine >= {TARGETS['small_record_ratio']} x WAL)")
+    axes[1].set_title("CPU per GiB ingested")
+    loop = report.get("open_loop") or []
+    ox = list(range(len(loop)))
+    for i, (key, label) in enumerate((("p50_ms", "p50"), ("p99_ms", "p99"), ("p999_ms", "p99.9"))):
+        axes[2].bar([j + (i - 1) * 0.27 for j in ox], [r["latency"][key] for r in loop], 0.27, label=label)
+    axes[2].scatter(ox, [r["wal_reference"]["latency"]["p99_ms"] for r in loop], marker="x",
+                    color="black", zorder=3, label="WAL alone p99")
+    axes[2].axhline(TARGETS["open_loop_p99_ms"], color="black", ls="--", lw=1, label="p99 target")
+    axes[2].set_xticks(ox, [f"{fmt_size(r['size'])}\n{r['target_records_s']:,.0f}/s" for r in loop])
+    axes[2].set_yscale("log")
+    top = max([r["latency"]["p999_ms"] for r in loop] + [TARGETS["open_loop_p99_ms"]])
+    axes[2].set_ylim(top=top * 30)           # room for the legend above the bars
+    axes[2].set_ylabel("ms")
+    axes[2].set_title("Open-loop append latency at half the max rate")
+    axes[2].legend(fontsize=7, ncol=3, loc="upper center")
+    return save_figure(plt, fig, out, "small-records.png")
 
 
 def main() -> None:

@@ -610,7 +610,9 @@ def bench(kind: str, quick: bool, out: str | None, bench_args: tuple[str, ...]) 
     spark-throughput  spark_bench: aggregate and per-node MB/s, latency, scaling (needs pyspark, Java)
     spark-migration   spark_bench: partition migration time under load against a copy baseline
     engine            s3stream.bench: ingest into 10 and 1,000 streams against WAL-only
-                      ingest, object-store requests per GiB, catch-up and tail reads
+                      ingest, small records (128 B-64 KiB) and CPU per GiB against the WAL
+                      alone, open-loop append latency, object-store requests per GiB,
+                      catch-up and tail reads
     wal               wal.bench: WAL throughput and latency against the raw disk limit
 
     Other options go to the benchmark itself: `s3stream bench --kind wal --quick --capacity 256M`;

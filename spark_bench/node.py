@@ -4,8 +4,9 @@ The node opens its own WAL, joins the cluster (shared object store and metadata)
 NodeAgent (it opens the partitions assigned to it and closes those moved away) and one producer
 per partition of the test, which appends while the partition is open here and idles while it is
 elsewhere. It stops after `duration` seconds or when the driver sets the KV key `bench/stop`.
-It returns its measurements: bytes, latencies, a per-second timeline, and (if asked) every
-acknowledgement, so the driver can check that nothing acknowledged was lost.
+It returns its measurements: bytes, latencies, a per-second timeline (bytes acknowledged in
+each 1-second interval since the node started, by the time each append completed), and (if
+asked) every acknowledgement, so the driver can check that nothing acknowledged was lost.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ def run_node(spec: dict) -> dict:
     """Run one node as described by `spec` (see spark_bench.common.node_spec); returns its stats."""
     import s3stream
     import wal
+    from s3stream.bench import completion_ns
     from s3stream.cluster import Cluster, ClusterConfig, NodeAgent
     from s3stream.metadata import open_metadata
     from s3stream.objectstore import open_object_store
@@ -56,7 +58,8 @@ def run_node(spec: dict) -> dict:
     timeline: collections.Counter = collections.Counter()
     sent = [0]
     errors: list[str] = []
-    start = time.monotonic()
+    start_ns = time.monotonic_ns()
+    start = start_ns / 1e9                  # the same clock as time.monotonic()
     keep_acks = spec.get("keep_acks", False)
     inflight_max = spec.get("inflight", 32)
 
@@ -94,10 +97,13 @@ def run_node(spec: dict) -> dict:
         except Exception:     # noqa: BLE001 - not acknowledged: the producer would retry it
             return
         done = time.monotonic_ns()
+        # the interval the acknowledgement fell in: its own time when the handle carries it (the
+        # producer may settle it later), else now
+        acked = completion_ns(fut) or done
         with lock:
             latencies.append(done - t0)
             sent[0] += len(data)
-            timeline[int(time.monotonic() - start)] += len(data)
+            timeline[(acked - start_ns) // 1_000_000_000] += len(data)
             if keep_acks:
                 acks.append((name, base, digest(data)))
 

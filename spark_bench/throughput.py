@@ -1,12 +1,16 @@
 """Distributed ingest throughput: N Spark tasks, each a node producing to its own partitions.
 
 Reports aggregate and per-node MB/s, append latency p50/p99/p99.9 (call to acknowledgement),
-object-store write requests per GiB, and the scaling over the node counts asked (default 1, 2, 4:
-each count is one Spark job whose tasks all run at once).
+object-store write requests per GiB, the scaling over the node counts asked (default 1, 2, 4:
+each count is one Spark job whose tasks all run at once), and each node's MB/s over time: its
+first seconds against the rest of the run (steady state: target >= 0.9 of the first seconds;
+a node that slows once its WAL wraps or uploads start shows here).
 """
 from __future__ import annotations
 
 import argparse
+import itertools
+import math
 import os
 
 from s3stream.reporting import pyplot, save_figure
@@ -15,6 +19,10 @@ from .common import (
     GiB, add_common_args, cleanup_dirs, latency_summary, node_spec, progress, run_nodes, spark_session, storage,
     write_json,
 )
+
+#: The first seconds of a node's run, compared with the rest (its steady state).
+HEAD_SECONDS = 2
+STEADY_TARGET = 0.9
 
 
 def parse(argv):
@@ -60,6 +68,7 @@ def run(argv=None) -> dict:
                              per_node_mb_s=[r["bytes"] / r["seconds"] / 1e6 for r in results],
                              latency=latency_summary(lat), requests_per_gib=requests / (total / GiB) if total else None,
                              timeline={r["node_id"]: r["timeline"] for r in results},
+                             steady_state={r["node_id"]: steady_state(r["timeline"], r["seconds"]) for r in results},
                              errors=[e for r in results for e in r["errors"]][:20]))
             m.close()
             progress(f"  {runs[-1]['mb_s']:.0f} MB/s, p99 {runs[-1]['latency']['p99_ms']:.1f} ms")
@@ -76,6 +85,31 @@ def run(argv=None) -> dict:
     report["plots"] = plot(report, out)
     print(format_report(report))
     return report
+
+
+def steady_state(timeline: list, seconds: float, head: int = HEAD_SECONDS) -> dict:
+    """One node's MB/s per 1-second interval (`timeline`: (second, bytes acknowledged in it))
+    and its throughput over the first `head` seconds against the rest. The run's last, partial
+    second joins the one before when under half a second (a few ms of draining would read as
+    a spike). The rest is None when the run is too short for it (under one second after the
+    head)."""
+    intervals = max(1, math.ceil(seconds))
+    lengths = [1.0] * intervals
+    lengths[-1] = seconds - (intervals - 1) or 1.0
+    if intervals > 1 and lengths[-1] < 0.5:
+        tail = lengths.pop()
+        lengths[-1] += tail
+    acked = [0] * len(lengths)
+    for second, nbytes in timeline:
+        acked[min(int(second), len(lengths) - 1)] += nbytes
+    first_seconds = min(head, seconds)
+    first = sum(b for second, b in timeline if second < head) / first_seconds / 1e6 if first_seconds > 0 else None
+    rest = sum(b for second, b in timeline if second >= head)
+    steady = rest / (seconds - head) / 1e6 if seconds >= head + 1 else None
+    return dict(series_mb_s=[b / length / 1e6 for b, length in zip(acked, lengths)], interval_seconds=lengths,
+                head_seconds=head,
+                first_mb_s=first, steady_mb_s=steady,
+                ratio=steady / first if steady is not None and first else None)
 
 
 def _write_requests(store, meta) -> int:
@@ -97,6 +131,17 @@ def format_report(report: dict) -> str:
         lines.append(f"{r['nodes']:>5} {r['mb_s']:>8.0f} {r['scaling']:>8.2f} {per:>30} {lat['p50_ms']:>7.1f} "
                      f"{lat['p99_ms']:>7.1f} {lat['p999_ms']:>8.1f} {r['requests_per_gib'] or 0:>8.1f}")
     lines.append("Nodes share this machine's 2 cores and one disk: scaling shows contention, not the design's limit.")
+    lines.append(f"Steady state: each node's MB/s after its first {HEAD_SECONDS} s against those first seconds "
+                 f"(target >= {STEADY_TARGET})")
+    for r in report["runs"]:
+        parts = []
+        for node, st in r["steady_state"].items():
+            if st["ratio"] is None:
+                parts.append(f"node {node}: {st['first_mb_s'] or 0:.0f} MB/s, too short for a steady state")
+            else:
+                parts.append(f"node {node}: {st['first_mb_s']:.0f} -> {st['steady_mb_s']:.0f} MB/s = "
+                             f"{st['ratio']:.2f} {'MET' if st['ratio'] >= STEADY_TARGET else 'MISSED'}")
+        lines.append(f"{r['nodes']:>5} node(s): " + "; ".join(parts))
     if report.get("plots"):
         lines.append("plots: " + ", ".join(report["plots"]))
     return "\n".join(lines)
@@ -107,13 +152,18 @@ def plot(report: dict, out: str) -> list[str]:
     if plt is None:
         return []
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    labels, ratios = [], []
     for r in report["runs"]:
-        for node, tl in r["timeline"].items():
-            axes[0].plot([t for t, _ in tl], [b / 1e6 for _, b in tl], label=f"{r['nodes']} nodes: node {node}")
-    axes[0].set_xlabel("second")
-    axes[0].set_ylabel("MB acknowledged")
-    axes[0].set_title("Throughput over time per node")
-    axes[0].legend(fontsize=6)
+        for node, st in r["steady_state"].items():
+            labels.append(f"{r['nodes']}n/{node}")
+            ratios.append(st["ratio"] or 0)
+    axes[0].bar(range(len(ratios)), ratios)
+    axes[0].axhline(STEADY_TARGET, color="black", ls="--", lw=1, label=f"target {STEADY_TARGET}")
+    axes[0].set_xticks(range(len(labels)), labels, fontsize=7)
+    axes[0].set_xlabel("nodes in the run / node")
+    axes[0].set_ylabel(f"MB/s after {HEAD_SECONDS} s / first {HEAD_SECONDS} s")
+    axes[0].set_title("Steady state per node")
+    axes[0].legend(fontsize=8)
     xs = [r["nodes"] for r in report["runs"]]
     axes[1].plot(xs, [r["mb_s"] for r in report["runs"]], marker="o")
     axes[1].set_xlabel("nodes")
@@ -126,4 +176,21 @@ def plot(report: dict, out: str) -> list[str]:
     axes[2].set_yscale("log")
     axes[2].legend()
     axes[2].set_title("Latency percentiles")
-    return [save_figure(plt, fig, out, "throughput.png")]
+    return [save_figure(plt, fig, out, "throughput.png"), _plot_over_time(plt, report, out)]
+
+
+def _plot_over_time(plt, report: dict, out: str) -> str:
+    """MB/s acknowledged per second, one panel per run, one line per node."""
+    runs = report["runs"]
+    fig, axes = plt.subplots(1, len(runs), figsize=(5 * len(runs), 3.8), squeeze=False, sharey=True)
+    for ax, r in zip(axes[0], runs):
+        for node, st in r["steady_state"].items():
+            series = st["series_mb_s"]
+            edges = [0.0] + list(itertools.accumulate(st["interval_seconds"]))
+            ax.step(edges, series + series[-1:], where="post", label=f"node {node}")
+        ax.axvline(HEAD_SECONDS, color="grey", ls=":", lw=1)
+        ax.set_xlabel("second of the run")
+        ax.set_title(f"{r['nodes']} node(s)")
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("MB/s acknowledged")
+    return save_figure(plt, fig, out, "throughput-over-time.png")

@@ -17,10 +17,35 @@ def test_wal_bench_quick(tmp_path):
 def test_engine_bench_quick(tmp_path):
     from s3stream import bench
     report = bench.run(["--quick", "--out", str(tmp_path), "--ingest", "24M", "--dataset", "16M", "--rounds", "2",
-                        "--store-dir", str(tmp_path / "store")])
+                        "--round-seconds", "0.1", "--open-loop-seconds", "0.2", "--store-dir", str(tmp_path / "store")])
     data = json.loads((tmp_path / "report.json").read_text())
     assert [r["streams"] for r in data["runs"]] == [1000, 10]
     assert all(r["mb_s"] > 0 and r["wal_only"]["mb_s"] > 0 for r in report["runs"])
     assert data["runs"][1]["catchup"]["bytes"] == data["runs"][1]["bytes"]   # everything read back
+    assert data["targets"]["ingest_ratio"] == 0.8
+
+    small = data["small_records"]
+    assert [s["size"] for s in small["sizes"]] == [128, 1024, 16384, 65536]
+    for s in small["sizes"]:
+        assert len(s["per_round"]) == 2
+        for side in ("wal", "engine"):
+            assert s[side]["records"] > 0 and s[side]["records_s"] > 0 and s[side]["cpu_s_per_gib"] > 0
+        assert s["ratio"] == pytest.approx(s["engine"]["records_s"] / s["wal"]["records_s"])
+        assert s["cpu_ratio"] == pytest.approx(s["engine"]["cpu_s_per_gib"] / s["wal"]["cpu_s_per_gib"])
+
+    loop = {r["size"]: r for r in data["open_loop"]}
+    assert set(loop) == {1024, 65536}
+    for size, r in loop.items():
+        engine_max = next(s["engine"]["records_s"] for s in small["sizes"] if s["size"] == size)
+        assert r["max_records_s"] == engine_max
+        assert r["target_records_s"] == pytest.approx(0.5 * engine_max)
+        # every record timed, from its scheduled send time: never before it
+        assert r["latency"]["samples"] == r["send_lag"]["samples"] == r["records"] > 0
+        assert 0 <= r["send_lag"]["p50_ms"] <= r["latency"]["p50_ms"] <= r["latency"]["p99_ms"]
+        assert r["wal_reference"]["target_records_s"] == r["target_records_s"]
+        assert r["wal_reference"]["latency"]["samples"] > 0
+
+    text = bench.format_report(report)
+    assert "Small records" in text and "open loop" in text and "WAL alone at 128 B" in text
     pytest.importorskip("matplotlib")
-    assert os.path.exists(tmp_path / "engine.png")
+    assert os.path.exists(tmp_path / "engine.png") and os.path.exists(tmp_path / "small-records.png")

@@ -34,6 +34,7 @@ from _native.sysdeps cimport (
     monotonic_ns, pthread_mutex_init, pthread_mutex_destroy, pthread_mutex_lock, pthread_mutex_trylock,
     pthread_mutex_unlock,
 )
+from _native.endian cimport store32, store64
 from _native.walrecord cimport RECORD_HEADER_SIZE
 from _native.walring cimport Ring
 from _native.logcache cimport LogCache, CacheSlice, CacheBlock
@@ -75,18 +76,6 @@ def set_failpoint(str name, bint armed) -> None:
     if name != "cache_insert":
         raise ValueError(f"unknown failpoint {name!r}")
     _fail_insert = armed
-
-
-cdef inline void store32(unsigned char* p, uint32_t v) noexcept nogil:
-    p[0] = v & 0xFF
-    p[1] = (v >> 8) & 0xFF
-    p[2] = (v >> 16) & 0xFF
-    p[3] = (v >> 24) & 0xFF
-
-
-cdef inline void store64(unsigned char* p, uint64_t v) noexcept nogil:
-    store32(p, <uint32_t>(v & 0xFFFFFFFFu))
-    store32(p + 4, <uint32_t>(v >> 32))
 
 
 @cython.no_gc

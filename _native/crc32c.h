@@ -106,49 +106,46 @@ static uint32_t s3s_crc32c_sw(uint32_t crc, const unsigned char *p, size_t n) {
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define S3S_CRC32C_HAVE_HW 1
+/* While at least 3 x `chunk` bytes remain: the CRC of three consecutive chunks as three
+ * independent streams, then shifted into one. `c0` is the running (inverted) register. */
+__attribute__((target("sse4.2")))
+static inline uint64_t s3s_crc32c_hw_3way(uint64_t c0, const unsigned char **pp, size_t *np, size_t chunk,
+                                          uint32_t zeros[][256]) {
+    const unsigned char *p = *pp, *end;
+    size_t n = *np;
+    uint64_t c1, c2, v;
+    while (n >= 3 * chunk) {
+        c1 = c2 = 0;
+        end = p + chunk;
+        do {
+            memcpy(&v, p, 8);
+            c0 = __builtin_ia32_crc32di(c0, v);
+            memcpy(&v, p + chunk, 8);
+            c1 = __builtin_ia32_crc32di(c1, v);
+            memcpy(&v, p + 2 * chunk, 8);
+            c2 = __builtin_ia32_crc32di(c2, v);
+            p += 8;
+        } while (p < end);
+        c0 = s3s_crc32c_shift(zeros, (uint32_t)c0) ^ c1;
+        c0 = s3s_crc32c_shift(zeros, (uint32_t)c0) ^ c2;
+        p += 2 * chunk;
+        n -= 3 * chunk;
+    }
+    *pp = p;
+    *np = n;
+    return c0;
+}
+
 __attribute__((target("sse4.2")))
 static uint32_t s3s_crc32c_hw(uint32_t crc, const unsigned char *p, size_t n) {
-    uint64_t c0 = (uint32_t)~crc, c1, c2;
-    const unsigned char *end;
+    uint64_t c0 = (uint32_t)~crc;
     uint64_t v;
     while (n && ((uintptr_t)p & 7)) {
         c0 = __builtin_ia32_crc32qi((uint32_t)c0, *p++);
         n--;
     }
-    while (n >= 3 * S3S_CRC32C_LONG) {
-        c1 = c2 = 0;
-        end = p + S3S_CRC32C_LONG;
-        do {
-            memcpy(&v, p, 8);
-            c0 = __builtin_ia32_crc32di(c0, v);
-            memcpy(&v, p + S3S_CRC32C_LONG, 8);
-            c1 = __builtin_ia32_crc32di(c1, v);
-            memcpy(&v, p + 2 * S3S_CRC32C_LONG, 8);
-            c2 = __builtin_ia32_crc32di(c2, v);
-            p += 8;
-        } while (p < end);
-        c0 = s3s_crc32c_shift(s3s_crc32c_long, (uint32_t)c0) ^ c1;
-        c0 = s3s_crc32c_shift(s3s_crc32c_long, (uint32_t)c0) ^ c2;
-        p += 2 * S3S_CRC32C_LONG;
-        n -= 3 * S3S_CRC32C_LONG;
-    }
-    while (n >= 3 * S3S_CRC32C_SHORT) {
-        c1 = c2 = 0;
-        end = p + S3S_CRC32C_SHORT;
-        do {
-            memcpy(&v, p, 8);
-            c0 = __builtin_ia32_crc32di(c0, v);
-            memcpy(&v, p + S3S_CRC32C_SHORT, 8);
-            c1 = __builtin_ia32_crc32di(c1, v);
-            memcpy(&v, p + 2 * S3S_CRC32C_SHORT, 8);
-            c2 = __builtin_ia32_crc32di(c2, v);
-            p += 8;
-        } while (p < end);
-        c0 = s3s_crc32c_shift(s3s_crc32c_short, (uint32_t)c0) ^ c1;
-        c0 = s3s_crc32c_shift(s3s_crc32c_short, (uint32_t)c0) ^ c2;
-        p += 2 * S3S_CRC32C_SHORT;
-        n -= 3 * S3S_CRC32C_SHORT;
-    }
+    c0 = s3s_crc32c_hw_3way(c0, &p, &n, S3S_CRC32C_LONG, s3s_crc32c_long);
+    c0 = s3s_crc32c_hw_3way(c0, &p, &n, S3S_CRC32C_SHORT, s3s_crc32c_short);
     while (n >= 8) {
         memcpy(&v, p, 8);
         c0 = __builtin_ia32_crc32di(c0, v);

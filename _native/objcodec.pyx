@@ -25,6 +25,7 @@ from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE, PyBy
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE
 
 from _native.checksum cimport crc32c_update
+from _native.endian cimport store16, store32, store64, load16, load32, load64
 
 cdef enum:
     BLOCK_HEADER = 32
@@ -56,30 +57,6 @@ cdef object _version_error(unsigned int version, str what):
         f"{what} is format version {version}; this build reads version {FORMAT_VERSION} (CRC-32C "
         "checksums): the object was written by another s3stream release. Rewrite it with that release "
         "(or delete the stream) before reading it here.")
-
-
-cdef inline void st16(unsigned char* p, uint16_t v) noexcept nogil:
-    p[0] = v & 0xFF
-    p[1] = (v >> 8) & 0xFF
-
-cdef inline void st32(unsigned char* p, uint32_t v) noexcept nogil:
-    p[0] = v & 0xFF
-    p[1] = (v >> 8) & 0xFF
-    p[2] = (v >> 16) & 0xFF
-    p[3] = (v >> 24) & 0xFF
-
-cdef inline void st64(unsigned char* p, uint64_t v) noexcept nogil:
-    st32(p, <uint32_t>(v & 0xFFFFFFFFu))
-    st32(p + 4, <uint32_t>(v >> 32))
-
-cdef inline uint16_t ld16(const unsigned char* p) noexcept nogil:
-    return <uint16_t>(p[0] | (p[1] << 8))
-
-cdef inline uint32_t ld32(const unsigned char* p) noexcept nogil:
-    return (<uint32_t>p[0]) | (<uint32_t>p[1] << 8) | (<uint32_t>p[2] << 16) | (<uint32_t>p[3] << 24)
-
-cdef inline uint64_t ld64(const unsigned char* p) noexcept nogil:
-    return (<uint64_t>ld32(p)) | (<uint64_t>ld32(p + 4) << 32)
 
 
 cdef struct BlockPlan:
@@ -148,35 +125,35 @@ cdef tuple encode_pieces(const Piece* pieces, size_t npieces, size_t block_size,
                 bp = out + blocks[i].position
                 p = bp + BLOCK_HEADER
                 for j in range(blocks[i].first_piece, blocks[i].first_piece + blocks[i].pieces):
-                    st64(p, pieces[j].base)
-                    st32(p + 8, pieces[j].count)
-                    st32(p + 12, <uint32_t>pieces[j].length)
+                    store64(p, pieces[j].base)
+                    store32(p + 8, pieces[j].count)
+                    store32(p + 12, <uint32_t>pieces[j].length)
                     memcpy(p + BATCH_HEADER, pieces[j].data, pieces[j].length)
                     p += BATCH_HEADER + pieces[j].length
                 body = blocks[i].size - BLOCK_HEADER
-                st32(bp, BLOCK_MAGIC)
-                st32(bp + 4, FORMAT_VERSION)
-                st64(bp + 8, blocks[i].stream_id)
-                st64(bp + 16, blocks[i].start)
-                st32(bp + 24, <uint32_t>blocks[i].pieces)
-                st32(bp + 28, crc32c_update(0, bp + BLOCK_HEADER, body))
+                store32(bp, BLOCK_MAGIC)
+                store32(bp + 4, FORMAT_VERSION)
+                store64(bp + 8, blocks[i].stream_id)
+                store64(bp + 16, blocks[i].start)
+                store32(bp + 24, <uint32_t>blocks[i].pieces)
+                store32(bp + 28, crc32c_update(0, bp + BLOCK_HEADER, body))
                 p = out + index_pos + i * INDEX_ENTRY
-                st64(p, blocks[i].stream_id)
-                st64(p + 8, blocks[i].start)
-                st64(p + 16, blocks[i].end)
-                st32(p + 24, <uint32_t>blocks[i].records)
-                st32(p + 28, <uint32_t>blocks[i].size)
-                st64(p + 32, blocks[i].position)
-                st32(p + 40, <uint32_t>blocks[i].pieces)
-                st32(p + 44, 0)
+                store64(p, blocks[i].stream_id)
+                store64(p + 8, blocks[i].start)
+                store64(p + 16, blocks[i].end)
+                store32(p + 24, <uint32_t>blocks[i].records)
+                store32(p + 28, <uint32_t>blocks[i].size)
+                store64(p + 32, blocks[i].position)
+                store32(p + 40, <uint32_t>blocks[i].pieces)
+                store32(p + 44, 0)
             p = out + index_pos + index_len
-            st64(p, index_pos)
-            st32(p + 8, <uint32_t>index_len)
-            st32(p + 12, crc32c_update(0, out + index_pos, index_len))
-            st32(p + 16, <uint32_t>nblocks)
-            st16(p + 20, FORMAT_VERSION)
-            st16(p + 22, 0)
-            st64(p + 24, FOOTER_MAGIC)
+            store64(p, index_pos)
+            store32(p + 8, <uint32_t>index_len)
+            store32(p + 12, crc32c_update(0, out + index_pos, index_len))
+            store32(p + 16, <uint32_t>nblocks)
+            store16(p + 20, FORMAT_VERSION)
+            store16(p + 22, 0)
+            store64(p + 24, FOOTER_MAGIC)
         entries = [(blocks[i].stream_id, blocks[i].start, blocks[i].end, blocks[i].records,
                     blocks[i].size, blocks[i].position, blocks[i].pieces) for i in range(nblocks)]
     finally:
@@ -248,14 +225,14 @@ def parse_footer(data, uint64_t object_size):
         if view.len < FOOTER:
             raise ObjectFormatError(f"object footer needs {FOOTER} bytes, got {view.len}")
         p = <const unsigned char*>view.buf + view.len - FOOTER
-        if ld64(p + 24) != FOOTER_MAGIC:
+        if load64(p + 24) != FOOTER_MAGIC:
             raise ObjectFormatError("bad object footer magic: not an s3stream object or truncated")
-        if ld16(p + 20) != FORMAT_VERSION:
-            raise _version_error(ld16(p + 20), "the object")
-        pos = ld64(p)
-        length = ld32(p + 8)
-        crc = ld32(p + 12)
-        entries = ld32(p + 16)
+        if load16(p + 20) != FORMAT_VERSION:
+            raise _version_error(load16(p + 20), "the object")
+        pos = load64(p)
+        length = load32(p + 8)
+        crc = load32(p + 12)
+        entries = load32(p + 16)
     finally:
         PyBuffer_Release(&view)
     if length != <uint64_t>entries * INDEX_ENTRY or pos + length + FOOTER != object_size:
@@ -280,8 +257,8 @@ def parse_index(data, uint32_t expected_crc):
             raise ObjectFormatError("object index checksum mismatch")
         n = <size_t>view.len // INDEX_ENTRY
         for i in range(n):
-            out.append((ld64(p), ld64(p + 8), ld64(p + 16), ld32(p + 24), ld32(p + 28),
-                        ld64(p + 32), ld32(p + 40)))
+            out.append((load64(p), load64(p + 8), load64(p + 16), load32(p + 24), load32(p + 28),
+                        load64(p + 32), load32(p + 40)))
             p += INDEX_ENTRY
     finally:
         PyBuffer_Release(&view)
@@ -308,29 +285,29 @@ def decode_block(data, size_t offset=0, size_t length=0, expected_stream=None):
             raise ObjectFormatError(f"block of {length} bytes at {offset} does not fit a {view.len}-byte buffer")
         b = <const unsigned char*>view.buf + offset
         end = b + length
-        if ld32(b) != BLOCK_MAGIC:
+        if load32(b) != BLOCK_MAGIC:
             raise ObjectFormatError("bad data block magic")
-        if ld32(b + 4) != FORMAT_VERSION:
-            raise _version_error(ld32(b + 4), "the data block")
-        sid = ld64(b + 8)
+        if load32(b + 4) != FORMAT_VERSION:
+            raise _version_error(load32(b + 4), "the data block")
+        sid = load64(b + 8)
         if expected_stream is not None and sid != <uint64_t>expected_stream:
             raise ObjectFormatError(f"data block belongs to stream {sid}, index says {expected_stream}")
-        if crc32c_update(0, b + BLOCK_HEADER, length - BLOCK_HEADER) != ld32(b + 28):
+        if crc32c_update(0, b + BLOCK_HEADER, length - BLOCK_HEADER) != load32(b + 28):
             raise ObjectFormatError(f"data block checksum mismatch (stream {sid})")
-        nbatches = ld32(b + 24)
-        expect = ld64(b + 16)
+        nbatches = load32(b + 24)
+        expect = load64(b + 16)
         p = b + BLOCK_HEADER
         for i in range(nbatches):
             if end - p < BATCH_HEADER:
                 raise ObjectFormatError("batch header runs past the block")
-            base = ld64(p)
-            plen = ld32(p + 12)
+            base = load64(p)
+            plen = load32(p + 12)
             if base != expect:
                 raise ObjectFormatError(f"batch offsets not contiguous in block ({base} != {expect})")
             if <size_t>(end - p - BATCH_HEADER) < plen:
                 raise ObjectFormatError("batch payload runs past the block")
-            expect = base + ld32(p + 8)
-            out.append((base, ld32(p + 8), PyBytes_FromStringAndSize(<const char*>(p + BATCH_HEADER), plen)))
+            expect = base + load32(p + 8)
+            out.append((base, load32(p + 8), PyBytes_FromStringAndSize(<const char*>(p + BATCH_HEADER), plen)))
             p += BATCH_HEADER + plen
         if p != end:
             raise ObjectFormatError("data block has trailing bytes")

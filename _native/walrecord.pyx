@@ -17,6 +17,7 @@ from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE
 from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING
 
 from _native.checksum cimport crc32c_update
+from _native.endian cimport store32, store64, load32, load64
 
 BLOCK = BLOCK_SIZE
 HEADER_SLOT = HEADER_SLOT_SIZE
@@ -37,26 +38,6 @@ STOP_REASONS = {
     REC_OLD_GENERATION: "record from an earlier writer session beyond a torn tail",
     REC_END_OF_SPACE: "reached one full ring capacity past the trim offset",
 }
-
-
-cdef inline void store32(unsigned char* p, uint32_t v) noexcept nogil:
-    p[0] = v & 0xFF
-    p[1] = (v >> 8) & 0xFF
-    p[2] = (v >> 16) & 0xFF
-    p[3] = (v >> 24) & 0xFF
-
-
-cdef inline uint32_t load32(const unsigned char* p) noexcept nogil:
-    return (<uint32_t>p[0]) | (<uint32_t>p[1] << 8) | (<uint32_t>p[2] << 16) | (<uint32_t>p[3] << 24)
-
-
-cdef inline void store64(unsigned char* p, uint64_t v) noexcept nogil:
-    store32(p, <uint32_t>(v & 0xFFFFFFFFu))
-    store32(p + 4, <uint32_t>(v >> 32))
-
-
-cdef inline uint64_t load64(const unsigned char* p) noexcept nogil:
-    return (<uint64_t>load32(p)) | (<uint64_t>load32(p + 4) << 32)
 
 
 cdef void encode_record_header(unsigned char* p, uint8_t rtype, uint32_t body_len, uint32_t body_crc,

@@ -44,6 +44,7 @@ import wal
 from wal.bench import Trimmer, fmt_size, parse_size, percentiles
 
 from . import Config, RecordBatch, StreamClient
+from .lifecycle import ObjectReclaimer
 from .metadata import ObjectState, SqliteMetadataStore
 from .objectstore import InstrumentedObjectStore, LocalObjectStore
 from .reporting import pyplot, save_figure
@@ -362,9 +363,18 @@ class SmallRecordBench:
                  inflight: int = SMALL_INFLIGHT) -> None:
         self.threads, self.inflight = threads, inflight
         self.meta = SqliteMetadataStore(os.path.join(workdir, "meta.db"))
-        self.client = StreamClient(1, os.path.join(workdir, "node1.wal"), LocalObjectStore(store_dir), self.meta,
-                                   config)
+        store = LocalObjectStore(store_dir)
+        self.client = StreamClient(1, os.path.join(workdir, "node1.wal"), store, self.meta, config)
         self.walonly = WalOnly(os.path.join(workdir, "walonly.wal"), config.wal)
+        self.reclaimer = ObjectReclaimer(store, self.meta, destroy_delay=0)
+
+    def drop_history(self, streams: list) -> None:
+        """Between rounds, untimed: trim the streams to what is committed and delete the objects
+        that frees, so that GiBs of rounds do not pile up in the store (a RAM disk)."""
+        for s in streams:
+            if s.committed_offset > s.start_offset:
+                s.trim(s.committed_offset)
+        self.reclaimer.run_once()
 
     def close(self) -> None:
         try:
@@ -395,6 +405,7 @@ class SmallRecordBench:
         for name, (appends, arg, settle) in sides.items():     # the probe also warms both up
             count, elapsed, _ = self._round(appends, arg, 1 << 40, max(0.05, round_seconds / 4), settle)
             per_thread[name] = max(self.inflight, int(count / elapsed * round_seconds / self.threads))
+        self.drop_history(streams)
         totals = {name: [0, 0.0, 0.0] for name in sides}
         per_round = []
         for _ in range(rounds):
@@ -404,6 +415,7 @@ class SmallRecordBench:
                 rates[name] = count / elapsed
                 for i, v in enumerate((count, elapsed, cpu)):
                     totals[name][i] += v
+            self.drop_history(streams)
             per_round.append(dict(wal_records_s=rates["wal"], engine_records_s=rates["engine"],
                                   ratio=rates["engine"] / rates["wal"]))
         res = dict(size=size, rounds=rounds, records_per_round=dict(

@@ -270,3 +270,24 @@ def test_cache_reads_only_what_it_holds(tmp_path):
     assert [b.base_offset for b in cache.read(5, 10, 30, 5)] == [10, 12]  # max_bytes, at least one
     assert cache.read(6, 0, 10, 100) == []
     assert cache.unuploaded_bytes(5) == 20
+
+
+def test_cache_memory_is_recycled_and_bounded():
+    """Evicted blocks give their chunks back; new blocks take them instead of fresh memory, and
+    the pool keeps at most half the cache size free."""
+    cache = LogCache(1 * MiB, 4 * MiB, time.monotonic_ns, s3stream.FetchedBatch)
+    payload = bytes(50 * KiB)
+    offset = wal_end = 0
+    for _ in range(40):                                  # 40 blocks of ~1 MiB through a 4 MiB cache
+        sealed = None
+        while sealed is None:
+            wal_end += len(payload) + 64
+            sealed = cache.put(1, 1, (offset, 1, payload), wal_end)
+            offset += 1
+        cache.mark_committed(sealed)
+    pool = cache.stats()["pool"]
+    assert pool["reused"] > 5 * pool["allocated"]        # steady state runs on recycled chunks
+    assert pool["free_bytes"] <= 2 * MiB
+    assert cache.size <= 4 * MiB + 1 * MiB + len(payload)
+    got = cache.read(1, offset - 3, offset, 1 << 20)      # the newest data is still readable
+    assert [b.base_offset for b in got] == [offset - 3, offset - 2, offset - 1]

@@ -32,6 +32,7 @@ cdef class StreamWriter:
     cdef uint64_t confirmed
     cdef int wstate
     cdef object failure
+    cdef uint64_t failed_at          # base offset of the append that failed the stream
     cdef AppendPath path
     cdef CacheSlice slice
     cdef uint64_t* q_wal             # confirm queue: WAL end of each pending append ...

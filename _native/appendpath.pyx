@@ -253,12 +253,16 @@ cdef class StreamWriter:
         if type(batch) is not RecordBatch:
             if not isinstance(batch, RecordBatch):
                 raise _error_types["invalid_batch"](f"append takes a RecordBatch, got {type(batch).__name__}")
+        if self.path is None:
+            raise RuntimeError("this StreamWriter was never opened by a client")
         return self.path._append(self, (<RecordBatch>batch).payload, (<RecordBatch>batch).count)
 
     def append_many(self, batches) -> list:
         """Append several RecordBatches in order; their AppendFutures, in the same order. On an
         error, the batches before the failing one are appended and the error is raised."""
         cdef list out = []
+        if self.path is None:
+            raise RuntimeError("this StreamWriter was never opened by a client")
         for batch in batches:
             if not isinstance(batch, RecordBatch):
                 raise _error_types["invalid_batch"](f"append_many takes RecordBatches, got {type(batch).__name__}")
@@ -296,10 +300,14 @@ cdef class StreamWriter:
         return self.failure
 
     def _wait_confirmed(self, uint64_t offset, timeout=None) -> None:
-        """Block until every append below `offset` is durable; TimeoutError after `timeout`."""
+        """Block until every append below `offset` is durable; TimeoutError after `timeout`. A
+        stream failed by an append waits only for the appends before that one: the rest never
+        entered the cache and will never be served here."""
         cdef uint64_t need = 0
         cdef size_t i
         cdef int state
+        if self.failure is not None and offset > self.failed_at:
+            offset = self.failed_at
         self.path.cache.acquire()
         self._advance_confirm()
         if self.confirmed < offset:
@@ -308,8 +316,6 @@ cdef class StreamWriter:
                 if self.q_end[i] >= offset:
                     break
         self.path.cache.release()
-        if self.failure is not None and self.confirmed < offset:
-            raise self.failure
         if need == 0:
             return
         state = self.path.ring._wait(need, timeout)
@@ -433,8 +439,9 @@ cdef class AppendPath:
                     fut.error = self.errors["append_failed"](
                         f"stream {w.stream_id}: the append at offset {base} reached the WAL but not the log "
                         f"cache ({e!r}); the stream stops taking appends here. Close it and open it again "
-                        "(its WAL record is recovered on the node's restart or failover).")
+                        "(what was acknowledged before it is kept).")
                     w.failure = fut.error
+                    w.failed_at = base
                 finally:
                     self.cache.release()
             finally:

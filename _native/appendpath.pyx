@@ -28,6 +28,7 @@ import threading
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t
 from libc.stdlib cimport realloc, free
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
 cimport cython
 
 from _native.sysdeps cimport (
@@ -78,7 +79,14 @@ def set_failpoint(str name, bint armed) -> None:
     _fail_insert = armed
 
 
+cdef inline AppendResult _result(uint64_t base_offset):
+    cdef AppendResult r = AppendResult.__new__(AppendResult)
+    r.base_offset = base_offset
+    return r
+
+
 @cython.no_gc
+@cython.freelist(64)
 cdef class RecordBatch:
     """`count` records carried as one opaque payload; they occupy offsets [base, base + count).
     Immutable; the payload is copied when appended, so a bytearray may be reused afterwards."""
@@ -108,10 +116,11 @@ cdef class RecordBatch:
         return f"RecordBatch(payload=<{len(self.payload)} bytes>, count={self.count})"
 
 
+@cython.freelist(64)
 cdef class AppendResult:
     """What a completed append returns: the offset of its first record."""
 
-    def __cinit__(self, uint64_t base_offset):
+    def __init__(self, uint64_t base_offset):
         self.base_offset = base_offset
 
     def __eq__(self, other):
@@ -129,6 +138,7 @@ cdef class AppendResult:
         return f"AppendResult(base_offset={self.base_offset})"
 
 
+@cython.freelist(1024)
 cdef class AppendFuture:
     """The pending acknowledgement of one append (a light future). `result()` returns an
     AppendResult once the batch is durable in the WAL, or raises why it never will be.
@@ -144,7 +154,7 @@ cdef class AppendFuture:
             raise self.error
         state = self.path.ring._wait(self.wal_end, timeout)
         if state == 1:
-            return AppendResult(self.base_offset)
+            return _result(self.base_offset)
         if state == 2:
             raise self.path._wal_failure()
         raise TimeoutError(f"append at offset {self.base_offset} not durable after {timeout} s")
@@ -378,9 +388,17 @@ cdef class AppendPath:
         cdef CacheBlock sealed = None
         cdef CacheSlice s
         cdef AppendFuture fut
-        PyObject_GetBuffer(payload, &view, PyBUF_SIMPLE)
-        try:
+        cdef const unsigned char* data
+        cdef bint have_view = False
+        if type(payload) is bytes:          # the common case: no buffer protocol round trip
+            data = <const unsigned char*>PyBytes_AS_STRING(payload)
+            n = <size_t>PyBytes_GET_SIZE(payload)
+        else:
+            PyObject_GetBuffer(payload, &view, PyBUF_SIMPLE)
+            have_view = True
+            data = <const unsigned char*>view.buf
             n = <size_t>view.len
+        try:
             if n > self.max_batch_bytes:
                 raise self.errors["invalid_batch"](
                     f"batch payload of {n} bytes exceeds max_batch_bytes ({self.max_batch_bytes}); split it "
@@ -411,7 +429,7 @@ cdef class AppendPath:
                 store64(prefix + 16, base)
                 store32(prefix + 24, count)
                 try:
-                    self.ring.place_record(prefix, WAL_PREFIX, <const unsigned char*>view.buf, n, &pos)
+                    self.ring.place_record(prefix, WAL_PREFIX, data, n, &pos)
                 except BaseException as e:
                     raise self.map_error(e) from e
                 # The record is in the WAL from here on: its offsets are taken whatever happens.
@@ -427,8 +445,7 @@ cdef class AppendPath:
                     if s is None or s.block_id != self.cache.active.block_id:
                         s = self.cache._slice_for(w.stream_id, w.epoch)
                         w.slice = s
-                    seal = self.cache.insert(s, base, count, <const unsigned char*>view.buf, n,
-                                             pos, wal_end, True) == 1
+                    seal = self.cache.insert(s, base, count, data, n, pos, wal_end, True) == 1
                     self.uncommitted += n
                     w._push_pending(wal_end, base + count)
                     if seal:
@@ -447,7 +464,8 @@ cdef class AppendPath:
             finally:
                 self._unlock_append()
         finally:
-            PyBuffer_Release(&view)
+            if have_view:
+                PyBuffer_Release(&view)
         self.stat_appends += 1
         self.stat_bytes += n
         if sealed is not None:
@@ -494,7 +512,7 @@ cdef class AppendPath:
         cdef AppendFuture head
         cdef uint64_t durable
         cdef list ready
-        cdef bint everything
+        cdef bint everything = False
         while True:
             with self.cb_cond:
                 while not self.cb_heap and not self.cb_stop:

@@ -32,8 +32,7 @@ from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
 cimport cython
 
 from _native.sysdeps cimport (
-    monotonic_ns, pthread_mutex_init, pthread_mutex_destroy, pthread_mutex_lock, pthread_mutex_trylock,
-    pthread_mutex_unlock,
+    monotonic_ns, lock_releasing_gil, pthread_mutex_init, pthread_mutex_destroy, pthread_mutex_unlock,
 )
 from _native.endian cimport store32, store64
 from _native.walrecord cimport RECORD_HEADER_SIZE
@@ -368,10 +367,7 @@ cdef class AppendPath:
             pthread_mutex_destroy(&self.append_mutex)
 
     cdef void _lock_append(self) noexcept:
-        # Never wait for the mutex while holding the GIL: its holder may be waiting for the GIL.
-        if pthread_mutex_trylock(&self.append_mutex) != 0:
-            with nogil:
-                pthread_mutex_lock(&self.append_mutex)
+        lock_releasing_gil(&self.append_mutex)
 
     cdef void _unlock_append(self) noexcept:
         pthread_mutex_unlock(&self.append_mutex)

@@ -28,9 +28,7 @@ from libc.stdlib cimport malloc, realloc, free
 from libc.string cimport memcpy
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE
-from _native.sysdeps cimport (
-    pthread_mutex_init, pthread_mutex_destroy, pthread_mutex_lock, pthread_mutex_trylock, pthread_mutex_unlock,
-)
+from _native.sysdeps cimport lock_releasing_gil, pthread_mutex_init, pthread_mutex_destroy, pthread_mutex_unlock
 
 from _native.objcodec cimport Piece, encode_pieces
 
@@ -323,10 +321,7 @@ cdef class LogCache:
             pthread_mutex_destroy(&self.mutex)
 
     cdef void acquire(self) noexcept:
-        # Never wait for the mutex while holding the GIL: its holder may need the GIL to finish.
-        if pthread_mutex_trylock(&self.mutex) != 0:
-            with nogil:
-                pthread_mutex_lock(&self.mutex)
+        lock_releasing_gil(&self.mutex)
 
     cdef void release(self) noexcept:
         pthread_mutex_unlock(&self.mutex)

@@ -92,3 +92,12 @@ cdef inline int pread_full(int fd, unsigned char* buf, size_t length, long long 
         length -= <size_t>n
         offset += n
     return 0
+
+
+cdef inline void lock_releasing_gil(pthread_mutex_t* m) noexcept:
+    """Take `m` from a thread holding the GIL: at once if it is free, else wait for it without
+    the GIL (its holder may need the GIL to finish). For mutexes that no GIL-free thread takes;
+    the WAL ring's mutex, which its writers take, has a stricter rule (walring.pyx)."""
+    if pthread_mutex_trylock(m) != 0:
+        with nogil:
+            pthread_mutex_lock(m)

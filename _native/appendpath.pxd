@@ -24,6 +24,8 @@ cdef class AppendFuture:
     cdef AppendPath path
     cdef object error
 
+    cdef object _outcome(self, timeout)
+
 
 cdef class StreamWriter:
     cdef readonly uint64_t stream_id
@@ -41,6 +43,7 @@ cdef class StreamWriter:
     cdef size_t q_tail
     cdef size_t q_cap
 
+    cdef int _check_open(self) except -1
     cdef int _push_pending(self, uint64_t wal_end, uint64_t end_offset) except -1
     cdef void _advance_confirm(self) noexcept
 

@@ -147,18 +147,8 @@ cdef class AppendFuture:
     def done(self) -> bool:
         return self.error is not None or self.path.ring._settled(self.wal_end) != 0
 
-    def result(self, timeout=None) -> AppendResult:
-        cdef int state
-        if self.error is not None:
-            raise self.error
-        state = self.path.ring._wait(self.wal_end, timeout)
-        if state == 1:
-            return _result(self.base_offset)
-        if state == 2:
-            raise self.path._wal_failure()
-        raise TimeoutError(f"append at offset {self.base_offset} not durable after {timeout} s")
-
-    def exception(self, timeout=None):
+    cdef object _outcome(self, timeout):
+        """None once durable, else why it never will be; TimeoutError if still pending."""
         cdef int state
         if self.error is not None:
             return self.error
@@ -168,6 +158,15 @@ cdef class AppendFuture:
         if state == 2:
             return self.path._wal_failure()
         raise TimeoutError(f"append at offset {self.base_offset} not durable after {timeout} s")
+
+    def result(self, timeout=None) -> AppendResult:
+        error = self._outcome(timeout)
+        if error is not None:
+            raise error
+        return _result(self.base_offset)
+
+    def exception(self, timeout=None):
+        return self._outcome(timeout)
 
     def add_done_callback(self, fn) -> None:
         """Call `fn(self)` on the engine's callback thread once done (in WAL order)."""
@@ -218,6 +217,24 @@ cdef class StreamWriter:
         self.next_off = next_offset
         self.confirmed = next_offset
         self.wstate = W_OPEN
+
+    cdef int _check_open(self) except -1:
+        """Raise why this stream takes no appends (fenced, closed, failed); 0 if it does."""
+        if self.wstate == W_FENCED:
+            raise self.path.errors["fenced"](
+                f"stream {self.stream_id} epoch {self.epoch} was fenced: it was opened elsewhere with a newer "
+                "epoch (or this node was fenced). Stop writing; reopen the stream to continue.")
+        if self.wstate != W_OPEN:
+            raise self.path.errors["closed"](
+                f"stream {self.stream_id} is {('open', 'closing', 'closed')[self.wstate]} on this node; "
+                "open it again to append")
+        if self.failure is not None:
+            raise self.failure
+        return 0
+
+    def _check_writable(self) -> None:
+        """Raise why this stream takes no appends, trims or deletes here (fenced, closed, failed)."""
+        self._check_open()
 
     cdef int _push_pending(self, uint64_t wal_end, uint64_t end_offset) except -1:
         """Queue an append's (WAL end, end offset) for the confirm offset (cache lock held)."""
@@ -304,9 +321,6 @@ cdef class StreamWriter:
     def _mark_fenced(self) -> None:
         """Refuse further appends at once (no wait for appends in flight)."""
         self.wstate = W_FENCED
-
-    def _writer_failure(self):
-        return self.failure
 
     def _wait_confirmed(self, uint64_t offset, timeout=None) -> None:
         """Block until every append below `offset` is durable; TimeoutError after `timeout`. A
@@ -409,16 +423,7 @@ cdef class AppendPath:
             fut.submitted_ns = monotonic_ns()
             self._lock_append()
             try:
-                if w.wstate != W_OPEN:
-                    if w.wstate == W_FENCED:
-                        raise self.errors["fenced"](
-                            f"stream {w.stream_id} epoch {w.epoch} was fenced: it was opened elsewhere with a "
-                            "newer epoch (or this node was fenced). Stop writing; reopen the stream to continue.")
-                    raise self.errors["closed"](
-                        f"stream {w.stream_id} is {('open', 'closing', 'closed')[w.wstate]} on this node; "
-                        "open it again to append")
-                if w.failure is not None:
-                    raise w.failure
+                w._check_open()
                 base = w.next_off
                 store64(prefix, w.stream_id)
                 store64(prefix + 8, w.epoch)
@@ -491,7 +496,7 @@ cdef class AppendPath:
         self.refusal = (error_type, message)
 
     def stats(self) -> dict:
-        return dict(appends=self.stat_appends, bytes=self.stat_bytes, uncommitted=self.uncommitted)
+        return dict(appends=self.stat_appends, bytes=self.stat_bytes)
 
     # ---- callbacks ---------------------------------------------------------------------------
 

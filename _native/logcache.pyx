@@ -220,17 +220,6 @@ cdef class CacheSlice:
     def end_offset(self) -> int:
         return self.bases[self.n - 1] + self.counts[self.n - 1] if self.n else 0
 
-    @property
-    def batch_count(self) -> int:
-        return self.n
-
-    @property
-    def batches(self) -> list:
-        """(base, count, payload bytes) of every batch (a copy: for tests and tools)."""
-        return [(self.bases[i], self.counts[i],
-                 PyBytes_FromStringAndSize(<const char*>self.data[i], self.lengths[i]))
-                for i in range(self.n)]
-
     def __repr__(self):
         return f"<CacheSlice stream {self.stream_id} [{self.start_offset}, {self.end_offset}) {self.size} bytes>"
 
@@ -454,19 +443,6 @@ cdef class LogCache:
         finally:
             self.release()
 
-    def unuploaded_bytes(self, uint64_t stream_id) -> int:
-        """Bytes of the stream in blocks not yet committed."""
-        cdef uint64_t total = 0
-        cdef CacheBlock block
-        self.acquire()
-        try:
-            for block in list(self.blocks) + [self.active]:
-                if block.state != COMMITTED and stream_id in block.streams:
-                    total += (<CacheSlice>block.streams[stream_id]).size
-            return total
-        finally:
-            self.release()
-
     def read(self, uint64_t stream_id, uint64_t start, uint64_t end, uint64_t max_bytes) -> list:
         """Cached batches of the stream from the one containing `start`, up to `end` or
         `max_bytes` (at least one batch). Empty if the cache does not hold `start`. The caller
@@ -500,10 +476,6 @@ cdef class LogCache:
             return out
         finally:
             self.release()
-
-    @property
-    def active_block(self) -> CacheBlock:
-        return self.active
 
     @property
     def size(self) -> int:

@@ -22,8 +22,8 @@ from _native.appendpath import AppendPath
 
 from .config import Config
 from .errors import (
-    AppendFailedError, ConfigError, CorruptDataError, InvalidBatchError, S3StreamError, StreamClosedError, StreamFencedError, StreamNotClosedError,
-    StreamNotFoundError, WALError, WALFullError,
+    AppendFailedError, ConfigError, CorruptDataError, InvalidBatchError, S3StreamError, StreamClosedError,
+    StreamFencedError, StreamNotClosedError, StreamNotFoundError, WALError, WALFullError,
 )
 from .lifecycle import ObjectReclaimer, ReclaimerThread
 from .logcache import CacheBlock, LogCache, new_log_cache
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("s3stream")
 
 #: Header of a stream record in the WAL: stream id, stream epoch, base offset, record count.
+#: Written natively by the append path (_native/appendpath.pyx, WAL_PREFIX); read here.
 WAL_RECORD = struct.Struct("<QQQI")
 
 
@@ -218,7 +219,7 @@ class StreamClient:
 
     def _unuploaded_bytes(self, stream: Stream) -> int:
         """Bytes of the stream still only in the WAL and log cache."""
-        return self._cache.unuploaded_bytes(stream.stream_id)
+        return sum(b.streams[stream.stream_id].size for b in self._cache.pending_blocks_with(stream.stream_id))
 
     def _register(self, meta: StreamMeta) -> Stream:
         stream = Stream(self, meta)

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from _native import appendpath
 from _native.appendpath import StreamWriter
 
-from .errors import OffsetOutOfRangeError, StreamClosedError, StreamFencedError
+from .errors import OffsetOutOfRangeError
 from .metadata import StreamMeta
 from .recordbatch import FetchResult
 
@@ -58,18 +58,6 @@ class Stream(StreamWriter):
     @property
     def is_open(self) -> bool:
         return self._writer_state() == appendpath.OPEN
-
-    def _check_writable(self) -> None:
-        state = self._writer_state()
-        if state == appendpath.FENCED:
-            raise StreamFencedError(
-                f"stream {self.stream_id} epoch {self.epoch} was fenced: it was opened elsewhere with a newer "
-                "epoch (or this node was fenced). Stop writing; reopen the stream to continue.")
-        if state != appendpath.OPEN:
-            raise StreamClosedError(f"stream {self.stream_id} is {self._state} on this node")
-        failure = self._writer_failure()
-        if failure is not None:
-            raise failure
 
     # ---- fetch --------------------------------------------------------------------------------
 

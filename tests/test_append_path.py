@@ -15,7 +15,7 @@ import wal
 from _native import appendpath, objcodec
 from s3stream import RecordBatch, StreamClient
 from s3stream.logcache import LogCache, encode_slices
-from s3stream.metadata import ObjectState, ObjectType, SqliteMetadataStore
+from s3stream.metadata import SqliteMetadataStore
 from s3stream.objectformat_reference import encode_object as reference_encode
 from s3stream.objectstore import FaultInjectingObjectStore, LocalObjectStore
 from s3stream.upload_reference import plan_upload
@@ -268,7 +268,7 @@ def test_cache_reads_only_what_it_holds(tmp_path):
     assert [(b.base_offset, b.payload) for b in got] == [(12, b"p1"), (14, b"p2"), (16, b"p3")]
     assert [b.base_offset for b in cache.read(5, 10, 30, 5)] == [10, 12]  # max_bytes, at least one
     assert cache.read(6, 0, 10, 100) == []
-    assert cache.unuploaded_bytes(5) == 20
+    assert [b.block_id for b in cache.pending_blocks_with(5)] == [cache.seal().block_id]
 
 
 def test_cache_memory_is_recycled_and_bounded():

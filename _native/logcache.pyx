@@ -446,33 +446,53 @@ cdef class LogCache:
     def read(self, uint64_t stream_id, uint64_t start, uint64_t end, uint64_t max_bytes) -> list:
         """Cached batches of the stream from the one containing `start`, up to `end` or
         `max_bytes` (at least one batch). Empty if the cache does not hold `start`. The caller
-        bounds `end` by the confirm offset (only durable data is read)."""
+        bounds `end` by the confirm offset (only durable data is read).
+
+        The payloads are copied, under the lock, into one bytes object per read, and handed out
+        as read-only memoryview slices of it (one allocation per fetch, not per batch)."""
         cdef list out = []
-        cdef uint64_t size = 0, pos = start
-        cdef size_t i, length
+        cdef uint64_t size, pos
+        cdef size_t i, length, at = 0
         cdef CacheSlice s
         cdef CacheBlock block
+        cdef bytes buf = None
+        cdef object whole = None
+        cdef char* dst = NULL
+        cdef int phase
         self.acquire()
         try:
-            for block in list(self.blocks) + [self.active]:
-                s = block.streams.get(stream_id)
-                if s is None or s.n == 0:
-                    continue
-                if s.bases[s.n - 1] + s.counts[s.n - 1] <= pos:
-                    continue
-                if s.bases[0] > pos:
-                    break          # a hole: the data at `pos` is in objects, not here
-                i = s.find(pos)
-                while i < s.n:
-                    length = s.lengths[i]
-                    if s.bases[i] >= end or (out and size + length > max_bytes):
+            # Phase 0 sizes the read, phase 1 copies it into one buffer: same walk both times.
+            for phase in range(2):
+                size = 0
+                pos = start
+                for block in list(self.blocks) + [self.active]:
+                    s = block.streams.get(stream_id)
+                    if s is None or s.n == 0:
+                        continue
+                    if s.bases[s.n - 1] + s.counts[s.n - 1] <= pos:
+                        continue
+                    if s.bases[0] > pos:
+                        break          # a hole: the data at `pos` is in objects, not here
+                    i = s.find(pos)
+                    while i < s.n:
+                        length = s.lengths[i]
+                        if s.bases[i] >= end or (size and size + length > max_bytes):
+                            break
+                        if phase == 1:
+                            memcpy(dst + at, s.data[i], length)
+                            out.append(self.batch_type(s.bases[i], s.counts[i], whole[at:at + length]))
+                            at += length
+                        size += length
+                        pos = s.bases[i] + s.counts[i]
+                        i += 1
+                    if i < s.n:
+                        break
+                if phase == 0:
+                    if size == 0 and pos == start:
                         return out
-                    out.append(self.batch_type(
-                        s.bases[i], s.counts[i],
-                        PyBytes_FromStringAndSize(<const char*>s.data[i], length)))
-                    size += length
-                    pos = s.bases[i] + s.counts[i]
-                    i += 1
+                    buf = PyBytes_FromStringAndSize(NULL, size)
+                    dst = <char*>buf
+                    whole = memoryview(buf)
             return out
         finally:
             self.release()

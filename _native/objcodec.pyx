@@ -265,10 +265,19 @@ def parse_index(data, uint32_t expected_crc):
     return out
 
 
-def decode_block(data, size_t offset=0, size_t length=0, expected_stream=None):
-    """Batches [(base, count, payload bytes)] of the block at data[offset:offset+length]
-    (length 0: to the end). Checks magic, version, stream id, CRC and every length."""
+def decode_block(data, size_t offset=0, size_t length=0, expected_stream=None, batch_type=None,
+                 bint views=False):
+    """Batches [(base, count, payload)] of the block at data[offset:offset+length] (length 0:
+    to the end). Checks magic, version, stream id, CRC and every length before returning.
+
+    views=False: each payload is a copy (bytes). views=True: each payload is a slice of
+    memoryview(data), no copy: the batches keep `data` alive. batch_type (a tuple subclass such
+    as a NamedTuple): build those instead of plain tuples."""
     cdef Py_buffer view
+    cdef object whole = None
+    cdef object payload
+    cdef tuple item
+    cdef size_t at
     cdef const unsigned char* b
     cdef const unsigned char* p
     cdef const unsigned char* end
@@ -307,7 +316,15 @@ def decode_block(data, size_t offset=0, size_t length=0, expected_stream=None):
             if <size_t>(end - p - BATCH_HEADER) < plen:
                 raise ObjectFormatError("batch payload runs past the block")
             expect = base + load32(p + 8)
-            out.append((base, load32(p + 8), PyBytes_FromStringAndSize(<const char*>(p + BATCH_HEADER), plen)))
+            if views:
+                if whole is None:
+                    whole = data if isinstance(data, memoryview) else memoryview(data)
+                at = <size_t>(p + BATCH_HEADER - <const unsigned char*>view.buf)
+                payload = whole[at:at + plen]
+            else:
+                payload = PyBytes_FromStringAndSize(<const char*>(p + BATCH_HEADER), plen)
+            item = (base, load32(p + 8), payload)
+            out.append(item if batch_type is None else tuple.__new__(batch_type, item))
             p += BATCH_HEADER + plen
         if p != end:
             raise ObjectFormatError("data block has trailing bytes")

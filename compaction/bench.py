@@ -278,13 +278,17 @@ def read_cost(args, store_dir: str, meta: SqliteMetadataStore, stream_ids: list[
     for stream_id in stream_ids:
         m = meta.get_stream(stream_id)
         store = KeyRecordingStore(LocalObjectStore(store_dir))
-        reader = Reader(store, meta, LogCache(64 * MiB, 128 * MiB, time.monotonic_ns, FetchedBatch), 64 * MiB, 1 * MiB)
+        reader = Reader(store, meta, LogCache(64 * MiB, 128 * MiB, time.monotonic_ns, FetchedBatch),
+                        Config(block_cache_size=64 * MiB, readahead_bytes=1 * MiB, read_fetch_size=1 * MiB))
         pos = m.start_offset
         nbytes = 0
-        while pos < m.end_offset:
-            batches = reader.read(stream_id, pos, m.end_offset, 1 * MiB)
-            nbytes += sum(len(b.payload) for b in batches)
-            pos = batches[-1].end_offset
+        try:
+            while pos < m.end_offset:
+                batches = reader.read(stream_id, pos, m.end_offset, 1 * MiB)
+                nbytes += sum(len(b.payload) for b in batches)
+                pos = batches[-1].end_offset
+        finally:
+            reader.close()
         out[str(stream_id)] = dict(objects=len(store.keys), gets=store.gets, bytes=nbytes)
     return out
 

@@ -139,8 +139,7 @@ class StreamClient:
         except wal.WALError as e:
             raise WALError(str(e)) from e
         self._cache = new_log_cache(self.config, clock)
-        self._reader = Reader(self._store, self._meta, self._cache, self.config.block_cache_size,
-                              self.config.readahead_bytes)
+        self._reader = Reader(self._store, self._meta, self._cache, self.config)
         self._uploader = Uploader(node_id=node_id, node_epoch=self.node_epoch, store=self._store,
                                   metadata=self._meta, cache=self._cache, trim_wal=self._trim_wal,
                                   config=self.config, on_committed=self._on_committed, on_fenced=self._on_fenced,
@@ -431,6 +430,7 @@ class StreamClient:
         if sealed is not None:
             self._uploader.submit(sealed)
         self._uploader.close(timeout)
+        self._reader.close()
         self._wal.close()
         self._append_path.stop_callbacks()
         self._callbacks.join()
@@ -451,7 +451,7 @@ class StreamClient:
         engine = dict(node_id=self.node_id, node_epoch=self.node_epoch, open_streams=len(self._streams),
                       uncommitted_bytes=self._append_path.uncommitted, cache=self._cache.stats(),
                       append=self._append_path.stats(), upload=dict(self._uploader.stats),
-                      read=dict(self._reader.stats), wal=self._wal.stats())
+                      read=self._reader.snapshot(), wal=self._wal.stats())
         return dict(engine, **{name: source(engine) for name, source in list(self._stats_sources.items())})
 
     # ---- extension point for add-ons (compaction) -----------------------------------------------

@@ -28,8 +28,14 @@ class Config:
         append waits while uncommitted data alone would exceed it (backpressure). Chunks of
         evicted blocks are kept for reuse up to half of it more (touching fresh memory costs
         13x a copy into warm memory on the reference machine).
-    block_cache_size: decoded object blocks kept for reads (LRU).
-    readahead_bytes: a read from objects fetches at least this much of the stream in one GET.
+    block_cache_size: object blocks kept for reads (LRU). GETs in flight hold up to half of it
+        more; read-ahead waits for room below that bound (s3stream/read.py).
+    readahead_bytes: the largest read-ahead window of one stream. A sequential reader's window
+        starts at two GETs (2 x read_fetch_size) and doubles each time the reader catches up
+        with it, up to this.
+    read_fetch_size: bytes per ranged GET; a larger fetch or window is that many GETs at once.
+    read_concurrency: threads that run read-ahead and parallel GETs.
+    read_timeout: seconds a read waits for an object GET before failing with ObjectStoreError.
     upload_concurrency: threads that encode and PUT objects (objects in flight at once); each
         keeps one encode buffer as large as the largest object it made (at most about
         upload_threshold), reused so that uploads do not fault in fresh memory.
@@ -55,7 +61,10 @@ class Config:
     max_batch_bytes: int = 8 * MiB
     cache_size: int = 512 * MiB
     block_cache_size: int = 128 * MiB
-    readahead_bytes: int = 4 * MiB
+    readahead_bytes: int = 32 * MiB
+    read_fetch_size: int = 2 * MiB
+    read_concurrency: int = 4
+    read_timeout: float = 60.0
     upload_concurrency: int = 4
     upload_pipeline: int = 3
     wal_pressure: float = 0.5
@@ -67,7 +76,8 @@ class Config:
 
     def __post_init__(self) -> None:
         positive = ("upload_threshold", "split_size", "object_block_size", "max_batch_bytes", "cache_size",
-                    "block_cache_size", "readahead_bytes", "upload_concurrency", "upload_pipeline")
+                    "block_cache_size", "readahead_bytes", "read_fetch_size", "read_concurrency", "upload_concurrency",
+                    "upload_pipeline")
         for name in positive:
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
@@ -90,7 +100,7 @@ class Config:
             raise ConfigError(f"upload_interval must be positive seconds or None, got {self.upload_interval}")
         if self.reclaim_interval is not None and not self.reclaim_interval > 0:
             raise ConfigError(f"reclaim_interval must be positive seconds or None, got {self.reclaim_interval}")
-        for name in ("prepared_ttl", "append_timeout", "destroy_delay"):
+        for name in ("prepared_ttl", "append_timeout", "destroy_delay", "read_timeout"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be positive seconds, got {getattr(self, name)}")
         wal_capacity = self.wal.capacity or wal.config.DEFAULT_CAPACITY

@@ -65,7 +65,8 @@ def entries_for(index: Sequence[IndexEntry], stream_id: int, start: int, end: in
 
 
 def read_blocks(store: ObjectStore, key: str, entries: Sequence[IndexEntry]) -> list[list[Batch]]:
-    """Decode consecutive blocks with one ranged GET; returns each block's batches."""
+    """Decode consecutive blocks with one ranged GET; returns each block's batches, whose
+    payloads are memoryview slices of the GET's buffer (checked, not copied)."""
     if not entries:
         return []
     first = entries[0].block_position
@@ -76,11 +77,11 @@ def read_blocks(store: ObjectStore, key: str, entries: Sequence[IndexEntry]) -> 
         if len(raw) != last - first:
             raise objcodec.ObjectFormatError(f"short read: {len(raw)} of {last - first} bytes")
         for e in entries:
-            batches = objcodec.decode_block(raw, e.block_position - first, e.block_size, e.stream_id)
+            batches = objcodec.decode_block(raw, e.block_position - first, e.block_size, e.stream_id, Batch, True)
             if not batches or batches[0][0] != e.start_offset or batches[-1][0] + batches[-1][1] != e.end_offset:
                 raise objcodec.ObjectFormatError(
                     f"block of stream {e.stream_id} does not hold offsets [{e.start_offset}, {e.end_offset})")
-            out.append([Batch(*b) for b in batches])
+            out.append(batches)
     except objcodec.ObjectFormatError as e:
         raise _format_error(key, e) from None
     return out

@@ -50,7 +50,7 @@ class Checkpoint:
 
     @classmethod
     def decode(cls, raw: bytes) -> "Checkpoint":
-        d = json.loads(raw)
+        d = json.loads(bytes(raw))
         return cls(streams={k: int(v) for k, v in d["streams"].items()}, leader_epoch=d["leader_epoch"],
                    clean=d["clean"], start_offsets={k: int(v) for k, v in d.get("start_offsets", {}).items()})
 

@@ -1,39 +1,70 @@
-"""The read path: log cache first, then objects found through metadata.
+"""The read path: log cache first, then objects found through (cached) metadata.
 
 For offsets the log cache no longer (or never) held, metadata names the committed objects holding
-the stream's data from the wanted offset on, ordered by offset: StreamObjects and the ranges of
-StreamSetObjects alike (an index range scan on (stream, offset), which is what AutoMQ's
-"binary-search the ranges, then scan the node's SSOs" computes). Each object is read footer ->
-index -> blocks with ranged GETs; decoded blocks go to a size-capped LRU block cache, and a read
-fetches at least `readahead_bytes` of the stream's consecutive blocks in one GET so that a
-catch-up reader's next fetches hit the cache.
+the stream's data, ordered by offset: StreamObjects and the ranges of StreamSetObjects alike. The
+reader keeps those object refs per stream (they only change when compaction or retention swap
+objects, which a missing object reveals: the refs are then looked up again), so a catch-up reader
+queries metadata once per 64 objects, not once per fetch. Each object is read footer -> index ->
+blocks with ranged GETs; the decoded blocks go to a size-capped LRU block cache.
+
+Zero copy: a GET's buffer is checked (CRC-32C per block) and its payloads are handed out as
+read-only memoryview slices of it. A payload keeps its GET's buffer alive: copy it (bytes(p)) to
+keep a small part of a large fetch for long.
+
+Readahead follows each reader. Every read from objects also schedules, on a pool of
+`read_concurrency` threads, the GETs of the stream's next `window` bytes (across objects), so that
+the reader finds its next blocks fetched or in flight. A stream's window starts at two GETs
+(`read_fetch_size` each), doubles each time the reader catches up with it (it had to wait for a
+block, or fetch one itself), up to `readahead_bytes`, returns to the start when the reader seeks,
+and halves when read-ahead blocks are evicted unread (the reader is slower than the cache can
+hold). A fetch larger than `read_fetch_size` is split into that many ranged GETs running at once.
+
+Memory: the block cache holds at most `block_cache_size` bytes of blocks; GETs in flight hold at
+most half of that more (read-ahead is skipped beyond it, a reader's own fetch is never refused);
+object indexes at most INDEX_CACHE_BYTES; refs at most REF_CACHE_ENTRIES. Waits are bounded by
+`read_timeout`.
 
 An object that disappears between the metadata lookup and the GET (compaction or retention
 swapped it) makes the read retry against fresh metadata, so a reader never sees a gap.
 """
 from __future__ import annotations
 
+import bisect
 import threading
 from collections import OrderedDict
-from typing import Hashable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Callable, Hashable, NamedTuple
 
-from .errors import CorruptDataError, ObjectNotFoundError
+from .config import Config
+from .errors import CorruptDataError, ObjectNotFoundError, ObjectStoreError
 from .logcache import LogCache
 from .metadata import MetadataStore, ObjectRef
 from .objectformat import Batch, IndexEntry, entries_for, read_blocks, read_index
 from .objectstore import ObjectStore
 
 _RETRIES = 3
+#: Object indexes kept (bytes, estimated): 64 MiB is about 1.2 million index entries.
+INDEX_CACHE_BYTES = 64 * 1024 * 1024
+#: Object refs kept, over all streams (about 200 bytes each).
+REF_CACHE_ENTRIES = 64 * 1024
+#: Refs looked up per metadata query.
+REF_BATCH = 64
+#: Streams whose reading position is followed for readahead.
+TRACKED_READERS = 4096
+_NO_END = (1 << 63) - 1
 
 
 class LRUCache:
-    """A thread-safe LRU bounded by the total `weight` of its values."""
+    """A thread-safe LRU bounded by the total `weight` of its values. `on_evict(key, value)`, if
+    given, is called (under the cache's lock: keep it short) for each value pushed out."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, on_evict: Callable[[Hashable, object], None] | None = None) -> None:
         self._capacity = capacity
         self._items: OrderedDict[Hashable, tuple[object, int]] = OrderedDict()
         self._weight = 0
         self._lock = threading.Lock()
+        self._on_evict = on_evict
         self.hits = 0
         self.misses = 0
 
@@ -55,24 +86,88 @@ class LRUCache:
             self._items[key] = (value, weight)
             self._weight += weight
             while self._weight > self._capacity and len(self._items) > 1:
-                _, (_, w) = self._items.popitem(last=False)
+                k, (v, w) = self._items.popitem(last=False)
                 self._weight -= w
+                if self._on_evict is not None:
+                    self._on_evict(k, v)
+
+    def pop(self, key: Hashable) -> None:
+        with self._lock:
+            old = self._items.pop(key, None)
+            if old is not None:
+                self._weight -= old[1]
 
     @property
     def weight(self) -> int:
         return self._weight
 
 
+class _Block:
+    """A decoded block in the block cache; `unread` while only read-ahead has touched it."""
+    __slots__ = ("stream_id", "batches", "nbytes", "unread")
+
+    def __init__(self, stream_id: int, batches: list[Batch], nbytes: int, unread: bool) -> None:
+        self.stream_id = stream_id
+        self.batches = batches
+        self.nbytes = nbytes
+        self.unread = unread
+
+
+class _Follow:
+    """A stream's reader: where its next sequential read starts, where its last read from
+    objects ended, its read-ahead window (bytes), and whether read-ahead is queued for it."""
+    __slots__ = ("next_pos", "read_to", "window", "queued")
+
+    def __init__(self, window: int) -> None:
+        self.next_pos = -1
+        self.read_to = 0
+        self.window = window
+        self.queued = False
+
+
+class _Unit(NamedTuple):
+    """Consecutive blocks of one stream in one object: one ranged GET."""
+    ref: ObjectRef
+    entries: list[IndexEntry]
+    nbytes: int
+
+
 class Reader:
-    def __init__(self, store: ObjectStore, metadata: MetadataStore, cache: LogCache,
-                 block_cache_size: int, readahead_bytes: int) -> None:
+    def __init__(self, store: ObjectStore, metadata: MetadataStore, cache: LogCache, config: Config) -> None:
         self._store = store
         self._meta = metadata
         self._cache = cache
-        self._readahead = readahead_bytes
-        self.blocks = LRUCache(block_cache_size)
-        self.indexes = LRUCache(64 * 1024 * 1024)
-        self.stats = dict(object_reads=0, object_bytes=0, cache_reads=0)
+        self._fetch_size = config.read_fetch_size
+        self._max_window = config.readahead_bytes
+        self._min_window = min(config.readahead_bytes, 2 * config.read_fetch_size)
+        self._timeout = config.read_timeout
+        self._inflight_cap = max(config.block_cache_size // 2, config.read_fetch_size)
+        self.blocks = LRUCache(config.block_cache_size, on_evict=self._evicted)
+        self.indexes = LRUCache(INDEX_CACHE_BYTES)
+        self._refs = LRUCache(REF_CACHE_ENTRIES)
+        self._pool = ThreadPoolExecutor(config.read_concurrency, thread_name_prefix="s3stream-read")
+        self._lock = threading.Lock()
+        self._inflight: dict[tuple[int, int], Future] = {}
+        self._inflight_bytes = 0
+        self._demanded: set[tuple[int, int]] = set()    # in flight as read-ahead, now awaited
+        self._follow: OrderedDict[int, _Follow] = OrderedDict()
+        self._closed = False
+        self.stats = dict(object_reads=0, object_bytes=0, cache_reads=0, block_hits=0, block_waits=0,
+                          block_fetches=0, readahead_bytes=0, readahead_used_bytes=0, readahead_wasted_bytes=0,
+                          readahead_skipped=0, metadata_lookups=0, max_inflight_bytes=0)
+
+    def close(self) -> None:
+        """Stop read-ahead: queued GETs are dropped, running ones end within the store's timeouts."""
+        with self._lock:
+            self._closed = True
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return dict(self.stats, inflight_bytes=self._inflight_bytes, block_cache_bytes=self.blocks.weight,
+                        index_cache_bytes=self.indexes.weight, followed_streams=len(self._follow))
+
+    # ---- the read -----------------------------------------------------------------------------
 
     def read(self, stream_id: int, start: int, end: int, max_bytes: int) -> list[Batch]:
         """Batches covering [start, end) from the one containing `start`, up to `max_bytes`
@@ -103,40 +198,264 @@ class Reader:
 
     def _read_objects(self, stream_id: int, pos: int, end: int, budget: int) -> list[Batch]:
         last_error: Exception | None = None
-        for _ in range(_RETRIES):
-            refs = self._meta.get_object_refs(stream_id, pos, end, limit=8)
-            if not refs or refs[0].start_offset > pos:
+        for attempt in range(_RETRIES):
+            ref = self._ref_at(stream_id, pos, end, fresh=attempt > 0)
+            if ref is None:
                 # Maybe just committed from the cache's view, or swapped by compaction: look again.
                 cached = self._cache.read(stream_id, pos, end, budget)
                 if cached:
                     return cached
                 continue
             try:
-                return self._read_refs(stream_id, refs, pos, end, budget)
+                return self._read_from(stream_id, ref, pos, end, budget)
             except ObjectNotFoundError as e:
                 last_error = e
+                self.indexes.pop(ref.object_id)
         if last_error is not None:
             raise CorruptDataError(
                 f"stream {stream_id}: object for offset {pos} is missing from the store: {last_error}")
         return []
 
-    def _read_refs(self, stream_id: int, refs: list[ObjectRef], pos: int, end: int, budget: int) -> list[Batch]:
-        out: list[Batch] = []
-        size = 0
-        for ref in refs:
-            if ref.start_offset > pos or size >= budget:
+    def _read_from(self, stream_id: int, ref: ObjectRef, pos: int, end: int, budget: int) -> list[Batch]:
+        """Read from `ref` (and the objects after it) up to `budget` bytes; readahead past it."""
+        wanted: list[tuple[ObjectRef, IndexEntry]] = []
+        total = 0
+        at = pos
+        while ref is not None and total < budget and at < end:
+            for e in entries_for(self._index(ref), stream_id, at, min(end, ref.end_offset)):
+                if wanted and total >= budget:
+                    break
+                wanted.append((ref, e))
+                total += e.block_size
+                at = e.end_offset
+            if total >= budget or at >= end or at < ref.end_offset:
                 break
-            entries = entries_for(self._index(ref), stream_id, pos, min(end, ref.end_offset))
-            for block in self._blocks(ref, entries, max(budget - size, self._readahead)):
-                for batch in block:
-                    if batch.end_offset <= pos:
-                        continue
-                    if batch.base_offset >= end or (out and size + len(batch.payload) > budget):
-                        return out
-                    out.append(batch)
-                    size += len(batch.payload)
-                    pos = batch.end_offset
+            ref = self._ref_at(stream_id, at, end, cached_only=True)
+        if not wanted:
+            raise CorruptDataError(
+                f"stream {stream_id}: object {ref.key} is listed for offset {pos} but its index has no block there")
+        futures, waited = self._claim(stream_id, wanted, demand=True)
+        self._follow_reader(stream_id, pos, at, waited)
+        out: list[Batch] = []
+        try:
+            self._collect(futures, wanted, out, pos, end, budget)
+        finally:
+            if out:
+                self._reader_at(stream_id, out[-1].end_offset)
         return out
+
+    def _collect(self, futures: list[Future], wanted: list[tuple[ObjectRef, IndexEntry]], out: list[Batch],
+                 pos: int, end: int, budget: int) -> None:
+        size = 0
+        for (ref, e), fut in zip(wanted, futures):
+            batches = self._wait(fut, ref, e)
+            for batch in batches:
+                if batch.end_offset <= pos:
+                    continue
+                if batch.base_offset >= end or (out and size + len(batch.payload) > budget):
+                    return
+                out.append(batch)
+                size += len(batch.payload)
+                pos = batch.end_offset
+
+    def _wait(self, fut: Future, ref: ObjectRef, e: IndexEntry) -> list[Batch]:
+        try:
+            return fut.result(self._timeout)
+        except FutureTimeout:
+            raise ObjectStoreError(
+                f"read of object {ref.key} bytes [{e.block_position}, {e.block_position + e.block_size}) did not "
+                f"complete within read_timeout={self._timeout}s; the object store is slow or unreachable") from None
+
+    # ---- blocks: cached, in flight, or fetched ----------------------------------------------------
+
+    def _claim(self, stream_id: int, wanted: list[tuple[ObjectRef, IndexEntry]],
+               demand: bool) -> tuple[list[Future | None], bool]:
+        """A future per wanted block: done if cached, the in-flight GET's if one is running, else
+        a new GET's (grouped into units). Read-ahead (demand=False) skips what is cached or in
+        flight and stops at the in-flight byte cap. Returns (futures, whether any block was not
+        cached yet)."""
+        futures: list[Future | None] = []
+        units: list[tuple[_Unit, list[Future]]] = []
+        waited = False
+        with self._lock:
+            if self._closed:
+                raise ObjectStoreError("the stream client is closed; its reader takes no more reads")
+            for ref, e in wanted:
+                key = (ref.object_id, e.block_position)
+                fut = self._inflight.get(key)
+                if fut is not None:
+                    waited = True
+                    if demand:
+                        self.stats["block_waits"] += 1
+                        self._demanded.add(key)
+                    futures.append(fut if demand else None)
+                    continue
+                block = self.blocks.get(key)
+                if block is not None:
+                    if demand:
+                        self.stats["block_hits"] += 1
+                        if block.unread:
+                            block.unread = False
+                            self.stats["readahead_used_bytes"] += e.block_size
+                        fut = Future()
+                        fut.set_result(block.batches)
+                    futures.append(fut)
+                    continue
+                if not demand and self._inflight_bytes + e.block_size > self._inflight_cap:
+                    self.stats["readahead_skipped"] += 1
+                    break
+                waited = True
+                fut = Future()
+                self._inflight[key] = fut
+                self._inflight_bytes += e.block_size
+                futures.append(fut)
+                last = units[-1][0] if units else None
+                if (last is not None and last.ref.object_id == ref.object_id
+                        and last.entries[-1].block_position + last.entries[-1].block_size == e.block_position
+                        and last.nbytes + e.block_size <= self._fetch_size):
+                    last.entries.append(e)
+                    units[-1] = (_Unit(ref, last.entries, last.nbytes + e.block_size), units[-1][1] + [fut])
+                else:
+                    units.append((_Unit(ref, [e], e.block_size), [fut]))
+            self.stats["max_inflight_bytes"] = max(self.stats["max_inflight_bytes"], self._inflight_bytes)
+            if demand:
+                self.stats["block_fetches"] += sum(len(u.entries) for u, _ in units)
+            else:
+                self.stats["readahead_bytes"] += sum(u.nbytes for u, _ in units)
+        # A reader's own first GET runs on its thread (it would wait for it anyway); the rest run
+        # on the pool, at once.
+        for i, (unit, futs) in enumerate(units):
+            if demand and i == 0:
+                continue
+            self._pool.submit(self._fetch, stream_id, unit, futs, not demand)
+        if demand and units:
+            self._fetch(stream_id, units[0][0], units[0][1], False)
+        return futures, waited
+
+    def _fetch(self, stream_id: int, unit: _Unit, futures: list[Future], readahead: bool) -> None:
+        """One ranged GET: decode, cache and hand out its blocks (or its error to every waiter)."""
+        keys = [(unit.ref.object_id, e.block_position) for e in unit.entries]
+        try:
+            decoded = read_blocks(self._store, unit.ref.key, unit.entries)
+        except BaseException as error:
+            with self._lock:
+                for key in keys:
+                    self._inflight.pop(key, None)
+                    self._demanded.discard(key)
+                self._inflight_bytes -= unit.nbytes
+            for fut in futures:
+                fut.set_exception(error)
+            if not isinstance(error, Exception):
+                raise
+            return
+        with self._lock:
+            for key, e, batches in zip(keys, unit.entries, decoded):
+                unread = readahead
+                if key in self._demanded:
+                    self._demanded.discard(key)
+                    unread = False
+                    self.stats["readahead_used_bytes"] += e.block_size
+                self.blocks.put(key, _Block(stream_id, batches, e.block_size, unread), e.block_size)
+                self._inflight.pop(key, None)
+            self._inflight_bytes -= unit.nbytes
+            self.stats["object_reads"] += 1
+            self.stats["object_bytes"] += unit.nbytes
+        for fut, batches in zip(futures, decoded):
+            fut.set_result(batches)
+
+    def _evicted(self, key: Hashable, block: _Block) -> None:
+        # Called under self._lock (blocks are only put while it is held).
+        if block.unread:
+            self.stats["readahead_wasted_bytes"] += block.nbytes
+            follow = self._follow.get(block.stream_id)
+            if follow is not None:
+                follow.window = max(self._min_window, follow.window // 2)
+
+    # ---- readahead ------------------------------------------------------------------------------
+
+    def _follow_reader(self, stream_id: int, pos: int, read_to: int, caught_up: bool) -> None:
+        """A read of the stream at `pos` is fetching up to offset `read_to`: grow or reset the
+        stream's window, and queue read-ahead of the `window` bytes past `read_to`."""
+        with self._lock:
+            follow = self._follow.get(stream_id)
+            if follow is None or follow.next_pos != pos:
+                follow = _Follow(self._min_window)       # a new reader, or one that sought
+                self._follow[stream_id] = follow
+                if len(self._follow) > TRACKED_READERS:
+                    self._follow.popitem(last=False)
+            elif caught_up:
+                follow.window = min(self._max_window, follow.window * 2)
+            self._follow.move_to_end(stream_id)
+            follow.read_to = read_to
+            if follow.queued or self._closed:
+                return
+            follow.queued = True
+        try:
+            self._pool.submit(self._readahead, stream_id)
+        except RuntimeError:
+            pass                                         # closing: no more read-ahead
+
+    def _reader_at(self, stream_id: int, pos: int) -> None:
+        """The read returned up to `pos`: a read starting there is sequential."""
+        with self._lock:
+            follow = self._follow.get(stream_id)
+            if follow is not None:
+                follow.next_pos = pos
+
+    def _readahead(self, stream_id: int) -> None:
+        """Claim (fetch) the stream's blocks in the window past its reader's latest read:
+        those already cached or in flight cost a lookup."""
+        with self._lock:
+            follow = self._follow.get(stream_id)
+            if follow is None:
+                return
+            follow.queued = False
+            at, window = follow.read_to, follow.window
+        try:
+            wanted: list[tuple[ObjectRef, IndexEntry]] = []
+            total = 0
+            while total < window:
+                ref = self._ref_at(stream_id, at, _NO_END)
+                if ref is None:
+                    break                        # past what is committed: the log cache has it
+                for e in entries_for(self._index(ref), stream_id, at, ref.end_offset):
+                    if total >= window:
+                        break
+                    wanted.append((ref, e))
+                    total += e.block_size
+                at = ref.end_offset
+            if wanted:
+                self._claim(stream_id, wanted, demand=False)
+        except Exception:
+            pass          # a hint only: the reader fetches these blocks itself and sees any error
+
+    # ---- metadata: refs and indexes -----------------------------------------------------------
+
+    def _ref_at(self, stream_id: int, pos: int, end: int, fresh: bool = False,
+                cached_only: bool = False) -> ObjectRef | None:
+        """The committed object holding `pos` of the stream, from the per-stream ref cache (looked
+        up in metadata when missing, when `pos` is past the cached refs, or when `fresh`)."""
+        refs = None if fresh else self._refs.get(stream_id)
+        if refs is not None:
+            i = bisect.bisect_right(refs, pos, key=_end_offset)
+            if i < len(refs) and refs[i].start_offset <= pos:
+                return refs[i]
+        if cached_only:
+            return None
+        with self._lock:
+            self.stats["metadata_lookups"] += 1
+        # Look ahead: the refs after `pos` are what a catch-up reader needs next.
+        refs = self._meta.get_object_refs(stream_id, pos, _NO_END, limit=REF_BATCH)
+        if not refs or refs[0].start_offset > pos or refs[0].start_offset >= end:
+            return None                          # not committed (yet), or trimmed
+        self._refs.put(stream_id, refs, len(refs))
+        return refs[0]
+
+    def forget_stream(self, stream_id: int) -> None:
+        """Drop the cached refs and the followed position of a stream (trimmed, destroyed)."""
+        self._refs.pop(stream_id)
+        with self._lock:
+            self._follow.pop(stream_id, None)
 
     def _index(self, ref: ObjectRef) -> list[IndexEntry]:
         index = self.indexes.get(ref.object_id)
@@ -145,24 +464,6 @@ class Reader:
             self.indexes.put(ref.object_id, index, 64 + 56 * len(index))
         return index
 
-    def _blocks(self, ref: ObjectRef, entries: list[IndexEntry], want_bytes: int) -> list[list[Batch]]:
-        """Decoded blocks for `entries`, fetching (with readahead) those not cached in one GET."""
-        chosen: list[IndexEntry] = []
-        total = 0
-        for e in entries:
-            if chosen and total >= want_bytes:
-                break
-            chosen.append(e)
-            total += e.block_size
-        cached = [self.blocks.get((ref.object_id, e.block_position)) for e in chosen]
-        missing = [e for e, c in zip(chosen, cached) if c is None]
-        if missing:
-            fetched = read_blocks(self._store, ref.key, missing)
-            self.stats["object_reads"] += 1
-            self.stats["object_bytes"] += sum(e.block_size for e in missing)
-            by_pos = {}
-            for e, batches in zip(missing, fetched):
-                self.blocks.put((ref.object_id, e.block_position), batches, e.block_size)
-                by_pos[e.block_position] = batches
-            cached = [c if c is not None else by_pos[e.block_position] for e, c in zip(chosen, cached)]
-        return cached
+
+def _end_offset(ref: ObjectRef) -> int:
+    return ref.end_offset

@@ -20,10 +20,14 @@ __all__ = ["AppendFuture", "AppendResult", "FetchResult", "FetchedBatch", "Recor
 
 
 class FetchedBatch(NamedTuple):
-    """A batch as stored and returned by fetch: records [base_offset, base_offset + count)."""
+    """A batch as stored and returned by fetch: records [base_offset, base_offset + count).
+
+    `payload` is a read-only memoryview (compare it with bytes, hash it, or bytes() it): a slice
+    of the buffer the fetch read, no copy. It keeps that buffer (one GET or one log-cache read)
+    alive; copy it with bytes(payload) to keep a small payload for long."""
     base_offset: int
     count: int
-    payload: bytes
+    payload: memoryview
 
     @property
     def end_offset(self) -> int:

@@ -133,6 +133,7 @@ class Stream(StreamWriter):
         try:
             self._client._meta_call(self._client._meta.delete_stream, self.stream_id, self.epoch, stream=self)
             self._client._cache.drop_stream(self.stream_id)
+            self._client._reader.forget_stream(self.stream_id)
         finally:
             with self._lock:
                 self._set_writer_state(appendpath.CLOSED)

@@ -62,7 +62,7 @@ class Config:
     cache_size: int = 512 * MiB
     block_cache_size: int = 128 * MiB
     readahead_bytes: int = 32 * MiB
-    read_fetch_size: int = 2 * MiB
+    read_fetch_size: int = 4 * MiB
     read_concurrency: int = 4
     read_timeout: float = 60.0
     upload_concurrency: int = 4

@@ -45,8 +45,15 @@ def read_index(store: ObjectStore, key: str, size: int) -> list[IndexEntry]:
     if size < FOOTER_SIZE:
         raise CorruptDataError(f"object {key} is {size} bytes, smaller than a footer")
     tail_start = max(0, size - TAIL_READ)
-    tail = store.get(key, tail_start, size)
+    return index_from_tail(store, key, size, store.get(key, tail_start, size), tail_start)
+
+
+def index_from_tail(store: ObjectStore | None, key: str, size: int, tail, tail_start: int) -> list[IndexEntry]:
+    """The index of the `size`-byte object whose bytes from `tail_start` on are `tail`; the
+    index is fetched from `store` if it begins before `tail_start` (never when tail_start is 0)."""
     try:
+        if size < FOOTER_SIZE:
+            raise objcodec.ObjectFormatError(f"{size} bytes, smaller than a footer")
         if len(tail) != size - tail_start:
             raise objcodec.ObjectFormatError(f"short read of the object tail ({len(tail)} bytes)")
         pos, length, crc, _ = objcodec.parse_footer(tail, size)
@@ -72,12 +79,21 @@ def read_blocks(store: ObjectStore, key: str, entries: Sequence[IndexEntry]) -> 
     first = entries[0].block_position
     last = entries[-1].block_position + entries[-1].block_size
     raw = store.get(key, first, last)
+    if len(raw) != last - first:
+        raise CorruptDataError(f"object {key} is corrupt: short read: {len(raw)} of {last - first} bytes")
+    return decode_blocks(key, raw, first, entries)
+
+
+def decode_blocks(key: str, raw, raw_start: int, entries: Sequence[IndexEntry]) -> list[list[Batch]]:
+    """Each entry's batches, decoded (and checked) from `raw`, the object's bytes from
+    `raw_start` on; payloads are memoryview slices of `raw`."""
     out = []
     try:
-        if len(raw) != last - first:
-            raise objcodec.ObjectFormatError(f"short read: {len(raw)} of {last - first} bytes")
         for e in entries:
-            batches = objcodec.decode_block(raw, e.block_position - first, e.block_size, e.stream_id, Batch, True)
+            if e.block_position < raw_start or e.block_position + e.block_size > raw_start + len(raw):
+                raise objcodec.ObjectFormatError(
+                    f"block at {e.block_position} (+{e.block_size}) is outside the object's bytes")
+            batches = objcodec.decode_block(raw, e.block_position - raw_start, e.block_size, e.stream_id, Batch, True)
             if not batches or batches[0][0] != e.start_offset or batches[-1][0] + batches[-1][1] != e.end_offset:
                 raise objcodec.ObjectFormatError(
                     f"block of stream {e.stream_id} does not hold offsets [{e.start_offset}, {e.end_offset})")

@@ -39,8 +39,8 @@ from typing import Callable, Hashable, NamedTuple
 from .config import Config
 from .errors import CorruptDataError, ObjectNotFoundError, ObjectStoreError
 from .logcache import LogCache
-from .metadata import MetadataStore, ObjectRef
-from .objectformat import Batch, IndexEntry, entries_for, read_blocks, read_index
+from .metadata import MetadataStore, ObjectRef, ObjectType
+from .objectformat import Batch, IndexEntry, decode_blocks, entries_for, index_from_tail, read_blocks, read_index
 from .objectstore import ObjectStore
 
 _RETRIES = 3
@@ -53,6 +53,8 @@ REF_BATCH = 64
 #: Streams whose reading position is followed for readahead.
 TRACKED_READERS = 4096
 _NO_END = (1 << 63) - 1
+#: A StreamObject of at most this many read_fetch_size is read whole, index and blocks in one GET.
+WHOLE_OBJECT_FETCHES = 4
 
 
 class LRUCache:
@@ -142,6 +144,7 @@ class Reader:
         self._min_window = min(config.readahead_bytes, 2 * config.read_fetch_size)
         self._timeout = config.read_timeout
         self._inflight_cap = max(config.block_cache_size // 2, config.read_fetch_size)
+        self._whole_object = WHOLE_OBJECT_FETCHES * config.read_fetch_size
         self.blocks = LRUCache(config.block_cache_size, on_evict=self._evicted)
         self.indexes = LRUCache(INDEX_CACHE_BYTES)
         self._refs = LRUCache(REF_CACHE_ENTRIES)
@@ -150,11 +153,14 @@ class Reader:
         self._inflight: dict[tuple[int, int], Future] = {}
         self._inflight_bytes = 0
         self._demanded: set[tuple[int, int]] = set()    # in flight as read-ahead, now awaited
+        self._index_loads: dict[int, Future] = {}
+        self._reserved: set[int] = set()                # whole objects queued for read-ahead
         self._follow: OrderedDict[int, _Follow] = OrderedDict()
         self._closed = False
         self.stats = dict(object_reads=0, object_bytes=0, cache_reads=0, block_hits=0, block_waits=0,
                           block_fetches=0, readahead_bytes=0, readahead_used_bytes=0, readahead_wasted_bytes=0,
-                          readahead_skipped=0, metadata_lookups=0, max_inflight_bytes=0)
+                          readahead_skipped=0, metadata_lookups=0, max_inflight_bytes=0,
+                          whole_object_reads=0)
 
     def close(self) -> None:
         """Stop read-ahead: queued GETs are dropped, running ones end within the store's timeouts."""
@@ -418,6 +424,23 @@ class Reader:
                 ref = self._ref_at(stream_id, at, _NO_END)
                 if ref is None:
                     break                        # past what is committed: the log cache has it
+                if self._is_whole(ref) and self.indexes.get(ref.object_id) is None:
+                    # Read the small StreamObject whole, on its own thread.
+                    with self._lock:
+                        if ref.object_id in self._index_loads or ref.object_id in self._reserved:
+                            pass
+                        elif self._inflight_bytes + ref.size > self._inflight_cap:
+                            self.stats["readahead_skipped"] += 1
+                            break
+                        else:
+                            # Counted in flight from now; _read_whole takes the reservation over.
+                            self._reserved.add(ref.object_id)
+                            self._inflight_bytes += ref.size
+                            self.stats["readahead_bytes"] += ref.size
+                            self._pool.submit(self._prefetch_whole, ref)
+                    total += ref.size
+                    at = ref.end_offset
+                    continue
                 for e in entries_for(self._index(ref), stream_id, at, ref.end_offset):
                     if total >= window:
                         break
@@ -457,11 +480,73 @@ class Reader:
         with self._lock:
             self._follow.pop(stream_id, None)
 
+    def _is_whole(self, ref: ObjectRef) -> bool:
+        return ref.type == ObjectType.STREAM_OBJECT and ref.size <= self._whole_object
+
     def _index(self, ref: ObjectRef) -> list[IndexEntry]:
+        """The object's index, cached; one GET per object however many threads want it."""
         index = self.indexes.get(ref.object_id)
-        if index is None:
-            index = read_index(self._store, ref.key, ref.size)
+        if index is not None:
+            return index
+        with self._lock:
+            loading = self._index_loads.get(ref.object_id)
+            if loading is None:
+                self._index_loads[ref.object_id] = mine = Future()
+        if loading is not None:
+            try:
+                return loading.result(self._timeout)
+            except FutureTimeout:
+                raise ObjectStoreError(
+                    f"reading the index of object {ref.key} did not complete within read_timeout={self._timeout}s; "
+                    f"the object store is slow or unreachable") from None
+        try:
+            index = self._read_whole(ref) if self._is_whole(ref) else read_index(self._store, ref.key, ref.size)
             self.indexes.put(ref.object_id, index, 64 + 56 * len(index))
+        except BaseException as e:
+            mine.set_exception(e)
+            raise
+        else:
+            mine.set_result(index)
+            return index
+        finally:
+            with self._lock:
+                del self._index_loads[ref.object_id]
+
+    def _prefetch_whole(self, ref: ObjectRef) -> None:
+        try:
+            self._index(ref)
+        except Exception:
+            pass          # a hint only: the reader reads this object itself and sees any error
+        finally:
+            with self._lock:
+                if ref.object_id in self._reserved:       # cached meanwhile: never read
+                    self._reserved.discard(ref.object_id)
+                    self._inflight_bytes -= ref.size
+
+    def _read_whole(self, ref: ObjectRef) -> list[IndexEntry]:
+        """A small StreamObject in one GET: its index, and all its blocks into the cache (the
+        stream's reader wants all of them), instead of a GET of the tail and one of the blocks."""
+        with self._lock:
+            if ref.object_id in self._reserved:
+                self._reserved.discard(ref.object_id)     # read-ahead counted it already
+            else:
+                self._inflight_bytes += ref.size
+            self.stats["max_inflight_bytes"] = max(self.stats["max_inflight_bytes"], self._inflight_bytes)
+        try:
+            raw = self._store.get(ref.key)
+            index = index_from_tail(None, ref.key, ref.size, raw, 0)
+            decoded = decode_blocks(ref.key, raw, 0, index)
+        finally:
+            with self._lock:
+                self._inflight_bytes -= ref.size
+        with self._lock:
+            self.stats["object_reads"] += 1
+            self.stats["object_bytes"] += ref.size
+            self.stats["whole_object_reads"] += 1
+            for e, batches in zip(index, decoded):
+                key = (ref.object_id, e.block_position)
+                if key not in self._inflight and self.blocks.get(key) is None:
+                    self.blocks.put(key, _Block(e.stream_id, batches, e.block_size, True), e.block_size)
         return index
 
 

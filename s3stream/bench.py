@@ -49,6 +49,7 @@ from . import Config, RecordBatch, StreamClient
 from .lifecycle import ObjectReclaimer
 from .metadata import ObjectState, SqliteMetadataStore
 from .objectstore import InstrumentedObjectStore, LocalObjectStore
+from .bench_reads import catchup_local, catchup_s3, format_catchup, moto_server, tail_read
 from .reporting import pyplot, save_figure
 
 KiB, MiB, GiB = 1024, 1024 ** 2, 1024 ** 3
@@ -227,13 +228,15 @@ class WalOnly:
 
 
 def engine_ingest(workdir: str, store_dir: str, config: Config, payload: bytes, threads: int, total: int,
-                  nstreams: int, rounds: int = 1, keep_open: bool = False) -> tuple[dict, StreamClient | None, list]:
+                  nstreams: int, rounds: int = 1, keep_open: bool = False,
+                  compare_wal: bool = True) -> tuple[dict, StreamClient | None, list]:
     """Ingest `total` bytes into `nstreams` streams in `rounds` parts, each right after an equal
-    WAL-only part on the same disk, so that drift of the device affects both alike."""
+    WAL-only part on the same disk, so that drift of the device affects both alike (no WAL-only
+    parts if not `compare_wal`: building a data set)."""
     store = InstrumentedObjectStore(LocalObjectStore(store_dir))
     meta = SqliteMetadataStore(os.path.join(workdir, "meta.db"))
     client = StreamClient(1, os.path.join(workdir, "node1.wal"), store, meta, config)
-    walonly = WalOnly(os.path.join(workdir, "walonly.wal"), config.wal)
+    walonly = WalOnly(os.path.join(workdir, "walonly.wal"), config.wal) if compare_wal else None
     streams = [client.create_stream() for _ in range(nstreams)]
     stop = threading.Event()
 
@@ -248,7 +251,7 @@ def engine_ingest(workdir: str, store_dir: str, config: Config, payload: bytes, 
     wlat: list[int] = []
     per_round = []
     for _ in range(rounds):
-        b, t, l = walonly.run(payload, threads, total // rounds)
+        b, t, l = walonly.run(payload, threads, total // rounds) if walonly else (1, 1.0, [0])
         wsent, welapsed, wlat = wsent + b, welapsed + t, wlat + l
         p = Producers(lambda i, data: streams[i % nstreams].append(RecordBatch(data, 1)), payload, threads, 128,
                       total // rounds)
@@ -258,7 +261,8 @@ def engine_ingest(workdir: str, store_dir: str, config: Config, payload: bytes, 
                               ratio=(p.sent / t) / (b / (welapsed - sum(r["wal_s"] for r in per_round))),
                               wal_s=welapsed - sum(r["wal_s"] for r in per_round)))
     stop.set()
-    walonly.close()
+    if walonly:
+        walonly.close()
     t0 = time.perf_counter()
     if not keep_open:
         for s in streams:
@@ -284,63 +288,6 @@ def engine_ingest(workdir: str, store_dir: str, config: Config, payload: bytes, 
     client.close()
     meta.close()
     return result, None, []
-
-
-def _evict(paths: list[str]) -> None:
-    """Drop the files from the page cache (clean pages; no root needed) so reads are cold."""
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def catchup_read(workdir: str, store_dir: str, config: Config) -> dict:
-    """A fresh node reads every stream from its start (cold caches) vs raw reads of the objects.
-    Both passes start with the object files evicted from the page cache."""
-    meta = SqliteMetadataStore(os.path.join(workdir, "meta.db"))
-    paths = [os.path.join(store_dir, o.key) for o in meta.list_objects(state=ObjectState.COMMITTED)]
-    meta.close()
-    _evict(paths)
-    t0 = time.perf_counter()
-    raw = 0
-    for path in paths:
-        with open(path, "rb", buffering=0) as f:
-            while chunk := f.read(MiB):
-                raw += len(chunk)
-    raw_s = time.perf_counter() - t0
-    _evict(paths)
-    client = StreamClient(2, os.path.join(workdir, "node2.wal"), f"file://{store_dir}",
-                          f"sqlite:///{workdir}/meta.db", config)
-    ids = [m.stream_id for m in client.list_streams()]
-    t0 = time.perf_counter()
-    got = 0
-    for sid in ids:
-        s = client.open_stream(sid)
-        pos = s.start_offset
-        while pos < s.confirm_offset:
-            res = s.fetch(pos, max_bytes=MiB)
-            got += res.total_bytes
-            pos = res.end_offset
-    read_s = time.perf_counter() - t0
-    stats = dict(client.stats()["read"])
-    client.close()
-    return dict(bytes=got, mb_s=got / read_s / 1e6, raw_bytes=raw, raw_mb_s=raw / raw_s / 1e6,
-                ratio=(got / read_s) / (raw / raw_s), reader=stats, store="disk, page cache evicted")
-
-
-def tail_read(streams, rounds: int = 3) -> dict:
-    """Fetch the newest data of every stream from the log cache (the client is still open)."""
-    t0 = time.perf_counter()
-    got = 0
-    for _ in range(rounds):
-        for s in streams:
-            start = max(s.start_offset, s.confirm_offset - 16)
-            got += s.fetch(start, max_bytes=MiB).total_bytes
-    el = time.perf_counter() - t0
-    return dict(bytes=got, mb_s=got / el / 1e6)
 
 
 def _cpu_seconds() -> float:
@@ -574,6 +521,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="record sizes of the open-loop latency run, among --record-sizes (default 1K,64K)")
     ap.add_argument("--open-loop-seconds", type=float, default=None,
                     help="length of each open-loop latency run (default 3; --quick 0.4)")
+    ap.add_argument("--only", choices=("all", "reads"), default="all",
+                    help="reads: only the read cases (data sets built without the WAL-only comparison)")
+    ap.add_argument("--no-s3", action="store_true", help="skip the catch-up reads on S3 through a moto server")
     ap.add_argument("--quick", action="store_true", help="small sizes (CI smoke run)")
     ap.add_argument("--keep", action="store_true", help="keep the work and store directories")
     return ap
@@ -600,37 +550,38 @@ def run(argv: list[str] | None = None) -> dict:
     report: dict = dict(config=dict(upload_threshold=config.upload_threshold, split_size=config.split_size,
                                     object_block_size=config.object_block_size, wal_capacity=config.wal.capacity,
                                     batch=args.batch, threads=args.threads, inflight=128,
-                                    store_dir=base_store, workdir=base_work), targets=TARGETS)
+                                    store_dir=base_store, workdir=base_work), targets=TARGETS, only=args.only)
     runs = []
     try:
-        for name, total, nstreams in (("1000 streams", args.ingest, 1000), ("10 streams", args.dataset, 10)):
+        cases = (("1000 streams", args.ingest, 1000), ("10 streams", args.dataset, 10))
+        for name, total, nstreams in cases if args.only == "all" else cases[1:]:
             work = os.path.join(base_work, str(nstreams))
             # The 10-stream data set is read back cold from disk, so its objects live on disk.
             store = os.path.join(base_store if nstreams == 1000 else work, "objects")
             for d in (work, store):
                 shutil.rmtree(d, ignore_errors=True)
                 os.makedirs(d)
-            _progress(f"ingest of {fmt_size(total)} into {name}, alternating with WAL-only rounds")
+            _progress(f"ingest of {fmt_size(total)} into {name}" +
+                      (", alternating with WAL-only rounds" if args.only == "all" else ""))
             keep = nstreams == 1000
             res, client, streams = engine_ingest(work, store, config, payload, args.threads, total, nstreams,
-                                                 rounds=args.rounds, keep_open=keep)
+                                                 rounds=args.rounds, keep_open=keep, compare_wal=args.only == "all")
             if client is not None:
                 _progress("tail read from the log cache")
                 res["tail_read"] = tail_read(streams)
                 for s in streams:
                     s.close()
                 client.close()
-            if nstreams == 10:
-                _progress("catch-up read from objects (fresh node, cold caches)")
-                res["catchup"] = catchup_read(work, store, config)
             runs.append(res)
-        work, store = os.path.join(base_work, "small"), os.path.join(base_store, "small")
-        for d in (work, store):
-            shutil.rmtree(d, ignore_errors=True)
-            os.makedirs(d)
-        report["small_records"], report["open_loop"] = small_records(
-            work, store, config, args.record_sizes, args.rounds, args.round_seconds,
-            set(args.open_loop_sizes), args.open_loop_seconds)
+        report["reads"] = read_cases(args, config, payload, base_work)
+        if args.only == "all":
+            work, store = os.path.join(base_work, "small"), os.path.join(base_store, "small")
+            for d in (work, store):
+                shutil.rmtree(d, ignore_errors=True)
+                os.makedirs(d)
+            report["small_records"], report["open_loop"] = small_records(
+                work, store, config, args.record_sizes, args.rounds, args.round_seconds,
+                set(args.open_loop_sizes), args.open_loop_seconds)
     finally:
         if not args.keep:
             shutil.rmtree(base_store, ignore_errors=True)
@@ -643,13 +594,37 @@ def run(argv: list[str] | None = None) -> dict:
     return report
 
 
+def read_cases(args, config: Config, payload: bytes, base_work: str) -> dict:
+    """Catch-up reads of the 10-stream data set as uploaded (StreamSetObjects) and of the same
+    volume written as StreamObjects (split_size 4 MiB), on the local store and on S3."""
+    from dataclasses import replace
+    layouts = {"stream set objects": os.path.join(base_work, "10")}
+    so_work = os.path.join(base_work, "10-so")
+    shutil.rmtree(so_work, ignore_errors=True)
+    os.makedirs(os.path.join(so_work, "objects"))
+    _progress(f"ingest of {fmt_size(args.dataset)} into 10 streams as StreamObjects (split_size 4 MiB)")
+    engine_ingest(so_work, os.path.join(so_work, "objects"), replace(config, split_size=min(4 * MiB, config.split_size)),
+                  payload, args.threads, args.dataset, 10, compare_wal=False)
+    layouts["stream objects"] = so_work
+    out: dict = dict(local={}, s3={})
+    for layout, work in layouts.items():
+        _progress(f"catch-up read of {layout} from the local store (fresh node, cold caches)")
+        out["local"][layout] = catchup_local(work, os.path.join(work, "objects"), config)
+    if not args.no_s3:
+        with moto_server() as endpoint:
+            for i, (layout, work) in enumerate(layouts.items()):
+                _progress(f"catch-up read of {layout} from S3 through moto (fresh node, cold caches)")
+                out["s3"][layout] = catchup_s3(work, os.path.join(work, "objects"), config, endpoint, f"catchup-{i}")
+    return out
+
+
 def _met(ok: bool) -> str:
     return "MET" if ok else "MISSED"
 
 
 def format_report(report: dict) -> str:
     lines = ["=" * 100, "s3stream engine benchmark (" + ", ".join(f"{k}={v}" for k, v in report["config"].items()) + ")"]
-    for r in report["runs"]:
+    for r in report["runs"] if report.get("only") != "reads" else []:
         lat = r["latency"]
         rr = ", ".join(f"{x:.2f}" for x in r["round_ratios"])
         lines.append(f"\nIngest into {r['streams']} streams: {r['mb_s']:.0f} MB/s "
@@ -663,13 +638,18 @@ def format_report(report: dict) -> str:
                      f"(floor {r['request_floor_per_gib']:.0f} per GiB at the part size); {r['objects']} objects = "
                      f"{r['objects_per_gib']:.1f} per GiB ({r['stream_objects']} SO, {r['stream_set_objects']} SSO)")
         if "tail_read" in r:
-            lines.append(f"  tail read from the log cache: {r['tail_read']['mb_s']:.0f} MB/s")
-        if "catchup" in r:
-            c = r["catchup"]
-            lines.append(f"  catch-up read of {c['bytes'] / MiB:,.0f} MiB "
-                         f"from objects: {c['mb_s']:.0f} MB/s; raw read of the same objects {c['raw_mb_s']:.0f} MB/s"
-                         f"  ->  ratio {c['ratio']:.2f} (target >= {TARGETS['catchup_ratio']}: "
-                         f"{_met(c['ratio'] >= TARGETS['catchup_ratio'])})")
+            t = r["tail_read"]
+            lines.append(f"  tail read from the log cache: {t['mb_s']:.0f} MB/s, {t['records_s']:,.0f} records/s")
+    reads = report.get("reads")
+    if reads:
+        lines.append("\nCatch-up reads (fetch 1 MiB at a time, stream after stream, fresh node; s3stream/bench_reads.py)")
+        for store, cases in reads.items():
+            for layout, c in cases.items():
+                judged = store == "local" or layout == "stream objects"
+                lines.append(format_catchup(f"{store}, {layout}", c, TARGETS["catchup_ratio"] if judged else None))
+        if reads.get("s3"):
+            lines.append("  (on moto a ranged GET costs about a whole-object GET, so reading StreamSetObjects slice by "
+                         "slice is bound by moto; S3 is judged on StreamObjects)")
     lines += _format_small_records(report)
     if report.get("plots"):
         lines.append("\nplots: " + ", ".join(report["plots"]))
@@ -723,6 +703,11 @@ def write_plots(report: dict, out: str) -> list[str]:
     plt = pyplot("s3stream.bench")
     if plt is None:
         return []
+    paths = []
+    if report.get("reads"):
+        paths.append(_plot_reads(plt, report, out))
+    if report.get("only") == "reads":
+        return paths
     runs = report["runs"]
     fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
     names = [f"{r['streams']} streams" for r in runs]
@@ -745,10 +730,25 @@ def write_plots(report: dict, out: str) -> list[str]:
     axes[2].set_xticks(list(x), names)
     axes[2].set_title("Object-store cost")
     axes[2].legend(fontsize=8)
-    paths = [save_figure(plt, fig, out, "engine.png")]
+    paths.append(save_figure(plt, fig, out, "engine.png"))
     if report.get("small_records"):
         paths.append(_plot_small_records(plt, report, out))
     return paths
+
+
+def _plot_reads(plt, report: dict, out: str) -> str:
+    cases = [(f"{store}\n{layout}", c) for store, by_layout in report["reads"].items() for layout, c in by_layout.items()]
+    x = list(range(len(cases)))
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    ax.bar([i - 0.2 for i in x], [c["raw_mb_s"] for _, c in cases], 0.4, label="raw read of the objects")
+    ax.bar([i + 0.2 for i in x], [c["mb_s"] for _, c in cases], 0.4, label="engine catch-up")
+    for i, (_, c) in enumerate(cases):
+        ax.annotate(f"{c['ratio']:.2f}", (i + 0.2, c["mb_s"]), ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(x, [name for name, _ in cases], fontsize=8)
+    ax.set_ylabel("MB/s")
+    ax.set_title(f"Catch-up reads, fresh node (target >= {TARGETS['catchup_ratio']} x raw)")
+    ax.legend(fontsize=8)
+    return save_figure(plt, fig, out, "reads.png")
 
 
 def _plot_small_records(plt, report: dict, out: str) -> str:

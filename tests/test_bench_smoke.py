@@ -21,7 +21,15 @@ def test_engine_bench_quick(tmp_path):
     data = json.loads((tmp_path / "report.json").read_text())
     assert [r["streams"] for r in data["runs"]] == [1000, 10]
     assert all(r["mb_s"] > 0 and r["wal_only"]["mb_s"] > 0 for r in report["runs"])
-    assert data["runs"][1]["catchup"]["bytes"] == data["runs"][1]["bytes"]   # everything read back
+    reads = data["reads"]
+    assert set(reads) == {"local", "s3"}
+    for store in ("local", "s3"):
+        assert set(reads[store]) == {"stream set objects", "stream objects"}
+        for c in reads[store].values():
+            assert c["bytes"] == 16 * 1024 * 1024                       # every byte read back
+            assert c["ratio"] == pytest.approx((c["mb_s"]) / c["raw_mb_s"])
+            assert c["reader"]["object_bytes"] > 0
+    assert data["runs"][0]["tail_read"]["records_s"] > 0
     assert data["targets"]["ingest_ratio"] == 0.8
 
     small = data["small_records"]
@@ -48,4 +56,4 @@ def test_engine_bench_quick(tmp_path):
     text = bench.format_report(report)
     assert "Small records" in text and "open loop" in text and "WAL alone at 128 B" in text
     pytest.importorskip("matplotlib")
-    assert os.path.exists(tmp_path / "engine.png") and os.path.exists(tmp_path / "small-records.png")
+    assert all(os.path.exists(tmp_path / name) for name in ("engine.png", "small-records.png", "reads.png"))

@@ -229,6 +229,8 @@ def parse_footer(data, uint64_t object_size):
             raise ObjectFormatError("bad object footer magic: not an s3stream object or truncated")
         if load16(p + 20) != FORMAT_VERSION:
             raise _version_error(load16(p + 20), "the object")
+        if load16(p + 22) != 0:
+            raise ObjectFormatError("object footer's reserved bytes are not zero")
         pos = load64(p)
         length = load32(p + 8)
         crc = load32(p + 12)

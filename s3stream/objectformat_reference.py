@@ -43,8 +43,8 @@ def encode_object(streams, block_size: int) -> tuple[bytes, list[tuple]]:
 
 def decode_object(data: bytes) -> dict[int, list[tuple[int, int, bytes]]]:
     """Every stream's batches, checking magic and checksums (ValueError if corrupt)."""
-    index_pos, index_len, index_crc, n, version, _, magic = _FOOTER.unpack_from(data, len(data) - _FOOTER.size)
-    if magic != FOOTER_MAGIC or version != VERSION:
+    index_pos, index_len, index_crc, n, version, reserved, magic = _FOOTER.unpack_from(data, len(data) - _FOOTER.size)
+    if magic != FOOTER_MAGIC or version != VERSION or reserved:
         raise ValueError("bad footer")
     index = data[index_pos:index_pos + index_len]
     if crc32c(index) != index_crc:

@@ -34,8 +34,12 @@ class Config:
         starts at two GETs (2 x read_fetch_size) and doubles each time the reader catches up
         with it, up to this.
     read_fetch_size: bytes per ranged GET; a larger fetch or window is that many GETs at once.
+        None (default): 4 MiB, or a quarter of block_cache_size if that is smaller; at most a
+        quarter of block_cache_size (cached blocks are kept and evicted a GET at a time).
     read_concurrency: threads that run read-ahead and parallel GETs.
-    read_timeout: seconds a read waits for an object GET before failing with ObjectStoreError.
+    read_timeout: seconds a read waits for a GET running on another thread (read-ahead's, or
+        another reader's) before failing with ObjectStoreError. A reader's own GET is bounded
+        by the store (S3: connect_timeout, read_timeout and max_attempts of the URL).
     upload_concurrency: threads that encode and PUT objects (objects in flight at once); each
         keeps one encode buffer as large as the largest object it made (at most about
         upload_threshold), reused so that uploads do not fault in fresh memory.
@@ -62,7 +66,7 @@ class Config:
     cache_size: int = 512 * MiB
     block_cache_size: int = 128 * MiB
     readahead_bytes: int = 32 * MiB
-    read_fetch_size: int = 4 * MiB
+    read_fetch_size: int | None = None
     read_concurrency: int = 4
     read_timeout: float = 60.0
     upload_concurrency: int = 4
@@ -75,6 +79,8 @@ class Config:
     wal: wal.WALConfig = field(default_factory=lambda: wal.WALConfig(capacity=2 * GiB, full_timeout=60.0))
 
     def __post_init__(self) -> None:
+        if self.read_fetch_size is None and isinstance(self.block_cache_size, int):
+            object.__setattr__(self, "read_fetch_size", max(4 * KiB, min(4 * MiB, self.block_cache_size // 4)))
         positive = ("upload_threshold", "split_size", "object_block_size", "max_batch_bytes", "cache_size",
                     "block_cache_size", "readahead_bytes", "read_fetch_size", "read_concurrency", "upload_concurrency",
                     "upload_pipeline")
@@ -89,6 +95,11 @@ class Config:
             raise ConfigError(
                 f"cache_size ({self.cache_size}) must hold at least two blocks of upload_threshold "
                 f"({self.upload_threshold}): one filling while one uploads")
+        if self.read_fetch_size > self.block_cache_size // 4:
+            raise ConfigError(
+                f"read_fetch_size ({self.read_fetch_size}) exceeds a quarter of block_cache_size "
+                f"({self.block_cache_size}): the block cache keeps whole GETs; lower read_fetch_size or leave it "
+                f"None (the default picks min(4 MiB, block_cache_size / 4))")
         if self.object_block_size < 4 * KiB:
             raise ConfigError(f"object_block_size must be at least 4 KiB, got {self.object_block_size}")
         if self.max_batch_bytes > self.upload_threshold:

@@ -14,6 +14,8 @@ from .recordbatch import FetchedBatch as Batch
 from .objectstore import ObjectStore
 
 FOOTER_SIZE = objcodec.FOOTER_SIZE
+BLOCK_HEADER_SIZE = objcodec.BLOCK_HEADER_SIZE
+BATCH_HEADER_SIZE = objcodec.BATCH_HEADER_SIZE
 #: The first GET of an object's tail fetches this much, so the index usually comes with the footer.
 TAIL_READ = 64 * 1024
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -40,7 +41,8 @@ from .config import Config
 from .errors import CorruptDataError, ObjectNotFoundError, ObjectStoreError
 from .logcache import LogCache
 from .metadata import MetadataStore, ObjectRef, ObjectType
-from .objectformat import Batch, IndexEntry, decode_blocks, entries_for, index_from_tail, read_blocks, read_index
+from .objectformat import (BATCH_HEADER_SIZE, BLOCK_HEADER_SIZE, Batch, IndexEntry, decode_blocks, entries_for,
+                           index_from_tail, read_blocks, read_index)
 from .objectstore import ObjectStore
 
 _RETRIES = 3
@@ -53,6 +55,8 @@ REF_BATCH = 64
 #: Streams whose reading position is followed for readahead.
 TRACKED_READERS = 4096
 _NO_END = (1 << 63) - 1
+#: Seconds during which read-ahead does not ask metadata again for objects past a stream's last one.
+PAST_END_RECHECK = 1.0
 #: A StreamObject of at most this many read_fetch_size is read whole, index and blocks in one GET.
 WHOLE_OBJECT_FETCHES = 4
 
@@ -105,26 +109,70 @@ class LRUCache:
 
 
 class _Block:
-    """A decoded block in the block cache; `unread` while only read-ahead has touched it."""
-    __slots__ = ("stream_id", "batches", "nbytes", "unread")
+    """A decoded block in the block cache; `unread` while only read-ahead has touched it;
+    `buffer` names the GET whose buffer its payloads are views of."""
+    __slots__ = ("stream_id", "batches", "nbytes", "unread", "buffer")
 
     def __init__(self, stream_id: int, batches: list[Batch], nbytes: int, unread: bool) -> None:
         self.stream_id = stream_id
         self.batches = batches
         self.nbytes = nbytes
         self.unread = unread
+        self.buffer = -1
+
+
+class BlockCache:
+    """Decoded blocks, kept and evicted a GET at a time (LRU): the blocks of one GET are views of
+    its buffer, so the buffer's size is what they weigh and what evicting them frees.
+    `on_evict(block)` is called for each block evicted. Not thread-safe: the Reader's lock
+    guards it."""
+
+    def __init__(self, capacity: int, on_evict: Callable[[_Block], None]) -> None:
+        self.capacity = capacity
+        self.weight = 0
+        self._on_evict = on_evict
+        self._blocks: dict[tuple[int, int], _Block] = {}
+        self._buffers: OrderedDict[int, tuple[list[tuple[int, int]], int]] = OrderedDict()
+        self._next = 0
+
+    def get(self, key: tuple[int, int]) -> _Block | None:
+        block = self._blocks.get(key)
+        if block is not None:
+            self._buffers.move_to_end(block.buffer)
+        return block
+
+    def put(self, blocks: list[tuple[tuple[int, int], _Block]], weight: int) -> None:
+        """Cache the blocks of one GET of `weight` bytes (blocks already cached keep their copy)."""
+        self._next += 1
+        keys = []
+        for key, block in blocks:
+            if key not in self._blocks:
+                block.buffer = self._next
+                self._blocks[key] = block
+                keys.append(key)
+        if not keys:
+            return
+        self._buffers[self._next] = (keys, weight)
+        self.weight += weight
+        while self.weight > self.capacity and len(self._buffers) > 1:
+            _, (evicted, w) = self._buffers.popitem(last=False)
+            self.weight -= w
+            for key in evicted:
+                self._on_evict(self._blocks.pop(key))
 
 
 class _Follow:
     """A stream's reader: where its next sequential read starts, where its last read from
     objects ended, its read-ahead window (bytes), and whether read-ahead is queued for it."""
-    __slots__ = ("next_pos", "read_to", "window", "queued")
+    __slots__ = ("next_pos", "read_to", "window", "queued", "past_end", "past_end_at")
 
     def __init__(self, window: int) -> None:
         self.next_pos = -1
         self.read_to = 0
         self.window = window
         self.queued = False
+        self.past_end = _NO_END          # metadata had no object at or past this offset...
+        self.past_end_at = 0.0           # ...when last asked (time.monotonic())
 
 
 class _Unit(NamedTuple):
@@ -143,9 +191,9 @@ class Reader:
         self._max_window = config.readahead_bytes
         self._min_window = min(config.readahead_bytes, 2 * config.read_fetch_size)
         self._timeout = config.read_timeout
-        self._inflight_cap = max(config.block_cache_size // 2, config.read_fetch_size)
+        self._inflight_cap = config.block_cache_size // 2      # Config: read_fetch_size <= a quarter of it
         self._whole_object = WHOLE_OBJECT_FETCHES * config.read_fetch_size
-        self.blocks = LRUCache(config.block_cache_size, on_evict=self._evicted)
+        self.blocks = BlockCache(config.block_cache_size, on_evict=self._evicted)
         self.indexes = LRUCache(INDEX_CACHE_BYTES)
         self._refs = LRUCache(REF_CACHE_ENTRIES)
         self._pool = ThreadPoolExecutor(config.read_concurrency, thread_name_prefix="s3stream-read")
@@ -189,7 +237,9 @@ class Reader:
             if got:
                 self.stats["cache_reads"] += 1
             else:
-                got = self._read_objects(stream_id, pos, end, max(budget, 1))
+                got = self._read_objects(stream_id, pos, end, max(budget, 1), first=not out)
+                if not got and out:
+                    break                        # the next block does not fit what is left
             if not got:
                 raise CorruptDataError(
                     f"stream {stream_id}: no cached or committed data holds offset {pos} "
@@ -202,7 +252,7 @@ class Reader:
             pos = out[-1].end_offset
         return out
 
-    def _read_objects(self, stream_id: int, pos: int, end: int, budget: int) -> list[Batch]:
+    def _read_objects(self, stream_id: int, pos: int, end: int, budget: int, first: bool = True) -> list[Batch]:
         last_error: Exception | None = None
         for attempt in range(_RETRIES):
             ref = self._ref_at(stream_id, pos, end, fresh=attempt > 0)
@@ -213,7 +263,7 @@ class Reader:
                     return cached
                 continue
             try:
-                return self._read_from(stream_id, ref, pos, end, budget)
+                return self._read_from(stream_id, ref, pos, end, budget, first)
             except ObjectNotFoundError as e:
                 last_error = e
                 self.indexes.pop(ref.object_id)
@@ -222,15 +272,22 @@ class Reader:
                 f"stream {stream_id}: object for offset {pos} is missing from the store: {last_error}")
         return []
 
-    def _read_from(self, stream_id: int, ref: ObjectRef, pos: int, end: int, budget: int) -> list[Batch]:
-        """Read from `ref` (and the objects after it) up to `budget` bytes; readahead past it."""
+    def _read_from(self, stream_id: int, ref: ObjectRef, pos: int, end: int, budget: int,
+                   first: bool) -> list[Batch]:
+        """Read from `ref` (and the objects after it) up to `budget` bytes; read ahead past it.
+        A `first` read returns at least one batch; a later part of the same fetch claims only
+        blocks whose payloads all fit its budget (it never waits for a block it would drop), and
+        may return nothing."""
         wanted: list[tuple[ObjectRef, IndexEntry]] = []
         total = 0
         at = pos
+        first_ref = ref
         while ref is not None and total < budget and at < end:
-            for e in entries_for(self._index(ref), stream_id, at, min(end, ref.end_offset)):
+            for e in entries_for(self._index(ref, budget), stream_id, at, min(end, ref.end_offset)):
                 if wanted and total >= budget:
                     break
+                if not first and not wanted and _payload_bytes(e) > budget:
+                    return []
                 wanted.append((ref, e))
                 total += e.block_size
                 at = e.end_offset
@@ -239,7 +296,8 @@ class Reader:
             ref = self._ref_at(stream_id, at, end, cached_only=True)
         if not wanted:
             raise CorruptDataError(
-                f"stream {stream_id}: object {ref.key} is listed for offset {pos} but its index has no block there")
+                f"stream {stream_id}: object {first_ref.key} is listed for offset {pos} but its index has no block "
+                f"there")
         futures, waited = self._claim(stream_id, wanted, demand=True)
         self._follow_reader(stream_id, pos, at, waited)
         out: list[Batch] = []
@@ -355,22 +413,24 @@ class Reader:
                 raise
             return
         with self._lock:
+            blocks = []
             for key, e, batches in zip(keys, unit.entries, decoded):
                 unread = readahead
                 if key in self._demanded:
                     self._demanded.discard(key)
                     unread = False
                     self.stats["readahead_used_bytes"] += e.block_size
-                self.blocks.put(key, _Block(stream_id, batches, e.block_size, unread), e.block_size)
+                blocks.append((key, _Block(stream_id, batches, e.block_size, unread)))
                 self._inflight.pop(key, None)
+            self.blocks.put(blocks, unit.nbytes)
             self._inflight_bytes -= unit.nbytes
             self.stats["object_reads"] += 1
             self.stats["object_bytes"] += unit.nbytes
         for fut, batches in zip(futures, decoded):
             fut.set_result(batches)
 
-    def _evicted(self, key: Hashable, block: _Block) -> None:
-        # Called under self._lock (blocks are only put while it is held).
+    def _evicted(self, block: _Block) -> None:
+        # Called under self._lock (the block cache is only used while it is held).
         if block.unread:
             self.stats["readahead_wasted_bytes"] += block.nbytes
             follow = self._follow.get(block.stream_id)
@@ -421,8 +481,13 @@ class Reader:
             wanted: list[tuple[ObjectRef, IndexEntry]] = []
             total = 0
             while total < window:
-                ref = self._ref_at(stream_id, at, _NO_END)
+                # Past the last committed object, ask metadata again only now and then: a reader
+                # near the stream's end would otherwise query it on every fetch.
+                known_past = at >= follow.past_end and time.monotonic() - follow.past_end_at < PAST_END_RECHECK
+                ref = self._ref_at(stream_id, at, _NO_END, cached_only=known_past)
                 if ref is None:
+                    if not known_past:
+                        follow.past_end, follow.past_end_at = at, time.monotonic()
                     break                        # past what is committed: the log cache has it
                 if self._is_whole(ref) and self.indexes.get(ref.object_id) is None:
                     # Read the small StreamObject whole, on its own thread.
@@ -483,8 +548,10 @@ class Reader:
     def _is_whole(self, ref: ObjectRef) -> bool:
         return ref.type == ObjectType.STREAM_OBJECT and ref.size <= self._whole_object
 
-    def _index(self, ref: ObjectRef) -> list[IndexEntry]:
-        """The object's index, cached; one GET per object however many threads want it."""
+    def _index(self, ref: ObjectRef, budget: int = 0) -> list[IndexEntry]:
+        """The object's index, cached; one GET per object however many threads want it. A small
+        StreamObject is read whole if read-ahead asks (`budget` 0) or if the reader's fetch
+        wants at least a quarter of it: a point read does not pull 16 MiB."""
         index = self.indexes.get(ref.object_id)
         if index is not None:
             return index
@@ -500,7 +567,8 @@ class Reader:
                     f"reading the index of object {ref.key} did not complete within read_timeout={self._timeout}s; "
                     f"the object store is slow or unreachable") from None
         try:
-            index = self._read_whole(ref) if self._is_whole(ref) else read_index(self._store, ref.key, ref.size)
+            whole = self._is_whole(ref) and (budget == 0 or WHOLE_OBJECT_FETCHES * budget >= ref.size)
+            index = self._read_whole(ref, budget == 0) if whole else read_index(self._store, ref.key, ref.size)
             self.indexes.put(ref.object_id, index, 64 + 56 * len(index))
         except BaseException as e:
             mine.set_exception(e)
@@ -523,7 +591,7 @@ class Reader:
                     self._reserved.discard(ref.object_id)
                     self._inflight_bytes -= ref.size
 
-    def _read_whole(self, ref: ObjectRef) -> list[IndexEntry]:
+    def _read_whole(self, ref: ObjectRef, readahead: bool) -> list[IndexEntry]:
         """A small StreamObject in one GET: its index, and all its blocks into the cache (the
         stream's reader wants all of them), instead of a GET of the tail and one of the blocks."""
         with self._lock:
@@ -543,12 +611,16 @@ class Reader:
             self.stats["object_reads"] += 1
             self.stats["object_bytes"] += ref.size
             self.stats["whole_object_reads"] += 1
-            for e, batches in zip(index, decoded):
-                key = (ref.object_id, e.block_position)
-                if key not in self._inflight and self.blocks.get(key) is None:
-                    self.blocks.put(key, _Block(e.stream_id, batches, e.block_size, True), e.block_size)
+            self.blocks.put([((ref.object_id, e.block_position), _Block(e.stream_id, batches, e.block_size, readahead))
+                             for e, batches in zip(index, decoded) if (ref.object_id, e.block_position) not in self._inflight],
+                            ref.size)
         return index
 
 
 def _end_offset(ref: ObjectRef) -> int:
     return ref.end_offset
+
+
+def _payload_bytes(e: IndexEntry) -> int:
+    """The payload bytes of an index entry's block (its size less the block and batch headers)."""
+    return e.block_size - BLOCK_HEADER_SIZE - BATCH_HEADER_SIZE * e.batch_count

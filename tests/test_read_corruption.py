@@ -47,8 +47,8 @@ def written(tmp_path_factory):
     return root, data
 
 
-def _read_everything(root, data, config) -> dict[int, list[bytes]]:
-    """Every stream read from offset 0 by a fresh reader (nothing cached)."""
+def _read_everything(root, data, config, max_bytes: int) -> tuple[dict[int, list[bytes]], dict]:
+    """Every stream read from offset 0 by a fresh reader (nothing cached); and its stats."""
     meta = SqliteMetadataStore(str(root / "meta.db"))
     reader = Reader(LocalObjectStore(str(root / "objects")), meta,
                     LogCache(1 * MiB, 2 * MiB, time.monotonic_ns, FetchedBatch), config)
@@ -58,14 +58,15 @@ def _read_everything(root, data, config) -> dict[int, list[bytes]]:
             end = meta.get_stream(sid).end_offset
             got, pos = [], 0
             while pos < end:
-                batches = reader.read(sid, pos, end, 64 * KiB)
+                batches = reader.read(sid, pos, end, max_bytes)
                 got += [bytes(b.payload) for b in batches]
                 pos = batches[-1].end_offset
             out[sid] = got
+        stats = reader.snapshot()
     finally:
         reader.close()
         meta.close()
-    return out
+    return out, stats
 
 
 def _positions(root, size: int, key: str, rng: random.Random) -> list[int]:
@@ -79,11 +80,18 @@ def _positions(root, size: int, key: str, rng: random.Random) -> list[int]:
     return sorted(picks)
 
 
-@pytest.mark.parametrize("fetch", [4 * KiB, 4 * MiB], ids=["ranged-gets", "whole-objects"])
-def test_a_flipped_byte_anywhere_raises_never_returns_wrong_bytes(written, fetch):
+@pytest.mark.parametrize("fetch, max_bytes", [(16 * KiB, 64 * KiB), (4 * MiB, 1 * MiB)],
+                         ids=["ranged-gets", "whole-objects"])
+def test_a_flipped_byte_anywhere_raises_never_returns_wrong_bytes(written, fetch, max_bytes):
     root, data = written
-    config = small_config(read_fetch_size=fetch, object_block_size=16 * KiB)
-    assert _read_everything(root, data, config) == data
+    config = small_config(read_fetch_size=fetch, object_block_size=16 * KiB, block_cache_size=16 * MiB)
+
+    def read_all():
+        return _read_everything(root, data, config, max_bytes)[0]
+
+    got, stats = _read_everything(root, data, config, max_bytes)
+    assert got == data
+    assert (stats["whole_object_reads"] > 0) == (fetch == 4 * MiB)      # both ways of reading are covered
     meta = SqliteMetadataStore(str(root / "meta.db"))
     objects = meta.list_objects(state=ObjectState.COMMITTED)
     meta.close()
@@ -101,7 +109,7 @@ def test_a_flipped_byte_anywhere_raises_never_returns_wrong_bytes(written, fetch
                 bad[pos] ^= 1 << rng.randrange(8)
                 path.write_bytes(bytes(bad))
                 try:
-                    got = _read_everything(root, data, config)
+                    got = read_all()
                 except s3stream.CorruptDataError:
                     caught += 1
                     continue
@@ -110,4 +118,4 @@ def test_a_flipped_byte_anywhere_raises_never_returns_wrong_bytes(written, fetch
             path.write_bytes(good)
     # Every position sampled is covered by a check: nothing passes unnoticed either.
     assert caught == tried
-    assert _read_everything(root, data, config) == data          # stored data intact once repaired
+    assert read_all() == data          # stored data intact once repaired

@@ -494,41 +494,6 @@ def test_get_slower_than_read_timeout_fails_the_wait_then_recovers(tmp_path):
     reader.close()
 
 
-@pytest.mark.xfail(strict=True, reason="read.py runs a reader's own GET on the reader's thread (Reader._claim "
-                                       "calls _fetch for the first unit; index reads too) where read_timeout "
-                                       "does not apply")
-def test_own_get_slower_than_read_timeout_fails(tmp_path):
-    rng = random.Random(8)
-    store, stream_id, _ = one_stream(tmp_path, [rng.randrange(4 * KiB, 20 * KiB) for _ in range(200)])
-    last = stored_entries(tmp_path, store, {stream_id})[-1]
-    assert last.block_position > 0
-    gated = GatedStore(tmp_path / "objects")
-    gated.hold_from = 1
-    read_timeout = 0.2
-    reader = node(tmp_path, 2, gated, reader_config(read_timeout=read_timeout))
-    stream = reader.open_stream(stream_id)
-    outcome: list = []
-
-    def fetch_far():
-        # Far past the read-ahead of any earlier read: no GET of this block is in flight.
-        try:
-            outcome.append(stream.fetch(last.start_offset, max_bytes=1))
-        except Exception as e:        # noqa: BLE001 - checked below
-            outcome.append(e)
-
-    fetcher = threading.Thread(target=fetch_far)
-    try:
-        fetcher.start()
-        fetcher.join(read_timeout * 15)
-    finally:
-        gated.release.set()
-        fetcher.join()
-        reader.close()
-    assert isinstance(outcome[0], ObjectStoreError) and "read_timeout" in str(outcome[0]), outcome
-
-
-@pytest.mark.xfail(strict=True, reason="read.py: each read-ahead pass that reaches past the stream's last committed "
-                                       "object asks metadata again (Reader._ref_at caches no 'nothing further')")
 def test_reader_near_the_committed_end_does_not_query_metadata_per_fetch(tmp_path):
     store, stream_id, batches = one_stream(tmp_path, [4 * KiB] * 300)         # 1.2 MB: two objects
     reader = node(tmp_path, 2, store, reader_config())
@@ -546,9 +511,6 @@ def test_reader_near_the_committed_end_does_not_query_metadata_per_fetch(tmp_pat
     assert extra <= 2, f"{extra} metadata lookups for {len(batches) - last} fetches at the committed end"
 
 
-@pytest.mark.xfail(strict=True, reason="read.py: Reader.read calls _read_objects again with the budget left over; "
-                                       "that call waits for the next block, whose batch read() then drops as over "
-                                       "max_bytes (and it moves the followed position past what was returned)")
 def test_fetch_filled_by_one_block_does_not_wait_for_the_next(tmp_path):
     store, stream_id, batches = one_stream(tmp_path, [40 * KiB] * 30)         # a batch a 64 KiB block
     first_block, second_block = stored_entries(tmp_path, store, {stream_id})[:2]
@@ -580,9 +542,6 @@ def test_fetch_filled_by_one_block_does_not_wait_for_the_next(tmp_path):
     assert outcome == [batches[:1], False], "the fetch failed, or returned only once the next block's GET did"
 
 
-@pytest.mark.xfail(strict=True, reason="read.py: a cold StreamObject of up to 4 x read_fetch_size is read whole by the "
-                                       "reader's own fetch whatever its max_bytes; docs/read-path.md bounds a reader's "
-                                       "own GETs in flight by max_bytes plus one block")
 def test_own_gets_in_flight_stay_within_max_bytes_plus_a_block(tmp_path):
     store, stream_id, batches = one_stream(tmp_path, [4 * KiB] * 250)          # 1 MB: StreamObjects
     # 512 KiB GETs (StreamObjects up to 2 MiB read whole); read-ahead one 64 KiB window.

@@ -49,7 +49,7 @@ from . import Config, RecordBatch, StreamClient
 from .lifecycle import ObjectReclaimer
 from .metadata import ObjectState, SqliteMetadataStore
 from .objectstore import InstrumentedObjectStore, LocalObjectStore
-from .bench_reads import catchup_local, catchup_s3, format_catchup, moto_server, tail_read
+from .bench_reads import catchup_local, catchup_s3, format_catchup, moto_server, tail_read, tail_read_sizes
 from .reporting import pyplot, save_figure
 
 KiB, MiB, GiB = 1024, 1024 ** 2, 1024 ** 3
@@ -568,7 +568,7 @@ def run(argv: list[str] | None = None) -> dict:
                                                  rounds=args.rounds, keep_open=keep, compare_wal=args.only == "all")
             if client is not None:
                 _progress("tail read from the log cache")
-                res["tail_read"] = tail_read(streams)
+                res["tail_read"] = tail_read(client, streams)
                 for s in streams:
                     s.close()
                 client.close()
@@ -606,6 +606,11 @@ def read_cases(args, config: Config, payload: bytes, base_work: str) -> dict:
     engine_ingest(so_work, os.path.join(so_work, "objects"), replace(config, split_size=min(4 * MiB, config.split_size)),
                   payload, args.threads, args.dataset, 10, compare_wal=False)
     layouts["stream objects"] = so_work
+    _progress("tail reads of 128 B, 1 KiB and 64 KiB records from the log cache")
+    tail_store = os.path.join(so_work, "tail-objects")
+    os.makedirs(tail_store, exist_ok=True)
+    tail = tail_read_sizes(so_work, tail_store, config, per_stream=(2 if args.quick else 16) * MiB,
+                           rounds=10 if args.quick else 200)
     out: dict = dict(local={}, s3={})
     for layout, work in layouts.items():
         _progress(f"catch-up read of {layout} from the local store (fresh node, cold caches)")
@@ -615,6 +620,7 @@ def read_cases(args, config: Config, payload: bytes, base_work: str) -> dict:
             for i, (layout, work) in enumerate(layouts.items()):
                 _progress(f"catch-up read of {layout} from S3 through moto (fresh node, cold caches)")
                 out["s3"][layout] = catchup_s3(work, os.path.join(work, "objects"), config, endpoint, f"catchup-{i}")
+    out = dict(catchup=out, tail=tail)
     return out
 
 
@@ -639,15 +645,21 @@ def format_report(report: dict) -> str:
                      f"{r['objects_per_gib']:.1f} per GiB ({r['stream_objects']} SO, {r['stream_set_objects']} SSO)")
         if "tail_read" in r:
             t = r["tail_read"]
-            lines.append(f"  tail read from the log cache: {t['mb_s']:.0f} MB/s, {t['records_s']:,.0f} records/s")
+            lines.append(f"  tail read (newest batch of each stream, a fetch each): {t['mb_s']:.0f} MB/s, "
+                         f"{t['records_s']:,.0f} records/s, {t['fetches_s']:,.0f} fetches/s; "
+                         f"{t['from_cache']:.0%} from the log cache, {t['object_gets']} GETs")
     reads = report.get("reads")
     if reads:
+        lines.append("\nTail reads from the log cache (4 streams, the newest MiB of each, fetch max_bytes 1 MiB)")
+        for t in reads["tail"]:
+            lines.append(f"  {fmt_size(t['size']):>6} records: {t['mb_s']:,.0f} MB/s, {t['records_s']:,.0f} records/s "
+                         f"({t['from_cache']:.0%} of fetches from the log cache)")
         lines.append("\nCatch-up reads (fetch 1 MiB at a time, stream after stream, fresh node; s3stream/bench_reads.py)")
-        for store, cases in reads.items():
+        for store, cases in reads["catchup"].items():
             for layout, c in cases.items():
                 judged = store == "local" or layout == "stream objects"
                 lines.append(format_catchup(f"{store}, {layout}", c, TARGETS["catchup_ratio"] if judged else None))
-        if reads.get("s3"):
+        if reads["catchup"].get("s3"):
             lines.append("  (on moto a ranged GET costs about a whole-object GET, so reading StreamSetObjects slice by "
                          "slice is bound by moto; S3 is judged on StreamObjects)")
     lines += _format_small_records(report)
@@ -737,7 +749,8 @@ def write_plots(report: dict, out: str) -> list[str]:
 
 
 def _plot_reads(plt, report: dict, out: str) -> str:
-    cases = [(f"{store}\n{layout}", c) for store, by_layout in report["reads"].items() for layout, c in by_layout.items()]
+    cases = [(f"{store}\n{layout}", c) for store, by_layout in report["reads"]["catchup"].items()
+             for layout, c in by_layout.items()]
     x = list(range(len(cases)))
     fig, ax = plt.subplots(figsize=(8, 4.2))
     ax.bar([i - 0.2 for i in x], [c["raw_mb_s"] for _, c in cases], 0.4, label="raw read of the objects")

@@ -159,18 +159,66 @@ def catchup_s3(workdir: str, store_dir: str, config: Config, endpoint: str, buck
     return _result(got, read_s, raw, raw_s, stats, objects=len(keys), store=f"S3 through moto ({endpoint})")
 
 
-def tail_read(streams, rounds: int = 3) -> dict:
-    """Fetch the newest data of every stream from the log cache (the client is still open)."""
+def tail_read(client: StreamClient, streams, batches: int = 1, rounds: int = 3) -> dict:
+    """Fetch the newest `batches` batches of every stream (the client is still open), as a
+    consumer at the tail does; `from_cache` is the share of fetches the log cache answered
+    (the rest went to objects: the cache holds the newest cache_size bytes of all streams)."""
+    before = client.stats()["read"]
     t0 = time.perf_counter()
-    got = records = 0
+    got = records = fetches = 0
     for _ in range(rounds):
         for s in streams:
-            start = max(s.start_offset, s.confirm_offset - 16)
-            res = s.fetch(start, max_bytes=MiB)
+            if s.confirm_offset == s.start_offset:
+                continue                        # nothing written to this one
+            res = s.fetch(s.confirm_offset - _tail_records(s, batches), max_bytes=MiB)
             got += res.total_bytes
             records += sum(b.count for b in res.batches)
+            fetches += 1
     el = time.perf_counter() - t0
-    return dict(bytes=got, records=records, mb_s=got / el / 1e6, records_s=records / el)
+    after = client.stats()["read"]
+    from_objects = after["object_reads"] - before["object_reads"]
+    return dict(bytes=got, records=records, fetches=fetches, mb_s=got / el / 1e6, records_s=records / el,
+                fetches_s=fetches / el, object_gets=from_objects,
+                from_cache=(after["cache_reads"] - before["cache_reads"]) / max(1, fetches))
+
+
+def _tail_records(stream, batches: int) -> int:
+    """Records in the stream's newest `batches` batches (the producers append one record each)."""
+    return min(batches, stream.confirm_offset - stream.start_offset)
+
+
+def tail_read_sizes(workdir: str, store_dir: str, config: Config, sizes=(128, 1024, 65536),
+                    streams: int = 4, per_stream: int = 16 * MiB, rounds: int = 200) -> list[dict]:
+    """Records of each size appended to `streams` streams (still in the log cache), then fetched
+    back 1 MiB at a time from the newest MiB of each stream, `rounds` times over."""
+    from . import RecordBatch
+    out = []
+    client = StreamClient(7, os.path.join(workdir, "tail.wal"), f"file://{store_dir}",
+                          f"sqlite:///{workdir}/tail-meta.db", config)
+    try:
+        for size in sizes:
+            handles = [client.create_stream() for _ in range(streams)]
+            batch = RecordBatch(os.urandom(size), 1)
+            for s in handles:
+                futures = s.append_many([batch] * (per_stream // size))
+                futures[-1].result()
+            newest = MiB // size
+            before = client.stats()["read"]
+            t0 = time.perf_counter()
+            got = records = 0
+            for _ in range(rounds):
+                for s in handles:
+                    res = s.fetch(s.confirm_offset - newest, max_bytes=MiB)
+                    got += res.total_bytes
+                    records += len(res.batches)
+            el = time.perf_counter() - t0
+            after = client.stats()["read"]
+            out.append(dict(size=size, mb_s=got / el / 1e6, records_s=records / el, fetches=rounds * streams,
+                            from_cache=(after["cache_reads"] - before["cache_reads"]) / (rounds * streams)))
+            client.close_streams(handles)
+    finally:
+        client.close()
+    return out
 
 
 def format_catchup(name: str, c: dict, target: float | None) -> str:

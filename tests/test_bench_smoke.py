@@ -21,7 +21,9 @@ def test_engine_bench_quick(tmp_path):
     data = json.loads((tmp_path / "report.json").read_text())
     assert [r["streams"] for r in data["runs"]] == [1000, 10]
     assert all(r["mb_s"] > 0 and r["wal_only"]["mb_s"] > 0 for r in report["runs"])
-    reads = data["reads"]
+    assert [t["size"] for t in data["reads"]["tail"]] == [128, 1024, 65536]
+    assert all(t["records_s"] > 0 and t["from_cache"] == 1.0 for t in data["reads"]["tail"])
+    reads = data["reads"]["catchup"]
     assert set(reads) == {"local", "s3"}
     for store in ("local", "s3"):
         assert set(reads[store]) == {"stream set objects", "stream objects"}

@@ -6,16 +6,17 @@ S3StreamError.
 from .client import StreamClient
 from .config import Config
 from .errors import (
-    AppendFailedError, ConfigError, CorruptDataError, InvalidBatchError, MetadataError, ObjectNotFoundError, ObjectStoreError,
-    OffsetOutOfRangeError, S3StreamError, StreamClosedError, StreamFencedError, StreamNotClosedError,
+    AppendFailedError, ConfigError, CorruptDataError, InvalidArgumentError, InvalidBatchError, MetadataError,
+    ObjectNotFoundError, ObjectStoreError, OffsetOutOfRangeError, S3StreamError, StreamClosedError, StreamFencedError, StreamNotClosedError,
     StreamNotFoundError, UnsupportedFormatError, WALError, WALFullError,
 )
 from .recordbatch import AppendFuture, AppendResult, FetchedBatch, FetchResult, RecordBatch
 from .stream import Stream
 
 __all__ = [
-    "AppendFailedError", "AppendFuture", "AppendResult", "Config", "ConfigError", "CorruptDataError", "FetchResult", "FetchedBatch",
-    "InvalidBatchError", "MetadataError", "ObjectNotFoundError", "ObjectStoreError", "OffsetOutOfRangeError",
+    "AppendFailedError", "AppendFuture", "AppendResult", "Config", "ConfigError", "CorruptDataError", "FetchResult",
+    "FetchedBatch", "InvalidArgumentError", "InvalidBatchError", "MetadataError", "ObjectNotFoundError",
+    "ObjectStoreError", "OffsetOutOfRangeError",
     "RecordBatch", "S3StreamError", "Stream", "StreamClient", "StreamClosedError", "StreamFencedError",
     "StreamNotClosedError", "StreamNotFoundError", "UnsupportedFormatError", "WALError", "WALFullError",
 ]

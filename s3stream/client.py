@@ -23,7 +23,7 @@ from _native.appendpath import AppendPath
 from .config import Config
 from .errors import (
     AppendFailedError, ConfigError, CorruptDataError, InvalidBatchError, S3StreamError, StreamClosedError,
-    StreamFencedError, StreamNotClosedError, StreamNotFoundError, WALError, WALFullError,
+    StreamFencedError, StreamNotClosedError, StreamNotFoundError, WALError, WALFullError, check_int,
 )
 from .lifecycle import ObjectReclaimer, ReclaimerThread
 from .logcache import CacheBlock, LogCache, new_log_cache
@@ -183,7 +183,9 @@ class StreamClient:
 
     def open_stream(self, stream_id: int) -> Stream:
         """Open an existing stream on this node with epoch + 1. StreamNotClosedError if another
-        node holds it open; StreamNotFoundError if it does not exist or was destroyed."""
+        node holds it open; StreamNotFoundError if it does not exist or was destroyed;
+        InvalidArgumentError if the id is not an int (a bool is not a stream id)."""
+        check_int("stream_id", stream_id)
         self._check_usable()
         with self._lock:
             if stream_id in self._streams:

@@ -41,6 +41,27 @@ class InvalidBatchError(S3StreamError, ValueError):
     """A record batch that cannot be appended (count <= 0, too large, wrong type)."""
 
 
+class InvalidArgumentError(S3StreamError, TypeError, ValueError):
+    """An offset, id or size of the wrong type (a float, a bool, a string) or out of its range
+    (negative, beyond 2**63 - 1, max_bytes <= 0). Nothing was read or changed."""
+
+
+#: Offsets and ids are stored as signed 64-bit integers.
+MAX_INT64 = (1 << 63) - 1
+
+
+def check_int(name: str, value, minimum: int = 0, maximum: int = MAX_INT64) -> int:
+    """`value` if it is an int (not a bool) in [minimum, maximum]; else InvalidArgumentError
+    naming it. Floats are refused even when whole: an offset is a count of records."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgumentError(
+            f"{name} must be an int, got {value!r} ({type(value).__name__}); pass a whole number of records/bytes, "
+            f"e.g. int(...) of a value you computed")
+    if not minimum <= value <= maximum:
+        raise InvalidArgumentError(f"{name} must be between {minimum} and {maximum}, got {value}")
+    return value
+
+
 class CorruptDataError(S3StreamError):
     """An object or WAL record failed its checksum or format checks; no bytes were returned."""
 
@@ -74,7 +95,7 @@ class WALError(S3StreamError):
 
 
 __all__ = [
-    "ConfigError", "CorruptDataError", "InvalidBatchError", "MetadataError", "ObjectNotFoundError",
+    "ConfigError", "CorruptDataError", "InvalidArgumentError", "InvalidBatchError", "MetadataError", "ObjectNotFoundError",
     "ObjectStoreError", "OffsetOutOfRangeError", "S3StreamError", "StreamClosedError",
     "StreamFencedError", "StreamNotClosedError", "StreamNotFoundError", "WALError", "WALFullError",
 ]

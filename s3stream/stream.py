@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from _native import appendpath
 from _native.appendpath import StreamWriter
 
-from .errors import OffsetOutOfRangeError
+from .errors import OffsetOutOfRangeError, StreamClosedError, StreamFencedError, check_int
 from .metadata import StreamMeta
 from .recordbatch import FetchResult
 
@@ -63,15 +63,22 @@ class Stream(StreamWriter):
 
     def fetch(self, start_offset: int, end_offset: int | None = None, max_bytes: int = 1 << 20) -> FetchResult:
         """Batches from the one containing `start_offset` towards `end_offset` (default: the
-        confirm offset), up to `max_bytes` (at least one batch if any is in range)."""
+        confirm offset), up to `max_bytes` (at least one batch if any is in range).
+
+        Reads need an open handle: a closed or destroyed one raises StreamClosedError (another
+        node may have trimmed or appended since), a fenced one StreamFencedError. Offsets and
+        max_bytes must be ints (InvalidArgumentError)."""
+        check_int("start_offset", start_offset)
+        if end_offset is not None:
+            check_int("end_offset", end_offset)
+        check_int("max_bytes", max_bytes, minimum=1)
+        self._check_readable()
         confirm = self.confirm_offset
         end = confirm if end_offset is None else end_offset
         if start_offset < self._start_offset or end > confirm or start_offset > end:
             raise OffsetOutOfRangeError(
                 f"stream {self.stream_id}: fetch [{start_offset}, {end}) is outside the readable range "
                 f"[{self._start_offset}, {confirm}]")
-        if max_bytes <= 0:
-            raise ValueError(f"max_bytes must be positive, got {max_bytes}")
         if start_offset == end:
             return FetchResult([])
         return FetchResult(self._client._reader.read(self.stream_id, start_offset, end, max_bytes))
@@ -81,6 +88,7 @@ class Stream(StreamWriter):
     def trim(self, new_start_offset: int) -> None:
         """Discard offsets below `new_start_offset`, which must lie in [start_offset,
         confirm_offset]; trimming to the current start offset does nothing."""
+        check_int("new_start_offset", new_start_offset)
         with self._lock:
             self._check_writable()
             confirm = self.confirm_offset
@@ -138,6 +146,19 @@ class Stream(StreamWriter):
             with self._lock:
                 self._set_writer_state(appendpath.CLOSED)
             self._client._forget(self)
+
+    def _check_readable(self) -> None:
+        """Raise why this handle serves no reads: closed or destroyed (StreamClosedError), fenced
+        (StreamFencedError). A closing handle still reads (its data is all here)."""
+        state = self._writer_state()
+        if state == appendpath.FENCED:
+            raise StreamFencedError(
+                f"stream {self.stream_id} epoch {self.epoch} was fenced: it was opened elsewhere with a newer epoch; "
+                "reopen it to read what that holder wrote")
+        if state == appendpath.CLOSED:
+            raise StreamClosedError(
+                f"stream {self.stream_id} is closed on this node (closed or destroyed); another node may have "
+                "trimmed or appended since: open it again to read")
 
     def _fence(self) -> None:
         self._mark_fenced()

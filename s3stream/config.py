@@ -79,13 +79,24 @@ class Config:
     wal: wal.WALConfig = field(default_factory=lambda: wal.WALConfig(capacity=2 * GiB, full_timeout=60.0))
 
     def __post_init__(self) -> None:
+        if not isinstance(self.wal, wal.WALConfig):
+            raise ConfigError(f"wal must be a wal.WALConfig, got {self.wal!r} ({type(self.wal).__name__}); "
+                              "e.g. Config(wal=wal.WALConfig(capacity=4 << 30))")
+        for name in ("prepared_ttl", "append_timeout", "destroy_delay", "read_timeout", "wal_pressure",
+                     "upload_interval", "reclaim_interval"):
+            value = getattr(self, name)
+            if (value is None and name in ("upload_interval", "reclaim_interval")):
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
         if self.read_fetch_size is None and isinstance(self.block_cache_size, int):
             object.__setattr__(self, "read_fetch_size", max(4 * KiB, min(4 * MiB, self.block_cache_size // 4)))
         positive = ("upload_threshold", "split_size", "object_block_size", "max_batch_bytes", "cache_size",
                     "block_cache_size", "readahead_bytes", "read_fetch_size", "read_concurrency", "upload_concurrency",
                     "upload_pipeline")
         for name in positive:
-            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.split_size > self.upload_threshold:
             raise ConfigError(

@@ -101,3 +101,19 @@ def test_open_stream_refuses_ids_that_are_not_ints_and_opens_nothing(tmp_path, b
     assert b.open_stream(s.stream_id).stream_id == s.stream_id    # still closed, so another node opens it
     b.close()
     a.close()
+
+
+@pytest.mark.parametrize("kw", [dict(buffers=2.5), dict(batch_bytes=True), dict(capacity="1G"), dict(writer_threads=1.0),
+                                dict(max_record_bytes=2.0 ** 20), dict(full_timeout="30"), dict(direct_io=1)])
+def test_wal_config_refuses_wrongly_typed_fields(kw):
+    import wal
+    with pytest.raises(wal.WALConfigError, match=next(iter(kw))):
+        wal.WALConfig(**kw)
+
+
+@pytest.mark.parametrize("kw", [dict(cache_size=True), dict(upload_threshold=64.0 * 2 ** 20), dict(append_timeout="3"),
+                                dict(upload_interval="1"), dict(wal="x"), dict(wal_pressure=True),
+                                dict(read_fetch_size=1.5), dict(read_timeout=None)])
+def test_config_refuses_wrongly_typed_fields_by_name(kw):
+    with pytest.raises(s3stream.ConfigError, match=next(iter(kw))):
+        s3stream.Config(**kw)

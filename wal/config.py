@@ -48,6 +48,18 @@ class WALConfig:
     preallocate: str = "zeros"
 
     def __post_init__(self) -> None:
+        # Types first: a float or a bool would pass the range checks and break the ring later.
+        for name, optional in (("capacity", True), ("batch_bytes", False), ("buffers", False),
+                               ("writer_threads", False), ("max_record_bytes", True)):
+            value = getattr(self, name)
+            if (value is None and not optional) or (value is not None and (
+                    isinstance(value, bool) or not isinstance(value, int))):
+                raise WALConfigError(f"{name} must be an int{' or None' if optional else ''}, got {value!r} "
+                                     f"({type(value).__name__})")
+        if isinstance(self.full_timeout, bool) or not isinstance(self.full_timeout, (int, float)):
+            raise WALConfigError(f"full_timeout must be a number of seconds, got {self.full_timeout!r}")
+        if self.direct_io is not None and not isinstance(self.direct_io, bool):
+            raise WALConfigError(f"direct_io must be None, True or False, got {self.direct_io!r}")
         if self.capacity is not None:
             self.check_capacity(self.capacity, "capacity")
         if self.batch_bytes < 2 * BLOCK or self.batch_bytes % BLOCK:

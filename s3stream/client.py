@@ -101,6 +101,24 @@ def close_node_streams(meta: MetadataStore, node_id: int) -> int:
     return closed
 
 
+def _check_store_args(object_store, metadata) -> None:
+    """ConfigError for an object store or metadata argument that is neither a URL nor a store
+    (a number, None, an empty string): refused before anything is written."""
+    if isinstance(object_store, str):
+        if not object_store.strip():
+            raise ConfigError("object_store is an empty string (it would write into the working directory); use "
+                              "file:///absolute/path or s3://bucket[/prefix]")
+    elif not all(callable(getattr(object_store, m, None)) for m in ("put", "get", "size", "delete", "list")):
+        raise ConfigError(f"object_store must be a URL string or an ObjectStore, got {object_store!r} "
+                          f"({type(object_store).__name__}); e.g. 'file:///data/objects'")
+    if isinstance(metadata, str):
+        if not metadata.strip():
+            raise ConfigError("metadata is an empty string; use sqlite:////absolute/path/meta.db")
+    elif not all(callable(getattr(metadata, m, None)) for m in ("register_node", "open_stream", "get_object_refs")):
+        raise ConfigError(f"metadata must be a URL string or a MetadataStore, got {metadata!r} "
+                          f"({type(metadata).__name__}); e.g. 'sqlite:////data/meta.db'")
+
+
 class StreamClient:
     """The engine of one node. See the module docstring for its lifecycle.
 
@@ -111,13 +129,14 @@ class StreamClient:
     def __init__(self, node_id: int, wal_path: str | os.PathLike, object_store: str | ObjectStore,
                  metadata: str | MetadataStore, config: Config | None = None, *,
                  clock: Callable[[], int] = time.monotonic_ns) -> None:
-        if not isinstance(node_id, int) or node_id < 0:
+        if isinstance(node_id, bool) or not isinstance(node_id, int) or not 0 <= node_id < 1 << 63:
             raise ConfigError(f"node_id must be a non-negative integer, got {node_id!r}")
         self.config = config or Config()
         if not isinstance(self.config, Config):
             raise ConfigError(f"config must be an s3stream.Config, got {type(self.config).__name__}")
         self.node_id = node_id
         self._clock = clock
+        _check_store_args(object_store, metadata)
         self._owns_store = isinstance(object_store, str)
         self._owns_meta = isinstance(metadata, str)
         self._store: ObjectStore = open_object_store(object_store) if isinstance(object_store, str) else object_store

@@ -117,3 +117,21 @@ def test_wal_config_refuses_wrongly_typed_fields(kw):
 def test_config_refuses_wrongly_typed_fields_by_name(kw):
     with pytest.raises(s3stream.ConfigError, match=next(iter(kw))):
         s3stream.Config(**kw)
+
+
+@pytest.mark.parametrize("store, meta", [("", None), ("   ", None), (12345, None), (None, None),
+                                         (None, ""), (None, 3.5), (None, object())])
+def test_client_refuses_store_and_metadata_arguments_that_are_neither_url_nor_store(tmp_path, monkeypatch, store,
+                                                                                  meta):
+    monkeypatch.chdir(tmp_path)
+    store = f"file://{tmp_path}/objects" if store is None and meta is not None else store
+    meta = f"sqlite:///{tmp_path}/meta.db" if meta is None else meta
+    with pytest.raises(s3stream.ConfigError, match="object_store|metadata"):
+        StreamClient(1, tmp_path / "n1.wal", store, meta, small_config())
+    assert sorted(p.name for p in tmp_path.iterdir()) == []      # nothing written: no WAL, no objects, no db
+
+
+@pytest.mark.parametrize("node_id", [True, 1.0, -1, 1 << 64])
+def test_client_refuses_node_ids_that_are_not_ints(tmp_path, node_id):
+    with pytest.raises(s3stream.ConfigError, match="node_id"):
+        StreamClient(node_id, tmp_path / "n.wal", f"file://{tmp_path}/objects", f"sqlite:///{tmp_path}/meta.db")

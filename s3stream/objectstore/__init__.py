@@ -39,6 +39,9 @@ def open_object_store(url: str, **kw: Any) -> ObjectStore:
     Raises ConfigError for an unsupported scheme, unknown or malformed parameters, or a missing
     bucket.
     """
+    if not isinstance(url, str) or not url.strip():
+        raise ConfigError(f"object store URL {url!r} is empty or not a string; use file:///absolute/path, a "
+                          "directory path, or s3://bucket[/prefix]")
     if "://" not in url:
         return LocalObjectStore(url, **kw)
     parts = urlsplit(url)

@@ -148,14 +148,24 @@ class StreamClient:
         self._fenced = False
         self._admit_cond = threading.Condition()
         self._recovering = True
+        try:
+            # Refuse a second instance on the same WAL before bumping the node epoch, which would
+            # fence the running one (two starting at the same instant: the WAL's own lock still
+            # stops the second, after the bump).
+            wal.WriteAheadLog.check_not_in_use(wal_path)
+        except wal.WALError as e:
+            self._close_owned()
+            raise WALError(str(e)) from e
         node = self._meta.register_node(node_id, os.fspath(wal_path))
         self.node_epoch = node.node_epoch
         try:
             self._wal = wal.WriteAheadLog.open(wal_path, node_id=node_id, node_epoch=self.node_epoch,
                                                config=self.config.wal_config)
         except wal.WALConfigError as e:
+            self._close_owned()
             raise ConfigError(str(e)) from e
         except wal.WALError as e:
+            self._close_owned()
             raise WALError(str(e)) from e
         self._cache = new_log_cache(self.config, clock)
         self._reader = Reader(self._store, self._meta, self._cache, self.config)
@@ -455,12 +465,16 @@ class StreamClient:
         self._wal.close()
         self._append_path.stop_callbacks()
         self._callbacks.join()
+        self._close_owned()
+        if errors:
+            log.warning("client of node %d closed with errors: %s", self.node_id, errors)
+
+    def _close_owned(self) -> None:
+        """Close the stores this client opened from URLs (not the ones it was handed)."""
         if self._owns_meta:
             self._meta.close()
         if self._owns_store:
             self._store.close()
-        if errors:
-            log.warning("client of node %d closed with errors: %s", self.node_id, errors)
 
     def __enter__(self) -> "StreamClient":
         return self

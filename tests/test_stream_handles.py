@@ -135,3 +135,23 @@ def test_client_refuses_store_and_metadata_arguments_that_are_neither_url_nor_st
 def test_client_refuses_node_ids_that_are_not_ints(tmp_path, node_id):
     with pytest.raises(s3stream.ConfigError, match="node_id"):
         StreamClient(node_id, tmp_path / "n.wal", f"file://{tmp_path}/objects", f"sqlite:///{tmp_path}/meta.db")
+
+
+def test_a_second_instance_on_a_wal_in_use_is_refused_without_fencing_the_first(tmp_path):
+    """Issue 10, case 3: the refused start changes nothing: the node epoch stays, and the running
+    instance keeps appending and closes cleanly."""
+    from s3stream.metadata import open_metadata
+    a = node(tmp_path, 1)
+    s = a.create_stream()
+    s.append(RecordBatch(b"before")).result(10)
+    with pytest.raises(s3stream.WALError, match="in use"):
+        node(tmp_path, 1)
+    meta = open_metadata(f"sqlite:///{tmp_path}/meta.db")
+    assert meta.get_node(1).node_epoch == a.node_epoch
+    meta.close()
+    s.append(RecordBatch(b"after")).result(10)             # not fenced
+    s.close()
+    a.close()
+    b = node(tmp_path, 2)
+    assert [bytes(x.payload) for x in b.open_stream(s.stream_id).fetch(0).batches] == [b"before", b"after"]
+    b.close()

@@ -143,6 +143,23 @@ class WriteAheadLog:
             raise
 
     @staticmethod
+    def check_not_in_use(path: str | os.PathLike) -> None:
+        """WALInUseError if a writer on this host holds the WAL at `path` open (nothing if the
+        path does not exist yet). Lets a caller refuse to start before it changes anything
+        else; open() checks again, under the lock it then holds."""
+        try:
+            fd = os.open(os.fspath(path), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except (FileNotFoundError, IsADirectoryError):
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise WALInUseError(
+                f"WAL {os.fspath(path)!r} is in use by another writer on this host; one WAL, one writer") from None
+        finally:
+            os.close(fd)
+
+    @staticmethod
     def _create_file(path: str, config: WALConfig) -> None:
         capacity = config.capacity or DEFAULT_CAPACITY
         WALConfig.check_capacity(capacity, "capacity")

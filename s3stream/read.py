@@ -62,15 +62,13 @@ WHOLE_OBJECT_FETCHES = 4
 
 
 class LRUCache:
-    """A thread-safe LRU bounded by the total `weight` of its values. `on_evict(key, value)`, if
-    given, is called (under the cache's lock: keep it short) for each value pushed out."""
+    """A thread-safe LRU bounded by the total `weight` of its values (object indexes, refs)."""
 
-    def __init__(self, capacity: int, on_evict: Callable[[Hashable, object], None] | None = None) -> None:
+    def __init__(self, capacity: int) -> None:
         self._capacity = capacity
         self._items: OrderedDict[Hashable, tuple[object, int]] = OrderedDict()
         self._weight = 0
         self._lock = threading.Lock()
-        self._on_evict = on_evict
         self.hits = 0
         self.misses = 0
 
@@ -92,10 +90,8 @@ class LRUCache:
             self._items[key] = (value, weight)
             self._weight += weight
             while self._weight > self._capacity and len(self._items) > 1:
-                k, (v, w) = self._items.popitem(last=False)
+                _, (_, w) = self._items.popitem(last=False)
                 self._weight -= w
-                if self._on_evict is not None:
-                    self._on_evict(k, v)
 
     def pop(self, key: Hashable) -> None:
         with self._lock:
@@ -312,7 +308,8 @@ class Reader:
                  pos: int, end: int, budget: int) -> None:
         size = 0
         for (ref, e), fut in zip(wanted, futures):
-            batches = self._wait(fut, ref, e)
+            batches = self._wait(fut, f"read of object {ref.key} bytes [{e.block_position}, "
+                                      f"{e.block_position + e.block_size})")
             for batch in batches:
                 if batch.end_offset <= pos:
                     continue
@@ -322,13 +319,14 @@ class Reader:
                 size += len(batch.payload)
                 pos = batch.end_offset
 
-    def _wait(self, fut: Future, ref: ObjectRef, e: IndexEntry) -> list[Batch]:
+    def _wait(self, fut: Future, what: str):
+        """The result of a GET running on another thread, waited for at most read_timeout."""
         try:
             return fut.result(self._timeout)
         except FutureTimeout:
             raise ObjectStoreError(
-                f"read of object {ref.key} bytes [{e.block_position}, {e.block_position + e.block_size}) did not "
-                f"complete within read_timeout={self._timeout}s; the object store is slow or unreachable") from None
+                f"{what} did not complete within read_timeout={self._timeout}s; the object store is slow or "
+                "unreachable") from None
 
     # ---- blocks: cached, in flight, or fetched ----------------------------------------------------
 
@@ -560,12 +558,7 @@ class Reader:
             if loading is None:
                 self._index_loads[ref.object_id] = mine = Future()
         if loading is not None:
-            try:
-                return loading.result(self._timeout)
-            except FutureTimeout:
-                raise ObjectStoreError(
-                    f"reading the index of object {ref.key} did not complete within read_timeout={self._timeout}s; "
-                    f"the object store is slow or unreachable") from None
+            return self._wait(loading, f"reading the index of object {ref.key}")
         try:
             whole = self._is_whole(ref) and (budget == 0 or WHOLE_OBJECT_FETCHES * budget >= ref.size)
             index = self._read_whole(ref, budget == 0) if whole else read_index(self._store, ref.key, ref.size)

@@ -620,8 +620,7 @@ def read_cases(args, config: Config, payload: bytes, base_work: str) -> dict:
             for i, (layout, work) in enumerate(layouts.items()):
                 _progress(f"catch-up read of {layout} from S3 through moto (fresh node, cold caches)")
                 out["s3"][layout] = catchup_s3(work, os.path.join(work, "objects"), config, endpoint, f"catchup-{i}")
-    out = dict(catchup=out, tail=tail)
-    return out
+    return dict(catchup=out, tail=tail)
 
 
 def _met(ok: bool) -> str:
@@ -645,7 +644,7 @@ def format_report(report: dict) -> str:
                      f"{r['objects_per_gib']:.1f} per GiB ({r['stream_objects']} SO, {r['stream_set_objects']} SSO)")
         if "tail_read" in r:
             t = r["tail_read"]
-            lines.append(f"  tail read (newest batch of each stream, a fetch each): {t['mb_s']:.0f} MB/s, "
+            lines.append(f"  tail read (newest record of each stream, a fetch each): {t['mb_s']:.0f} MB/s, "
                          f"{t['records_s']:,.0f} records/s, {t['fetches_s']:,.0f} fetches/s; "
                          f"{t['from_cache']:.0%} from the log cache, {t['object_gets']} GETs")
     reads = report.get("reads")

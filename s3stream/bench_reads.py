@@ -57,10 +57,10 @@ def evict(paths: list[str]) -> None:
             os.close(fd)
 
 
-def read_all(client: StreamClient) -> tuple[int, int, float]:
-    """Read every stream from its start, stream after stream: (bytes, batches, seconds)."""
+def read_all(client: StreamClient) -> tuple[int, float]:
+    """Read every stream from its start, stream after stream: (bytes, seconds)."""
     ids = [m.stream_id for m in client.list_streams()]
-    got = batches = 0
+    got = 0
     t0 = time.perf_counter()
     for sid in ids:
         s = client.open_stream(sid)
@@ -68,9 +68,8 @@ def read_all(client: StreamClient) -> tuple[int, int, float]:
         while pos < s.confirm_offset:
             res = s.fetch(pos, max_bytes=FETCH_BYTES)
             got += res.total_bytes
-            batches += len(res.batches)
             pos = res.end_offset
-    return got, batches, time.perf_counter() - t0
+    return got, time.perf_counter() - t0
 
 
 def _result(got: int, seconds: float, raw: int, raw_seconds: float, stats: dict, **extra) -> dict:
@@ -93,7 +92,7 @@ def catchup_local(workdir: str, store_dir: str, config: Config, node_id: int = 2
     client = StreamClient(node_id, os.path.join(workdir, f"node{node_id}.wal"), f"file://{store_dir}",
                           f"sqlite:///{workdir}/meta.db", config)
     try:
-        got, _, read_s = read_all(client)
+        got, read_s = read_all(client)
         stats = client.stats()["read"]
     finally:
         client.close()
@@ -150,7 +149,7 @@ def catchup_s3(workdir: str, store_dir: str, config: Config, endpoint: str, buck
     client = StreamClient(node_id, os.path.join(workdir, f"node{node_id}.wal"),
                           f"s3://{bucket}/data?endpoint_url={endpoint}", f"sqlite:///{workdir}/meta.db", config)
     try:
-        got, _, read_s = read_all(client)
+        got, read_s = read_all(client)
         stats = client.stats()["read"]
     finally:
         client.close()
@@ -159,8 +158,8 @@ def catchup_s3(workdir: str, store_dir: str, config: Config, endpoint: str, buck
     return _result(got, read_s, raw, raw_s, stats, objects=len(keys), store=f"S3 through moto ({endpoint})")
 
 
-def tail_read(client: StreamClient, streams, batches: int = 1, rounds: int = 3) -> dict:
-    """Fetch the newest `batches` batches of every stream (the client is still open), as a
+def tail_read(client: StreamClient, streams, rounds: int = 3) -> dict:
+    """Fetch the newest record of every stream written to (the client is still open), as a
     consumer at the tail does; `from_cache` is the share of fetches the log cache answered
     (the rest went to objects: the cache holds the newest cache_size bytes of all streams)."""
     before = client.stats()["read"]
@@ -170,7 +169,7 @@ def tail_read(client: StreamClient, streams, batches: int = 1, rounds: int = 3) 
         for s in streams:
             if s.confirm_offset == s.start_offset:
                 continue                        # nothing written to this one
-            res = s.fetch(s.confirm_offset - _tail_records(s, batches), max_bytes=MiB)
+            res = s.fetch(s.confirm_offset - 1, max_bytes=MiB)
             got += res.total_bytes
             records += sum(b.count for b in res.batches)
             fetches += 1
@@ -180,11 +179,6 @@ def tail_read(client: StreamClient, streams, batches: int = 1, rounds: int = 3) 
     return dict(bytes=got, records=records, fetches=fetches, mb_s=got / el / 1e6, records_s=records / el,
                 fetches_s=fetches / el, object_gets=from_objects,
                 from_cache=(after["cache_reads"] - before["cache_reads"]) / max(1, fetches))
-
-
-def _tail_records(stream, batches: int) -> int:
-    """Records in the stream's newest `batches` batches (the producers append one record each)."""
-    return min(batches, stream.confirm_offset - stream.start_offset)
 
 
 def tail_read_sizes(workdir: str, store_dir: str, config: Config, sizes=(128, 1024, 65536),

@@ -13,7 +13,7 @@ import s3stream
 from s3stream import FetchedBatch, RecordBatch, StreamClient
 from s3stream.logcache import LogCache
 from s3stream.metadata import ObjectState, ObjectType, SqliteMetadataStore
-from s3stream.objectformat import FOOTER_SIZE, read_index
+from s3stream.objectformat import read_index
 from s3stream.objectstore import LocalObjectStore
 from s3stream.read import Reader
 

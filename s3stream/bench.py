@@ -303,6 +303,25 @@ def _wait_uploads(client: StreamClient, timeout: float = 120.0) -> None:
         time.sleep(0.005)
 
 
+class DiscardingStore:
+    """A local store whose puts can be switched to discard their data (untimed deletes of keys
+    never written are then no-ops). Only for the diagnostic rounds of the small-record bench: the
+    engine with its uploads encoded but not written, to tell the engine's own cost from the cost
+    of the stand-in store (a kernel copy into fresh page-cache pages of a RAM disk)."""
+
+    def __init__(self, inner: LocalObjectStore) -> None:
+        self.inner = inner
+        self.discard = False
+        self.url = inner.url
+
+    def put(self, key: str, data) -> None:
+        if not self.discard:
+            self.inner.put(key, data)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
 class SmallRecordBench:
     """Records of one size, one per batch, from `threads` producers: the engine (one stream per
     producer, through its own WAL) against the same producers appending to a WAL alone, on the
@@ -312,7 +331,7 @@ class SmallRecordBench:
                  inflight: int = SMALL_INFLIGHT) -> None:
         self.threads, self.inflight = threads, inflight
         self.meta = SqliteMetadataStore(os.path.join(workdir, "meta.db"))
-        store = LocalObjectStore(store_dir)
+        self.store = store = DiscardingStore(LocalObjectStore(store_dir))
         self.client = StreamClient(1, os.path.join(workdir, "node1.wal"), store, self.meta, config)
         self.walonly = WalOnly(os.path.join(workdir, "walonly.wal"), config.wal)
         self.reclaimer = ObjectReclaimer(store, self.meta, destroy_delay=0)
@@ -347,40 +366,51 @@ class SmallRecordBench:
             finally:
                 self.meta.close()
 
-    def _round(self, appends: list, arg, records: int, seconds: float, settle=None) -> tuple[int, float, float]:
-        cpu = _cpu_seconds()
-        count, elapsed = lean_producers(appends, arg, records, self.inflight, seconds)
-        if settle is not None:
-            settle()
-        return count, elapsed, _cpu_seconds() - cpu
+    def _round(self, appends: list, arg, records: int, seconds: float, settle=None,
+               discard: bool = False) -> tuple[int, float, float]:
+        self.store.discard = discard
+        try:
+            cpu = _cpu_seconds()
+            count, elapsed = lean_producers(appends, arg, records, self.inflight, seconds)
+            if settle is not None:
+                settle()
+            return count, elapsed, _cpu_seconds() - cpu
+        finally:
+            self.store.discard = False
 
     def throughput(self, size: int, rounds: int, round_seconds: float) -> tuple[dict, list]:
         """Records/s and CPU s/GiB of both sides at `size`. Each side's record count is set from a
         short probe so that a round lasts about `round_seconds` (the two differ by orders of
-        magnitude when the engine is slow). Returns the result and the streams, still open."""
+        magnitude when the engine is slow). A third side, "engine_no_store", is the engine with
+        its objects encoded but not written (DiscardingStore): what the engine costs without the
+        stand-in store. Returns the result and the streams, still open."""
         payload = os.urandom(size)
         streams = [self.client.create_stream() for _ in range(self.threads)]
         batch = RecordBatch(payload, 1)         # immutable: one object serves every append
-        sides = dict(wal=([self.walonly.wal.append] * self.threads, payload, None),
-                     engine=([s.append for s in streams], batch, lambda: _wait_uploads(self.client)))
+        settle = lambda: _wait_uploads(self.client)                             # noqa: E731
+        sides = dict(wal=([self.walonly.wal.append] * self.threads, payload, None, False),
+                     engine=([s.append for s in streams], batch, settle, False),
+                     engine_no_store=([s.append for s in streams], batch, settle, True))
         warm_up = 0.0 if self.warmed else self.warm_up(streams, batch)
         per_thread = {}
-        for name, (appends, arg, settle) in sides.items():     # the probe also warms both up
-            count, elapsed, _ = self._round(appends, arg, 1 << 40, max(0.05, round_seconds / 4), settle)
+        for name, (appends, arg, settle, discard) in sides.items():     # the probe also warms them up
+            count, elapsed, _ = self._round(appends, arg, 1 << 40, max(0.05, round_seconds / 4), settle, discard)
             per_thread[name] = max(self.inflight, int(count / elapsed * round_seconds / self.threads))
         self.drop_history(streams)
         totals = {name: [0, 0.0, 0.0] for name in sides}
         per_round = []
         for _ in range(rounds):
             rates = {}
-            for name, (appends, arg, settle) in sides.items():
-                count, elapsed, cpu = self._round(appends, arg, per_thread[name], 3 * round_seconds + 1, settle)
+            for name, (appends, arg, settle, discard) in sides.items():
+                count, elapsed, cpu = self._round(appends, arg, per_thread[name], 3 * round_seconds + 1, settle,
+                                                  discard)
                 rates[name] = count / elapsed
                 for i, v in enumerate((count, elapsed, cpu)):
                     totals[name][i] += v
             self.drop_history(streams)
             per_round.append(dict(wal_records_s=rates["wal"], engine_records_s=rates["engine"],
-                                  ratio=rates["engine"] / rates["wal"]))
+                                  ratio=rates["engine"] / rates["wal"],
+                                  ratio_no_store=rates["engine_no_store"] / rates["wal"]))
         res = dict(size=size, rounds=rounds, warm_up_seconds=warm_up, records_per_round=dict(
             wal=per_thread["wal"] * self.threads, engine=per_thread["engine"] * self.threads), per_round=per_round)
         for name, (count, elapsed, cpu) in totals.items():
@@ -388,6 +418,7 @@ class SmallRecordBench:
                              cpu_seconds=cpu, cpu_s_per_gib=cpu / (count * size / GiB))
         res["ratio"] = res["engine"]["records_s"] / res["wal"]["records_s"]
         res["cpu_ratio"] = res["engine"]["cpu_s_per_gib"] / res["wal"]["cpu_s_per_gib"]
+        res["ratio_no_store"] = res["engine_no_store"]["records_s"] / res["wal"]["records_s"]
         return res, streams
 
     def open_loop(self, appends: list, arg, rate: float, seconds: float, inflight: int = OPEN_LOOP_INFLIGHT) -> dict:
@@ -684,6 +715,14 @@ def _format_small_records(report: dict) -> list[str]:
         lines.append(f"  {fmt_size(r['size']):>6} {r['wal']['records_s']:>11,.0f} {r['engine']['records_s']:>13,.0f}  "
                      f"{r['ratio']:>5.2f} {_met(r['ratio'] >= want):<13} {rounds:<22}"
                      f"{r['wal']['cpu_s_per_gib']:>15.1f} {r['engine']['cpu_s_per_gib']:>8.1f} {r['cpu_ratio']:>7.2f}")
+    if all("engine_no_store" in r for r in small["sizes"]):
+        lines.append("  The same engine with its objects encoded but not written (a discarding store), same rounds: "
+                     "the engine's own cost, without the stand-in store's kernel copy into a RAM disk")
+        for r in small["sizes"]:
+            rounds = ", ".join(f"{x['ratio_no_store']:.2f}" for x in r["per_round"])
+            lines.append(f"  {fmt_size(r['size']):>6} {'':>11} {r['engine_no_store']['records_s']:>13,.0f}  "
+                         f"{r['ratio_no_store']:>5.2f} {'':<13} {rounds:<22}{'':>15} "
+                         f"{r['engine_no_store']['cpu_s_per_gib']:>8.1f}")
     tiny = [r for r in small["sizes"] if r["size"] == 128]
     if tiny:
         rate, floor = tiny[0]["wal"]["records_s"], TARGETS["wal_records_s_128"]
@@ -769,12 +808,17 @@ def _plot_small_records(plt, report: dict, out: str) -> str:
     x = list(range(len(sizes)))
     fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
     for ax, key, label in ((axes[0], "records_s", "records/s"), (axes[1], "cpu_s_per_gib", "CPU s per GiB")):
-        ax.bar([i - 0.2 for i in x], [r["wal"][key] for r in sizes], 0.4, label="WAL alone")
-        ax.bar([i + 0.2 for i in x], [r["engine"][key] for r in sizes], 0.4, label="engine")
+        sides = [("wal", "WAL alone"), ("engine", "engine")]
+        if all("engine_no_store" in r for r in sizes):
+            sides.append(("engine_no_store", "engine, objects discarded"))
+        width = 0.8 / len(sides)
+        for k, (side, name) in enumerate(sides):
+            ax.bar([i + (k - (len(sides) - 1) / 2) * width for i in x], [r[side][key] for r in sizes], width,
+                   label=name)
         ax.set_xticks(x, names)
         ax.set_yscale("log")
         ax.set_ylabel(label)
-        ax.legend()
+        ax.legend(fontsize=8)
     axes[0].set_title(f"Small records (target engine >= {TARGETS['small_record_ratio']} x WAL)")
     axes[1].set_title("CPU per GiB ingested")
     loop = report.get("open_loop") or []

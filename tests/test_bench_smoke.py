@@ -38,10 +38,11 @@ def test_engine_bench_quick(tmp_path):
     assert [s["size"] for s in small["sizes"]] == [128, 1024, 16384, 65536]
     for s in small["sizes"]:
         assert len(s["per_round"]) == 2
-        for side in ("wal", "engine"):
+        for side in ("wal", "engine", "engine_no_store"):
             assert s[side]["records"] > 0 and s[side]["records_s"] > 0 and s[side]["cpu_s_per_gib"] > 0
         assert s["ratio"] == pytest.approx(s["engine"]["records_s"] / s["wal"]["records_s"])
         assert s["cpu_ratio"] == pytest.approx(s["engine"]["cpu_s_per_gib"] / s["wal"]["cpu_s_per_gib"])
+        assert s["ratio_no_store"] == pytest.approx(s["engine_no_store"]["records_s"] / s["wal"]["records_s"])
 
     loop = {r["size"]: r for r in data["open_loop"]}
     assert set(loop) == {1024, 65536}
@@ -57,5 +58,20 @@ def test_engine_bench_quick(tmp_path):
 
     text = bench.format_report(report)
     assert "Small records" in text and "open loop" in text and "WAL alone at 128 B" in text
+    assert "objects encoded but not written" in text
     pytest.importorskip("matplotlib")
     assert all(os.path.exists(tmp_path / name) for name in ("engine.png", "small-records.png", "reads.png"))
+
+
+def test_discarding_store_drops_puts_only_while_switched(tmp_path):
+    from s3stream.bench import DiscardingStore
+    from s3stream.objectstore import LocalObjectStore
+    store = DiscardingStore(LocalObjectStore(str(tmp_path)))
+    store.put("a", b"kept")
+    store.discard = True
+    store.put("b", b"dropped")
+    store.discard = False
+    assert store.get("a") == b"kept"
+    assert [o.key for o in store.list()] == ["a"]
+    store.delete(["a", "b"])                    # a key never written is no error
+    assert list(store.list()) == []

@@ -5,6 +5,7 @@ RECORD_HEADER: int
 MAGIC: int
 TYPE_DATA: int
 TYPE_PADDING: int
+STOP_END_OF_SPACE: int
 STOP_REASONS: dict[int, str]
 
 def next_record_start(pos: int) -> int: ...

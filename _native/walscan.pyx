@@ -44,6 +44,7 @@ cdef class Scanner:
     cdef readonly uint32_t last_generation
     cdef readonly uint64_t records
     cdef readonly uint64_t record_bytes
+    cdef readonly uint64_t paddings
 
     def __cinit__(self, int fd, uint64_t header_area, uint64_t capacity, uint64_t start,
                   size_t chunk_size=1 << 20):
@@ -133,6 +134,7 @@ cdef class Scanner:
                 self.last_generation = h.generation
                 self.pos = rec_end
                 self.end = rec_end
+                self.paddings += 1
                 continue
             self._ensure(q, RECORD_HEADER_SIZE + h.body_len)
             body = self.buf + (q - self.buf_start) + RECORD_HEADER_SIZE
@@ -144,3 +146,46 @@ cdef class Scanner:
             self.records += 1
             self.record_bytes += h.body_len
             return (q, PyBytes_FromStringAndSize(<const char*>body, h.body_len))
+
+
+def probe(int fd, uint64_t header_area, uint64_t capacity, uint64_t start, uint64_t limit,
+          uint32_t min_generation, size_t chunk_size=1 << 20):
+    """The first 4 KiB-aligned logical position in [align_up(start), limit) that holds a valid
+    record header (magic, header CRC, its own offset) of generation >= `min_generation`, or -1.
+    Used after a scan stops, to see whether valid records continue beyond the damage. Reads
+    `chunk_size` at a time with the GIL released."""
+    cdef uint64_t pos = align_up(start), chunk_start, lap_end
+    cdef size_t length, i
+    cdef unsigned char* buf = NULL
+    cdef void* p
+    cdef int err
+    cdef RecordHeader h
+    if capacity == 0 or capacity % BLOCK_SIZE or chunk_size < BLOCK_SIZE or chunk_size % BLOCK_SIZE:
+        raise ValueError("capacity and chunk size must be positive multiples of the block size")
+    if posix_memalign(&p, BLOCK_SIZE, chunk_size) != 0:
+        raise MemoryError(f"cannot allocate a {chunk_size}-byte probe buffer")
+    buf = <unsigned char*>p
+    try:
+        while pos < limit:
+            chunk_start = pos
+            lap_end = (chunk_start // capacity + 1) * capacity
+            length = chunk_size
+            if chunk_start + length > lap_end:
+                length = <size_t>(lap_end - chunk_start)
+            if chunk_start + length > align_up(limit):
+                length = <size_t>(align_up(limit) - chunk_start)
+            with nogil:
+                err = pread_full(fd, buf, length, <long long>(header_area + chunk_start % capacity))
+            if err:
+                raise io_error(err, f"reading WAL at logical offset {chunk_start}")
+            i = 0
+            while i < length and chunk_start + i < limit:
+                memset(&h, 0, sizeof(h))
+                if (decode_record_header(buf + i, &h) == REC_OK and h.offset == chunk_start + i
+                        and h.generation >= min_generation):
+                    return <long long>(chunk_start + i)
+                i += BLOCK_SIZE
+            pos = chunk_start + length
+        return -1
+    finally:
+        free(buf)

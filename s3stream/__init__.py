@@ -8,7 +8,7 @@ from .config import Config
 from .errors import (
     AppendFailedError, ConfigError, CorruptDataError, InvalidArgumentError, InvalidBatchError, MetadataError,
     ObjectNotFoundError, ObjectStoreError, OffsetOutOfRangeError, S3StreamError, StreamClosedError, StreamFencedError, StreamNotClosedError,
-    StreamNotFoundError, UnsupportedFormatError, WALError, WALFullError,
+    StreamNotFoundError, UnsupportedFormatError, WALCorruptError, WALError, WALFullError,
 )
 from .recordbatch import AppendFuture, AppendResult, FetchedBatch, FetchResult, RecordBatch
 from .stream import Stream
@@ -18,5 +18,5 @@ __all__ = [
     "FetchedBatch", "InvalidArgumentError", "InvalidBatchError", "MetadataError", "ObjectNotFoundError",
     "ObjectStoreError", "OffsetOutOfRangeError",
     "RecordBatch", "S3StreamError", "Stream", "StreamClient", "StreamClosedError", "StreamFencedError",
-    "StreamNotClosedError", "StreamNotFoundError", "UnsupportedFormatError", "WALError", "WALFullError",
+    "StreamNotClosedError", "StreamNotFoundError", "UnsupportedFormatError", "WALCorruptError", "WALError", "WALFullError",
 ]

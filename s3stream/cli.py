@@ -283,6 +283,38 @@ def inspect_wal(path: str, node_id: int | None, list_records: bool, as_json: boo
         raise click.ClickException(report["recovery"]["error"])
 
 
+@main.command("wal-salvage")
+@click.argument("path", type=click.Path(exists=True, dir_okay=False))
+@click.option("--yes", "apply", is_flag=True,
+              help="Write the change. Without it, only report what would be done (nothing is written).")
+@json_option
+@user_errors
+def wal_salvage(path: str, apply: bool, as_json: bool) -> None:
+    """Keep the records after a corrupt span in the middle of a WAL.
+
+    A node refuses to start (WALCorruptError) when a damaged record in its WAL is followed by
+    more valid records than a crash can leave after a torn write: they were acknowledged. This
+    covers the damaged span with padding records, so that recovery reads past it; the span's
+    records are lost, and a stream whose offsets then stop at a gap keeps what precedes the gap
+    (the node's log names what it drops). Stop the node first. Exits 1 if there is nothing to
+    salvage.
+    """
+    report = wal.salvage(path, apply=apply)
+    if as_json:
+        emit_json(report)
+    elif not report["damaged"]:
+        click.echo(f"WAL {path}: no damaged span with valid records after it (valid records end at "
+                   f"{report['valid_end']}); nothing to salvage")
+    else:
+        verb = "covered" if report["applied"] else "would cover (run again with --yes to write it)"
+        click.echo(f"WAL {path}: {report['records_before']} valid records up to offset {report['bad_offset']}, "
+                   f"then a damaged span [{report['bad_offset']}, {report['resync_offset']}) of "
+                   f"{report['lost_bytes']:,} bytes, then {report['records_after']} valid records up to "
+                   f"{report['end']}.\nSalvage {verb} the span with padding; its records are lost.")
+    if not report["damaged"]:
+        raise click.exceptions.Exit(1)
+
+
 # ---- inspect object -------------------------------------------------------------------------------
 
 @contextlib.contextmanager

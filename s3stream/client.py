@@ -23,7 +23,7 @@ from _native.appendpath import AppendPath
 from .config import Config
 from .errors import (
     AppendFailedError, ConfigError, CorruptDataError, InvalidBatchError, S3StreamError, StreamClosedError,
-    StreamFencedError, StreamNotClosedError, StreamNotFoundError, WALError, WALFullError, check_int,
+    StreamFencedError, StreamNotClosedError, StreamNotFoundError, WALCorruptError, WALError, WALFullError, check_int,
 )
 from .lifecycle import ObjectReclaimer, ReclaimerThread
 from .logcache import CacheBlock, LogCache, new_log_cache
@@ -43,13 +43,18 @@ log = logging.getLogger("s3stream")
 WAL_RECORD = struct.Struct("<QQQI")
 
 
-def replay_wal(records, node_id: int, meta: MetadataStore, cache: LogCache, uploader: Uploader) -> dict:
+def replay_wal(records, node_id: int, meta: MetadataStore, cache: LogCache, uploader: Uploader,
+               gaps_below: int = 0) -> dict:
     """Upload and commit the WAL records of `node_id` above each stream's committed end, through
     `cache` and `uploader` (whose node id and epoch are the ones committed under). Used at a
     node's restart and, on a dead node's behalf, by failover. Records of streams that have moved
-    on (another owner or epoch) cannot be committed and are reported in the log."""
+    on (another owner or epoch) cannot be committed and are reported in the log. Below
+    `gaps_below` (the WAL's salvaged_end: records there were salvaged past a corrupt span) a
+    stream whose offsets stop at a gap keeps what precedes the gap; its records after it are
+    dropped and reported (offsets cannot skip); elsewhere a gap is CorruptDataError."""
     metas: dict[int, StreamMeta | None] = {}
     expected: dict[int, int] = {}
+    broken: dict[int, list[int]] = {}          # stream -> [where it now ends, records dropped]
     count = replayed = 0
     last_end = None
     last_block = -1
@@ -72,8 +77,15 @@ def replay_wal(records, node_id: int, meta: MetadataStore, cache: LogCache, uplo
                       m.owner_node_id, m.epoch)
             continue
         want = expected.get(stream_id, m.end_offset)
+        if stream_id in broken:
+            broken[stream_id][1] += 1
+            continue
         if base != want:
-            raise CorruptDataError(f"WAL of node {node_id}: stream {stream_id} record at offset {base}, expected {want}")
+            if rec.offset >= gaps_below:
+                raise CorruptDataError(f"WAL of node {node_id}: stream {stream_id} record at offset {base}, "
+                                       f"expected {want}")
+            broken[stream_id] = [want, 1]
+            continue
         expected[stream_id] = base + n
         replayed += 1
         sealed = cache.put(stream_id, epoch, (base, n, memoryview(rec.data)[WAL_RECORD.size:]), rec.end, rec.offset)
@@ -88,7 +100,11 @@ def replay_wal(records, node_id: int, meta: MetadataStore, cache: LogCache, uplo
         last_block = sealed.block_id
     if last_block >= 0:
         uploader.wait_committed(last_block)
-    return dict(records=count, replayed=replayed, last_end=last_end)
+    for stream_id, (first, n) in sorted(broken.items()):
+        log.error("stream %d: the salvaged WAL of node %d lost its records from offset %d on (a corrupt span); "
+                  "%d later records of it are dropped: the stream ends at %d", stream_id, node_id, first, n, first)
+    return dict(records=count, replayed=replayed, last_end=last_end,
+                dropped={sid: dict(from_offset=first, records=n) for sid, (first, n) in broken.items()})
 
 
 def close_node_streams(meta: MetadataStore, node_id: int) -> int:
@@ -166,7 +182,7 @@ class StreamClient:
             raise ConfigError(str(e)) from e
         except wal.WALError as e:
             self._close_owned()
-            raise WALError(str(e)) from e
+            raise (WALCorruptError.from_wal(e) if isinstance(e, wal.WALCorruptError) else WALError(str(e))) from e
         self._cache = new_log_cache(self.config, clock)
         self._reader = Reader(self._store, self._meta, self._cache, self.config)
         self._uploader = Uploader(node_id=node_id, node_epoch=self.node_epoch, store=self._store,
@@ -424,7 +440,11 @@ class StreamClient:
     def _recover(self) -> dict:
         """Upload and commit what the WAL holds above each stream's committed end, then close
         the streams this node left open. Returns counts for logs and tests."""
-        result = replay_wal(self._wal.recover(), self.node_id, self._meta, self._cache, self._uploader)
+        try:
+            result = replay_wal(self._wal.recover(), self.node_id, self._meta, self._cache, self._uploader,
+                                self._wal.salvaged_end)
+        except wal.WALCorruptError as e:
+            raise WALCorruptError.from_wal(e, f"node {self.node_id} cannot start: ") from e
         closed = close_node_streams(self._meta, self.node_id)
         self._recovering = False
         if result["last_end"] is not None:

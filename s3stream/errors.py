@@ -94,10 +94,29 @@ class WALError(S3StreamError):
     """The WAL failed (I/O error, foreign or corrupt WAL); the client stops accepting appends."""
 
 
+class WALCorruptError(WALError):
+    """The WAL cannot be recovered as it is: damage in the middle of the log with acknowledged
+    records after it (`bad_offset`, `resync_offset`, `end`, `records_after` are set, and the
+    message says how to salvage), or a cleanly closed WAL that lost records. Nothing was trimmed."""
+
+    def __init__(self, message: str, *, bad_offset: int | None = None, resync_offset: int | None = None,
+                 end: int | None = None, records_after: int | None = None) -> None:
+        super().__init__(message)
+        self.bad_offset = bad_offset
+        self.resync_offset = resync_offset
+        self.end = end
+        self.records_after = records_after
+
+    @classmethod
+    def from_wal(cls, e: wal.WALCorruptError, context: str = "") -> "WALCorruptError":
+        return cls(context + str(e), **{k: getattr(e, k, None) for k in
+                                        ("bad_offset", "resync_offset", "end", "records_after")})
+
+
 __all__ = [
     "ConfigError", "CorruptDataError", "InvalidArgumentError", "InvalidBatchError", "MetadataError", "ObjectNotFoundError",
     "ObjectStoreError", "OffsetOutOfRangeError", "S3StreamError", "StreamClosedError",
-    "StreamFencedError", "StreamNotClosedError", "StreamNotFoundError", "WALError", "WALFullError",
+    "StreamFencedError", "StreamNotClosedError", "StreamNotFoundError", "WALCorruptError", "WALError", "WALFullError",
 ]
 
 

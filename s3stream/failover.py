@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import wal
 
 from .config import Config
-from .errors import WALError
+from .errors import WALCorruptError, WALError
 from .logcache import new_log_cache
 from .metadata import MetadataStore
 from .objectstore import ObjectStore
@@ -59,7 +59,10 @@ def fail_over(node_id: int, *, store: ObjectStore, metadata: MetadataStore, conf
                         trim_wal=lambda offset: None, config=config, on_committed=lambda block, result: None,
                         on_fenced=lambda streams: None)
     try:
-        result = replay_wal(w.recover(), node_id, metadata, cache, uploader)
+        try:
+            result = replay_wal(w.recover(), node_id, metadata, cache, uploader, w.salvaged_end)
+        except wal.WALCorruptError as e:
+            raise WALCorruptError.from_wal(e, f"failover of node {node_id}: ") from e
     finally:
         uploader.close()
         w.close()

@@ -8,12 +8,12 @@ from _native.walring import AppendHandle
 from .config import WALConfig
 from .errors import (
     ForeignWALError, RecordTooLargeError, WALClosedError, WALConfigError, WALCorruptError, WALError,
-    WALFencedError, WALFullError, WALInUseError, WALIOError, WALVersionError,
+    WALFencedError, WALFullError, WALInUseError, WALIOError, WALMidLogCorruptError, WALVersionError,
 )
-from .log import Record, RecoveryResult, WriteAheadLog
+from .log import Record, RecoveryResult, WriteAheadLog, salvage
 
 __all__ = [
     "AppendHandle", "ForeignWALError", "Record", "RecordTooLargeError", "RecoveryResult", "WALClosedError",
     "WALConfig", "WALConfigError", "WALCorruptError", "WALError", "WALFencedError", "WALFullError",
-    "WALInUseError", "WALIOError", "WALVersionError", "WriteAheadLog",
+    "WALInUseError", "WALIOError", "WALMidLogCorruptError", "WALVersionError", "WriteAheadLog", "salvage",
 ]

@@ -45,3 +45,18 @@ class WALFencedError(WALError):
 
 class WALInUseError(WALError):
     """Another open WAL object (this or another process) is writing this WAL."""
+
+
+class WALMidLogCorruptError(WALCorruptError):
+    """The scan stopped at a damaged record, but more valid records of the same writer session
+    follow it than a crash can leave behind a torn write: acknowledged data lies beyond the
+    damage. Nothing was trimmed or overwritten. `salvage()` keeps the records after it."""
+
+    def __init__(self, message: str, *, path: str, bad_offset: int, resync_offset: int, end: int,
+                 records_after: int) -> None:
+        super().__init__(message)
+        self.path = path
+        self.bad_offset = bad_offset
+        self.resync_offset = resync_offset
+        self.end = end
+        self.records_after = records_after

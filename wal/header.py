@@ -16,6 +16,11 @@ MAGIC = b"S3STRWAL"
 VERSION = 2
 _LAYOUT = struct.Struct("<8sIIQQQQQQIIQ")  # 80 bytes, then a u32 CRC of them
 _CRC = struct.Struct("<I")
+#: The extension at byte 84: facts recovery uses to tell a torn tail from corruption, with a CRC
+#: of its own at byte 100. Writers before it left these bytes zero, which fails that CRC: a header
+#: without a valid extension reads as "unknown" (0) for each field.
+_EXT_AT = _LAYOUT.size + _CRC.size
+_EXT = struct.Struct("<IIQ")               # 16 bytes, then a u32 CRC of them
 
 
 @dataclass(frozen=True)
@@ -29,6 +34,13 @@ class Header:
     generation: int        # bumped each time a writer session starts; stamped in its records
     clean_shutdown: bool
     clean_end: int         # where the last session stopped writing (meaningful if clean)
+    # Extension (0 = unknown): how many whole batches a crash can leave written after one that
+    # did not land (0 with one writer thread: batches land in order), and the batch size, both
+    # the largest of any session since the WAL was made; `salvaged_end`: records below it were
+    # salvaged past a corrupt region, so streams may have gaps there (docs/wal-format.md).
+    inflight_batches: int = 0
+    batch_bytes: int = 0
+    salvaged_end: int = 0
 
     def next(self, **changes) -> "Header":
         return replace(self, write_seq=self.write_seq + 1, **changes)
@@ -37,7 +49,8 @@ class Header:
         body = _LAYOUT.pack(MAGIC, VERSION, HEADER_SLOT, self.capacity, self.trim_offset, self.write_seq,
                             self.write_time_ns, self.node_id, self.node_epoch, self.generation,
                             1 if self.clean_shutdown else 0, self.clean_end)
-        slot = body + _CRC.pack(crc32c(body))
+        ext = _EXT.pack(self.inflight_batches, self.batch_bytes, self.salvaged_end)
+        slot = body + _CRC.pack(crc32c(body)) + ext + _CRC.pack(crc32c(ext))
         return slot + bytes(HEADER_SLOT - len(slot))
 
 
@@ -65,8 +78,11 @@ def decode_slot(raw: bytes) -> tuple[str, Header | None]:
      clean, clean_end) = _LAYOUT.unpack(body)
     if slot_size != HEADER_SLOT:
         return SlotState.CORRUPT, None
+    ext = raw[_EXT_AT:_EXT_AT + _EXT.size]
+    (ext_crc,) = _CRC.unpack_from(raw, _EXT_AT + _EXT.size)
+    known = crc32c(ext) == ext_crc
     return SlotState.VALID, Header(capacity, trim, seq, wtime, node_id, node_epoch, generation,
-                                   bool(clean), clean_end)
+                                   bool(clean), clean_end, *(_EXT.unpack(ext) if known else (0, 0, 0)))
 
 
 def slot_version(raw: bytes) -> int | None:

@@ -24,12 +24,12 @@ from typing import Callable, Iterator, NamedTuple
 from _native import walrecord
 from _native.walio import AlignedBuffer, datasync
 from _native.walring import AppendHandle, Ring
-from _native.walscan import Scanner
+from _native.walscan import Scanner, probe
 
 from .config import DEFAULT_CAPACITY, WALConfig
 from .errors import (
     ForeignWALError, RecordTooLargeError, WALClosedError, WALConfigError, WALCorruptError,
-    WALFencedError, WALFullError, WALInUseError, WALIOError, WALVersionError,
+    WALFencedError, WALFullError, WALInUseError, WALIOError, WALMidLogCorruptError, WALVersionError,
 )
 from .header import VERSION, Header, SlotState, pick_header, slot_version
 
@@ -57,6 +57,95 @@ class RecoveryResult(NamedTuple):
     records: int
     record_bytes: int
     stop_reason: str
+
+
+def find_gap(fd: int, header: Header, data_capacity: int, scanner: Scanner) -> tuple[int, int, int, int] | None:
+    """Tell a torn tail from damage in the middle of the log, once `scanner` (from the trim
+    offset) has stopped. A crash leaves, after the first batch that did not land, at most
+    `header.inflight_batches` whole batches of the same session (written by other writer
+    threads), all within that many batches' bytes. So if valid records of the session (generation
+    at least that of the last good record) go on past the damage through more batches than that,
+    or farther, they were acknowledged: returns (damaged offset, first valid offset after it, end
+    of the valid records there, how many), else None. A header without the extension (a WAL of
+    an earlier build) is never judged."""
+    if not header.batch_bytes or scanner.stop_reason == walrecord.STOP_END_OF_SPACE:
+        return None
+    bad = walrecord.next_record_start(scanner.end)
+    window = (header.inflight_batches + 2) * header.batch_bytes
+    space_end = header.trim_offset + data_capacity
+    resync = probe(fd, HEADER_AREA, data_capacity, bad + 1, min(space_end, bad + window), scanner.last_generation)
+    if resync < 0:
+        return None
+    after = Scanner(fd, HEADER_AREA, data_capacity, resync)
+    for _ in after:
+        pass
+    end = min(after.end, space_end)
+    if after.paddings <= header.inflight_batches + 1 and end <= bad + window:
+        return None
+    return bad, resync, end, after.records
+
+
+def salvage(path: str | os.PathLike, *, apply: bool = False) -> dict:
+    """Look for damage in the middle of the WAL at `path` (what open refuses with
+    WALMidLogCorruptError) and, with `apply=True`, cover the damaged span with padding records so
+    that the valid records after it are recovered again; everything in the span is lost. The
+    header then records `salvaged_end`, below which the engine's replay accepts that a stream's
+    offsets stop at a gap (it keeps what comes before and reports what it drops). Needs the WAL
+    not in use. Returns what was found and done; the log is unchanged without `apply`."""
+    path = os.fspath(path)
+    WriteAheadLog.check_not_in_use(path)
+    fd, _ = WriteAheadLog._open_fd(path, WALConfig(), read_only=not apply)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        buf = AlignedBuffer(HEADER_AREA)
+        buf.pread(fd, HEADER_AREA, 0)
+        raw = bytes(buf)
+        header, states = pick_header(raw[:HEADER_SLOT], raw[HEADER_SLOT:])
+        if header is None:
+            raise WALCorruptError(f"{path!r} holds no valid WAL header ({states[0]}, {states[1]}): "
+                                  "nothing to salvage")
+        cap = header.capacity - HEADER_AREA
+        scanner = Scanner(fd, HEADER_AREA, cap, header.trim_offset)
+        for _ in scanner:
+            pass
+        report = dict(path=path, trim_offset=header.trim_offset, valid_end=scanner.end,
+                      records_before=scanner.records, damaged=False, applied=False)
+        gap = find_gap(fd, header, cap, scanner)
+        if gap is None:
+            return report
+        bad, resync, end, n = gap
+        report.update(damaged=True, bad_offset=bad, resync_offset=resync, end=end, records_after=n,
+                      lost_bytes=resync - bad)
+        if not apply:
+            return report
+        pos = bad
+        while pos < resync:        # one padding record per ring lap the span touches
+            seg_end = min(resync, (pos // cap + 1) * cap)
+            block = pos - pos % BLOCK
+            page = AlignedBuffer(BLOCK)
+            page.pread(fd, BLOCK, HEADER_AREA + block % cap)
+            rec = walrecord.encode_record(pos, scanner.last_generation, bytes(seg_end - pos - walrecord.RECORD_HEADER),
+                                          walrecord.TYPE_PADDING)
+            memoryview(page)[pos - block:pos - block + walrecord.RECORD_HEADER] = rec[:walrecord.RECORD_HEADER]
+            page.pwrite(fd, BLOCK, HEADER_AREA + block % cap)
+            pos = seg_end
+        datasync(fd)
+        WriteAheadLog._write_slot(fd, header.next(write_time_ns=time.time_ns(),
+                                                  salvaged_end=max(header.salvaged_end, end)))
+        check = Scanner(fd, HEADER_AREA, cap, header.trim_offset)
+        for _ in check:
+            pass
+        if check.end < end:
+            raise WALCorruptError(f"salvage of {path!r} covered [{bad}, {resync}) but the log still reads "
+                                  f"only to {check.end}, not {end}: more damage lies beyond; run it again")
+        report.update(applied=True, valid_end=check.end)
+        log.warning("WAL %s salvaged: [%d, %d) covered with padding (%d bytes lost); %d records after it kept",
+                    path, bad, resync, resync - bad, n)
+        return report
+    except BlockingIOError:
+        raise WALInUseError(f"WAL {path!r} is in use by another writer on this host; stop it first") from None
+    finally:
+        os.close(fd)
 
 
 class WriteAheadLog:
@@ -286,6 +375,17 @@ class WriteAheadLog:
         reason = walrecord.STOP_REASONS.get(scanner.stop_reason, str(scanner.stop_reason))
         self._recovered = RecoveryResult(scanner.end, scanner.records, scanner.record_bytes, reason)
         h = self._header
+        gap = find_gap(self._fd, h, self._data_capacity, scanner)
+        if gap is not None:
+            bad, resync, end, n = gap
+            raise WALMidLogCorruptError(
+                f"WAL {self._path!r}: the record at logical offset {bad} is damaged ({reason}), but {n} valid "
+                f"records of the same writer session follow it, in [{resync}, {end}): more than a crash can "
+                "leave after a torn write, so acknowledged data lies beyond the damage. Nothing was trimmed "
+                f"or overwritten. To keep those {n} records and lose only what lies in [{bad}, {resync}), run "
+                f"`python -m s3stream wal-salvage {self._path} --yes` (or wal.salvage(path, apply=True)) with "
+                "the node stopped, then start it again; `python -m s3stream inspect wal PATH` shows the log.",
+                path=str(self._path), bad_offset=bad, resync_offset=resync, end=end, records_after=n)
         if h.clean_shutdown and h.generation > 0 and (
                 walrecord.next_record_start(scanner.end) != walrecord.next_record_start(h.clean_end)):
             raise WALCorruptError(
@@ -318,9 +418,14 @@ class WriteAheadLog:
                 buf.pread(self._fd, BLOCK, HEADER_AREA + (resume - resume % BLOCK) % self._data_capacity)
                 resume_block = bytes(buf)
             generation = self._header.generation + 1
-            self._write_header(node_id=self._node_id, node_epoch=self._node_epoch,
-                               generation=generation, clean_shutdown=False, clean_end=0)
             cfg = self._config
+            # What a crash of this session can leave behind a torn write (see find_gap), kept as
+            # the largest of any session: stale batches of an earlier one may still lie there.
+            inflight = cfg.buffers if cfg.writer_threads > 1 else 0
+            self._write_header(node_id=self._node_id, node_epoch=self._node_epoch,
+                               generation=generation, clean_shutdown=False, clean_end=0,
+                               inflight_batches=max(inflight, self._header.inflight_batches),
+                               batch_bytes=max(cfg.batch_bytes + BLOCK, self._header.batch_bytes))
             ring = Ring(self._fd, HEADER_AREA, self._data_capacity, cfg.batch_bytes + BLOCK, cfg.buffers,
                         generation, resume, self._header.trim_offset, resume_block, cfg.full_timeout,
                         self._max_record, (WALFullError, WALClosedError, WALIOError, RecordTooLargeError))
@@ -444,6 +549,12 @@ class WriteAheadLog:
     @property
     def previous_shutdown_clean(self) -> bool:
         return self._previous_clean
+
+    @property
+    def salvaged_end(self) -> int:
+        """Records below this logical offset were recovered past a salvaged corrupt span
+        (`salvage`): a stream's offsets may stop at a gap there. 0 if never salvaged."""
+        return self._header.salvaged_end
 
     @property
     def trim_offset(self) -> int:

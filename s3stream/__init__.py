@@ -6,7 +6,7 @@ S3StreamError.
 from .client import StreamClient
 from .config import Config
 from .errors import (
-    AppendFailedError, ConfigError, CorruptDataError, InvalidArgumentError, InvalidBatchError, MetadataError,
+    AppendFailedError, ConfigError, CorruptDataError, InvalidArgumentError, InvalidBatchError, MetadataError, NodeConflictError,
     ObjectNotFoundError, ObjectStoreError, OffsetOutOfRangeError, S3StreamError, StreamClosedError, StreamFencedError, StreamNotClosedError,
     StreamNotFoundError, UnsupportedFormatError, WALCorruptError, WALError, WALFullError,
 )
@@ -15,7 +15,7 @@ from .stream import Stream
 
 __all__ = [
     "AppendFailedError", "AppendFuture", "AppendResult", "Config", "ConfigError", "CorruptDataError", "FetchResult",
-    "FetchedBatch", "InvalidArgumentError", "InvalidBatchError", "MetadataError", "ObjectNotFoundError",
+    "FetchedBatch", "InvalidArgumentError", "InvalidBatchError", "MetadataError", "NodeConflictError", "ObjectNotFoundError",
     "ObjectStoreError", "OffsetOutOfRangeError",
     "RecordBatch", "S3StreamError", "Stream", "StreamClient", "StreamClosedError", "StreamFencedError",
     "StreamNotClosedError", "StreamNotFoundError", "UnsupportedFormatError", "WALCorruptError", "WALError", "WALFullError",

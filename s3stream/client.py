@@ -22,7 +22,8 @@ from _native.appendpath import AppendPath
 
 from .config import Config
 from .errors import (
-    AppendFailedError, ConfigError, CorruptDataError, InvalidBatchError, S3StreamError, StreamClosedError,
+    AppendFailedError, ConfigError, CorruptDataError, InvalidBatchError, NodeConflictError, S3StreamError,
+    StreamClosedError,
     StreamFencedError, StreamNotClosedError, StreamNotFoundError, WALCorruptError, WALError, WALFullError, check_int,
 )
 from .lifecycle import ObjectReclaimer, ReclaimerThread
@@ -117,6 +118,13 @@ def close_node_streams(meta: MetadataStore, node_id: int) -> int:
     return closed
 
 
+def _same_path(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.realpath(a) == os.path.realpath(b)
+
+
 def _check_store_args(object_store, metadata) -> None:
     """ConfigError for an object store or metadata argument that is neither a URL nor a store
     (a number, None, an empty string): refused before anything is written."""
@@ -172,7 +180,12 @@ class StreamClient:
         except wal.WALError as e:
             self._close_owned()
             raise WALError(str(e)) from e
-        node = self._meta.register_node(node_id, os.fspath(wal_path))
+        try:
+            self._bind_wal(node_id, os.path.abspath(os.fspath(wal_path)))
+        except BaseException:
+            self._close_owned()
+            raise
+        node = self._meta.register_node(node_id, os.path.abspath(os.fspath(wal_path)))
         self.node_epoch = node.node_epoch
         try:
             self._wal = wal.WriteAheadLog.open(wal_path, node_id=node_id, node_epoch=self.node_epoch,
@@ -434,6 +447,38 @@ class StreamClient:
         if isinstance(failure, S3StreamError):
             return failure
         return S3StreamError(f"uploads failed and stopped; un-uploaded data stays in the WAL: {failure}")
+
+    def _bind_wal(self, node_id: int, wal_path: str) -> None:
+        """A node's identity is bound to its WAL (issue 10, case 2). If node `node_id` was last
+        registered with another WAL and still holds streams open (their un-uploaded tail is in
+        that WAL): refuse while that WAL is in use on this host, recover it first (failover) if
+        it can be read here, else refuse, naming both WALs. Nothing is changed on a refusal."""
+        nodes = {n.node_id: n for n in self._meta.list_nodes()}
+        prev = nodes.get(node_id)
+        if prev is None or _same_path(prev.wal_path, wal_path):
+            return
+        held = [m.stream_id for m in self._meta.list_streams()
+                if m.state == StreamState.OPENED and m.owner_node_id == node_id]
+        if not held:
+            return                         # nothing can be waiting in the old WAL
+        old = prev.wal_path
+        try:
+            wal.WriteAheadLog.check_not_in_use(old)
+        except wal.WALInUseError:
+            raise NodeConflictError(
+                f"node {node_id} is running on this host with WAL {old!r}; a second instance with WAL "
+                f"{wal_path!r} would fence it and lose what it has not uploaded. Stop it first, or use "
+                "another node id for this instance.") from None
+        if not os.path.exists(old):
+            raise NodeConflictError(
+                f"node {node_id} holds {len(held)} streams open whose un-uploaded tail is in its WAL {old!r}, "
+                f"which this host cannot read; starting it with WAL {wal_path!r} would lose that tail. Start "
+                f"node {node_id} with that WAL, or fail it over from a host that can read it "
+                "(s3stream.failover.fail_over), then start it with the new WAL.")
+        from .failover import fail_over
+        log.warning("node %d was registered with WAL %s and starts with %s: recovering the old WAL first",
+                    node_id, old, wal_path)
+        fail_over(node_id, store=self._store, metadata=self._meta, config=self.config, wal_path=old)
 
     # ---- recovery -----------------------------------------------------------------------------
 

@@ -94,6 +94,11 @@ class WALError(S3StreamError):
     """The WAL failed (I/O error, foreign or corrupt WAL); the client stops accepting appends."""
 
 
+class NodeConflictError(S3StreamError):
+    """Another instance of this node id holds (or held) the node with another WAL, and starting
+    here would fence it and lose what that WAL holds. The message names both WALs and the fix."""
+
+
 class WALCorruptError(WALError):
     """The WAL cannot be recovered as it is: damage in the middle of the log with acknowledged
     records after it (`bad_offset`, `resync_offset`, `end`, `records_after` are set, and the
@@ -114,7 +119,7 @@ class WALCorruptError(WALError):
 
 
 __all__ = [
-    "ConfigError", "CorruptDataError", "InvalidArgumentError", "InvalidBatchError", "MetadataError", "ObjectNotFoundError",
+    "ConfigError", "CorruptDataError", "InvalidArgumentError", "InvalidBatchError", "MetadataError", "NodeConflictError", "ObjectNotFoundError",
     "ObjectStoreError", "OffsetOutOfRangeError", "S3StreamError", "StreamClosedError",
     "StreamFencedError", "StreamNotClosedError", "StreamNotFoundError", "WALCorruptError", "WALError", "WALFullError",
 ]

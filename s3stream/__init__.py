@@ -6,17 +6,19 @@ S3StreamError.
 from .client import StreamClient
 from .config import Config
 from .errors import (
-    AppendFailedError, ConfigError, CorruptDataError, InvalidArgumentError, InvalidBatchError, MetadataError, NodeConflictError,
-    ObjectNotFoundError, ObjectStoreError, OffsetOutOfRangeError, S3StreamError, StreamClosedError, StreamFencedError, StreamNotClosedError,
+    AppendFailedError, ConfigError, CorruptDataError, InvalidArgumentError, InvalidBatchError, MetadataBusyError,
+    MetadataError, NodeConflictError, ObjectNotFoundError, ObjectStoreError, ObjectStorePermanentError,
+    OffsetOutOfRangeError, S3StreamError, StreamClosedError, StreamFencedError, StreamNotClosedError,
     StreamNotFoundError, UnsupportedFormatError, WALCorruptError, WALError, WALFullError,
 )
 from .recordbatch import AppendFuture, AppendResult, FetchedBatch, FetchResult, RecordBatch
 from .stream import Stream
 
 __all__ = [
-    "AppendFailedError", "AppendFuture", "AppendResult", "Config", "ConfigError", "CorruptDataError", "FetchResult",
-    "FetchedBatch", "InvalidArgumentError", "InvalidBatchError", "MetadataError", "NodeConflictError", "ObjectNotFoundError",
-    "ObjectStoreError", "OffsetOutOfRangeError",
-    "RecordBatch", "S3StreamError", "Stream", "StreamClient", "StreamClosedError", "StreamFencedError",
-    "StreamNotClosedError", "StreamNotFoundError", "UnsupportedFormatError", "WALCorruptError", "WALError", "WALFullError",
+    "AppendFailedError", "AppendFuture", "AppendResult", "Config", "ConfigError", "CorruptDataError",
+    "FetchResult", "FetchedBatch", "InvalidArgumentError", "InvalidBatchError", "MetadataBusyError",
+    "MetadataError", "NodeConflictError", "ObjectNotFoundError", "ObjectStoreError",
+    "ObjectStorePermanentError", "OffsetOutOfRangeError", "RecordBatch", "S3StreamError", "Stream",
+    "StreamClient", "StreamClosedError", "StreamFencedError", "StreamNotClosedError", "StreamNotFoundError",
+    "UnsupportedFormatError", "WALCorruptError", "WALError", "WALFullError",
 ]

@@ -503,11 +503,24 @@ class StreamClient:
 
     # ---- closing ------------------------------------------------------------------------------
 
-    def close(self, timeout: float | None = None) -> None:
-        """Close every open stream (force upload + CLOSED), then the WAL (clean shutdown)."""
+    def close(self, timeout: float | None = None) -> dict:
+        """Close every open stream (force upload + CLOSED), then the WAL (clean shutdown).
+
+        Waits at most `timeout` seconds in all (default: Config.close_timeout) for uploads: a
+        store that is down or refusing cannot hold close() forever. Streams whose data could not
+        be uploaded in time stay OPENED with their tail in the WAL, which the node's next start
+        (or a failover) replays. Returns {"closed": stream ids closed, "left_in_wal": stream ids
+        whose tail stayed in the WAL, "errors": messages}; also logged as a warning."""
         if self._closed:
-            return
-        errors = []
+            return dict(closed=[], left_in_wal=[], errors=[])
+        deadline = time.monotonic() + (self.config.close_timeout if timeout is None else timeout)
+
+        def remaining() -> float:
+            return max(0.0, deadline - time.monotonic())
+
+        errors: list[BaseException] = []
+        closed: list[int] = []
+        left: list[int] = []
         for partition in self.partitions():
             try:
                 partition.close()
@@ -515,9 +528,11 @@ class StreamClient:
                 errors.append(e)
         for stream in self.streams():
             try:
-                stream.close(timeout)
+                stream.close(remaining())
+                closed.append(stream.stream_id)
             except (S3StreamError, TimeoutError) as e:
                 errors.append(e)
+                left.append(stream.stream_id)
         self._closed = True
         self._append_path.refuse(StreamClosedError, f"the client of node {self.node_id} is closed")
         if self._reclaim_thread is not None:
@@ -525,7 +540,7 @@ class StreamClient:
         sealed = self._cache.seal()
         if sealed is not None:
             self._uploader.submit(sealed)
-        self._uploader.close(timeout)
+        self._uploader.close(remaining())
         self._reader.close()
         self._wal.close()
         self._append_path.stop_callbacks()
@@ -533,6 +548,10 @@ class StreamClient:
         self._close_owned()
         if errors:
             log.warning("client of node %d closed with errors: %s", self.node_id, errors)
+        if left:
+            log.warning("client of node %d: streams %s were not uploaded before close gave up; their data "
+                        "stays in WAL %s and is replayed at the node's next start", self.node_id, left, self._wal.path)
+        return dict(closed=closed, left_in_wal=left, errors=[str(e) for e in errors])
 
     def _close_owned(self) -> None:
         """Close the stores this client opened from URLs (not the ones it was handed)."""

@@ -52,6 +52,9 @@ class Config:
         synchronous append takes a 4 KiB WAL block) never wedge the engine.
     prepared_ttl: seconds a PREPARED object id stays valid; one never committed is deleted after.
     append_timeout: seconds an append may wait for backpressure (cache or WAL) before failing.
+    close_timeout: seconds StreamClient.close() waits in all for uploads when given no timeout;
+        past it, streams not uploaded stay OPENED with their data in the WAL (replayed at the next
+        start) and close() reports them, so a store that is down cannot hold close() forever.
     reclaim_interval: seconds between runs of the object reclaimer (expired PREPARED objects,
         destroyed objects past destroy_delay); None disables it on this client.
     destroy_delay: seconds a MARK_DESTROYED object stays readable for in-flight readers.
@@ -74,6 +77,7 @@ class Config:
     wal_pressure: float = 0.5
     prepared_ttl: float = 3600.0
     append_timeout: float = 60.0
+    close_timeout: float = 120.0
     reclaim_interval: float | None = 60.0
     destroy_delay: float = 60.0
     wal: wal.WALConfig = field(default_factory=lambda: wal.WALConfig(capacity=2 * GiB, full_timeout=60.0))
@@ -82,8 +86,8 @@ class Config:
         if not isinstance(self.wal, wal.WALConfig):
             raise ConfigError(f"wal must be a wal.WALConfig, got {self.wal!r} ({type(self.wal).__name__}); "
                               "e.g. Config(wal=wal.WALConfig(capacity=4 << 30))")
-        for name in ("prepared_ttl", "append_timeout", "destroy_delay", "read_timeout", "wal_pressure",
-                     "upload_interval", "reclaim_interval"):
+        for name in ("prepared_ttl", "append_timeout", "close_timeout", "destroy_delay", "read_timeout",
+                     "wal_pressure", "upload_interval", "reclaim_interval"):
             value = getattr(self, name)
             if (value is None and name in ("upload_interval", "reclaim_interval")):
                 continue
@@ -122,7 +126,7 @@ class Config:
             raise ConfigError(f"upload_interval must be positive seconds or None, got {self.upload_interval}")
         if self.reclaim_interval is not None and not self.reclaim_interval > 0:
             raise ConfigError(f"reclaim_interval must be positive seconds or None, got {self.reclaim_interval}")
-        for name in ("prepared_ttl", "append_timeout", "destroy_delay", "read_timeout"):
+        for name in ("prepared_ttl", "append_timeout", "close_timeout", "destroy_delay", "read_timeout"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be positive seconds, got {getattr(self, name)}")
         wal_capacity = self.wal.capacity or wal.config.DEFAULT_CAPACITY

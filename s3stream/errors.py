@@ -75,6 +75,12 @@ class ObjectStoreError(S3StreamError):
     """The object store failed (after retries)."""
 
 
+class ObjectStorePermanentError(ObjectStoreError):
+    """The object store refused in a way that retrying cannot fix (access denied, bad
+    credentials, no such bucket, a read-only file system). Uploads stop at once with this error
+    instead of retrying forever; what they held stays in the WAL, replayed at the next start."""
+
+
 class ObjectNotFoundError(ObjectStoreError, KeyError):
     """The object store has no object under that key."""
 
@@ -84,6 +90,11 @@ class ObjectNotFoundError(ObjectStoreError, KeyError):
 
 class MetadataError(S3StreamError):
     """A metadata operation failed its preconditions in a way no other error describes."""
+
+
+class MetadataBusyError(MetadataError):
+    """The metadata store was busy past its own timeout (SQLite: another connection held the
+    write lock past busy_timeout_s). Transient: the uploader retries it with backoff."""
 
 
 class WALFullError(S3StreamError, wal.WALFullError):
@@ -119,9 +130,11 @@ class WALCorruptError(WALError):
 
 
 __all__ = [
-    "ConfigError", "CorruptDataError", "InvalidArgumentError", "InvalidBatchError", "MetadataError", "NodeConflictError", "ObjectNotFoundError",
-    "ObjectStoreError", "OffsetOutOfRangeError", "S3StreamError", "StreamClosedError",
-    "StreamFencedError", "StreamNotClosedError", "StreamNotFoundError", "WALCorruptError", "WALError", "WALFullError",
+    "ConfigError", "CorruptDataError", "InvalidArgumentError", "InvalidBatchError", "MetadataBusyError",
+    "MetadataError", "NodeConflictError", "ObjectNotFoundError", "ObjectStoreError",
+    "ObjectStorePermanentError", "OffsetOutOfRangeError", "S3StreamError", "StreamClosedError",
+    "StreamFencedError", "StreamNotClosedError", "StreamNotFoundError", "WALCorruptError", "WALError",
+    "WALFullError",
 ]
 
 

@@ -37,7 +37,7 @@ import tenacity
 from _native.logcache import CacheBlock, CacheSlice, encode_slices
 
 from .config import Config
-from .errors import ObjectStoreError, S3StreamError, StreamFencedError
+from .errors import MetadataBusyError, ObjectStoreError, ObjectStorePermanentError, S3StreamError, StreamFencedError
 from .metadata import (
     CommitRange, CommitRequest, CommitResult, CommitSSO, CommitStreamObject, MetadataStore, StreamState,
     object_key,
@@ -59,6 +59,16 @@ class _InFlight:
 
     def ready(self) -> bool:
         return all(f.done() for f in self.puts)
+
+
+def _transient_store_error(e: BaseException) -> bool:
+    """Worth retrying: the store failed (down, throttling, a timeout), not refused for good."""
+    return isinstance(e, (ObjectStoreError, OSError)) and not isinstance(e, ObjectStorePermanentError)
+
+
+def _transient_metadata_error(e: BaseException) -> bool:
+    """Worth retrying: the metadata store was busy or unreachable (not a refusal: fenced, bad)."""
+    return isinstance(e, (MetadataBusyError, OSError))
 
 
 class UploadAborted(S3StreamError):
@@ -198,7 +208,8 @@ class Uploader:
         stream_set, stream_objects = block.plan(self._config.split_size)
         n = len(stream_objects) + (1 if stream_set else 0)
         ttl_ns = int(self._config.prepared_ttl * 1e9)
-        ids = iter(self._retrying("prepare", (OSError,), "prepare_retries")(self._meta.prepare_objects, n, ttl_ns))
+        ids = iter(self._retrying("prepare", _transient_metadata_error, "prepare_retries")(
+            self._meta.prepare_objects, n, ttl_ns))
         job = _InFlight(block, [])
         if stream_set:
             ranges = tuple(_commit_range(s) for s in stream_set)
@@ -251,14 +262,16 @@ class Uploader:
             self._committed_id = block.block_id
             self._cond.notify_all()
 
-    def _retrying(self, what: str, retry_on: tuple[type[BaseException], ...], counter: str) -> tenacity.Retrying:
+    def _retrying(self, what: str, retry_on: Callable[[BaseException], bool], counter: str) -> tenacity.Retrying:
+        """Retry while `retry_on(error)` (transient errors), with backoff, until aborted (close
+        past its timeout, or the client failing): never on a permanent error."""
         def before_sleep(state: tenacity.RetryCallState) -> None:
             self.stats[counter] += 1
             log.warning("%s failed (attempt %d), retrying: %s", what, state.attempt_number,
                         state.outcome.exception() if state.outcome else None)
 
         return tenacity.Retrying(
-            retry=tenacity.retry_if_exception_type(retry_on),
+            retry=tenacity.retry_if_exception(retry_on),
             wait=tenacity.wait_exponential(multiplier=0.02, max=2.0),
             stop=lambda state: self._aborted,
             before_sleep=before_sleep,
@@ -266,10 +279,10 @@ class Uploader:
         )
 
     def _put(self, key: str, data: bytes | memoryview) -> None:
-        self._retrying(f"PUT {key}", (ObjectStoreError, OSError), "put_retries")(self._store.put, key, data)
+        self._retrying(f"PUT {key}", _transient_store_error, "put_retries")(self._store.put, key, data)
 
     def _commit(self, request: CommitRequest) -> CommitResult:
-        commit = self._retrying("commit", (OSError,), "commit_retries")
+        commit = self._retrying("commit", _transient_metadata_error, "commit_retries")
         while True:
             try:
                 return commit(self._meta.commit, request)

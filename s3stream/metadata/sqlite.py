@@ -64,7 +64,7 @@ from typing import Callable, Iterator, Sequence
 
 import tenacity
 
-from ..errors import (ConfigError, MetadataError, StreamFencedError, StreamNotClosedError,
+from ..errors import (ConfigError, MetadataBusyError, MetadataError, StreamFencedError, StreamNotClosedError,
                       StreamNotFoundError)
 from .base import (CommitRange, CommitRequest, CommitResult, MetadataStore, NodeMeta, ObjectMeta,
                    ObjectRef, ObjectState, ObjectType, Range, StreamMeta, StreamRange, StreamState,
@@ -225,6 +225,10 @@ class SqliteMetadataStore(MetadataStore):
                     if conn.in_transaction:
                         conn.execute("ROLLBACK")
             except sqlite3.Error as e:
+                if error is MetadataError and _busy(e):
+                    raise MetadataBusyError(
+                        f"metadata database {self.path!r} stayed locked by another connection past "
+                        f"busy_timeout_s ({self._busy_timeout_s:g} s): {e}") from e
                 raise error(f"metadata database {self.path!r}: {e}") from e
 
     def close(self) -> None:
@@ -563,6 +567,13 @@ class SqliteMetadataStore(MetadataStore):
 
 def _ids(cursor: sqlite3.Cursor) -> list[int]:
     return [row[0] for row in cursor]
+
+
+def _busy(e: sqlite3.Error) -> bool:
+    """SQLite's "database is locked" / "database table is locked" / SQLITE_BUSY: transient."""
+    code = getattr(e, "sqlite_errorcode", None)
+    return (code is not None and (code & 0xFF) in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)) or (
+        isinstance(e, sqlite3.OperationalError) and ("locked" in str(e) or "busy" in str(e)))
 
 
 def _node_row(db: sqlite3.Connection, node_id: int) -> tuple:

@@ -7,13 +7,14 @@ reader sees no object or the whole of it, and a returned put survives a crash.
 """
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import threading
 import uuid
 from typing import Iterable, Iterator
 
-from ..errors import ConfigError, ObjectNotFoundError, ObjectStoreError
+from ..errors import ConfigError, ObjectNotFoundError, ObjectStoreError, ObjectStorePermanentError
 from .base import ObjectInfo, default_multipart_threshold
 
 MiB = 1024 * 1024
@@ -123,6 +124,10 @@ class LocalObjectStore:
                 f"local put of {key!r} in {self.url} failed: a directory cannot also be an object, "
                 f"so this store cannot hold both a key and keys under it + '/' ({e})") from e
         except OSError as e:
+            if isinstance(e, PermissionError) or e.errno == errno.EROFS:
+                raise ObjectStorePermanentError(
+                    f"local put of {key!r} in {self.url} was refused: {e}; make the directory writable "
+                    "by this process (retrying cannot help)") from e
             raise ObjectStoreError(f"local put of {key!r} in {self.url} failed: {e}") from e
 
     def get(self, key: str, start: int = 0, end: int | None = None) -> bytes:

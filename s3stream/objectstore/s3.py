@@ -15,9 +15,15 @@ import boto3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
-from ..errors import ConfigError, ObjectNotFoundError, ObjectStoreError
+from ..errors import ConfigError, ObjectNotFoundError, ObjectStoreError, ObjectStorePermanentError
 from .base import ObjectInfo, default_multipart_threshold, write_requests
 from .local import check_range
+
+#: S3 error codes that no retry can fix: the request is refused as made.
+PERMANENT_CODES = frozenset({
+    "AccessDenied", "AllAccessDisabled", "AccountProblem", "InvalidAccessKeyId", "InvalidBucketName",
+    "NoSuchBucket", "SignatureDoesNotMatch", "InvalidSecurity", "403",
+})
 
 MiB = 1024 * 1024
 #: S3 accepts at most this many keys per DeleteObjects request.
@@ -106,7 +112,7 @@ class S3ObjectStore:
                 return call()
             except ClientError as e:
                 if e.response.get("Error", {}).get("Code") == "NoSuchBucket":
-                    raise ObjectStoreError(
+                    raise ObjectStorePermanentError(
                         f"S3 {op} of {key!r} failed: bucket {self.bucket!r} does not exist; create "
                         f"it (or add create_bucket=1 to the store URL)") from e
                 raise
@@ -114,6 +120,13 @@ class S3ObjectStore:
                 raise ObjectStoreError(f"S3 {op} of {key!r} in {self.url} failed: {e}") from e
 
     def _error(self, op: str, key: str, e: ClientError) -> ObjectStoreError:
+        """ObjectStorePermanentError for refusals that retrying cannot fix (PERMANENT_CODES),
+        else ObjectStoreError (throttling, server errors: worth retrying)."""
+        code = str(e.response.get("Error", {}).get("Code", ""))
+        if code in PERMANENT_CODES:
+            return ObjectStorePermanentError(
+                f"S3 {op} of {key!r} in {self.url} was refused ({code}): check the credentials, the bucket "
+                f"and its policy; retrying cannot help: {e}")
         return ObjectStoreError(f"S3 {op} of {key!r} in {self.url} failed: {e}")
 
     # -- ObjectStore ---------------------------------------------------------------------------

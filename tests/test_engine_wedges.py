@@ -1,0 +1,147 @@
+"""No wedge (issue 10, case 6): transient metadata errors are retried, permanent object-store
+refusals stop uploads at once with a clear error, and close() is bounded while the store is down;
+in every case what was acknowledged stays in the WAL and comes back at the next start."""
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+
+import boto3
+import pytest
+
+import s3stream
+from s3stream import RecordBatch, StreamClient
+from s3stream.metadata import SqliteMetadataStore
+from s3stream.objectstore import FaultInjectingObjectStore, LocalObjectStore
+from conftest import KiB, MiB, small_config
+from test_engine import read_all
+
+CONFIG = small_config(upload_threshold=256 * KiB, split_size=64 * KiB, cache_size=2 * MiB, reclaim_interval=None)
+
+
+def payloads(stream) -> list[bytes]:
+    return [bytes(p) for _, _, p in read_all(stream)]
+
+
+def closes_within(client: StreamClient, seconds: float, **kw) -> dict:
+    """Liveness, not speed: close() must return; a hang fails the test instead of the run."""
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.update(client.close(**kw)), daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"close() did not return within {seconds} s"
+    return out
+
+
+def test_metadata_locked_past_its_busy_timeout_is_retried(tmp_path):
+    db = str(tmp_path / "meta.db")
+    meta = SqliteMetadataStore(db, busy_timeout_s=0.05)
+    client = StreamClient(1, str(tmp_path / "n1.wal"), LocalObjectStore(str(tmp_path / "objects")), meta, CONFIG)
+    s = client.create_stream()
+    # Another process holds SQLite's write lock for a second, 20x the busy timeout.
+    other = sqlite3.connect(db, isolation_level=None, check_same_thread=False)
+    other.execute("BEGIN IMMEDIATE")
+    release = threading.Timer(1.0, lambda: other.execute("COMMIT"))
+    release.start()
+    try:
+        for i in range(40):                                     # seals and uploads blocks meanwhile
+            s.append(RecordBatch(bytes([i]) * 16 * KiB, 1)).result()
+        release.join()
+        deadline = time.monotonic() + 60
+        while s.committed_offset < 32 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert s.committed_offset >= 32                         # uploads went on after the lock
+        stats = client.stats()["upload"]
+        assert stats["prepare_retries"] + stats["commit_retries"] > 0
+        assert client._uploader.failure is None
+        assert s.append(RecordBatch(b"later", 1)).result().base_offset == 40
+    finally:
+        release.cancel()
+        client.close()
+        other.close()
+    client = StreamClient(1, str(tmp_path / "n1.wal"), LocalObjectStore(str(tmp_path / "objects")),
+                          SqliteMetadataStore(db), CONFIG)
+    try:
+        assert payloads(client.open_stream(s.stream_id)) == [bytes([i]) * 16 * KiB for i in range(40)] + [b"later"]
+    finally:
+        client.close()
+
+
+def test_permanent_put_refusal_stops_uploads_at_once(tmp_path):
+    store = FaultInjectingObjectStore(LocalObjectStore(str(tmp_path / "objects")))
+    meta = f"sqlite:///{tmp_path}/meta.db"
+    client = StreamClient(1, str(tmp_path / "n1.wal"), store, meta, CONFIG)
+    s = client.create_stream()
+    acked = []
+    store.fail_next_puts(1000, s3stream.ObjectStorePermanentError("injected: access denied"))
+    with pytest.raises(s3stream.ObjectStorePermanentError, match="access denied"):
+        for i in range(200):                                    # a block fills, its PUT is refused
+            s.append(RecordBatch(b"%d" % i, 1)).result()
+            acked.append(b"%d" % i)
+            s.append(RecordBatch(bytes(8 * KiB), 1)).result()
+            acked.append(bytes(8 * KiB))
+    assert client.stats()["upload"]["put_retries"] == 0          # refused once, never retried
+    report = closes_within(client, 60)
+    assert report["left_in_wal"] == [s.stream_id]
+    store.clear()
+    client = StreamClient(1, str(tmp_path / "n1.wal"), store, meta, CONFIG)
+    try:
+        assert payloads(client.open_stream(s.stream_id))[:len(acked)] == acked
+    finally:
+        client.close()
+
+
+def test_close_is_bounded_while_the_store_is_down(tmp_path):
+    store = FaultInjectingObjectStore(LocalObjectStore(str(tmp_path / "objects")))
+    meta = f"sqlite:///{tmp_path}/meta.db"
+    client = StreamClient(1, str(tmp_path / "n1.wal"), store, meta, CONFIG)
+    s = client.create_stream()
+    store.fail_puts_matching(lambda key: True)                  # down: every PUT fails, transiently
+    for i in range(10):
+        s.append(RecordBatch(b"r%d" % i, 1)).result()
+    report = closes_within(client, 60, timeout=1.0)
+    assert report["left_in_wal"] == [s.stream_id] and report["closed"] == []
+    assert client.stats()["upload"]["put_retries"] > 0
+    store.clear()
+    client = StreamClient(1, str(tmp_path / "n1.wal"), store, meta, CONFIG)
+    try:
+        assert payloads(client.open_stream(s.stream_id)) == [b"r%d" % i for i in range(10)]
+    finally:
+        client.close()
+
+
+def test_default_close_timeout_comes_from_config(tmp_path):
+    store = FaultInjectingObjectStore(LocalObjectStore(str(tmp_path / "objects")))
+    config = small_config(close_timeout=0.5, reclaim_interval=None)
+    client = StreamClient(1, str(tmp_path / "n1.wal"), store, f"sqlite:///{tmp_path}/meta.db", config)
+    s = client.create_stream()
+    store.fail_puts_matching(lambda key: True)
+    s.append(RecordBatch(b"x", 1)).result()
+    assert closes_within(client, 60)["left_in_wal"] == [s.stream_id]
+    with pytest.raises(s3stream.ConfigError, match="close_timeout"):
+        small_config(close_timeout=0)
+
+
+def test_s3_no_such_bucket_is_permanent(moto_endpoint, tmp_path):
+    """The real S3 path: the bucket is deleted under a running node."""
+    bucket = "wedge-" + str(int(time.time() * 1000))
+    url = f"s3://{bucket}/data?endpoint_url={moto_endpoint}&create_bucket=1&max_attempts=2"
+    meta = f"sqlite:///{tmp_path}/meta.db"
+    client = StreamClient(1, str(tmp_path / "n1.wal"), url, meta, CONFIG)
+    s = client.create_stream()
+    s3 = boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1",
+                      aws_access_key_id="test", aws_secret_access_key="test")
+    s3.delete_bucket(Bucket=bucket)
+    with pytest.raises(s3stream.ObjectStorePermanentError, match="does not exist"):
+        for i in range(200):
+            s.append(RecordBatch(bytes([i % 256]) * 4 * KiB, 1)).result()
+    report = closes_within(client, 60)
+    assert report["left_in_wal"] == [s.stream_id]
+    s3.create_bucket(Bucket=bucket)
+    client = StreamClient(1, str(tmp_path / "n1.wal"), url, meta, CONFIG)
+    try:
+        got = payloads(client.open_stream(s.stream_id))
+        assert got and all(p == bytes([i % 256]) * 4 * KiB for i, p in enumerate(got))
+    finally:
+        client.close()

@@ -27,6 +27,7 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Callable
 
 from .client import StreamClient
 from .config import Config
@@ -88,11 +89,14 @@ class Cluster:
     """An admin view of the cluster: any process with the shared metadata and store may use it."""
 
     def __init__(self, metadata: MetadataStore, store: ObjectStore, config: ClusterConfig | None = None,
-                 engine_config: Config | None = None) -> None:
+                 engine_config: Config | None = None, clock: Callable[[], int] = time.time_ns) -> None:
+        """`clock` gives the time in ns that heartbeats are judged by: the clock the metadata
+        store stamps them with (inject the same fake one into both in tests)."""
         self.meta = metadata
         self.store = store
         self.config = config or ClusterConfig()
         self.engine_config = engine_config
+        self.clock = clock
         self._lock = threading.Lock()
 
     # ---- assignment ----------------------------------------------------------------------------
@@ -119,7 +123,7 @@ class Cluster:
         return None
 
     def live_nodes(self) -> list[int]:
-        now = time.time_ns()
+        now = self.clock()
         timeout = int(self.config.heartbeat_timeout * 1e9)
         return sorted(n.node_id for n in self.meta.list_nodes() if not n.failover and now - n.heartbeat_ns < timeout)
 
@@ -165,6 +169,31 @@ class Cluster:
                                opened.get("seconds", 0.0))
 
     # ---- failover ------------------------------------------------------------------------------
+
+    def claim_failover(self, node_id: int, node_epoch: int, claimant: int) -> bool:
+        """Win the right to fail over this epoch of `node_id`, through KV. Claims are numbered
+        attempts (`failover/<node>/<epoch>/<n>`, written if absent): a later attempt may be
+        claimed only once the latest claimant is no longer live (it died mid-way) or its claim is
+        older than the heartbeat timeout plus the migration timeout, so a claim never blocks a
+        failover for good. True if `claimant` now holds the latest claim."""
+        prefix = f"failover/{node_id}/{node_epoch}/"
+        claims = {int(k.rsplit("/", 1)[1]): json.loads(v) for k, v in self.meta.list_kv(prefix).items()}
+        now = self.clock()
+        if claims:
+            latest = max(claims)
+            holder = claims[latest]
+            stale_ns = int((self.config.heartbeat_timeout + self.config.migration_timeout) * 1e9)
+            if holder["node"] == claimant:
+                return True
+            if holder["node"] in self.live_nodes() and now - holder["at_ns"] < stale_ns:
+                return False
+            log.warning("failover claim %d of node %d (epoch %d) by node %d is stale: claiming it again",
+                        latest, node_id, node_epoch, holder["node"])
+            attempt = latest + 1
+        else:
+            attempt = 0
+        value = json.dumps({"node": claimant, "at_ns": now}).encode()
+        return self.meta.put_kv_if_absent(f"{prefix}{attempt}", value) == value
 
     def fail_over(self, node_id: int, reassign: bool = True) -> FailoverReport:
         """Fence `node_id`, commit its WAL on its behalf, close its streams; then (if `reassign`)
@@ -278,16 +307,18 @@ class NodeAgent:
               "seconds": report.seconds, "at": time.time()})
 
     def _fail_over_dead_peers(self) -> None:
-        now = time.time_ns()
+        """Claim and start the failover of each peer whose heartbeat expired. The failover runs
+        on the agent's pool, never in this loop: a long WAL replay must not stop this node's own
+        heartbeats (the loop keeps running; the busy set keeps it from starting twice)."""
+        now = self.cluster.clock()
         timeout = int(self.config.heartbeat_timeout * 1e9)
         for node in self.client._meta.list_nodes():
             if node.node_id == self.node_id or node.failover or now - node.heartbeat_ns < timeout:
                 continue
-            # One live node wins the right to fail this epoch of the node over.
-            claim = f"failover/{node.node_id}/{node.node_epoch}"
-            me = str(self.node_id).encode()
-            if self.client._meta.put_kv_if_absent(claim, me) != me:
+            if f"failover/{node.node_id}" in self._busy:
+                continue
+            if not self.cluster.claim_failover(node.node_id, node.node_epoch, self.node_id):
                 continue
             log.warning("node %d: node %d missed heartbeats for %.1f s: failing it over", self.node_id,
                         node.node_id, (now - node.heartbeat_ns) / 1e9)
-            self.cluster.fail_over(node.node_id)
+            self._submit(f"failover/{node.node_id}", self.cluster.fail_over, node.node_id)

@@ -1,0 +1,143 @@
+"""Liveness of failover (issue 10, case 7): a long failover never stops the claimant's own
+heartbeats, a claim whose claimant died mid-way is taken over, and liveness is judged by an
+injectable clock (the metadata store's)."""
+from __future__ import annotations
+
+import time
+
+from s3stream import RecordBatch, StreamClient
+from s3stream.cluster import Cluster, ClusterConfig, NodeAgent
+from s3stream.metadata import SqliteMetadataStore
+from s3stream.objectstore import FaultInjectingObjectStore, LocalObjectStore
+from conftest import MiB, small_config
+from test_engine_model import crash
+
+FAST = ClusterConfig(agent_interval=0.01, heartbeat_interval=0.1, heartbeat_timeout=1.0, migration_timeout=5.0)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.ns = 1_000_000_000_000
+
+    def __call__(self) -> int:
+        return self.ns
+
+    def advance(self, seconds: float) -> None:
+        self.ns += int(seconds * 1e9)
+
+
+def test_a_long_failover_does_not_stop_the_claimants_heartbeats(tmp_path):
+    meta = SqliteMetadataStore(str(tmp_path / "meta.db"))
+    slow = FaultInjectingObjectStore(LocalObjectStore(str(tmp_path / "objects")))
+    cluster = Cluster(meta, slow, FAST, small_config())
+    store, meta_url = f"file://{tmp_path}/objects", f"sqlite:///{tmp_path}/meta.db"
+    # Node 2 holds data only in its WAL, then dies.
+    config = small_config(upload_threshold=8 * MiB, cache_size=16 * MiB, reclaim_interval=None)
+    node2 = StreamClient(2, str(tmp_path / "n2.wal"), store, meta_url, config)
+    s = node2.create_stream()
+    for i in range(20):
+        s.append(RecordBatch(bytes([i]) * 1000, 1)).result()
+    crash(node2)
+    slow.hang_puts(2.0)                        # the failover's replay PUTs take 2 s each
+    node1 = StreamClient(1, str(tmp_path / "n1.wal"), store, meta_url, small_config())
+    agent = NodeAgent(node1, cluster)
+    try:
+        beats = []
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not meta.get_node(2).failover:
+            beats.append(meta.get_node(1).heartbeat_ns)
+            time.sleep(0.02)
+        assert meta.get_node(2).failover, "node 2 was not failed over"
+        while any(e[0] == "put" and e[2] == "ok" for e in slow.events) is False and time.monotonic() < deadline:
+            beats.append(meta.get_node(1).heartbeat_ns)
+            time.sleep(0.02)
+        # Sample through the slow replay too.
+        end = time.monotonic() + 2.5
+        while time.monotonic() < end:
+            beats.append(meta.get_node(1).heartbeat_ns)
+            time.sleep(0.02)
+        changes = sorted(set(beats))
+        gaps = [(b - a) / 1e9 for a, b in zip(changes, changes[1:])]
+        assert gaps and max(gaps) < FAST.heartbeat_timeout, f"node 1's heartbeats stalled: gaps {max(gaps):.2f} s"
+        assert 1 in cluster.live_nodes()
+    finally:
+        agent.stop()
+        node1.close()
+        meta.close()
+
+
+def test_a_claim_whose_claimant_died_is_taken_over(tmp_path):
+    clock = FakeClock()
+    meta = SqliteMetadataStore(str(tmp_path / "meta.db"), clock=clock)
+    cluster = Cluster(meta, LocalObjectStore(str(tmp_path / "objects")), FAST, clock=clock)
+    for n in (1, 2, 3):
+        meta.register_node(n, f"/wal/{n}")
+    epoch2 = meta.get_node(2).node_epoch
+    # Node 3 claims node 2's failover, while alive.
+    assert cluster.claim_failover(2, epoch2, 3)
+    assert not cluster.claim_failover(2, epoch2, 1)      # a live claimant's fresh claim holds
+    assert cluster.claim_failover(2, epoch2, 3)          # and is its own
+    # Node 3 dies mid-way: its heartbeat expires; node 1 (still beating) takes the claim over.
+    clock.advance(FAST.heartbeat_timeout + 0.5)
+    meta.heartbeat(1, meta.get_node(1).node_epoch)
+    assert cluster.live_nodes() == [1]
+    assert cluster.claim_failover(2, epoch2, 1)
+    assert not cluster.claim_failover(2, epoch2, 3)      # the old claimant has lost it
+    assert sorted(meta.list_kv(f"failover/2/{epoch2}/")) == [f"failover/2/{epoch2}/0", f"failover/2/{epoch2}/1"]
+
+
+def test_a_live_claimant_that_takes_too_long_loses_its_claim(tmp_path):
+    clock = FakeClock()
+    meta = SqliteMetadataStore(str(tmp_path / "meta.db"), clock=clock)
+    cluster = Cluster(meta, LocalObjectStore(str(tmp_path / "objects")), FAST, clock=clock)
+    for n in (1, 2, 3):
+        meta.register_node(n, f"/wal/{n}")
+    assert cluster.claim_failover(2, 0, 3)
+    clock.advance(FAST.heartbeat_timeout + FAST.migration_timeout + 1)
+    for n in (1, 3):                                      # both still beating
+        meta.heartbeat(n, meta.get_node(n).node_epoch)
+    assert cluster.claim_failover(2, 0, 1)
+
+
+def test_liveness_follows_the_injected_clock(tmp_path):
+    clock = FakeClock()
+    meta = SqliteMetadataStore(str(tmp_path / "meta.db"), clock=clock)
+    cluster = Cluster(meta, LocalObjectStore(str(tmp_path / "objects")), FAST, clock=clock)
+    meta.register_node(1, "/wal/1")
+    meta.register_node(2, "/wal/2")
+    assert cluster.live_nodes() == [1, 2]
+    clock.advance(FAST.heartbeat_timeout - 0.1)
+    meta.heartbeat(2, meta.get_node(2).node_epoch)
+    assert cluster.live_nodes() == [1, 2]
+    clock.advance(0.2)                                    # node 1's heartbeat is now too old
+    assert cluster.live_nodes() == [2]
+
+
+def test_agent_fails_over_by_the_injected_clock_without_waiting(tmp_path):
+    """With a fake clock, a node's death is a clock step, not a sleep of heartbeat_timeout."""
+    clock = FakeClock()
+    meta = SqliteMetadataStore(str(tmp_path / "meta.db"), clock=clock)
+    cluster = Cluster(meta, LocalObjectStore(str(tmp_path / "objects")), ClusterConfig(
+        agent_interval=0.01, heartbeat_interval=0.05, heartbeat_timeout=3600.0, migration_timeout=5.0),
+        small_config(), clock=clock)
+    store = f"file://{tmp_path}/objects"
+    node2 = StreamClient(2, str(tmp_path / "n2.wal"), store, SqliteMetadataStore(str(tmp_path / "meta.db"),
+                                                                                 clock=clock), small_config())
+    node2.create_stream().append(RecordBatch(b"x", 1)).result()
+    crash(node2)
+    node1 = StreamClient(1, str(tmp_path / "n1.wal"), store, SqliteMetadataStore(str(tmp_path / "meta.db"),
+                                                                                 clock=clock), small_config())
+    agent = NodeAgent(node1, cluster)
+    try:
+        time.sleep(0.3)
+        assert not meta.get_node(2).failover              # an hour-long timeout: nobody is dead yet
+        clock.advance(3601)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not meta.get_node(2).failover:
+            time.sleep(0.01)
+        assert meta.get_node(2).failover
+        assert not meta.get_node(1).failover
+    finally:
+        agent.stop()
+        node1.close()
+        meta.close()

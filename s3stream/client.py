@@ -118,6 +118,21 @@ def close_node_streams(meta: MetadataStore, node_id: int) -> int:
     return closed
 
 
+def _check_wal_path(wal_path) -> None:
+    """ConfigError, before anything is registered, for a WAL path that cannot be created: its
+    directory is missing or not writable (a raw FileNotFoundError came out of open before)."""
+    path = os.path.abspath(os.fspath(wal_path))
+    if os.path.exists(path):
+        return
+    parent = os.path.dirname(path)
+    if not os.path.isdir(parent):
+        raise ConfigError(f"cannot create the WAL {path!r}: its directory {parent!r} does not exist; create it "
+                          "or give another path")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"cannot create the WAL {path!r}: its directory {parent!r} is not writable by this "
+                          "process; fix its permissions or give another path")
+
+
 def _same_path(a: str, b: str) -> bool:
     try:
         return os.path.samefile(a, b)
@@ -181,6 +196,7 @@ class StreamClient:
             self._close_owned()
             raise WALError(str(e)) from e
         try:
+            _check_wal_path(wal_path)
             self._bind_wal(node_id, os.path.abspath(os.fspath(wal_path)))
         except BaseException:
             self._close_owned()
@@ -196,6 +212,10 @@ class StreamClient:
         except wal.WALError as e:
             self._close_owned()
             raise (WALCorruptError.from_wal(e) if isinstance(e, wal.WALCorruptError) else WALError(str(e))) from e
+        except OSError as e:
+            self._close_owned()
+            raise WALError(f"cannot open or create the WAL at {os.fspath(wal_path)!r}: {e.strerror or e} "
+                           f"(errno {e.errno}); free space or fix the path and its permissions") from e
         self._cache = new_log_cache(self.config, clock)
         self._reader = Reader(self._store, self._meta, self._cache, self.config)
         self._uploader = Uploader(node_id=node_id, node_epoch=self.node_epoch, store=self._store,

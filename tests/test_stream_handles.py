@@ -155,3 +155,20 @@ def test_a_second_instance_on_a_wal_in_use_is_refused_without_fencing_the_first(
     b = node(tmp_path, 2)
     assert [bytes(x.payload) for x in b.open_stream(s.stream_id).fetch(0).batches] == [b"before", b"after"]
     b.close()
+
+
+def test_a_wal_path_that_cannot_be_created_is_refused_before_registering(tmp_path):
+    from s3stream.metadata import SqliteMetadataStore
+    meta = SqliteMetadataStore(str(tmp_path / "meta.db"))
+    try:
+        with pytest.raises(s3stream.ConfigError, match="does not exist"):
+            StreamClient(5, str(tmp_path / "missing" / "n.wal"), f"file://{tmp_path}/objects", meta, small_config())
+        assert meta.list_nodes() == []                  # nothing registered, no epoch bumped
+    finally:
+        meta.close()
+
+
+def test_a_wal_that_the_os_refuses_is_a_wal_error(tmp_path):
+    with pytest.raises(s3stream.WALError, match="cannot open or create the WAL"):
+        StreamClient(5, "/proc/s3stream-test.wal", f"file://{tmp_path}/objects", f"sqlite:///{tmp_path}/m.db",
+                     small_config())

@@ -157,7 +157,7 @@ cdef class AppendFuture:
             return None
         if state == 2:
             return self.path._wal_failure()
-        raise TimeoutError(f"append at offset {self.base_offset} not durable after {timeout} s")
+        raise self.path.errors["timeout"](f"append at offset {self.base_offset} not durable after {timeout} s")
 
     def result(self, timeout=None) -> AppendResult:
         error = self._outcome(timeout)
@@ -345,7 +345,8 @@ cdef class StreamWriter:
         if state == 2:
             raise self.path._wal_failure()
         if state == 0:
-            raise TimeoutError(f"stream {self.stream_id}: appends below {offset} not durable after {timeout} s")
+            raise self.path.errors["timeout"](
+                f"stream {self.stream_id}: appends below {offset} not durable after {timeout} s")
 
 
 cdef class AppendPath:

@@ -8,7 +8,7 @@ from .config import Config
 from .errors import (
     AppendFailedError, ConfigError, CorruptDataError, InvalidArgumentError, InvalidBatchError, MetadataBusyError,
     MetadataError, NodeConflictError, ObjectNotFoundError, ObjectStoreError, ObjectStorePermanentError,
-    OffsetOutOfRangeError, S3StreamError, StreamClosedError, StreamFencedError, StreamNotClosedError,
+    OffsetOutOfRangeError, OperationTimeoutError, S3StreamError, StreamClosedError, StreamFencedError, StreamNotClosedError,
     StreamNotFoundError, UnsupportedFormatError, WALCorruptError, WALError, WALFullError,
 )
 from .recordbatch import AppendFuture, AppendResult, FetchedBatch, FetchResult, RecordBatch
@@ -18,7 +18,7 @@ __all__ = [
     "AppendFailedError", "AppendFuture", "AppendResult", "Config", "ConfigError", "CorruptDataError",
     "FetchResult", "FetchedBatch", "InvalidArgumentError", "InvalidBatchError", "MetadataBusyError",
     "MetadataError", "NodeConflictError", "ObjectNotFoundError", "ObjectStoreError",
-    "ObjectStorePermanentError", "OffsetOutOfRangeError", "RecordBatch", "S3StreamError", "Stream",
-    "StreamClient", "StreamClosedError", "StreamFencedError", "StreamNotClosedError", "StreamNotFoundError",
-    "UnsupportedFormatError", "WALCorruptError", "WALError", "WALFullError",
+    "ObjectStorePermanentError", "OffsetOutOfRangeError", "OperationTimeoutError", "RecordBatch",
+    "S3StreamError", "Stream", "StreamClient", "StreamClosedError", "StreamFencedError", "StreamNotClosedError",
+    "StreamNotFoundError", "UnsupportedFormatError", "WALCorruptError", "WALError", "WALFullError",
 ]

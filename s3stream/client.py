@@ -22,9 +22,9 @@ from _native.appendpath import AppendPath
 
 from .config import Config
 from .errors import (
-    AppendFailedError, ConfigError, CorruptDataError, InvalidBatchError, NodeConflictError, S3StreamError,
-    StreamClosedError,
-    StreamFencedError, StreamNotClosedError, StreamNotFoundError, WALCorruptError, WALError, WALFullError, check_int,
+    AppendFailedError, ConfigError, CorruptDataError, InvalidBatchError, NodeConflictError, OperationTimeoutError,
+    S3StreamError, StreamClosedError, StreamFencedError, StreamNotClosedError, StreamNotFoundError, WALCorruptError,
+    WALError, WALFullError, check_int,
 )
 from .lifecycle import ObjectReclaimer, ReclaimerThread
 from .logcache import CacheBlock, LogCache, new_log_cache
@@ -236,7 +236,7 @@ class StreamClient:
             int(self._wal.capacity * self.config.wal_pressure),
             self._uploader.submit, self._on_wal_pressure, self._admit, self._map_wal_error,
             dict(invalid_batch=InvalidBatchError, closed=StreamClosedError, fenced=StreamFencedError,
-                 append_failed=AppendFailedError))
+                 append_failed=AppendFailedError, timeout=OperationTimeoutError))
         # User callbacks (AppendFuture.add_done_callback, future(), await) run here, never on
         # the WAL's writer threads or the uploader's.
         self._callbacks = threading.Thread(target=self._append_path.run_callbacks, name="s3stream-callbacks",

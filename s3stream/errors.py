@@ -41,6 +41,12 @@ class InvalidBatchError(S3StreamError, ValueError):
     """A record batch that cannot be appended (count <= 0, too large, wrong type)."""
 
 
+class OperationTimeoutError(S3StreamError, TimeoutError):
+    """A wait given a timeout ran out (an append's result, a close waiting for uploads). Nothing
+    is lost by it: the data stays where it was (the WAL, the log cache) and the wait may be
+    repeated. Also a TimeoutError, as concurrent.futures callers expect."""
+
+
 class InvalidArgumentError(S3StreamError, TypeError, ValueError):
     """An offset, id or size of the wrong type (a float, a bool, a string) or out of its range
     (negative, beyond 2**63 - 1, max_bytes <= 0). Nothing was read or changed."""
@@ -132,9 +138,9 @@ class WALCorruptError(WALError):
 __all__ = [
     "ConfigError", "CorruptDataError", "InvalidArgumentError", "InvalidBatchError", "MetadataBusyError",
     "MetadataError", "NodeConflictError", "ObjectNotFoundError", "ObjectStoreError",
-    "ObjectStorePermanentError", "OffsetOutOfRangeError", "S3StreamError", "StreamClosedError",
-    "StreamFencedError", "StreamNotClosedError", "StreamNotFoundError", "WALCorruptError", "WALError",
-    "WALFullError",
+    "ObjectStorePermanentError", "OffsetOutOfRangeError", "OperationTimeoutError", "S3StreamError",
+    "StreamClosedError", "StreamFencedError", "StreamNotClosedError", "StreamNotFoundError", "WALCorruptError",
+    "WALError", "WALFullError",
 ]
 
 

@@ -37,7 +37,10 @@ import tenacity
 from _native.logcache import CacheBlock, CacheSlice, encode_slices
 
 from .config import Config
-from .errors import MetadataBusyError, ObjectStoreError, ObjectStorePermanentError, S3StreamError, StreamFencedError
+from .errors import (
+    MetadataBusyError, ObjectStoreError, ObjectStorePermanentError, OperationTimeoutError, S3StreamError,
+    StreamFencedError,
+)
 from .metadata import (
     CommitRange, CommitRequest, CommitResult, CommitSSO, CommitStreamObject, MetadataStore, StreamState,
     object_key,
@@ -134,7 +137,8 @@ class Uploader:
             if self._aborted:
                 raise UploadAborted("the client was closed before the upload finished")
             if not ok:
-                raise TimeoutError(f"block {block_id} not committed within {timeout} s")
+                raise OperationTimeoutError(f"block {block_id} not committed within {timeout} s; its data stays "
+                                            "in the WAL and the log cache")
 
     @property
     def failure(self) -> BaseException | None:

@@ -75,8 +75,11 @@ def test_permanent_put_refusal_stops_uploads_at_once(tmp_path):
     s = client.create_stream()
     acked = []
     store.fail_next_puts(1000, s3stream.ObjectStorePermanentError("injected: access denied"))
+    deadline = time.monotonic() + 60
     with pytest.raises(s3stream.ObjectStorePermanentError, match="access denied"):
-        for i in range(200):                                    # a block fills, its PUT is refused
+        i = 0
+        while time.monotonic() < deadline:                     # a block fills, its PUT is refused
+            i += 1
             s.append(RecordBatch(b"%d" % i, 1)).result()
             acked.append(b"%d" % i)
             s.append(RecordBatch(bytes(8 * KiB), 1)).result()
@@ -133,9 +136,12 @@ def test_s3_no_such_bucket_is_permanent(moto_endpoint, tmp_path):
     s3 = boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1",
                       aws_access_key_id="test", aws_secret_access_key="test")
     s3.delete_bucket(Bucket=bucket)
+    deadline = time.monotonic() + 60                          # liveness bound, not a speed goal
     with pytest.raises(s3stream.ObjectStorePermanentError, match="does not exist"):
-        for i in range(200):
+        i = 0
+        while time.monotonic() < deadline:                     # until the refused PUT reaches appends
             s.append(RecordBatch(bytes([i % 256]) * 4 * KiB, 1)).result()
+            i += 1
     report = closes_within(client, 60)
     assert report["left_in_wal"] == [s.stream_id]
     s3.create_bucket(Bucket=bucket)
@@ -143,5 +149,24 @@ def test_s3_no_such_bucket_is_permanent(moto_endpoint, tmp_path):
     try:
         got = payloads(client.open_stream(s.stream_id))
         assert got and all(p == bytes([i % 256]) * 4 * KiB for i, p in enumerate(got))
+    finally:
+        client.close()
+
+
+def test_a_stream_close_that_runs_out_of_time_says_so_and_keeps_the_data(tmp_path):
+    store = FaultInjectingObjectStore(LocalObjectStore(str(tmp_path / "objects")))
+    meta = f"sqlite:///{tmp_path}/meta.db"
+    client = StreamClient(1, str(tmp_path / "n1.wal"), store, meta, CONFIG)
+    s = client.create_stream()
+    store.fail_puts_matching(lambda key: True)
+    s.append(RecordBatch(b"kept", 1)).result()
+    with pytest.raises(s3stream.OperationTimeoutError, match="stays in the WAL") as e:
+        s.close(0.2)
+    assert isinstance(e.value, TimeoutError)
+    store.clear()
+    client.close()
+    client = StreamClient(1, str(tmp_path / "n1.wal"), store, meta, CONFIG)
+    try:
+        assert payloads(client.open_stream(s.stream_id)) == [b"kept"]
     finally:
         client.close()

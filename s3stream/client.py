@@ -334,8 +334,8 @@ class StreamClient:
                 if left <= 0:
                     raise WALFullError(
                         f"backpressure: {path.uncommitted} bytes not yet uploaded (cache_size "
-                        f"{self.config.cache_size}) for {self.config.append_timeout} s; the object store "
-                        "is not keeping up or failing")
+                        f"{self.config.cache_size}) for {self.config.append_timeout} s; "
+                        + self._why_uploads_lag())
                 self._admit_cond.wait(min(left, 0.5))
 
     def _release(self, nbytes: int) -> None:
@@ -368,11 +368,20 @@ class StreamClient:
             raise WALError(f"WAL records up to {wal_end} not durable after {self.config.append_timeout} s: "
                            "the WAL device is not keeping up")
 
+    def _why_uploads_lag(self) -> str:
+        """What keeps data from leaving the WAL: the uploads' latest retried error, if any."""
+        last = self._uploader.last_retry_error
+        if last is None:
+            return "the object store is not keeping up"
+        what, error = last
+        return (f"uploads are failing and being retried ({what}: {error}); fix the object store or the "
+                "metadata store (a full disk, an outage) and they catch up")
+
     def _map_wal_error(self, error: BaseException) -> S3StreamError:
         if isinstance(error, S3StreamError):
             return error
         if isinstance(error, wal.WALFullError):
-            return WALFullError(str(error))
+            return WALFullError(f"{error} ({self._why_uploads_lag()})")
         if isinstance(error, wal.WALClosedError):
             return StreamClosedError(f"the client is closed: {error}")
         if isinstance(error, wal.RecordTooLargeError):

@@ -113,6 +113,8 @@ class Uploader:
         self._buffers: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
         for _ in range(config.upload_concurrency):
             self._buffers.put(bytearray())
+        # The latest error a retry loop met, (what, error), for messages about a full cache/WAL.
+        self.last_retry_error: tuple[str, BaseException | None] | None = None
         self._thread = threading.Thread(target=self._run, name="s3stream-upload", daemon=True)
         self.stats = dict(blocks=0, objects=0, stream_objects=0, stream_set_objects=0, bytes=0,
                           put_retries=0, prepare_retries=0, commit_retries=0, max_inflight=0)
@@ -271,6 +273,7 @@ class Uploader:
         past its timeout, or the client failing): never on a permanent error."""
         def before_sleep(state: tenacity.RetryCallState) -> None:
             self.stats[counter] += 1
+            self.last_retry_error = (what, state.outcome.exception() if state.outcome else None)
             log.warning("%s failed (attempt %d), retrying: %s", what, state.attempt_number,
                         state.outcome.exception() if state.outcome else None)
 

@@ -170,3 +170,20 @@ def test_a_stream_close_that_runs_out_of_time_says_so_and_keeps_the_data(tmp_pat
         assert payloads(client.open_stream(s.stream_id)) == [b"kept"]
     finally:
         client.close()
+
+
+def test_a_full_object_store_is_named_when_appends_back_up(tmp_path):
+    """A store out of space (ENOSPC on every PUT, retried: space may come back) fills the cache;
+    the append that times out names the store's error, not the WAL's capacity."""
+    import errno
+    store = FaultInjectingObjectStore(LocalObjectStore(str(tmp_path / "objects")))
+    config = small_config(upload_threshold=256 * KiB, split_size=64 * KiB, cache_size=512 * KiB, append_timeout=0.5,
+                          reclaim_interval=None)
+    client = StreamClient(1, str(tmp_path / "n1.wal"), store, f"sqlite:///{tmp_path}/meta.db", config)
+    s = client.create_stream()
+    store.fail_next_puts(10**6, OSError(errno.ENOSPC, "No space left on device"))
+    with pytest.raises(s3stream.WALFullError, match="No space left on device"):
+        for _ in range(100):
+            s.append(RecordBatch(bytes(64 * KiB), 1)).result(30)
+    store.clear()
+    closes_within(client, 60)

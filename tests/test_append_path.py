@@ -195,6 +195,31 @@ def test_small_synchronous_appends_never_fill_the_wal(tmp_path):
         c2.close()
 
 
+@settings(max_examples=int(__import__("os").environ.get("WAL_FILL_EXAMPLES", "6")), deadline=None)
+@given(threshold_kib=st.sampled_from([64, 256, 1024, 4096]), cache_blocks=st.integers(2, 8),
+       wal_blocks=st.integers(2, 8), pressure=st.sampled_from([0.1, 0.3, 0.5, 0.7, 0.9]),
+       size=st.sampled_from([1, 100, 1000, 4000]), batch_kib=st.sampled_from([8, 64, 1024]))
+def test_no_config_wedges_on_small_synchronous_appends(tmp_path_factory, threshold_kib, cache_blocks, wal_blocks,
+                                                       pressure, size, batch_kib):
+    """Any Config that Config accepts: synchronous appends (each a WAL batch of its own, padded
+    to 4 KiB) through twice the WAL's capacity never fail, whatever the upload threshold, cache
+    size, WAL size, pressure fraction or WAL batch size."""
+    threshold = threshold_kib * KiB
+    capacity = max(wal_blocks * threshold, 2 * MiB) + 8 * KiB
+    cfg = small_config(upload_threshold=threshold, split_size=threshold // 4, cache_size=cache_blocks * threshold,
+                       max_batch_bytes=min(threshold, 128 * KiB), wal_pressure=pressure, append_timeout=20,
+                       wal=wal.WALConfig(capacity=capacity, batch_bytes=batch_kib * KiB, full_timeout=20))
+    tmp = tmp_path_factory.mktemp("fill")
+    c = client(tmp, config=cfg)
+    try:
+        s = c.create_stream()
+        appends = 2 * capacity // 4096 + 1
+        for i in range(appends):
+            assert s.append(RecordBatch(bytes(size), 1)).result(30).base_offset == i
+    finally:
+        c.close()
+
+
 # ---- pipelined uploads -------------------------------------------------------------------------
 
 def test_slow_puts_keep_several_blocks_in_flight_and_commit_in_order(tmp_path):

@@ -24,6 +24,15 @@ def payloads(stream) -> list[bytes]:
     return [bytes(p) for _, _, p in read_all(stream)]
 
 
+def restart_and_read(tmp_path, store, meta, stream_id: int) -> list[bytes]:
+    """Start node 1 again (recovery replays its WAL) and read the stream back."""
+    client = StreamClient(1, str(tmp_path / "n1.wal"), store, meta, CONFIG)
+    try:
+        return payloads(client.open_stream(stream_id))
+    finally:
+        client.close()
+
+
 def closes_within(client: StreamClient, seconds: float, **kw) -> dict:
     """Liveness, not speed: close() must return; a hang fails the test instead of the run."""
     out: dict = {}
@@ -60,12 +69,8 @@ def test_metadata_locked_past_its_busy_timeout_is_retried(tmp_path):
         release.cancel()
         client.close()
         other.close()
-    client = StreamClient(1, str(tmp_path / "n1.wal"), LocalObjectStore(str(tmp_path / "objects")),
-                          SqliteMetadataStore(db), CONFIG)
-    try:
-        assert payloads(client.open_stream(s.stream_id)) == [bytes([i]) * 16 * KiB for i in range(40)] + [b"later"]
-    finally:
-        client.close()
+    got = restart_and_read(tmp_path, LocalObjectStore(str(tmp_path / "objects")), SqliteMetadataStore(db), s.stream_id)
+    assert got == [bytes([i]) * 16 * KiB for i in range(40)] + [b"later"]
 
 
 def test_permanent_put_refusal_stops_uploads_at_once(tmp_path):
@@ -88,11 +93,7 @@ def test_permanent_put_refusal_stops_uploads_at_once(tmp_path):
     report = closes_within(client, 60)
     assert report["left_in_wal"] == [s.stream_id]
     store.clear()
-    client = StreamClient(1, str(tmp_path / "n1.wal"), store, meta, CONFIG)
-    try:
-        assert payloads(client.open_stream(s.stream_id))[:len(acked)] == acked
-    finally:
-        client.close()
+    assert restart_and_read(tmp_path, store, meta, s.stream_id)[:len(acked)] == acked
 
 
 def test_close_is_bounded_while_the_store_is_down(tmp_path):
@@ -107,11 +108,7 @@ def test_close_is_bounded_while_the_store_is_down(tmp_path):
     assert report["left_in_wal"] == [s.stream_id] and report["closed"] == []
     assert client.stats()["upload"]["put_retries"] > 0
     store.clear()
-    client = StreamClient(1, str(tmp_path / "n1.wal"), store, meta, CONFIG)
-    try:
-        assert payloads(client.open_stream(s.stream_id)) == [b"r%d" % i for i in range(10)]
-    finally:
-        client.close()
+    assert restart_and_read(tmp_path, store, meta, s.stream_id) == [b"r%d" % i for i in range(10)]
 
 
 def test_default_close_timeout_comes_from_config(tmp_path):
@@ -145,12 +142,8 @@ def test_s3_no_such_bucket_is_permanent(moto_endpoint, tmp_path):
     report = closes_within(client, 60)
     assert report["left_in_wal"] == [s.stream_id]
     s3.create_bucket(Bucket=bucket)
-    client = StreamClient(1, str(tmp_path / "n1.wal"), url, meta, CONFIG)
-    try:
-        got = payloads(client.open_stream(s.stream_id))
-        assert got and all(p == bytes([i % 256]) * 4 * KiB for i, p in enumerate(got))
-    finally:
-        client.close()
+    got = restart_and_read(tmp_path, url, meta, s.stream_id)
+    assert got and all(p == bytes([i % 256]) * 4 * KiB for i, p in enumerate(got))
 
 
 def test_a_stream_close_that_runs_out_of_time_says_so_and_keeps_the_data(tmp_path):
@@ -165,11 +158,7 @@ def test_a_stream_close_that_runs_out_of_time_says_so_and_keeps_the_data(tmp_pat
     assert isinstance(e.value, TimeoutError)
     store.clear()
     client.close()
-    client = StreamClient(1, str(tmp_path / "n1.wal"), store, meta, CONFIG)
-    try:
-        assert payloads(client.open_stream(s.stream_id)) == [b"kept"]
-    finally:
-        client.close()
+    assert restart_and_read(tmp_path, store, meta, s.stream_id) == [b"kept"]
 
 
 def test_a_full_object_store_is_named_when_appends_back_up(tmp_path):

@@ -20,6 +20,7 @@ from s3stream import RecordBatch, StreamClient
 from s3stream.metadata import ObjectState, SqliteMetadataStore
 from s3stream.objectstore import FaultInjectingObjectStore, open_object_store
 from conftest import KiB, MiB, small_config
+from test_engine_faults import LosingCommitResponses
 
 # 8 MiB blocks: a full block's StreamSetObject goes up as a multipart upload (threshold 5 MiB below).
 CONFIG = small_config(upload_threshold=8 * MiB, split_size=8 * MiB, cache_size=32 * MiB, reclaim_interval=None,
@@ -102,90 +103,75 @@ def missing_committed(meta_path: str, store) -> int:
         meta.close()
 
 
+def _events(store: FaultInjectingObjectStore, op: str, outcome: str) -> int:
+    return sum(1 for e in store.events if e[0] == op and e[2] == outcome)
+
+
 def run_cell(tmp_path, store_kind: str, url: str, op: str, fault: str) -> None:
     """One cell: arm the fault, run the workload through close, read everything back through a
-    fresh node (with read faults armed for GET cells), reclaim (delete faults for DELETE cells)."""
+    fresh node (with read faults armed for GET cells), reclaim (delete faults for DELETE cells).
+    `fired` counts the faults that really happened, from the injectors' own records."""
     meta_path = str(tmp_path / "meta.db")
     inner = open_object_store(url)
     store = FaultInjectingObjectStore(inner)
     meta = SqliteMetadataStore(meta_path, busy_timeout_s=0.05)
     rng = random.Random(zlib.crc32(f"{store_kind}/{op}/{fault}".encode()))
-    faulted = {"n": 0}
-    http = None
-
-    def arm_write():
-        nonlocal http
-        if op in ("PutObject", "UploadPart", "CreateMultipartUpload"):
-            http = HttpFaults(inner, op, fault, n=4)
-        elif op == "put" and fault == "fail":
-            store.fail_next_puts(4)
-        elif op == "put" and fault == "hang":
-            store.hang_puts(0.5)
-        elif op == "put" and fault == "lost response":
-            store.put_timeout_after_landing(3)
-
-    lock_holder = None
-    if op == "metadata" and fault == "locked":
-        other = sqlite3.connect(meta_path, isolation_level=None, check_same_thread=False)
-        lock_holder = other
     # DELETE cells need StreamObjects (a trim destroys those; StreamSetObjects go by compaction).
     config = replace(CONFIG, split_size=1 * MiB) if op == "DeleteObjects" else CONFIG
-    client = StreamClient(1, str(tmp_path / "n1.wal"), store, _LosingCommits(meta, 2) if fault == "lost commit response"
-                          else meta, config)
+    client = StreamClient(1, str(tmp_path / "n1.wal"), store,
+                          LosingCommitResponses(meta, 2) if fault == "lost commit response" else meta, config)
     streams = [client.create_stream() for _ in range(3)]
-    arm_write()
-    if lock_holder is not None:
-        lock_holder.execute("BEGIN IMMEDIATE")
-        threading.Timer(1.0, lambda: lock_holder.execute("COMMIT")).start()
+    http = HttpFaults(inner, op, fault, n=4) if op in ("PutObject", "UploadPart", "CreateMultipartUpload") else None
+    if op == "put":
+        {"fail": lambda: store.fail_next_puts(4), "hang": lambda: store.hang_puts(0.5),
+         "lost response": lambda: store.put_timeout_after_landing(3)}[fault]()
+    locker = None
+    if fault == "locked":                       # another connection holds SQLite's write lock for 1 s
+        locker = sqlite3.connect(meta_path, isolation_level=None, check_same_thread=False)
+        locker.execute("BEGIN IMMEDIATE")
+        threading.Timer(1.0, lambda: locker.execute("COMMIT")).start()
     acked = workload(streams, rng)
     client.close_streams(streams, timeout=120)
     stats = client.stats()["upload"]
-    faulted["n"] = (http.hits if http else 0) + stats["put_retries"] + stats["prepare_retries"] + stats["commit_retries"]
-    if op == "put" and fault == "hang":
-        faulted["n"] = sum(1 for e in store.events if e[0] == "put")      # each waited 0.5 s
+    fired = {"put": (_events(store, "put", "ok") if fault == "hang" else        # each waited 0.5 s
+                     _events(store, "put", "injected_failure") + _events(store, "put", "timeout_after_landing")),
+             "metadata": stats["prepare_retries"] + stats["commit_retries"]}.get(op, http.hits if http else 0)
     store.clear()
     if http is not None:
         http.left = 0
     client.close()
-    if lock_holder is not None:
-        lock_holder.close()
+    if locker is not None:
+        locker.close()
     # Read back through a fresh node: from the store (nothing in its cache).
     reader_meta = SqliteMetadataStore(meta_path)
     inner2 = open_object_store(url)
     store2 = FaultInjectingObjectStore(inner2)
     reader = StreamClient(2, str(tmp_path / "n2.wal"), store2, reader_meta, config)
-    read_http = None
-    if op == "GetObject":
-        read_http = HttpFaults(inner2, "GetObject", fault, n=6, hang=0.3)
-    elif op == "get" and fault == "fail":
+    read_http = HttpFaults(inner2, "GetObject", fault, n=6, hang=0.3) if op == "GetObject" else None
+    errors: list[str] = []
+    if op == "get" and fault == "fail":
         store2.fail_next_gets(6)
     elif op == "get" and fault == "corrupt":
         store2.corrupt_gets(lambda key: True)
-    lost, errors = read_back(reader, acked) if op not in ("get",) or fault != "corrupt" else (None, [])
-    if op == "get" and fault == "corrupt":
-        lost_dirty, errors = read_back(reader, acked, attempts=2)
-        store2.clear()
-        lost, more = read_back(reader, acked)
+        _, errors = read_back(reader, acked, attempts=2)      # every read hits a corrupt block
         assert "CorruptDataError" in errors, "a corrupt GET was not detected"
-        errors += more
-        faulted["n"] = errors.count("CorruptDataError")
-    if read_http is not None:
-        faulted["n"] = read_http.hits
-    elif op == "get" and fault == "fail":
-        faulted["n"] = errors.count("ObjectStoreError") or 6
-    reclaim_errors = 0
+        store2.clear()
+    lost, more = read_back(reader, acked)
+    errors += more
+    if op == "get":
+        fired = _events(store2, "get", "injected_failure" if fault == "fail" else "corrupted")
+    elif read_http is not None:
+        fired = read_http.hits
     if op == "DeleteObjects":
-        opened = {x.stream_id: x for x in reader.streams()}           # read_back opened them
-        for sid, batches in acked.items():
-            opened[sid].trim(batches[-1][0])
-        del_http = HttpFaults(inner2, "DeleteObjects", fault, n=2)
-        time.sleep(0.05)
+        for s in reader.streams():                           # read_back opened them
+            s.trim(acked[s.stream_id][-1][0])
+        delete_http = HttpFaults(inner2, "DeleteObjects", fault, n=2)
+        time.sleep(0.05)                                      # past destroy_delay
         try:
             reader.reclaimer.run_once()
         except s3stream.S3StreamError:
-            reclaim_errors += 1
-        faulted["n"] = del_http.hits
-        del_http.left = 0
+            errors.append("reclaim")
+        fired, delete_http.left = delete_http.hits, 0
         reader.reclaimer.run_once()                 # the next run deletes what the failed one left
         left = reader_meta.list_objects(state=ObjectState.MARK_DESTROYED)
         assert left == [], f"objects the failed DELETE left were never deleted: {left}"
@@ -193,28 +179,11 @@ def run_cell(tmp_path, store_kind: str, url: str, op: str, fault: str) -> None:
     reader.close()
     missing = missing_committed(meta_path, inner2)
     inner2.close()
-    MATRIX.append(dict(store=store_kind, operation=op, fault=fault, faulted=faulted["n"],
+    MATRIX.append(dict(store=store_kind, operation=op, fault=fault, faulted=fired,
                        acknowledged=sum(len(b) for b in acked.values()), lost=lost, committed_missing=missing,
-                       errors_seen=sorted(set(errors)) + (["reclaim"] if reclaim_errors else [])))
-    assert faulted["n"] > 0, "the fault never fired: the cell tested nothing"
+                       errors_seen=sorted(set(errors))))
+    assert fired > 0, "the fault never fired: the cell tested nothing"
     assert lost == 0 and missing == 0
-
-
-class _LosingCommits:
-    """The metadata store's first `n` commits land but their response is lost."""
-
-    def __init__(self, inner, n: int) -> None:
-        self._inner, self.lost = inner, n
-
-    def commit(self, request):
-        result = self._inner.commit(request)
-        if self.lost:
-            self.lost -= 1
-            raise TimeoutError("injected: commit response lost")
-        return result
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
 
 
 S3_CELLS = [("PutObject", "fail"), ("PutObject", "hang"), ("CreateMultipartUpload", "fail"),

@@ -19,6 +19,16 @@ def _urls(tmp_path):
     return f"file://{tmp_path}/objects", f"sqlite:///{tmp_path}/meta.db"
 
 
+def read_on(tmp_path, wal_name: str, stream_id: int) -> list[bytes]:
+    """Start node 1 with WAL `wal_name` and read the stream back."""
+    store, meta = _urls(tmp_path)
+    client = StreamClient(1, str(tmp_path / wal_name), store, meta, CONFIG)
+    try:
+        return [bytes(p) for _, _, p in read_all(client.open_stream(stream_id))]
+    finally:
+        client.close()
+
+
 def test_second_instance_with_another_wal_is_refused_while_the_first_runs(tmp_path):
     store, meta = _urls(tmp_path)
     a = StreamClient(1, str(tmp_path / "a.wal"), store, meta, CONFIG)
@@ -44,12 +54,7 @@ def test_second_instance_recovers_the_old_wal_first(tmp_path):
     for i in range(10):
         s.append(RecordBatch(b"r%d" % i, 1)).result()
     crash(a)                                   # the 10 records are only in a.wal
-    b = StreamClient(1, str(tmp_path / "b.wal"), store, meta, CONFIG)
-    try:
-        got = [bytes(p) for _, _, p in read_all(b.open_stream(sid))]
-        assert got == [b"r%d" % i for i in range(10)]
-    finally:
-        b.close()
+    assert read_on(tmp_path, "b.wal", sid) == [b"r%d" % i for i in range(10)]
 
 
 def test_old_wal_unreadable_here_is_refused_by_name(tmp_path):
@@ -64,11 +69,7 @@ def test_old_wal_unreadable_here_is_refused_by_name(tmp_path):
     assert "a.wal" in str(e.value) and "fail_over" in str(e.value)
     # With the WAL back where the node left it, the node starts and nothing was lost.
     os.rename(tmp_path / "moved.wal", tmp_path / "a.wal")
-    c = StreamClient(1, str(tmp_path / "a.wal"), store, meta, CONFIG)
-    try:
-        assert [bytes(p) for _, _, p in read_all(c.open_stream(s.stream_id))] == [b"x"]
-    finally:
-        c.close()
+    assert read_on(tmp_path, "a.wal", s.stream_id) == [b"x"]
 
 
 def test_a_node_with_no_open_streams_may_take_a_new_wal(tmp_path):
@@ -78,8 +79,4 @@ def test_a_node_with_no_open_streams_may_take_a_new_wal(tmp_path):
     s.append(RecordBatch(b"x", 1)).result()
     a.close()                                  # clean: everything uploaded, streams closed
     os.unlink(tmp_path / "a.wal")
-    b = StreamClient(1, str(tmp_path / "b.wal"), store, meta, CONFIG)
-    try:
-        assert [bytes(p) for _, _, p in read_all(b.open_stream(s.stream_id))] == [b"x"]
-    finally:
-        b.close()
+    assert read_on(tmp_path, "b.wal", s.stream_id) == [b"x"]

@@ -41,12 +41,15 @@ log = logging.getLogger("s3stream.cluster")
 
 @dataclass(frozen=True)
 class ClusterConfig:
-    """agent_interval: seconds between a node agent's passes (assignment changes are seen within
-        it). heartbeat_interval / heartbeat_timeout: a node silent for the timeout is failed over
+    """agent_interval: seconds between a node agent's passes when the metadata store cannot push
+        changes (SQLite: assignment changes are seen within it). push_fallback_interval: with a
+        store that pushes KV changes (PostgreSQL LISTEN/NOTIFY), agents and migrations wake on
+        each change and pass at least this often anyway. heartbeat_interval / heartbeat_timeout: a node silent for the timeout is failed over
         (if auto_failover). migration_timeout: seconds a migration waits for the source to let go
         before fencing and failing it over. max_parallel_moves: partitions a node opens or closes
         at once (the agent's thread bound)."""
     agent_interval: float = 0.02
+    push_fallback_interval: float = 0.5
     heartbeat_interval: float = 0.5
     heartbeat_timeout: float = 5.0
     migration_timeout: float = 10.0
@@ -54,7 +57,8 @@ class ClusterConfig:
     auto_failover: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("agent_interval", "heartbeat_interval", "heartbeat_timeout", "migration_timeout"):
+        for name in ("agent_interval", "push_fallback_interval", "heartbeat_interval", "heartbeat_timeout",
+                     "migration_timeout"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be positive seconds, got {getattr(self, name)}")
         if self.heartbeat_timeout <= 2 * self.heartbeat_interval:
@@ -130,13 +134,24 @@ class Cluster:
     # ---- migration ----------------------------------------------------------------------------
 
     def wait_open(self, name: str, version: int, timeout: float) -> dict | None:
+        """The `opened/` record of `name` once some node reports `version` open; None after
+        `timeout`. Woken by the store's pushes where it has them, else polling every 2 ms."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            o = _get(self.meta, f"opened/{name}")
-            if o and o["version"] >= version:
-                return o
-            time.sleep(0.002)
-        return None
+        feed = self.meta.kv_changes((f"opened/{name}",))
+        try:
+            while True:
+                o = _get(self.meta, f"opened/{name}")
+                if o and o["version"] >= version:
+                    return o
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                if feed.pushes:
+                    feed.wait(min(left, self.config.push_fallback_interval))
+                else:
+                    time.sleep(min(left, 0.002))
+        finally:
+            feed.close()
 
     def migrate(self, name: str, to_node: int, timeout: float | None = None) -> MigrationReport:
         """Move a partition to `to_node`: the source closes it (force upload of its tail), the
@@ -225,6 +240,9 @@ class NodeAgent:
         self._pool = ThreadPoolExecutor(max_workers=self.config.max_parallel_moves,
                                         thread_name_prefix=f"agent-{self.node_id}")
         self._last_heartbeat = 0.0
+        # Opened before the first pass reads the assignments, so no change in between is missed.
+        self._feed = client._meta.kv_changes(("assignment/", "closed/"))
+        self._retry_soon = False
         self.fenced = False
         self.errors: deque[str] = deque(maxlen=100)     # the latest failures, bounded
         self._thread = threading.Thread(target=self._run, name=f"node-agent-{self.node_id}", daemon=True)
@@ -232,20 +250,39 @@ class NodeAgent:
 
     def stop(self) -> None:
         self._stop.set()
+        self._feed.wake()
         self._thread.join()
         self._pool.shutdown(wait=True)
 
     def _run(self) -> None:
-        while not self._stop.wait(self.config.agent_interval):
-            try:
-                self._pass()
-            except StreamFencedError as e:
-                log.error("node %d is fenced; its agent stops: %s", self.node_id, e)
-                self.fenced = True
-                return
-            except Exception as e:   # noqa: BLE001 - the next pass retries
-                log.exception("node agent %d pass failed", self.node_id)
-                self.errors.append(str(e))
+        try:
+            while not self._stop.is_set():
+                try:
+                    self._pass()
+                except StreamFencedError as e:
+                    log.error("node %d is fenced; its agent stops: %s", self.node_id, e)
+                    self.fenced = True
+                    return
+                except Exception as e:   # noqa: BLE001 - the next pass retries
+                    log.exception("node agent %d pass failed", self.node_id)
+                    self.errors.append(str(e))
+                self._wait_for_change()
+        finally:
+            self._feed.close()
+
+    def _wait_for_change(self) -> None:
+        """Until the next pass: a pushed change of an assignment or of a partition's close (a
+        target retries its open when the source lets go), the next heartbeat, or a moved
+        partition's open or close finishing; polling every agent_interval where the store cannot
+        push."""
+        if not self._feed.pushes or self._retry_soon:
+            # A move that failed (the source had not let go: its close may have landed while
+            # the open was under way, unseen) is retried after agent_interval, pushes or not.
+            self._retry_soon = False
+            self._stop.wait(self.config.agent_interval)
+            return
+        heartbeat_due = self._last_heartbeat + self.config.heartbeat_interval - time.monotonic()
+        self._feed.wait(max(0.0, min(self.config.push_fallback_interval, heartbeat_due)))
 
     def _pass(self) -> None:
         now = time.monotonic()
@@ -282,10 +319,11 @@ class NodeAgent:
             try:
                 fn(*args)
             except StreamNotClosedError:
-                pass                       # the source has not let go yet: next pass
+                self._retry_soon = True    # the source has not let go yet: a pass soon
             except Exception as e:        # noqa: BLE001 - reported, retried by the next pass
                 log.exception("node %d: moving partition %s failed", self.node_id, name)
                 self.errors.append(f"{name}: {e}")
+                self._retry_soon = True
             finally:
                 with self._lock:
                     self._busy.discard(name)

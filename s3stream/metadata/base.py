@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import abc
 import hashlib
+import threading
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Sequence
@@ -175,6 +176,36 @@ class CommitResult:
     already_committed: bool = False
 
 
+class ChangeFeed:
+    """Wakes a waiter when KV keys under its prefixes may have changed, so that node agents and
+    migrations react to a change at once instead of polling for it.
+
+    `pushes` says whether writes by other processes wake it. This base feed does not push: its
+    `wait` only sleeps, and callers keep polling (SQLite). A store that can push (PostgreSQL
+    LISTEN/NOTIFY) returns its own feed from `MetadataStore.kv_changes`. A wake-up only says
+    "look again": it may be spurious, and callers always re-read the keys they care about, so a
+    notification lost with a connection costs a poll interval, never a decision."""
+
+    pushes = False
+
+    def __init__(self, prefixes: Sequence[str]) -> None:
+        self.prefixes = tuple(prefixes)
+        self._woken = threading.Event()
+
+    def wait(self, timeout: float) -> bool:
+        """Block up to `timeout` seconds; True if a change (or `wake`) came, else False."""
+        woken = self._woken.wait(timeout)
+        self._woken.clear()
+        return woken
+
+    def wake(self) -> None:
+        """Make the current or next `wait` return True (used to stop a waiting loop)."""
+        self._woken.set()
+
+    def close(self) -> None:
+        self.wake()
+
+
 class MetadataStore(abc.ABC):
     """See the module docstring for the contract; errors are s3stream.errors classes."""
 
@@ -304,6 +335,11 @@ class MetadataStore(abc.ABC):
     @abc.abstractmethod
     def list_kv(self, prefix: str) -> dict[str, bytes]:
         """Every key starting with `prefix` and its value, keys ascending."""
+
+    def kv_changes(self, prefixes: Sequence[str]) -> ChangeFeed:
+        """A ChangeFeed for KV keys starting with any of `prefixes` (see ChangeFeed). Open it
+        before reading the state it guards, so that no change in between goes unseen."""
+        return ChangeFeed(prefixes)
 
     def close(self) -> None:
         pass

@@ -111,10 +111,9 @@ def replay_wal(records, node_id: int, meta: MetadataStore, cache: LogCache, uplo
 def close_node_streams(meta: MetadataStore, node_id: int) -> int:
     """Close every stream `node_id` holds open (after its data was committed)."""
     closed = 0
-    for m in meta.list_streams():
-        if m.state == StreamState.OPENED and m.owner_node_id == node_id:
-            meta.close_stream(m.stream_id, m.epoch, node_id)
-            closed += 1
+    for m in meta.list_streams(owner_node_id=node_id):
+        meta.close_stream(m.stream_id, m.epoch, node_id)
+        closed += 1
     return closed
 
 
@@ -486,8 +485,7 @@ class StreamClient:
         prev = nodes.get(node_id)
         if prev is None or _same_path(prev.wal_path, wal_path):
             return
-        held = [m.stream_id for m in self._meta.list_streams()
-                if m.state == StreamState.OPENED and m.owner_node_id == node_id]
+        held = [m.stream_id for m in self._meta.list_streams(owner_node_id=node_id)]
         if not held:
             return                         # nothing can be waiting in the old WAL
         old = prev.wal_path

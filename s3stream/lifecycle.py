@@ -18,6 +18,9 @@ log = logging.getLogger("s3stream.lifecycle")
 
 
 class ObjectReclaimer:
+    #: Objects listed, deleted from the store and removed from metadata per step.
+    batch = 1000
+
     def __init__(self, store: ObjectStore, metadata: MetadataStore, destroy_delay: float) -> None:
         self._store = store
         self._meta = metadata
@@ -25,14 +28,20 @@ class ObjectReclaimer:
         self.deleted = 0
 
     def run_once(self) -> int:
-        """Delete every reclaimable object now; returns how many rows were removed."""
-        objects = self._meta.objects_to_delete(self._delay_ns)
-        if not objects:
-            return 0
-        self._store.delete([o.key for o in objects])
-        removed = self._meta.remove_objects([o.object_id for o in objects])
-        self.deleted += len(removed)
-        return len(removed)
+        """Delete every reclaimable object now, `batch` at a time (memory and each metadata
+        transaction stay bounded however long the delete list has grown); returns how many
+        rows were removed."""
+        total = 0
+        while True:
+            objects = self._meta.objects_to_delete(self._delay_ns, limit=self.batch)
+            if not objects:
+                return total
+            self._store.delete([o.key for o in objects])
+            removed = self._meta.remove_objects([o.object_id for o in objects])
+            self.deleted += len(removed)
+            total += len(removed)
+            if len(objects) < self.batch or not removed:
+                return total
 
 
 class ReclaimerThread:

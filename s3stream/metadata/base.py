@@ -253,7 +253,9 @@ class MetadataStore(abc.ABC):
     @abc.abstractmethod
     def trim_stream(self, stream_id: int, epoch: int, new_start_offset: int) -> StreamMeta:
         """Raise the start offset (lower values are a no-op). StreamObjects wholly below it are
-        marked for destruction. StreamFencedError if the epoch is stale."""
+        marked for destruction, and ranges wholly below it are dropped (the last range always
+        stays), so a stream's ranges grow with its moves since its start, not with its history.
+        StreamFencedError if the epoch is stale."""
 
     @abc.abstractmethod
     def delete_stream(self, stream_id: int, epoch: int) -> StreamMeta:
@@ -265,7 +267,11 @@ class MetadataStore(abc.ABC):
         """StreamNotFoundError if missing (DELETED streams are returned)."""
 
     @abc.abstractmethod
-    def list_streams(self, include_deleted: bool = False) -> list[StreamMeta]: ...
+    def list_streams(self, include_deleted: bool = False,
+                     owner_node_id: int | None = None) -> list[StreamMeta]:
+        """Every stream (DELETED ones only if `include_deleted`), by id; with `owner_node_id`,
+        only the streams OPENED on that node, found through an index: a node's own streams cost
+        the same however many other streams the cluster holds."""
 
     # ---- objects ---------------------------------------------------------------------------
 
@@ -307,10 +313,10 @@ class MetadataStore(abc.ABC):
         """COMMITTED -> MARK_DESTROYED (and out of stream/node lists), now."""
 
     @abc.abstractmethod
-    def objects_to_delete(self, destroy_delay_ns: int) -> list[ObjectMeta]:
+    def objects_to_delete(self, destroy_delay_ns: int, limit: int | None = None) -> list[ObjectMeta]:
         """PREPARED objects past expiry, and MARK_DESTROYED ones marked at least
-        `destroy_delay_ns` ago: the lifecycle deletes their store objects, then calls
-        `remove_objects`."""
+        `destroy_delay_ns` ago, lowest ids first, at most `limit` (None: all): the lifecycle
+        deletes their store objects, then calls `remove_objects`."""
 
     @abc.abstractmethod
     def remove_objects(self, object_ids: Sequence[int]) -> list[int]:

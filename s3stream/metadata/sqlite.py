@@ -107,6 +107,9 @@ _SCHEMA = (
         start_offset INTEGER NOT NULL, end_offset INTEGER NOT NULL)""",
     """CREATE INDEX IF NOT EXISTS stream_objects_by_stream
         ON stream_objects (stream_id, end_offset, start_offset)""",
+    # Added without a version bump: CREATE INDEX IF NOT EXISTS upgrades older files in place.
+    """CREATE INDEX IF NOT EXISTS streams_by_owner ON streams (owner_node_id)
+        WHERE owner_node_id IS NOT NULL""",
 )
 
 _STREAM_COLUMNS = "stream_id, epoch, state, owner_node_id, start_offset, end_offset"
@@ -325,6 +328,8 @@ class SqliteMetadataStore(MetadataStore):
                 return stream
             db.execute("UPDATE streams SET start_offset = ? WHERE stream_id = ?",
                        (new_start_offset, stream_id))
+            db.execute("DELETE FROM ranges WHERE stream_id = ? AND end_offset <= ? AND range_index < ?",
+                       (stream_id, new_start_offset, stream.ranges[-1].index))
             _mark_destroyed(db, self._clock(), _ids(db.execute(
                 "SELECT object_id FROM stream_objects WHERE stream_id = ? AND end_offset <= ?",
                 (stream_id, new_start_offset))))
@@ -346,9 +351,14 @@ class SqliteMetadataStore(MetadataStore):
         with self._transaction(write=False) as db:
             return _load_stream(db, stream_id)
 
-    def list_streams(self, include_deleted: bool = False) -> list[StreamMeta]:
-        where, params = ("", ()) if include_deleted else (
-            "WHERE state != ?", (StreamState.DELETED.value,))
+    def list_streams(self, include_deleted: bool = False,
+                     owner_node_id: int | None = None) -> list[StreamMeta]:
+        if owner_node_id is not None:       # the owner is set only while OPENED
+            where, params = "WHERE owner_node_id = ? AND state = ?", (owner_node_id, StreamState.OPENED.value)
+        elif include_deleted:
+            where, params = "", ()
+        else:
+            where, params = "WHERE state != ?", (StreamState.DELETED.value,)
         with self._transaction(write=False) as db:
             return _load_streams(db, where, params)
 
@@ -512,13 +522,15 @@ class SqliteMetadataStore(MetadataStore):
                     to_mark.append(object_id)
             _mark_destroyed(db, self._clock(), to_mark)
 
-    def objects_to_delete(self, destroy_delay_ns: int) -> list[ObjectMeta]:
+    def objects_to_delete(self, destroy_delay_ns: int, limit: int | None = None) -> list[ObjectMeta]:
         with self._transaction(write=False) as db:
             now = self._clock()
+            # Two index range scans on (state), lowest ids first, cut at the limit (-1: none).
             return _load_objects(
-                db, "(o.state = ? AND o.expire_ns <= ?) OR (o.state = ? AND "
-                    "o.mark_destroyed_ns <= ?)",
-                (_PREPARED, now, _MARK_DESTROYED, now - destroy_delay_ns))
+                db, "o.object_id IN (SELECT object_id FROM objects WHERE state = ? AND expire_ns <= ? UNION "
+                    "SELECT object_id FROM objects WHERE state = ? AND mark_destroyed_ns <= ? "
+                    "ORDER BY 1 LIMIT ?)",
+                (_PREPARED, now, _MARK_DESTROYED, now - destroy_delay_ns, -1 if limit is None else limit))
 
     def remove_objects(self, object_ids: Sequence[int]) -> list[int]:
         removed = []

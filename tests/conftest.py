@@ -127,3 +127,37 @@ def pytest_terminal_summary(terminalreporter):
     for r in rows:
         tr.write_line(f"{r['store']:<10} {r['operation']:<22} {r['fault']:<21} {r['faulted']:>7} {r['acknowledged']:>6} "
                       f"{r['lost']:>5} {r['committed_missing']:>8}  {', '.join(r['errors_seen']) or '-'}")
+
+
+# ---- PostgreSQL ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def pg_server():
+    """A PostgreSQL server for the session (s3stream.pgserver.PostgresServer): the one at
+    $S3STREAM_TEST_PG_URL (a superuser URL), else a throwaway one started from the installed
+    binaries. Without binaries the PostgreSQL cases skip, except in CI ($CI set), where they fail:
+    they must never silently skip there."""
+    from s3stream import pgserver
+    url = os.environ.get("S3STREAM_TEST_PG_URL")
+    if url:
+        yield pgserver.PostgresServer(url)
+        return
+    try:
+        with pgserver.throwaway_postgres() as server:
+            yield server
+    except pgserver.MissingBinaries as e:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI is set and PostgreSQL cannot run here: {e}")
+        pytest.skip(str(e))
+
+
+_pg_databases = iter(range(1, 1 << 30))
+
+
+@pytest.fixture
+def pg_url(pg_server):
+    """The URL of a fresh, empty database on the session's server, dropped after the test."""
+    name = f"s3s_{os.getpid()}_{next(_pg_databases)}"
+    url = pg_server.create_database(name)
+    yield url
+    pg_server.drop_database(name)

@@ -284,7 +284,7 @@ def test_streams_errors(tmp_path, engine_dir):
     (tmp_path / "dir.db").mkdir()
     fails(run("streams", "--meta", tmp_path / "dir.db"), 1, "is a directory")
     fails(run("streams", "--meta", "mysql://x/y"), 1, "unsupported metadata URL")
-    fails(run("streams", "--meta", "postgresql://x/y"), 1, "not implemented")
+    fails(run("streams", "--meta", "postgresql://127.0.0.1:1/y"), 1, "cannot connect")   # nothing listens there
     shutil.copy(engine_dir / "node1.wal", tmp_path / "notsqlite.db")
     fails(run("streams", "--meta", tmp_path / "notsqlite.db"), 1, "not a database")
     fails(run("streams"), 2, "Missing option '--meta'")

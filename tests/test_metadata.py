@@ -1,5 +1,7 @@
-"""SqliteMetadataStore on real files with a fake clock: nodes, streams, commits (fencing,
-contiguity, retries, compaction), reads, the object lifecycle, KV, several processes, URLs."""
+"""The MetadataStore implementations with a fake clock, every test body on SQLite (real files)
+and PostgreSQL (a throwaway server, one database per test): nodes, streams, commits (fencing,
+contiguity, retries, compaction), reads, the object lifecycle, KV, several threads and processes,
+URLs. Tests about SQLite files and PostgreSQL servers as such run on their own backend only."""
 from __future__ import annotations
 
 import os
@@ -12,8 +14,8 @@ import time
 
 import pytest
 
-from s3stream.errors import (ConfigError, MetadataError, StreamFencedError, StreamNotClosedError,
-                             StreamNotFoundError)
+from s3stream.errors import (ConfigError, MetadataBusyError, MetadataError, StreamFencedError,
+                             StreamNotClosedError, StreamNotFoundError)
 from s3stream.metadata import (CommitRange, CommitRequest, CommitSSO, CommitStreamObject,
                                ObjectState, ObjectType, Range, SqliteMetadataStore, StreamRange,
                                StreamState, object_key, open_metadata)
@@ -44,11 +46,40 @@ def db_path(tmp_path):
     return str(tmp_path / "meta.db")
 
 
+@pytest.fixture(params=["sqlite", "postgres"])
+def meta_url(request, tmp_path):
+    """The URL of a fresh metadata database: an SQLite file, or a PostgreSQL database."""
+    if request.param == "sqlite":
+        return str(tmp_path / "meta.db")
+    return request.getfixturevalue("pg_url")
+
+
 @pytest.fixture
-def store(db_path, clock):
-    s = SqliteMetadataStore(db_path, clock=clock)
-    yield s
-    s.close()
+def open_same(meta_url):
+    """Open another store on the test's database (open_metadata keywords); closed at the end."""
+    opened = []
+
+    def open_(**kw):
+        opened.append(open_metadata(meta_url, **kw))
+        return opened[-1]
+
+    yield open_
+    for s in opened:
+        s.close()
+
+
+@pytest.fixture
+def store(open_same, clock):
+    return open_same(clock=clock)
+
+
+def count_rows(store, table):
+    """Rows of `table` in the store's database, read behind the store's back."""
+    if isinstance(store, SqliteMetadataStore):
+        return store._conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
+    import psycopg
+    with psycopg.connect(store.url) as conn:
+        return conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
 
 
 def snapshot(store):
@@ -147,8 +178,6 @@ def test_open_metadata_urls(tmp_path, monkeypatch, clock):
     s = open_metadata(str(tmp_path / "plain.db"))
     assert s.path == str(tmp_path / "plain.db")
     s.close()
-    with pytest.raises(ConfigError, match="PostgreSQL metadata is not implemented yet"):
-        open_metadata("postgresql://user@host/db")
     for bad in ("mysql://host/db", "metadata.txt", "sqlite://", "sqlite:///", "sqlite://host/x.db"):
         with pytest.raises(ConfigError, match="sqlite:///"):
             open_metadata(bad)
@@ -442,7 +471,7 @@ def test_deleted_stream_ranges_are_ignored(store):
 
 # ---- compaction --------------------------------------------------------------------------------
 
-def test_compaction_swaps_objects_atomically(store, db_path, clock):
+def test_compaction_swaps_objects_atomically(store, open_same, clock):
     n1 = store.register_node(1, "w1")
     a, b = store.create_stream(1, n1.node_epoch), store.create_stream(1, n1.node_epoch)
     first = upload(store, n1, [rng(a, 0, 10), rng(b, 0, 5)])
@@ -465,7 +494,7 @@ def test_compaction_swaps_objects_atomically(store, db_path, clock):
         o for o in before[2] if o.state != ObjectState.PREPARED]
 
     # A reader on its own connection sees the old objects or the new one, never a mix.
-    reader = SqliteMetadataStore(db_path, clock=clock)
+    reader = open_same(clock=clock)
     stop, seen, failures = threading.Event(), set(), []
 
     def read_loop():
@@ -592,8 +621,7 @@ def test_objects_to_delete_and_remove(store, clock):
     assert store.get_object(committed.sso.object_id).state == ObjectState.COMMITTED
     assert store.objects_to_delete(0) == []
     assert [o.object_id for o in store.list_objects()] == [committed.sso.object_id]
-    raw = store._conn.execute("SELECT count(*) FROM sso_ranges").fetchone()[0]
-    assert raw == 1
+    assert count_rows(store, "sso_ranges") == 1
 
 
 # ---- KV ----------------------------------------------------------------------------------------
@@ -610,8 +638,8 @@ def test_kv(store):
     assert store.get_kv("p") is None and store.get_kv("q") == b"\x00\xff"
 
 
-def test_put_kv_if_absent_has_one_winner(db_path):
-    stores = [SqliteMetadataStore(db_path) for _ in range(4)]
+def test_put_kv_if_absent_has_one_winner(open_same):
+    stores = [open_same() for _ in range(4)]
     results = []
     threads = [threading.Thread(target=lambda s=s, i=i: results.append(
         s.put_kv_if_absent("leader", str(i).encode()))) for i, s in enumerate(stores)]
@@ -620,8 +648,6 @@ def test_put_kv_if_absent_has_one_winner(db_path):
     for t in threads:
         t.join()
     assert len(set(results)) == 1 and len(results) == 4
-    for s in stores:
-        s.close()
 
 
 # ---- concurrency -------------------------------------------------------------------------------
@@ -671,10 +697,10 @@ def test_forked_child_opens_its_own_connection(store):
 WORKER = textwrap.dedent("""
     import os, sys, time
     from s3stream.metadata import (CommitRange, CommitRequest, CommitSSO, CommitStreamObject,
-                                   SqliteMetadataStore)
+                                   open_metadata)
 
-    path, node_id, uploads, go = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    store = SqliteMetadataStore(path)
+    url, node_id, uploads, go = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    store = open_metadata(url)
     node = store.register_node(node_id, f"/wal/{node_id}")
     streams = [store.create_stream(node_id, node.node_epoch).stream_id for _ in range(3)]
     open(f"{go}.ready{node_id}", "w").close()
@@ -698,10 +724,10 @@ WORKER = textwrap.dedent("""
 """)
 
 
-def test_two_processes_commit_to_one_file(tmp_path):
-    path, go = str(tmp_path / "shared.db"), str(tmp_path / "go")
+def test_two_processes_commit_to_one_database(tmp_path, meta_url, open_same):
+    go = str(tmp_path / "go")
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    workers = [subprocess.Popen([sys.executable, "-c", WORKER, path, str(node_id), "50", go],
+    workers = [subprocess.Popen([sys.executable, "-c", WORKER, meta_url, str(node_id), "50", go],
                                 cwd=REPO, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
                for node_id in (1, 2)]
@@ -721,28 +747,261 @@ def test_two_processes_commit_to_one_file(tmp_path):
     outputs = [w.communicate(timeout=60) for w in workers]
     for worker, (out, err) in zip(workers, outputs):
         assert worker.returncode == 0 and "locked" not in err, err
-    store = SqliteMetadataStore(path)
-    try:
-        assert len(store.list_objects(ObjectState.COMMITTED)) == 200
-        for node_id, (out, _) in zip((1, 2), outputs):
-            ssos = store.node_stream_set_objects(node_id)
-            assert [o.order_id for o in ssos] == list(range(1, 51))
-            streams = [int(x) for x in out.split()]
-            assert [store.get_stream(s).end_offset for s in streams] == [750, 500, 500]
-            spans = [(r.start_offset, r.end_offset)
-                     for r in store.get_object_refs(streams[0], 0, 750, limit=1000)]
-            assert len(spans) == 100 and spans[0][0] == 0 and spans[-1][1] == 750
-            assert all(x[1] == y[0] for x, y in zip(spans, spans[1:]))
-    finally:
-        store.close()
+    store = open_same()
+    assert len(store.list_objects(ObjectState.COMMITTED)) == 200
+    for node_id, (out, _) in zip((1, 2), outputs):
+        ssos = store.node_stream_set_objects(node_id)
+        assert [o.order_id for o in ssos] == list(range(1, 51))
+        streams = [int(x) for x in out.split()]
+        assert [store.get_stream(s).end_offset for s in streams] == [750, 500, 500]
+        spans = [(r.start_offset, r.end_offset)
+                 for r in store.get_object_refs(streams[0], 0, 750, limit=1000)]
+        assert len(spans) == 100 and spans[0][0] == 0 and spans[-1][1] == 750
+        assert all(x[1] == y[0] for x, y in zip(spans, spans[1:]))
 
 
-def test_list_kv_by_prefix(tmp_path):
-    from s3stream.metadata import SqliteMetadataStore
-    m = SqliteMetadataStore(str(tmp_path / "m.db"))
+def test_list_kv_by_prefix(store):
+    m = store
     for k in ("assignment/a", "assignment/b", "assignmentx", "opened/a", "assignment/\u00e9"):
         m.put_kv(k, k.encode())
     assert list(m.list_kv("assignment/")) == ["assignment/a", "assignment/b", "assignment/\u00e9"]
     assert m.list_kv("assignment/")["assignment/b"] == b"assignment/b"
     assert m.list_kv("nothing/") == {}
-    m.close()
+
+
+def test_racing_commits_keep_streams_contiguous(open_same):
+    """Several stores (connections) commit to the same two streams at once, each from the end
+    offset it last read: exactly the commits that continue the end win, so each stream's end is
+    the sum of its committed ranges, which tile it without gaps, and no id is handed out twice."""
+    import random
+    setup = open_same()
+    node = setup.register_node(1, "w1")
+    streams = [setup.create_stream(1, node.node_epoch).stream_id for _ in range(2)]
+    committed, errors, lock = [], [], threading.Lock()
+
+    def work(seed):
+        s, rnd = open_same(), random.Random(seed)
+        try:
+            for _ in range(15):
+                ends = {x: s.get_stream(x).end_offset for x in streams}
+                chosen = [x for x in streams if rnd.random() < 0.7] or streams[:1]
+                ranges = tuple(CommitRange(x, 0, ends[x], ends[x] + rnd.randint(1, 5)) for x in chosen)
+                [object_id] = s.prepare_objects(1, TTL)
+                try:
+                    s.commit(CommitRequest(1, node.node_epoch, sso=CommitSSO(object_id, 1, ranges)))
+                except MetadataError as e:
+                    if "contiguous" not in str(e):
+                        raise
+                    continue
+                with lock:
+                    committed.append((object_id, ranges))
+        except Exception as e:  # surfaced by the assert below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(seed,)) for seed in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and committed
+    ids = [object_id for object_id, _ in committed]
+    assert len(set(ids)) == len(ids)
+    ssos = setup.node_stream_set_objects(1)
+    assert sorted(o.object_id for o in ssos) == sorted(ids)
+    assert [o.order_id for o in ssos] == list(range(1, len(ids) + 1))
+    for x in streams:
+        spans = sorted((r.start_offset, r.end_offset) for _, ranges in committed for r in ranges
+                       if r.stream_id == x)
+        end = setup.get_stream(x).end_offset
+        assert end == sum(e - s for s, e in spans)
+        assert [s for s, _ in spans] == [0] + [e for _, e in spans[:-1]]
+        assert [(r.start_offset, r.end_offset) for r in setup.get_object_refs(x, 0, end, limit=1000)] == spans
+
+
+# ---- PostgreSQL --------------------------------------------------------------------------------
+
+def pg_execute(url, *statements):
+    import psycopg
+    results = []
+    with psycopg.connect(url, autocommit=True) as conn:
+        for statement in statements:
+            cursor = conn.execute(statement)
+            results.append(cursor.fetchall() if cursor.description else None)
+    return results
+
+
+def test_postgres_schema_types_and_reopen(pg_url, clock):
+    from s3stream.metadata import PostgresMetadataStore
+    s = PostgresMetadataStore(pg_url, clock=clock)
+    node = s.register_node(1, "/wal/1")
+    s.put_kv("k", b"v")
+    s.close()
+    s.close()  # idempotent
+    with pytest.raises(MetadataError, match="closed"):
+        s.get_kv("k")
+    [version, types] = pg_execute(
+        pg_url, "SELECT value FROM schema_info WHERE name = 'schema_version'",
+        "SELECT DISTINCT data_type FROM information_schema.columns WHERE table_schema = current_schema()")
+    assert version == [(1,)]
+    assert {t for (t,) in types} == {"bigint", "text", "bytea", "boolean"}
+    s = PostgresMetadataStore(pg_url, clock=clock)  # reopening is idempotent
+    assert s.get_node(1) == node and s.get_kv("k") == b"v"
+    s.close()
+
+
+def test_postgres_processes_starting_at_once_create_the_schema_once(pg_url):
+    from s3stream.metadata import PostgresMetadataStore
+    stores, errors = [], []
+
+    def start():
+        try:
+            stores.append(PostgresMetadataStore(pg_url, pool_min=0))
+        except Exception as e:  # surfaced by the assert below
+            errors.append(e)
+
+    threads = [threading.Thread(target=start) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and len(stores) == 6
+    stores[0].put_kv("k", b"v")
+    assert all(s.get_kv("k") == b"v" for s in stores)
+    for s in stores:
+        s.close()
+
+
+def test_postgres_foreign_database_is_refused(pg_url):
+    from s3stream.metadata import PostgresMetadataStore
+    pg_execute(pg_url, "CREATE TABLE orders (id int)")
+    with pytest.raises(ConfigError, match="something else") as e:
+        PostgresMetadataStore(pg_url)
+    assert pg_url in str(e.value) and "CREATE DATABASE" in str(e.value)
+    assert pg_execute(pg_url, "SELECT to_regclass('streams') IS NULL") == [[(True,)]]  # nothing created
+
+
+def test_postgres_newer_schema_version_is_refused(pg_url):
+    from s3stream.metadata import PostgresMetadataStore
+    PostgresMetadataStore(pg_url).close()
+    pg_execute(pg_url, "UPDATE schema_info SET value = 99 WHERE name = 'schema_version'")
+    with pytest.raises(ConfigError, match="schema version 99") as e:
+        PostgresMetadataStore(pg_url)
+    assert pg_url in str(e.value)
+
+
+def test_open_metadata_postgres_urls(pg_url, clock):
+    from s3stream.metadata import PostgresMetadataStore
+    for scheme in ("postgresql://", "postgres://"):
+        s = open_metadata(scheme + pg_url.split("://", 1)[1], clock=clock, pool_max=2)
+        assert isinstance(s, PostgresMetadataStore)
+        assert s.register_node(1, "w").heartbeat_ns == clock.now
+        s.close()
+
+
+def test_postgres_unreachable_url_is_a_config_error_without_the_password():
+    from s3stream.pgserver import free_port
+    port = free_port()   # nothing listens there
+    for url in (f"postgresql://meta_user:s3cret-pw@127.0.0.1:{port}/meta",
+                f"postgresql://127.0.0.1:{port}/meta?user=meta_user&password=s3cret-pw"):
+        started = time.monotonic()
+        with pytest.raises(ConfigError, match="cannot connect") as e:
+            open_metadata(url, connect_timeout_s=2)
+        message = str(e.value)
+        assert "s3cret-pw" not in message and f"127.0.0.1:{port}" in message and "running" in message
+        assert time.monotonic() - started < 10
+
+
+def test_postgres_is_imported_only_when_used(tmp_path):
+    """SQLite users never import psycopg; without it, a PostgreSQL URL says what to install."""
+    script = textwrap.dedent(f"""
+        import sys
+        from s3stream.errors import ConfigError
+        from s3stream.metadata import open_metadata
+        open_metadata({str(tmp_path / "m.db")!r}).close()
+        assert "psycopg" not in sys.modules and "psycopg_pool" not in sys.modules
+        sys.modules["psycopg"] = None     # as if it were not installed
+        try:
+            open_metadata("postgresql://127.0.0.1/meta")
+        except ConfigError as e:
+            assert 'pip install "psycopg[binary]" psycopg-pool' in str(e), e
+        else:
+            raise AssertionError("no ConfigError")
+    """)
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+
+
+def _wait_for_lock_waiter(pg_url, deadline_s=10.0):
+    """The pid of the backend of pg_url's database waiting for a row lock."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        [rows] = pg_execute(pg_url, "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+                                    "AND wait_event_type = 'Lock'")
+        if rows:
+            return rows[0][0]
+        time.sleep(0.01)
+    pytest.fail("no backend started waiting for the lock")
+
+
+def test_postgres_lost_connections_become_busy_errors_then_recover(pg_url, clock):
+    import psycopg
+    from s3stream.metadata import PostgresMetadataStore
+    s = PostgresMetadataStore(pg_url, clock=clock, pool_min=2, pool_max=2)
+    node = s.register_node(1, "w1")
+    stream = s.create_stream(1, node.node_epoch)
+
+    # Idle pooled connections killed by the server: the next operations succeed on fresh ones
+    # (or say the store is busy), never raise a psycopg error.
+    pg_execute(pg_url, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE "
+                       "datname = current_database() AND pid <> pg_backend_pid()")
+    outcomes = []
+    for _ in range(3):
+        try:
+            s.heartbeat(1, node.node_epoch)
+            outcomes.append("ok")
+        except MetadataBusyError:
+            outcomes.append("busy")
+    assert outcomes[-1] == "ok"
+
+    # A connection killed in the middle of an operation (waiting for a row lock): MetadataBusyError,
+    # nothing applied, and the pool discards the dead connection.
+    lost_before = sum(s._pool.get_stats().get(k, 0) for k in ("returns_bad", "connections_lost"))
+    result = []
+    with psycopg.connect(pg_url) as holder:
+        holder.execute("SELECT 1 FROM streams WHERE stream_id = %s FOR UPDATE", (stream.stream_id,))
+
+        def close():
+            try:
+                result.append(s.close_stream(stream.stream_id, 0, 1))
+            except Exception as e:  # checked below
+                result.append(e)
+
+        thread = threading.Thread(target=close)
+        thread.start()
+        pg_execute(pg_url, f"SELECT pg_terminate_backend({_wait_for_lock_waiter(pg_url)})")
+        thread.join(10)
+        holder.rollback()
+    [error] = result
+    assert isinstance(error, MetadataBusyError) and not isinstance(error, psycopg.Error), error
+    assert "connection" in str(error)
+    assert sum(s._pool.get_stats().get(k, 0) for k in ("returns_bad", "connections_lost")) > lost_before
+    assert s.get_stream(stream.stream_id).state == StreamState.OPENED
+    assert s.close_stream(stream.stream_id, 0, 1).state == StreamState.CLOSED
+    s.close()
+
+
+def test_postgres_lock_timeout_is_a_busy_error(pg_url):
+    import psycopg
+    from s3stream.metadata import PostgresMetadataStore
+    s = PostgresMetadataStore(pg_url, lock_timeout_s=0.2)
+    node = s.register_node(1, "w1")
+    stream = s.create_stream(1, node.node_epoch)
+    with psycopg.connect(pg_url) as holder:
+        holder.execute("SELECT 1 FROM streams WHERE stream_id = %s FOR UPDATE", (stream.stream_id,))
+        with pytest.raises(MetadataBusyError, match="lock_timeout_s"):
+            s.close_stream(stream.stream_id, 0, 1)
+        holder.rollback()
+    assert s.close_stream(stream.stream_id, 0, 1).state == StreamState.CLOSED
+    s.close()

@@ -1,5 +1,5 @@
-"""Cluster metadata: the model and MetadataStore contract (base), its SQLite implementation, and
-`open_metadata(url)` to pick an implementation from a URL."""
+"""Cluster metadata: the model and MetadataStore contract (base), its SQLite and PostgreSQL
+implementations, and `open_metadata(url)` to pick an implementation from a URL."""
 from __future__ import annotations
 
 import os
@@ -10,15 +10,34 @@ from .base import (CommitRange, CommitRequest, CommitResult, CommitSSO, CommitSt
                    StreamMeta, StreamRange, StreamState, object_key)
 from .sqlite import SqliteMetadataStore
 
+
+def __getattr__(name: str):
+    # PostgresMetadataStore is imported on first use: SQLite users need no psycopg.
+    if name == "PostgresMetadataStore":
+        return _postgres_store_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _postgres_store_class() -> type:
+    try:
+        from .postgres import PostgresMetadataStore
+    except ImportError as e:
+        raise ConfigError(f"PostgreSQL metadata needs psycopg 3 and psycopg_pool ({e}); install them with "
+                          f'pip install "psycopg[binary]" psycopg-pool') from e
+    return PostgresMetadataStore
+
+
 _SUPPORTED = ("sqlite:////absolute/path.db, sqlite:///relative/path.db, a file path ending in "
-              ".db, or postgresql://... (not implemented yet)")
+              ".db, or postgresql://user:password@host:port/dbname (postgres:// too)")
 
 
 def open_metadata(url: str, **kw) -> MetadataStore:
     """The MetadataStore for `url`; keyword arguments go to the store's constructor.
 
     As in SQLAlchemy, `sqlite:///` is followed by the path: `sqlite:////var/lib/m.db` is
-    absolute, `sqlite:///m.db` relative to the working directory.
+    absolute, `sqlite:///m.db` relative to the working directory. `postgresql://` and
+    `postgres://` URLs (libpq's syntax) open a PostgresMetadataStore on that database; psycopg is
+    imported only then.
     """
     url = os.fspath(url)
     if url.startswith("sqlite:"):
@@ -27,8 +46,8 @@ def open_metadata(url: str, **kw) -> MetadataStore:
                               f"are not supported); use {_SUPPORTED}")
         return SqliteMetadataStore(url[len("sqlite:///"):], **kw)
     scheme = url.split("://", 1)[0].lower() if "://" in url else ""
-    if scheme.startswith("postgres"):
-        raise ConfigError("PostgreSQL metadata is not implemented yet")
+    if scheme in ("postgresql", "postgres"):
+        return _postgres_store_class()(url, **kw)
     if not scheme and url.endswith(".db"):
         return SqliteMetadataStore(url, **kw)
     raise ConfigError(f"unsupported metadata URL {url!r}; use {_SUPPORTED}")
@@ -36,7 +55,7 @@ def open_metadata(url: str, **kw) -> MetadataStore:
 
 __all__ = [
     "CommitRange", "CommitRequest", "CommitResult", "CommitSSO", "CommitStreamObject",
-    "MetadataStore", "NodeMeta", "ObjectMeta", "ObjectRef", "ObjectState", "ObjectType", "Range",
-    "SqliteMetadataStore", "StreamMeta", "StreamRange", "StreamState", "object_key",
-    "open_metadata",
+    "MetadataStore", "NodeMeta", "ObjectMeta", "ObjectRef", "ObjectState", "ObjectType",
+    "PostgresMetadataStore", "Range", "SqliteMetadataStore", "StreamMeta", "StreamRange",
+    "StreamState", "object_key", "open_metadata",
 ]

@@ -1,0 +1,728 @@
+"""MetadataStore on a PostgreSQL database, shared by the processes of several hosts (psycopg 3
+with a psycopg_pool connection pool per process).
+
+Schema (version 1, recorded as the `schema_version` row of `schema_info`): the tables, columns,
+keys and indexes of the SQLite store (see s3stream.metadata.sqlite), with BIGINT for every id,
+offset, epoch and time, BOOLEAN for `nodes.failover`, BYTEA for KV values and `COLLATE "C"` on KV
+keys (so that keys sort, and `list_kv` range-scans, by code point as in SQLite). Stream and
+object ids are identity columns: their sequences never hand out an id twice, even after rows
+are removed or a transaction rolls back. The (stream_id, end_offset) indexes of `sso_ranges` and
+`stream_objects` make `get_object_refs` an index range scan, as in SQLite.
+
+The store creates the schema in the database the URL names, in one transaction under a
+transaction-scoped advisory lock, so processes starting at once neither race nor see half a
+schema. A database with other tables but no s3stream schema version, or a newer schema version,
+is refused with ConfigError.
+
+Concurrency: row locks, READ COMMITTED. Every write is one transaction that first locks the rows
+whose state it checks, always in the same order (the node row, then stream rows by id, then
+object rows by id), and reads its preconditions only after that; every statement of a READ
+COMMITTED transaction sees what committed before it began, so a check reads the state that the
+lock now freezes. This gives each operation what SQLite's BEGIN IMMEDIATE gives it, but per row:
+writers of the same node, stream or object queue (up to `lock_timeout_s`), while commits of
+different nodes to different streams run in parallel. A commit locks its node row FOR NO KEY
+UPDATE, which serialises a node's commits (SSO order ids, epoch fencing against fence_node and
+register_node); create_stream and open_stream hold it FOR SHARE so that a fence waits for them.
+Reads run in REPEATABLE READ READ ONLY transactions: one snapshot, never a serialization failure.
+SERIALIZABLE was the alternative: it needs no explicit locks but retries whole transactions on
+every false conflict of its page-grained predicate locks (hot indexes such as objects by state
+would make those frequent under load), and a queue on a row lock is cheaper and fairer than a
+retry loop. The fixed lock order rules out deadlocks; should one happen all the same (40P01) it
+surfaces as MetadataBusyError, which the uploader retries.
+
+Errors: precondition failures raise what the SQLite store raises (the checks are shared with
+it). A connection failure at construction is a ConfigError naming the URL without its password.
+During an operation, a lock wait past `lock_timeout_s` (55P03), a deadlock, a lost connection, a
+server shutdown or no free pooled connection within `pool_timeout_s` raise MetadataBusyError
+naming the cause. A pooled connection found dead when its transaction begins (the server closed
+it while it was idle) is discarded and the operation starts again on another one, since nothing
+was sent; a connection lost later is discarded by the pool when it is returned (psycopg_pool
+replaces connections returned in a bad state), and the error is MetadataBusyError: if it happened
+during COMMIT the outcome is unknown, and a retried commit is recognised as such.
+
+Fork safety: a forked child must not share the parent's sockets. On the first operation in a
+new process the store opens a new pool; the parent's pool is left untouched (never closed from
+the child, which would end the parent's sessions).
+
+Every choice the SQLite store's docstring lists under "Where the MetadataStore contract is
+silent" holds here too; times come from the injected clock, never from the server's now().
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import re
+import threading
+import time
+import weakref
+from typing import Any, Callable, Iterator, Sequence
+
+import psycopg
+import psycopg.conninfo
+from psycopg_pool import ConnectionPool
+
+from ..errors import (ConfigError, MetadataBusyError, MetadataError, StreamFencedError, StreamNotClosedError,
+                      StreamNotFoundError)
+from .base import (CommitRequest, CommitResult, MetadataStore, NodeMeta, ObjectMeta, ObjectRef, ObjectState,
+                   ObjectType, StreamMeta, StreamState, object_key)
+# The checks and loaders are the SQLite store's own: both stores must decide alike. They take any
+# connection-like object whose execute() takes qmark SQL; _Db adapts a psycopg connection.
+from .sqlite import (_COMMITTED, _MARK_DESTROYED, _NODE_COLUMNS, _PREPARED, _SO, _SSO, _check_append,
+                     _check_compaction, _check_node_epoch, _check_request_shape, _check_retry,
+                     _check_stream_epoch, _ids, _live_stream, _load_objects, _load_stream, _load_streams,
+                     _mark_destroyed, _node_meta, _node_row)
+
+SCHEMA_VERSION = 1
+
+_SCHEMA = (
+    """CREATE TABLE kv (
+        key TEXT COLLATE "C" PRIMARY KEY, value BYTEA NOT NULL)""",
+    """CREATE TABLE nodes (
+        node_id BIGINT PRIMARY KEY, node_epoch BIGINT NOT NULL, failover BOOLEAN NOT NULL,
+        wal_path TEXT NOT NULL, heartbeat_ns BIGINT NOT NULL)""",
+    """CREATE TABLE streams (
+        stream_id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY, epoch BIGINT NOT NULL,
+        state TEXT NOT NULL, owner_node_id BIGINT,
+        start_offset BIGINT NOT NULL, end_offset BIGINT NOT NULL)""",
+    """CREATE TABLE ranges (
+        stream_id BIGINT NOT NULL REFERENCES streams (stream_id), range_index BIGINT NOT NULL,
+        node_id BIGINT NOT NULL, epoch BIGINT NOT NULL,
+        start_offset BIGINT NOT NULL, end_offset BIGINT NOT NULL,
+        PRIMARY KEY (stream_id, range_index))""",
+    # BY DEFAULT: prepare_objects draws ids from the sequence first, to insert each row with its key.
+    """CREATE TABLE objects (
+        object_id BIGINT GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY, key TEXT NOT NULL,
+        size BIGINT NOT NULL, type TEXT, state TEXT NOT NULL, node_id BIGINT, order_id BIGINT,
+        prepared_ns BIGINT NOT NULL, expire_ns BIGINT NOT NULL,
+        committed_ns BIGINT, mark_destroyed_ns BIGINT)""",
+    "CREATE INDEX objects_by_state ON objects (state)",
+    """CREATE INDEX objects_by_node_order ON objects (node_id, order_id)
+        WHERE node_id IS NOT NULL""",
+    """CREATE TABLE sso_ranges (
+        object_id BIGINT NOT NULL REFERENCES objects (object_id),
+        stream_id BIGINT NOT NULL REFERENCES streams (stream_id),
+        start_offset BIGINT NOT NULL, end_offset BIGINT NOT NULL,
+        PRIMARY KEY (object_id, stream_id, start_offset))""",
+    "CREATE INDEX sso_ranges_by_stream ON sso_ranges (stream_id, end_offset)",
+    """CREATE TABLE stream_objects (
+        object_id BIGINT PRIMARY KEY REFERENCES objects (object_id),
+        stream_id BIGINT NOT NULL REFERENCES streams (stream_id),
+        start_offset BIGINT NOT NULL, end_offset BIGINT NOT NULL)""",
+    """CREATE INDEX stream_objects_by_stream
+        ON stream_objects (stream_id, end_offset, start_offset)""",
+    """CREATE INDEX streams_by_owner ON streams (owner_node_id)
+        WHERE owner_node_id IS NOT NULL""",
+)
+
+#: pg_advisory_xact_lock key of schema creation: b"s3stream" as a big-endian int64.
+_SCHEMA_LOCK_KEY = int.from_bytes(b"s3stream", "big") - (1 << 63)
+
+_BEGIN_WRITE = "BEGIN ISOLATION LEVEL READ COMMITTED"
+_BEGIN_READ = "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY"
+
+# Every live store, so that a forked child can replace their locks (a thread of the parent may
+# have held one at the fork).
+_STORES: "weakref.WeakSet[PostgresMetadataStore]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for store in list(_STORES):
+        store._lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class PostgresMetadataStore(MetadataStore):
+    """The metadata of one cluster in the PostgreSQL database that `url` names
+    (`postgresql://user:password@host:port/dbname?...`, or any libpq connection string); the
+    schema is created if the database is empty.
+
+    `clock` gives the time in nanoseconds (inject a fake one in tests). Each process keeps a
+    pool of `pool_min` to `pool_max` connections, shared by its threads; an operation waits up
+    to `pool_timeout_s` for a free one. `connect_timeout_s` bounds each connection attempt;
+    `lock_timeout_s` bounds how long an operation waits for a row another transaction holds
+    (like SQLite's busy_timeout_s) before it raises MetadataBusyError.
+    """
+
+    def __init__(self, url: str, *, clock: Callable[[], int] = time.time_ns, pool_min: int = 1,
+                 pool_max: int = 4, connect_timeout_s: float = 10.0, lock_timeout_s: float = 30.0,
+                 pool_timeout_s: float = 30.0) -> None:
+        url = os.fspath(url)
+        self.url = url
+        self.display_url = redact_url(url)
+        if not 0 <= pool_min <= pool_max or pool_max < 1:
+            raise ConfigError(f"pool sizes must satisfy 0 <= pool_min <= pool_max and pool_max >= 1, got "
+                              f"pool_min={pool_min}, pool_max={pool_max}")
+        for name, value in (("connect_timeout_s", connect_timeout_s), ("lock_timeout_s", lock_timeout_s),
+                            ("pool_timeout_s", pool_timeout_s)):
+            if value <= 0:
+                raise ConfigError(f"{name} must be > 0, got {value}")
+        self._clock = clock
+        self._pool_min, self._pool_max = pool_min, pool_max
+        # libpq takes whole seconds and treats 1 as 2: round up, at least 2.
+        self._connect_timeout = max(2, int(-(-connect_timeout_s // 1)))
+        self._lock_timeout_s = lock_timeout_s
+        self._pool_timeout_s = pool_timeout_s
+        self._lock = threading.Lock()
+        self._closed = False
+        self._init_schema()
+        self._pid = os.getpid()
+        self._pool = self._new_pool()
+        self._abandoned: list[ConnectionPool] = []   # pools of a parent process, never closed here
+        _STORES.add(self)
+
+    # ---- connections and transactions ------------------------------------------------------
+
+    def _connect_kwargs(self) -> dict[str, Any]:
+        return dict(autocommit=True, connect_timeout=self._connect_timeout, client_encoding="UTF8")
+
+    def _init_schema(self) -> None:
+        try:
+            conn = psycopg.connect(self.url, **self._connect_kwargs())
+        except psycopg.Error as e:
+            raise ConfigError(
+                f"cannot connect to metadata database {self.display_url}: {self._scrub(e)}; check that the "
+                f"PostgreSQL server is running and reachable at that host and port, that the database "
+                f"exists, and the user name and password") from None
+        try:
+            with conn:
+                with conn.transaction():
+                    conn.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK_KEY,))
+                    version = None
+                    if conn.execute("SELECT to_regclass('schema_info') IS NOT NULL").fetchone()[0]:
+                        row = conn.execute(
+                            "SELECT value FROM schema_info WHERE name = 'schema_version'").fetchone()
+                        version = None if row is None else row[0]
+                    if version is None:
+                        foreign = conn.execute(
+                            "SELECT count(*) FROM pg_catalog.pg_tables WHERE schemaname = current_schema() "
+                            "AND tablename <> 'schema_info'").fetchone()[0]
+                        if foreign:
+                            raise ConfigError(
+                                f"metadata database {self.display_url} is a database of something else (it "
+                                f"has {foreign} tables but no s3stream schema version); create an empty "
+                                f"database for s3stream (CREATE DATABASE s3stream) and put its name in the URL")
+                        conn.execute("CREATE TABLE IF NOT EXISTS schema_info "
+                                     "(name TEXT PRIMARY KEY, value BIGINT NOT NULL)")
+                        for statement in _SCHEMA:
+                            conn.execute(statement)
+                        conn.execute("INSERT INTO schema_info VALUES ('schema_version', %s)", (SCHEMA_VERSION,))
+                    elif version != SCHEMA_VERSION:
+                        raise ConfigError(
+                            f"metadata database {self.display_url} has schema version {version}, this "
+                            f"s3stream reads version {SCHEMA_VERSION}; use a matching s3stream release")
+        except psycopg.Error as e:
+            raise ConfigError(f"cannot set up the s3stream schema in metadata database {self.display_url}: "
+                              f"{self._scrub(e)}; check that the user may create tables there") from None
+
+    def _new_pool(self) -> ConnectionPool:
+        lock_timeout_ms = max(1, int(self._lock_timeout_s * 1000))
+
+        def configure(conn: psycopg.Connection) -> None:
+            conn.execute(f"SET lock_timeout = {lock_timeout_ms}")
+
+        pool = ConnectionPool(self.url, min_size=self._pool_min, max_size=self._pool_max,
+                              kwargs=self._connect_kwargs(), configure=configure, open=False,
+                              timeout=self._pool_timeout_s, name=f"s3stream-metadata-{os.getpid()}")
+        pool.open(wait=False)
+        return pool
+
+    def _pool_here(self) -> ConnectionPool:
+        """This process's pool: a forked child opens its own on first use."""
+        with self._lock:
+            if self._closed:
+                raise MetadataError(f"metadata store {self.display_url} is closed")
+            if self._pid != os.getpid():
+                # The parent's pool and its sockets stay as they are: closing them here would end
+                # the parent's sessions. Keep a reference so that nothing is collected either.
+                self._abandoned.append(self._pool)
+                self._pool, self._pid = self._new_pool(), os.getpid()
+            return self._pool
+
+    def _begin(self, pool: ConnectionPool, begin: str) -> psycopg.Connection:
+        """A connection from the pool with a transaction begun; a connection the server closed
+        while it was idle is given back (the pool discards it) and another one tried."""
+        for attempt in itertools.count():
+            try:
+                conn = pool.getconn()
+            except psycopg.OperationalError as e:   # PoolTimeout, or PoolClosed by a concurrent close()
+                raise MetadataBusyError(
+                    f"metadata database {self.display_url}: no connection within pool_timeout_s "
+                    f"({self._pool_timeout_s:g} s; {self._pool_max} connections, all busy or the server "
+                    f"unreachable): {self._scrub(e)}") from e
+            try:
+                conn.execute(begin)
+                return conn
+            except psycopg.Error as e:
+                pool.putconn(conn)
+                if not conn.closed or attempt >= self._pool_max:
+                    raise self._busy(e, "beginning a transaction") from e
+
+    @contextlib.contextmanager
+    def _transaction(self, write: bool) -> Iterator["_Db"]:
+        """One transaction on a pooled connection: commits if the body returns, rolls back if it
+        raises; transient PostgreSQL errors become MetadataBusyError, others MetadataError."""
+        pool = self._pool_here()
+        conn = self._begin(pool, _BEGIN_WRITE if write else _BEGIN_READ)
+        committing = False
+        try:
+            yield _Db(conn)
+            committing = True
+            conn.execute("COMMIT")
+        except BaseException as e:
+            if not conn.closed:
+                with contextlib.suppress(psycopg.Error):
+                    conn.execute("ROLLBACK")
+            if isinstance(e, psycopg.OperationalError):
+                raise self._busy(e, "committing" if committing and write else "in a transaction") from e
+            if isinstance(e, psycopg.Error):
+                raise MetadataError(f"metadata database {self.display_url}: {self._scrub(e)}") from e
+            raise
+        finally:
+            pool.putconn(conn)   # a closed connection is discarded and replaced by the pool
+
+    def _busy(self, e: psycopg.Error, when: str) -> MetadataBusyError:
+        sqlstate = getattr(e, "sqlstate", None)
+        if sqlstate == "55P03":
+            cause = (f"a row stayed locked by another transaction past lock_timeout_s "
+                     f"({self._lock_timeout_s:g} s)")
+        elif sqlstate in ("40001", "40P01"):
+            cause = "a serialization failure or deadlock with another transaction"
+        elif sqlstate == "57014":
+            cause = "the statement was cancelled (statement_timeout or a cancel request)"
+        else:
+            cause = "the connection failed or the server is shutting down"
+        outcome = "; the commit's outcome is unknown (a retried commit is recognised)" if when == "committing" else ""
+        return MetadataBusyError(f"metadata database {self.display_url} {when}: {cause}: {self._scrub(e)}{outcome}")
+
+    def _scrub(self, e: BaseException) -> str:
+        """The error's text without the URL's password, should libpq ever quote it."""
+        text = str(e).strip()
+        password = _password(self.url)
+        return text.replace(password, "***") if password else text
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            pool = self._pool if self._pid == os.getpid() else None
+        if pool is not None:
+            pool.close()
+
+    # ---- nodes -----------------------------------------------------------------------------
+
+    def register_node(self, node_id: int, wal_path: str) -> NodeMeta:
+        with self._transaction(write=True) as db:
+            row = db.execute(
+                f"INSERT INTO nodes VALUES (?, 0, FALSE, ?, ?) ON CONFLICT (node_id) DO UPDATE SET "
+                f"node_epoch = nodes.node_epoch + 1, failover = FALSE, wal_path = EXCLUDED.wal_path, "
+                f"heartbeat_ns = EXCLUDED.heartbeat_ns RETURNING {_NODE_COLUMNS}",
+                (node_id, wal_path, self._clock())).fetchone()
+            return _node_meta(row)
+
+    def get_node(self, node_id: int) -> NodeMeta:
+        with self._transaction(write=False) as db:
+            return _node_meta(_node_row(db, node_id))
+
+    def list_nodes(self) -> list[NodeMeta]:
+        with self._transaction(write=False) as db:
+            rows = db.execute(f"SELECT {_NODE_COLUMNS} FROM nodes ORDER BY node_id").fetchall()
+        return [_node_meta(row) for row in rows]
+
+    def heartbeat(self, node_id: int, node_epoch: int) -> None:
+        with self._transaction(write=True) as db:
+            _lock_node(db, node_id, "NO KEY UPDATE")
+            _check_node_epoch(db, node_id, node_epoch)
+            db.execute("UPDATE nodes SET heartbeat_ns = ? WHERE node_id = ?", (self._clock(), node_id))
+
+    def fence_node(self, node_id: int, failover: bool = True) -> NodeMeta:
+        with self._transaction(write=True) as db:
+            _lock_node(db, node_id, "NO KEY UPDATE")
+            _node_row(db, node_id)
+            return _node_meta(db.execute(
+                f"UPDATE nodes SET node_epoch = node_epoch + 1, failover = ? WHERE node_id = ? "
+                f"RETURNING {_NODE_COLUMNS}", (bool(failover), node_id)).fetchone())
+
+    # ---- streams ---------------------------------------------------------------------------
+
+    def create_stream(self, node_id: int, node_epoch: int) -> StreamMeta:
+        with self._transaction(write=True) as db:
+            _lock_node(db, node_id, "SHARE")
+            _check_node_epoch(db, node_id, node_epoch)
+            stream_id = db.execute(
+                "INSERT INTO streams (epoch, state, owner_node_id, start_offset, end_offset) "
+                "VALUES (0, ?, ?, 0, 0) RETURNING stream_id",
+                (StreamState.OPENED.value, node_id)).fetchone()[0]
+            db.execute("INSERT INTO ranges VALUES (?, 0, ?, 0, 0, 0)", (stream_id, node_id))
+            return _load_stream(db, stream_id)
+
+    def open_stream(self, stream_id: int, node_id: int, node_epoch: int) -> StreamMeta:
+        with self._transaction(write=True) as db:
+            _lock_node(db, node_id, "SHARE")
+            _check_node_epoch(db, node_id, node_epoch)
+            _lock_rows(db, "streams", "stream_id", [stream_id])
+            stream = _live_stream(db, stream_id)
+            if stream.state == StreamState.OPENED and stream.owner_node_id != node_id:
+                raise StreamNotClosedError(
+                    f"stream {stream_id} is open on node {stream.owner_node_id} at epoch "
+                    f"{stream.epoch}; close it there or fail that node over first")
+            epoch = stream.epoch + 1
+            last = stream.ranges[-1]
+            # An empty last range recorded nothing: the new holder takes its place.
+            index = last.index if last.start_offset == last.end_offset else last.index + 1
+            db.execute("INSERT INTO ranges VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (stream_id, range_index) "
+                       "DO UPDATE SET node_id = EXCLUDED.node_id, epoch = EXCLUDED.epoch, "
+                       "start_offset = EXCLUDED.start_offset, end_offset = EXCLUDED.end_offset",
+                       (stream_id, index, node_id, epoch, stream.end_offset, stream.end_offset))
+            db.execute("UPDATE streams SET epoch = ?, state = ?, owner_node_id = ? WHERE stream_id = ?",
+                       (epoch, StreamState.OPENED.value, node_id, stream_id))
+            return _load_stream(db, stream_id)
+
+    def close_stream(self, stream_id: int, epoch: int, node_id: int) -> StreamMeta:
+        with self._transaction(write=True) as db:
+            _lock_rows(db, "streams", "stream_id", [stream_id])
+            stream = _live_stream(db, stream_id)
+            if stream.state == StreamState.CLOSED and stream.epoch == epoch:
+                return stream
+            if (stream.state != StreamState.OPENED or stream.epoch != epoch
+                    or stream.owner_node_id != node_id):
+                raise StreamFencedError(
+                    f"stream {stream_id} epoch {epoch} on node {node_id} is fenced: the stream "
+                    f"is {stream.state.value} at epoch {stream.epoch} on node "
+                    f"{stream.owner_node_id}; reopen it to continue")
+            db.execute("UPDATE streams SET state = ?, owner_node_id = NULL WHERE stream_id = ?",
+                       (StreamState.CLOSED.value, stream_id))
+            return _load_stream(db, stream_id)
+
+    def trim_stream(self, stream_id: int, epoch: int, new_start_offset: int) -> StreamMeta:
+        with self._transaction(write=True) as db:
+            _lock_rows(db, "streams", "stream_id", [stream_id])
+            stream = _live_stream(db, stream_id)
+            _check_stream_epoch(stream, epoch)
+            if new_start_offset <= stream.start_offset:
+                return stream
+            db.execute("UPDATE streams SET start_offset = ? WHERE stream_id = ?", (new_start_offset, stream_id))
+            db.execute("DELETE FROM ranges WHERE stream_id = ? AND end_offset <= ? AND range_index < ?",
+                       (stream_id, new_start_offset, stream.ranges[-1].index))
+            below = _ids(db.execute("SELECT object_id FROM stream_objects WHERE stream_id = ? AND end_offset <= ?",
+                                    (stream_id, new_start_offset)))
+            _lock_rows(db, "objects", "object_id", below)
+            _mark_destroyed(db, self._clock(), below)
+            return _load_stream(db, stream_id)
+
+    def delete_stream(self, stream_id: int, epoch: int) -> StreamMeta:
+        with self._transaction(write=True) as db:
+            _lock_rows(db, "streams", "stream_id", [stream_id])
+            stream = _load_stream(db, stream_id)
+            _check_stream_epoch(stream, epoch)
+            if stream.state == StreamState.DELETED:
+                return stream
+            db.execute("UPDATE streams SET state = ?, owner_node_id = NULL WHERE stream_id = ?",
+                       (StreamState.DELETED.value, stream_id))
+            held = _ids(db.execute("SELECT object_id FROM stream_objects WHERE stream_id = ?", (stream_id,)))
+            _lock_rows(db, "objects", "object_id", held)
+            _mark_destroyed(db, self._clock(), held)
+            return _load_stream(db, stream_id)
+
+    def get_stream(self, stream_id: int) -> StreamMeta:
+        with self._transaction(write=False) as db:
+            return _load_stream(db, stream_id)
+
+    def list_streams(self, include_deleted: bool = False,
+                     owner_node_id: int | None = None) -> list[StreamMeta]:
+        if owner_node_id is not None:       # the owner is set only while OPENED
+            where, params = "WHERE owner_node_id = ? AND state = ?", (owner_node_id, StreamState.OPENED.value)
+        elif include_deleted:
+            where, params = "", ()
+        else:
+            where, params = "WHERE state != ?", (StreamState.DELETED.value,)
+        with self._transaction(write=False) as db:
+            return _load_streams(db, where, params)
+
+    # ---- objects ---------------------------------------------------------------------------
+
+    def prepare_objects(self, count: int, ttl_ns: int) -> list[int]:
+        if count < 1:
+            raise ValueError(f"prepare_objects needs count >= 1, got {count}")
+        if ttl_ns < 0:
+            raise ValueError(f"prepare_objects needs ttl_ns >= 0, got {ttl_ns}")
+        with self._transaction(write=True) as db:
+            now = self._clock()
+            # The key derives from the id: take the ids from the sequence first.
+            ids = sorted(_ids(db.execute(
+                "SELECT nextval(pg_get_serial_sequence('objects', 'object_id')) FROM generate_series(1, ?)",
+                (count,))))
+            db.executemany("INSERT INTO objects (object_id, key, size, state, prepared_ns, expire_ns) "
+                           "VALUES (?, ?, 0, ?, ?, ?)",
+                           [(object_id, object_key(object_id), _PREPARED, now, now + ttl_ns) for object_id in ids])
+            return ids
+
+    def commit(self, request: CommitRequest) -> CommitResult:
+        with self._transaction(write=True) as db:
+            now = self._clock()
+            _lock_node(db, request.node_id, "NO KEY UPDATE")
+            _check_node_epoch(db, request.node_id, request.node_epoch)
+            object_ids = request.object_ids()
+            _check_request_shape(request, object_ids)
+            ranges = request.all_ranges()
+            stream_ids = {r.stream_id for r in ranges}
+            if request.compacted_ids:
+                # A compaction checks the streams of the objects it replaces too. Those rows are
+                # written once, by the commit that committed the object.
+                compacted = list(request.compacted_ids)
+                stream_ids.update(_ids(db.execute(
+                    "SELECT stream_id FROM sso_ranges WHERE object_id = ANY(?) "
+                    "UNION SELECT stream_id FROM stream_objects WHERE object_id = ANY(?)", (compacted, compacted))))
+            _lock_rows(db, "streams", "stream_id", stream_ids)
+            _lock_rows(db, "objects", "object_id", object_ids + list(request.compacted_ids))
+            # From here on, the SQLite store's commit, statement for statement.
+            rows = {}
+            for object_id in object_ids:
+                row = db.execute("SELECT state, expire_ns FROM objects WHERE object_id = ?",
+                                 (object_id,)).fetchone()
+                if row is None:
+                    raise MetadataError(f"commit names object {object_id}, which does not exist "
+                                        f"(never prepared, or expired and removed)")
+                rows[object_id] = row
+            streams = {}
+            for stream_id in {r.stream_id for r in ranges}:
+                try:
+                    streams[stream_id] = _load_stream(db, stream_id)
+                except StreamNotFoundError:
+                    raise MetadataError(f"commit names stream {stream_id}, which does not "
+                                        f"exist") from None
+            end_offsets = {stream_id: stream.end_offset for stream_id, stream in streams.items()}
+            not_prepared = [i for i in object_ids if rows[i][0] != _PREPARED]
+            if not_prepared:
+                if len(not_prepared) < len(object_ids):
+                    prepared = [i for i in object_ids if i not in not_prepared]
+                    raise MetadataError(
+                        f"commit mixes PREPARED objects {prepared} with object {not_prepared[0]}"
+                        f" in state {rows[not_prepared[0]][0]}: a commit's objects must all be "
+                        f"PREPARED, or all COMMITTED by an earlier attempt of the same commit")
+                _check_retry(db, request, streams)
+                return CommitResult(end_offsets, already_committed=True)
+            for object_id in object_ids:
+                if rows[object_id][1] <= now:
+                    raise MetadataError(
+                        f"object {object_id} expired at {rows[object_id][1]} ns (now {now}): "
+                        f"its data may be deleted already; upload it again as a new object")
+            deleted = {stream_id for stream_id, stream in streams.items()
+                       if stream.state == StreamState.DELETED}
+            if request.compacted_ids:
+                _check_compaction(db, request, streams)
+            else:
+                for stream_id, group in itertools.groupby(ranges, key=lambda r: r.stream_id):
+                    if stream_id not in deleted:
+                        _check_append(request.node_id, streams[stream_id], list(group))
+
+            if request.sso is not None:
+                order_id = db.execute("SELECT COALESCE(MAX(order_id), 0) + 1 FROM objects "
+                                      "WHERE node_id = ?", (request.node_id,)).fetchone()[0]
+                db.execute("UPDATE objects SET state = ?, type = ?, size = ?, node_id = ?, "
+                           "order_id = ?, committed_ns = ? WHERE object_id = ?",
+                           (_COMMITTED, _SSO, request.sso.size, request.node_id, order_id, now,
+                            request.sso.object_id))
+                db.executemany("INSERT INTO sso_ranges VALUES (?, ?, ?, ?)",
+                               [(request.sso.object_id, r.stream_id, r.start_offset, r.end_offset)
+                                for r in request.sso.ranges if r.stream_id not in deleted])
+            for so in request.stream_objects:
+                if so.range.stream_id in deleted:
+                    # No stream holds it any more: committed straight into destruction.
+                    db.execute("UPDATE objects SET state = ?, type = ?, size = ?, "
+                               "committed_ns = ?, mark_destroyed_ns = ? WHERE object_id = ?",
+                               (_MARK_DESTROYED, _SO, so.size, now, now, so.object_id))
+                    continue
+                db.execute("UPDATE objects SET state = ?, type = ?, size = ?, committed_ns = ? "
+                           "WHERE object_id = ?", (_COMMITTED, _SO, so.size, now, so.object_id))
+                db.execute("INSERT INTO stream_objects VALUES (?, ?, ?, ?)",
+                           (so.object_id, so.range.stream_id, so.range.start_offset, so.range.end_offset))
+            _mark_destroyed(db, now, request.compacted_ids)
+            if not request.compacted_ids:
+                for stream_id, group in itertools.groupby(ranges, key=lambda r: r.stream_id):
+                    if stream_id in deleted:
+                        continue
+                    new_end = list(group)[-1].end_offset
+                    db.execute("UPDATE streams SET end_offset = ? WHERE stream_id = ?", (new_end, stream_id))
+                    db.execute("UPDATE ranges SET end_offset = ? WHERE stream_id = ? AND range_index = ?",
+                               (new_end, stream_id, streams[stream_id].ranges[-1].index))
+                    end_offsets[stream_id] = new_end
+            return CommitResult(end_offsets)
+
+    def get_object(self, object_id: int) -> ObjectMeta:
+        with self._transaction(write=False) as db:
+            found = _load_objects(db, "o.object_id = ?", (object_id,))
+        if not found:
+            raise MetadataError(f"object {object_id} does not exist")
+        return found[0]
+
+    def list_objects(self, state: ObjectState | None = None, type: ObjectType | None = None,
+                     node_id: int | None = None) -> list[ObjectMeta]:
+        conditions, params = ["TRUE"], []
+        for column, value in (("state", state), ("type", type), ("node_id", node_id)):
+            if value is not None:
+                conditions.append(f"o.{column} = ?")
+                params.append(value.value if isinstance(value, (ObjectState, ObjectType)) else value)
+        with self._transaction(write=False) as db:
+            return _load_objects(db, " AND ".join(conditions), params)
+
+    def get_object_refs(self, stream_id: int, start_offset: int, end_offset: int,
+                        limit: int = 64) -> list[ObjectRef]:
+        if limit <= 0 or start_offset >= end_offset:
+            return []
+        refs = []
+        # As in SQLite: COMMITTED ranges of a stream never overlap, so the (stream_id, end_offset)
+        # index both finds the first range and stops after `limit`.
+        with self._transaction(write=False) as db:
+            for table, kind in (("sso_ranges", ObjectType.STREAM_SET_OBJECT),
+                                ("stream_objects", ObjectType.STREAM_OBJECT)):
+                rows = db.execute(
+                    f"SELECT o.object_id, o.key, o.size, r.start_offset, r.end_offset "
+                    f"FROM {table} r JOIN objects o ON o.object_id = r.object_id "
+                    f"WHERE r.stream_id = ? AND r.end_offset > ? AND r.start_offset < ? "
+                    f"AND o.state = ? ORDER BY r.end_offset LIMIT ?",
+                    (stream_id, start_offset, end_offset, _COMMITTED, limit)).fetchall()
+                refs += [ObjectRef(object_id, key, size, kind, stream_id, start, end)
+                         for object_id, key, size, start, end in rows]
+        refs.sort(key=lambda ref: (ref.start_offset, ref.end_offset, ref.object_id))
+        return refs[:limit]
+
+    def node_stream_set_objects(self, node_id: int) -> list[ObjectMeta]:
+        with self._transaction(write=False) as db:
+            return _load_objects(db, "o.node_id = ? AND o.state = ? AND o.type = ?",
+                                 (node_id, _COMMITTED, _SSO), order="o.order_id")
+
+    def mark_destroyed(self, object_ids: Sequence[int]) -> None:
+        with self._transaction(write=True) as db:
+            _lock_rows(db, "objects", "object_id", object_ids)
+            to_mark = []
+            for object_id in object_ids:
+                row = db.execute("SELECT state FROM objects WHERE object_id = ?", (object_id,)).fetchone()
+                if row is None or row[0] == _PREPARED:
+                    raise MetadataError(
+                        f"object {object_id} cannot be marked for destruction: "
+                        f"{'it does not exist' if row is None else 'it is not committed'}")
+                if row[0] == _COMMITTED:
+                    to_mark.append(object_id)
+            _mark_destroyed(db, self._clock(), to_mark)
+
+    def objects_to_delete(self, destroy_delay_ns: int, limit: int | None = None) -> list[ObjectMeta]:
+        with self._transaction(write=False) as db:
+            now = self._clock()
+            # Two index range scans on (state), lowest ids first, cut at the limit (NULL: none).
+            return _load_objects(
+                db, "o.object_id IN (SELECT object_id FROM objects WHERE state = ? AND expire_ns <= ? UNION "
+                    "SELECT object_id FROM objects WHERE state = ? AND mark_destroyed_ns <= ? "
+                    "ORDER BY 1 LIMIT ?)",
+                (_PREPARED, now, _MARK_DESTROYED, now - destroy_delay_ns, limit))
+
+    def remove_objects(self, object_ids: Sequence[int]) -> list[int]:
+        removed = []
+        with self._transaction(write=True) as db:
+            now = self._clock()
+            wanted = sorted(set(object_ids))
+            _lock_rows(db, "objects", "object_id", wanted)
+            for object_id in wanted:
+                row = db.execute("SELECT state, expire_ns FROM objects WHERE object_id = ?",
+                                 (object_id,)).fetchone()
+                if row is None or not (row[0] == _MARK_DESTROYED or (row[0] == _PREPARED and row[1] <= now)):
+                    continue
+                for table in ("sso_ranges", "stream_objects", "objects"):
+                    db.execute(f"DELETE FROM {table} WHERE object_id = ?", (object_id,))
+                removed.append(object_id)
+        return removed
+
+    # ---- KV --------------------------------------------------------------------------------
+
+    def get_kv(self, key: str) -> bytes | None:
+        with self._transaction(write=False) as db:
+            row = db.execute("SELECT value FROM kv WHERE key = ?", (key,)).fetchone()
+        return None if row is None else bytes(row[0])
+
+    def put_kv(self, key: str, value: bytes) -> None:
+        with self._transaction(write=True) as db:
+            db.execute("INSERT INTO kv VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value",
+                       (key, bytes(value)))
+
+    def put_kv_if_absent(self, key: str, value: bytes) -> bytes:
+        with self._transaction(write=True) as db:
+            # A concurrent insert of the key makes this wait for it, then do nothing; the SELECT,
+            # a new statement, sees the winner's row.
+            db.execute("INSERT INTO kv VALUES (?, ?) ON CONFLICT (key) DO NOTHING", (key, bytes(value)))
+            return bytes(db.execute("SELECT value FROM kv WHERE key = ?", (key,)).fetchone()[0])
+
+    def delete_kv(self, key: str) -> None:
+        with self._transaction(write=True) as db:
+            db.execute("DELETE FROM kv WHERE key = ?", (key,))
+
+    def list_kv(self, prefix: str) -> dict[str, bytes]:
+        # A range scan on the primary key ("C" collation: code point order, as in SQLite).
+        with self._transaction(write=False) as db:
+            rows = db.execute("SELECT key, value FROM kv WHERE key >= ? AND key < ? ORDER BY key",
+                              (prefix, prefix + "\U0010ffff")).fetchall()
+        return {k: bytes(v) for k, v in rows}
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+
+class _Db:
+    """A psycopg connection seen through the sqlite3.Connection calls the shared helpers make:
+    qmark placeholders, and execute() returning a cursor of its own (so a helper may iterate one
+    result while it runs another statement)."""
+
+    __slots__ = ("_conn",)
+
+    def __init__(self, conn: psycopg.Connection) -> None:
+        self._conn = conn
+
+    @staticmethod
+    def _sql(sql: str) -> str:
+        # The store's SQL has no string literal holding '?' or '%'.
+        return sql.replace("%", "%%").replace("?", "%s")
+
+    def execute(self, sql: str, params: Sequence = ()) -> psycopg.Cursor:
+        return self._conn.execute(self._sql(sql), tuple(params))
+
+    def executemany(self, sql: str, params_seq: Sequence[Sequence]) -> None:
+        params_seq = list(params_seq)
+        if params_seq:
+            with self._conn.cursor() as cursor:
+                cursor.executemany(self._sql(sql), params_seq)
+
+
+def _lock_node(db: _Db, node_id: int, mode: str) -> None:
+    """Lock the node row (if it exists) FOR `mode`: the first lock of any operation."""
+    db.execute(f"SELECT 1 FROM nodes WHERE node_id = ? FOR {mode}", (node_id,))
+
+
+def _lock_rows(db: _Db, table: str, key: str, ids) -> None:
+    """Lock rows FOR UPDATE in ascending id order (the fixed order that rules out deadlocks:
+    nodes, then streams, then objects). Missing rows are skipped; the caller's checks find them."""
+    ids = sorted(set(ids))
+    if ids:
+        db.execute(f"SELECT 1 FROM {table} WHERE {key} = ANY(?) ORDER BY {key} FOR UPDATE", (ids,))
+
+
+def _password(url: str) -> str | None:
+    try:
+        return psycopg.conninfo.conninfo_to_dict(url).get("password") or None
+    except psycopg.Error:
+        return None
+
+
+def redact_url(url: str) -> str:
+    """`url` with its password (URL user info or a password= parameter) replaced by ***."""
+    scheme, sep, rest = url.partition("://")
+    if sep:
+        netloc, slash, path = rest.partition("/")
+        if "@" in netloc:
+            userinfo, host = netloc.rsplit("@", 1)
+            if ":" in userinfo:
+                userinfo = userinfo.split(":", 1)[0] + ":***"
+            rest = f"{userinfo}@{host}{slash}{path}"
+        url = scheme + sep + rest
+    return re.sub(r"(password\s*=\s*)('[^']*'|[^&\s]*)", r"\1***", url)

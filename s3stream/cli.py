@@ -578,7 +578,7 @@ def migrate(partition: str, node: int, meta_url: str, store_url: str, timeout: f
 
 # ---- bench ----------------------------------------------------------------------------------------
 
-BENCH_KINDS = ("engine", "wal", "spark-throughput", "spark-migration")
+BENCH_KINDS = ("engine", "wal", "metadata", "spark-throughput", "spark-migration")
 #: spark_bench has no --quick: these small settings stand for it (options given after them win).
 SPARK_QUICK = {
     "throughput": ["--nodes", "1,2", "--partitions", "1", "--duration", "1.5", "--wal-capacity", "64M"],
@@ -646,6 +646,8 @@ def bench(kind: str, quick: bool, out: str | None, bench_args: tuple[str, ...]) 
                       alone, open-loop append latency, object-store requests per GiB,
                       catch-up and tail reads
     wal               wal.bench: WAL throughput and latency against the raw disk limit
+    metadata          s3stream.bench_metadata: metadata operations per second with 10 and
+                      100,000 streams (SQLite; PostgreSQL with --start-postgres or --meta URL)
 
     Other options go to the benchmark itself: `s3stream bench --kind wal --quick --capacity 256M`;
     list them with `s3stream bench --kind wal -- --help`.
@@ -657,6 +659,9 @@ def bench(kind: str, quick: bool, out: str | None, bench_args: tuple[str, ...]) 
     elif kind == "wal":
         from wal import bench as wal_bench
         run_benchmark(wal_bench.run, (["--quick"] if quick else []) + argv)
+    elif kind == "metadata":
+        from . import bench_metadata
+        run_benchmark(bench_metadata.run, (["--quick"] if quick else []) + argv)
     else:
         test = kind.removeprefix("spark-")
         run_benchmark(spark_main(), [test] + (SPARK_QUICK[test] if quick else []) + argv)

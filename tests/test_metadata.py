@@ -1005,3 +1005,51 @@ def test_postgres_lock_timeout_is_a_busy_error(pg_url):
         holder.rollback()
     assert s.close_stream(stream.stream_id, 0, 1).state == StreamState.CLOSED
     s.close()
+
+
+# ---- pushed KV changes (ChangeFeed) ----------------------------------------------------------
+
+def test_change_feed_wakes_on_writes_under_its_prefixes(store, open_same, meta_url):
+    """PostgreSQL pushes a committed KV write to every feed listening for its prefix (another
+    store, as another process would be); SQLite's feed does not push: callers poll."""
+    feed = store.kv_changes(("assignment/", "closed/"))
+    other = open_same()
+    try:
+        if not feed.pushes:
+            assert not feed.wait(0.05)
+            feed.wake()
+            assert feed.wait(5)
+            return
+        assert not feed.wait(0.1)
+        t0 = time.monotonic()
+        other.put_kv("assignment/p1", b"1")
+        assert feed.wait(5) and time.monotonic() - t0 < 1.0
+        other.put_kv("opened/p1", b"1")                     # not a prefix of this feed
+        other.put_kv_if_absent("assignment/p1", b"2")       # nothing written: nothing pushed
+        assert not feed.wait(0.3)
+        other.delete_kv("closed/none")                      # nothing deleted
+        assert not feed.wait(0.1)
+        other.put_kv_if_absent("closed/p1", b"x")
+        assert feed.wait(5)
+        other.delete_kv("closed/p1")
+        assert feed.wait(5)
+        feed.wake()                                         # from another thread, as stop() does
+        assert feed.wait(5)
+    finally:
+        feed.close()
+
+
+def test_pg_change_feed_survives_a_lost_connection(pg_url):
+    store, writer = open_metadata(pg_url), open_metadata(pg_url)
+    feed = store.kv_changes(("assignment/",))
+    try:
+        pid = feed._conn.info.backend_pid
+        pg_execute(pg_url, f"SELECT pg_terminate_backend({pid})")
+        assert feed.wait(5)                    # lost, reconnected: "look again"
+        assert feed._conn is not None and feed._conn.info.backend_pid != pid
+        writer.put_kv("assignment/p2", b"1")
+        assert feed.wait(5)
+    finally:
+        feed.close()
+        store.close()
+        writer.close()

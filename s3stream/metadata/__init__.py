@@ -6,7 +6,7 @@ import os
 
 from ..errors import ConfigError
 from .base import (CommitRange, CommitRequest, CommitResult, CommitSSO, CommitStreamObject,
-                   MetadataStore, NodeMeta, ObjectMeta, ObjectRef, ObjectState, ObjectType, Range,
+                   ChangeFeed, MetadataStore, NodeMeta, ObjectMeta, ObjectRef, ObjectState, ObjectType, Range,
                    StreamMeta, StreamRange, StreamState, object_key)
 from .sqlite import SqliteMetadataStore
 

@@ -64,7 +64,7 @@ from psycopg_pool import ConnectionPool
 
 from ..errors import (ConfigError, MetadataBusyError, MetadataError, StreamFencedError, StreamNotClosedError,
                       StreamNotFoundError)
-from .base import (CommitRequest, CommitResult, MetadataStore, NodeMeta, ObjectMeta, ObjectRef, ObjectState,
+from .base import (ChangeFeed, CommitRequest, CommitResult, MetadataStore, NodeMeta, ObjectMeta, ObjectRef, ObjectState,
                    ObjectType, StreamMeta, StreamState, object_key)
 # The checks and loaders are the SQLite store's own: both stores must decide alike. They take any
 # connection-like object whose execute() takes qmark SQL; _Db adapts a psycopg connection.
@@ -643,21 +643,33 @@ class PostgresMetadataStore(MetadataStore):
             row = db.execute("SELECT value FROM kv WHERE key = ?", (key,)).fetchone()
         return None if row is None else bytes(row[0])
 
+    # Every KV write notifies KV_CHANNEL with the key, in its own transaction: PostgreSQL delivers
+    # the notification to the listeners (kv_changes) when, and only if, the write commits.
+
     def put_kv(self, key: str, value: bytes) -> None:
         with self._transaction(write=True) as db:
             db.execute("INSERT INTO kv VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value",
                        (key, bytes(value)))
+            _notify(db, key)
 
     def put_kv_if_absent(self, key: str, value: bytes) -> bytes:
         with self._transaction(write=True) as db:
             # A concurrent insert of the key makes this wait for it, then do nothing; the SELECT,
             # a new statement, sees the winner's row.
-            db.execute("INSERT INTO kv VALUES (?, ?) ON CONFLICT (key) DO NOTHING", (key, bytes(value)))
+            inserted = db.execute("INSERT INTO kv VALUES (?, ?) ON CONFLICT (key) DO NOTHING",
+                                  (key, bytes(value))).rowcount
+            if inserted:
+                _notify(db, key)
             return bytes(db.execute("SELECT value FROM kv WHERE key = ?", (key,)).fetchone()[0])
 
     def delete_kv(self, key: str) -> None:
         with self._transaction(write=True) as db:
-            db.execute("DELETE FROM kv WHERE key = ?", (key,))
+            if db.execute("DELETE FROM kv WHERE key = ?", (key,)).rowcount:
+                _notify(db, key)
+
+    def kv_changes(self, prefixes: Sequence[str]) -> ChangeFeed:
+        """Pushed KV changes: LISTEN on a connection of the feed's own (see PgChangeFeed)."""
+        return PgChangeFeed(self, prefixes)
 
     def list_kv(self, prefix: str) -> dict[str, bytes]:
         # A range scan on the primary key ("C" collation: code point order, as in SQLite).
@@ -665,6 +677,83 @@ class PostgresMetadataStore(MetadataStore):
             rows = db.execute("SELECT key, value FROM kv WHERE key >= ? AND key < ? ORDER BY key",
                               (prefix, prefix + "\U0010ffff")).fetchall()
         return {k: bytes(v) for k, v in rows}
+
+
+# ---- pushed changes ------------------------------------------------------------------------------
+
+#: The channel every KV write notifies, with the key as its payload (keys are short; PostgreSQL
+#: takes payloads of up to 8,000 bytes).
+KV_CHANNEL = "s3stream_kv"
+
+
+def _notify(db: "_Db", key: str) -> None:
+    db.execute("SELECT pg_notify(?, ?)", (KV_CHANNEL, key))
+
+
+class PgChangeFeed(ChangeFeed):
+    """KV changes pushed by PostgreSQL: a connection of its own (not from the pool: it holds a
+    LISTEN for its whole life) receives the notification of every committed KV write, and `wait`
+    returns True as soon as one names a key under the feed's prefixes.
+
+    Notifications that arrive while nobody waits are queued by libpq and seen by the next
+    `wait`. If the connection is lost, `wait` reconnects, LISTENs again and returns True: what
+    changed meanwhile was not seen, so the caller must look again (it re-reads state after every
+    wake-up anyway). `wait` takes notifications in slices of WAKE_SLICE_S so that `wake` from
+    another thread (an agent stopping) is seen within one."""
+
+    pushes = True
+    WAKE_SLICE_S = 0.05
+
+    def __init__(self, store: PostgresMetadataStore, prefixes: Sequence[str]) -> None:
+        super().__init__(prefixes)
+        self._store = store
+        self._conn: psycopg.Connection | None = None
+        self._closed = False
+        self._connect()
+
+    def _connect(self) -> None:
+        try:
+            conn = psycopg.connect(self._store.url, **self._store._connect_kwargs())
+        except psycopg.Error as e:
+            raise self._store._busy(e, "opening a change feed") from e
+        try:
+            conn.execute(f"LISTEN {KV_CHANNEL}")
+        except psycopg.Error as e:
+            conn.close()
+            raise self._store._busy(e, "opening a change feed") from e
+        self._conn = conn
+
+    def wait(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while not self._closed:
+            if self._woken.is_set():
+                self._woken.clear()
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                if self._conn is None:
+                    self._connect()
+                    return True             # changes while disconnected went unseen: look again
+                for note in self._conn.notifies(timeout=min(left, self.WAKE_SLICE_S), stop_after=1):
+                    if note.payload.startswith(self.prefixes):
+                        return True
+            except (psycopg.Error, MetadataBusyError):
+                self._drop()
+                time.sleep(min(max(left, 0.0), 0.1))
+        return True
+
+    def _drop(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(psycopg.Error):
+                conn.close()
+
+    def close(self) -> None:
+        self._closed = True
+        super().close()
+        self._drop()
 
 
 # ---- helpers -------------------------------------------------------------------------------------

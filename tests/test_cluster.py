@@ -285,6 +285,7 @@ def test_failover_of_an_unreadable_wal_changes_nothing(tmp_path):
     from s3stream.failover import fail_over
     meta = SqliteMetadataStore(str(tmp_path / "meta.db"))
     node = meta.register_node(5, str(tmp_path / "missing.wal"))
+    meta.create_stream(5, node.node_epoch)       # open: its tail would be in that WAL
     with pytest.raises(s3stream.WALError, match="cannot open its WAL"):
         fail_over(5, store=LocalObjectStore(str(tmp_path / "o")), metadata=meta)
     assert meta.get_node(5).node_epoch == node.node_epoch and not meta.get_node(5).failover

@@ -136,3 +136,30 @@ def test_agent_fails_over_by_the_injected_clock_without_waiting(tmp_path):
         agent.stop()
         node1.close()
         meta.close()
+
+
+def test_a_node_holding_no_streams_fails_over_without_its_wal(tmp_path):
+    """A node that closed cleanly (or died idle) on another host: its WAL is not visible here, and
+    need not be, since no stream of it is open. It is fenced and done; before, the failover raised
+    WALError on every pass of every agent that judged it dead."""
+    from s3stream.errors import WALError
+    from s3stream.failover import fail_over
+    meta = SqliteMetadataStore(str(tmp_path / "meta.db"))
+    store = LocalObjectStore(str(tmp_path / "objects"))
+    try:
+        idle = meta.register_node(7, "/another/host/node7.wal")
+        report = fail_over(7, store=store, metadata=meta)
+        assert (report.records, report.streams_closed) == (0, 0)
+        node = meta.get_node(7)
+        assert node.failover and node.node_epoch == idle.node_epoch + 1
+
+        busy = meta.register_node(8, "/another/host/node8.wal")
+        meta.create_stream(8, busy.node_epoch)           # open: its tail may be in that WAL
+        try:
+            fail_over(8, store=store, metadata=meta)
+            raise AssertionError("a node with open streams was failed over without its WAL")
+        except WALError as e:
+            assert "node8.wal" in str(e)
+        assert len(meta.list_streams(owner_node_id=8)) == 1
+    finally:
+        meta.close()

@@ -1,8 +1,16 @@
 """PySpark-driven load tests: each Spark task acts as one node (its own WAL file, the shared
 object store and metadata).
 
-    python -m spark_bench throughput [--nodes 1,2,4] [--duration S] [--master URL] ...
+    python -m spark_bench throughput [--nodes 1,2,4] [--duration S] [--verify] ...
     python -m spark_bench migration  [--histories 16M,256M,1G] [--tail 16M] [--migrations N] ...
+
+Where they run (options of both):
+    (default) or --master local[N]   one process; the nodes' WALs in the driver's work dir
+    --master spark://host:port       a running cluster: one one-core executor per node; nodes share
+                                     only --meta (postgresql://...) and --store (s3://...); their WALs
+                                     stay on their executors' hosts (--node-dir); SQLite or file://
+                                     need --allow-shared-fs
+    --standalone N                   start a standalone cluster of N workers on 127.0.0.1 for the run
 
 Each run writes a JSON report and PNG plots, and shows progress on stderr.
 """

@@ -1,16 +1,36 @@
-"""Shared pieces of the Spark load tests: the Spark session, node specs, storage, reports."""
+"""Shared pieces of the Spark load tests: where they run (local mode, an existing cluster, or a
+standalone cluster started for the run), node specs, storage, verification, reports.
+
+Local mode (`--master local[N]`, the default) runs every node as a task of one process; nodes
+keep their WALs in the driver's work directory. Cluster mode (any other master, or
+`--standalone N`) runs each node in its own one-core executor, which may be on another host:
+nodes share nothing but the metadata URL and the object store URL, keep their WALs in a
+directory of their executor's own (never the driver's), and the driver checks what they
+acknowledged through a client of its own, reading nothing of theirs.
+"""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
 import sys
+import tempfile
 import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 from wal.bench import parse_size, percentiles
 
 KiB, MiB, GiB = 1024, 1024 ** 2, 1024 ** 3
+
+#: Node id of the driver's own client that reads the acknowledged records back.
+VERIFIER_NODE_ID = 102
+#: Seconds the driver waits for a cluster to give it one executor per node.
+EXECUTOR_WAIT = 90.0
 
 
 def progress(msg: str) -> None:
@@ -18,8 +38,21 @@ def progress(msg: str) -> None:
 
 
 def add_common_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--master", default="local[*]", help="Spark master (default local[*]: one machine)")
-    ap.add_argument("--workdir", default=None, help="WAL files and SQLite metadata (default: OUT/work)")
+    where = ap.add_mutually_exclusive_group()
+    where.add_argument("--master", default=None,
+                       help="Spark master: local[N] (the default: one process) or spark://host:port of a running "
+                            "cluster (cluster mode: nodes share only --meta and --store)")
+    where.add_argument("--standalone", type=int, default=None, metavar="N",
+                       help="start a Spark standalone cluster of N one-core workers on 127.0.0.1 for the run "
+                            "(cluster mode on a single host: SQLite and a local store are allowed)")
+    ap.add_argument("--node-dir", default=None,
+                    help="cluster mode: directory on each executor's host in which a node makes its WAL "
+                         "directory (default: the executor's temp directory)")
+    ap.add_argument("--allow-shared-fs", action="store_true",
+                    help="cluster mode: accept a SQLite metadata URL or a file:// store (only right when every "
+                         "host sees the same file system at the same path)")
+    ap.add_argument("--workdir", default=None, help="the driver's files: local-mode WALs, SQLite metadata, "
+                    "helper WALs (default: OUT/work)")
     ap.add_argument("--store", default=None, help="object store URL (default: a directory on /dev/shm, "
                     "standing for S3, which does not share the WAL's disk)")
     ap.add_argument("--meta", default=None, help="metadata URL (default: sqlite in the work dir)")
@@ -28,6 +61,35 @@ def add_common_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--wal-capacity", type=parse_size, default=512 * MiB, help="each node's WAL file size")
     ap.add_argument("--out", default=None, help="report directory (JSON + PNG)")
     ap.add_argument("--keep", action="store_true", help="keep the work and store directories")
+
+
+def is_cluster(master: str) -> bool:
+    """True for a master whose executors may be on other hosts (anything but local[...])."""
+    return not master.startswith("local")
+
+
+def shared_fs_only(meta: str | None, store: str | None) -> list[str]:
+    """The URLs (None: the default) that work only when every host sees the same file system."""
+    found = []
+    if meta is None or meta.startswith("sqlite:") or "://" not in meta:
+        found.append(f"the metadata {meta or '(default: SQLite in the work dir)'} is a SQLite file")
+    if store is None or store.startswith("file:") or "://" not in store:
+        found.append(f"the object store {store or '(default: a local directory)'} is a local directory")
+    return found
+
+
+def check_cluster_storage(args) -> None:
+    """SystemExit for a run on an existing cluster whose metadata or store lives on this host's
+    file system, unless --allow-shared-fs says every host sees it."""
+    if args.master is None or not is_cluster(args.master) or args.allow_shared_fs:
+        return
+    found = shared_fs_only(args.meta, args.store)
+    if found:
+        raise SystemExit(
+            f"cluster mode (--master {args.master}): nodes share nothing but the metadata and the object store, "
+            f"but {' and '.join(found)}, which executors on other hosts cannot see. Give --meta "
+            "postgresql://user@host/db and --store s3://bucket/prefix, or --allow-shared-fs if every host mounts "
+            "the same file system at the same path, or --standalone N for a cluster on this host alone.")
 
 
 def storage(args, name: str) -> tuple[str, str, str, str, list[str]]:
@@ -51,33 +113,200 @@ def storage(args, name: str) -> tuple[str, str, str, str, list[str]]:
     return out, work, store, meta, cleanup
 
 
-def node_spec(args, node_id: int, work: str, store: str, meta: str, partitions: list[str], duration: float,
-              cluster: dict, keep_acks: bool = False, inflight: int = 32) -> dict:
-    return dict(node_id=node_id, workdir=work, store_url=store, meta_url=meta, partitions=partitions,
-                duration=duration, batch=args.batch, upload_threshold=args.upload_threshold,
+def node_spec(args, node_id: int, wal_dir: str | None, store: str, meta: str, partitions: list[str],
+              duration: float, cluster: dict, keep_acks: bool = False, inflight: int = 32,
+              run_id: str = "bench") -> dict:
+    """What one node runs. `wal_dir`: where its WAL goes (local mode: the driver's work dir);
+    None in cluster mode, where the node makes its own directory under --node-dir on its executor.
+    `run_id` names the run's KV keys (bench/<run_id>/stop), so runs can share one metadata store."""
+    return dict(node_id=node_id, wal_dir=wal_dir, node_dir=args.node_dir, store_url=store, meta_url=meta,
+                partitions=partitions, duration=duration, batch=args.batch, upload_threshold=args.upload_threshold,
                 split_size=8 * MiB, wal_capacity=args.wal_capacity, cluster=cluster, keep_acks=keep_acks,
-                inflight=inflight)
+                inflight=inflight, run_id=run_id, keep_wal=args.keep)
 
 
-def spark_session(master: str, name: str, cores: int):
+def new_run_id() -> str:
+    return uuid.uuid4().hex[:8]
+
+
+def spark_session(master: str, name: str, cores: int, cluster: bool = False):
+    """A session on `master`. In cluster mode each node gets an executor of one core (so nodes
+    run in distinct processes) and the driver waits until `cores` of them registered."""
     try:
         from pyspark.sql import SparkSession
     except ImportError as e:
         raise SystemExit("spark_bench needs pyspark: pip install pyspark (Java 17 must be installed)") from e
-    return (SparkSession.builder.master(master).appName(name)
-            .config("spark.ui.enabled", "false")
-            .config("spark.task.maxFailures", "1")
-            .config("spark.python.worker.reuse", "false")
-            .config("spark.driver.memory", "2g")
-            .config("spark.default.parallelism", str(cores))
-            .getOrCreate())
+    builder = (SparkSession.builder.master(master).appName(name)
+               .config("spark.ui.enabled", "false")
+               .config("spark.task.maxFailures", "1")
+               .config("spark.python.worker.reuse", "false")
+               .config("spark.driver.memory", "2g"))
+    if not cluster:
+        return builder.config("spark.default.parallelism", str(cores)).getOrCreate()
+    builder = (builder.config("spark.executor.cores", "1")
+               .config("spark.cores.max", str(cores))
+               .config("spark.scheduler.minRegisteredResourcesRatio", "1.0")
+               .config("spark.scheduler.maxRegisteredResourcesWaitingTime", f"{EXECUTOR_WAIT:g}s"))
+    host = master.split("://", 1)[-1].rsplit(":", 1)[0]
+    if host in ("127.0.0.1", "localhost"):
+        # Executors on loopback must reach the driver there, not at this host's public name.
+        builder = builder.config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
+    # Executors start the interpreter the driver names (PYSPARK_PYTHON, read when the context is
+    # made): this one unless told otherwise, so that they import the same s3stream.
+    saved = os.environ.get("PYSPARK_PYTHON")
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    try:
+        spark = builder.getOrCreate()
+    finally:
+        if saved is None:
+            os.environ.pop("PYSPARK_PYTHON", None)
+    try:
+        wait_for_executors(spark, cores, master)
+    except BaseException:
+        spark.stop()
+        raise
+    return spark
+
+
+def wait_for_executors(spark, count: int, master: str, timeout: float = 10.0) -> None:
+    """Wait until `count` executors registered: every node of a run must run at once. (The
+    scheduler already waited up to EXECUTOR_WAIT for them while the context started.)"""
+    tracker = spark.sparkContext._jsc.sc().statusTracker()
+    deadline = time.monotonic() + timeout
+    while True:
+        executors = len(tracker.getExecutorInfos()) - 1          # the list includes the driver
+        if executors >= count:
+            return
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the cluster at {master} gave {executors} one-core executors in "
+                             f"{EXECUTOR_WAIT + timeout:g} s; the run needs {count} at once (one per node): add "
+                             "workers or cores, or run fewer nodes")
+        time.sleep(0.2)
 
 
 def run_nodes(spark, specs: list[dict]) -> list[dict]:
-    """Run every spec as one Spark task (all at once: the master must offer enough slots)."""
-    from spark_bench.node import run_node
+    """Run every spec as one Spark task, all at once (a barrier stage: the master must offer a
+    slot per node, or the stage fails instead of running nodes one after the other)."""
+    from spark_bench.node import run_nodes_of_partition
     rdd = spark.sparkContext.parallelize(specs, len(specs))
-    return rdd.map(run_node).collect()
+    return rdd.barrier().mapPartitions(run_nodes_of_partition).collect()
+
+
+@dataclass
+class Deployment:
+    """Where a load test runs. `wal_dir` is the directory for the nodes' WALs in local mode,
+    None in cluster mode (each node makes its own on its executor)."""
+    master: str
+    cluster_mode: bool
+    single_host: bool
+    spark: Any
+    out: str
+    work: str
+    store: str
+    meta: str
+
+    @property
+    def wal_dir(self) -> str | None:
+        return None if self.cluster_mode else self.work
+
+    def describe(self) -> dict:
+        return dict(master=self.master, cluster_mode=self.cluster_mode, single_host=self.single_host)
+
+
+@contextlib.contextmanager
+def deployment(args, name: str, slots: int) -> Iterator[Deployment]:
+    """Check the arguments, make the storage, start a standalone cluster if asked, open a Spark
+    session with `slots` task slots; on exit stop them all and remove the storage (unless --keep)."""
+    check_cluster_storage(args)
+    if args.standalone is not None and args.standalone < max(slots, 1):
+        raise SystemExit(f"--standalone {args.standalone} gives {args.standalone} one-core workers, but the run "
+                         f"needs {slots} nodes at once: start at least {slots}")
+    master = args.master or "local[*]"
+    if master == "local[*]":
+        master = f"local[{slots}]"
+    out, work, store, meta, cleanup = storage(args, name)
+    with contextlib.ExitStack() as stack:
+        if not args.keep:
+            stack.callback(cleanup_dirs, cleanup)
+        if args.standalone is not None:
+            progress(f"starting a Spark standalone cluster: {args.standalone} workers x 1 core on 127.0.0.1")
+            from .standalone import standalone_cluster
+            master = stack.enter_context(standalone_cluster(args.standalone, workdir=os.path.join(work, "standalone")))
+            progress(f"single-host cluster at {master}: every node and the driver share this host, so SQLite "
+                     "metadata and a local-directory store work here; a cluster of hosts needs PostgreSQL and S3")
+        spark = spark_session(master, f"s3stream-{name}", slots, cluster=is_cluster(master))
+        stack.callback(spark.stop)
+        yield Deployment(master, is_cluster(master), args.standalone is not None, spark, out, work, store, meta)
+
+
+def placement(results: list[dict]) -> dict:
+    """node id -> where it ran: executor host and pids, its WAL path."""
+    return {r["node_id"]: dict(r["executor"], wal_path=r["wal_path"]) for r in results}
+
+
+def format_placement(where: dict) -> str:
+    return "; ".join(f"node {node}: {e['host']} executor pid {e['executor_pid']} (python {e['pid']})"
+                     for node, e in sorted(where.items()))
+
+
+def verify_acks(store: str, meta: str, results: list[dict], batch: int) -> dict:
+    """Read every acknowledged record back through a client of the driver's own (its WAL in a
+    temp dir of the driver, the same metadata and store) and compare it byte for byte with the
+    payload its node sent. Call it after the nodes closed their partitions: what they
+    acknowledged is then committed to objects, and no node's files are read.
+
+    Returns acknowledged, lost (not read back, or different), mismatched (read back different),
+    by_partition (lost per partition) and unreadable (partition -> error: it could not be opened,
+    e.g. a node left it open; all its records count as lost)."""
+    import s3stream
+    import wal
+    from .node import digest, payload_for, retire_node
+    acks: dict[str, dict[int, tuple[int, int, str]]] = {}
+    for r in results:
+        for name, base, node, seq, d in r["acks"]:
+            acks.setdefault(name, {})[base] = (node, seq, d)
+    # it writes only the checkpoints of the partitions it opens: a small WAL does
+    cfg = s3stream.Config(upload_threshold=16 * MiB, cache_size=256 * MiB,
+                          wal=wal.WALConfig(capacity=64 * MiB, full_timeout=60))
+    lost: dict[str, int] = {}
+    mismatched = 0
+    unreadable: dict[str, str] = {}
+    with tempfile.TemporaryDirectory(prefix="s3stream-verifier-") as wal_dir:
+        client = s3stream.StreamClient(VERIFIER_NODE_ID, os.path.join(wal_dir, "verifier.wal"), store, meta, cfg)
+        try:
+            for name, expected in acks.items():
+                try:
+                    p = client.open_partition(name)
+                except s3stream.S3StreamError as e:
+                    unreadable[name] = str(e)
+                    lost[name] = len(expected)
+                    continue
+                good = bad = 0
+                try:
+                    pos = max(min(expected), p.log.start_offset)
+                    end = min(max(expected) + 1, p.log.confirm_offset)
+                    while pos < end:
+                        res = p.fetch(pos, end, max_bytes=8 * MiB)
+                        if not res.batches:
+                            break
+                        for b in res.batches:
+                            if b.base_offset not in expected:
+                                continue
+                            node, seq, d = expected[b.base_offset]
+                            if digest(b.payload) == d and b.payload == payload_for(name, node, seq, batch):
+                                good += 1
+                            else:
+                                bad += 1
+                        pos = res.end_offset
+                finally:
+                    p.close()
+                mismatched += bad
+                lost[name] = len(expected) - good
+        finally:
+            if not client.close()["left_in_wal"]:
+                retire_node(meta, VERIFIER_NODE_ID)
+    return dict(acknowledged=sum(len(v) for v in acks.values()), lost=sum(lost.values()), mismatched=mismatched,
+                by_partition=lost, unreadable=unreadable)
 
 
 def latency_summary(latencies_ns: list[int]) -> dict:

@@ -8,7 +8,8 @@
 3. Two Spark tasks act as nodes 1 and 2; producers write to every partition wherever it is open
    (so the un-uploaded tail at each migration is up to the upload threshold, `--tail`). The driver
    migrates each partition back and forth `--migrations` times and records each report.
-4. Every acknowledged record is read back and checked byte for byte.
+4. Every acknowledged record is read back (by the driver's own client, after the nodes closed
+   their partitions: nothing of the nodes' is read) and checked byte for byte.
 
 Targets: p99 < 0.5 s for every history with a tail of at most 16 MiB; flat in history (1 GiB
 within 1.5x of 16 MiB); at least 100x faster than the copy at 1 GiB.
@@ -25,12 +26,14 @@ from wal.bench import parse_size
 from s3stream.reporting import pyplot, save_figure
 
 from .common import (
-    MiB, add_common_args, cleanup_dirs, latency_summary, node_spec, progress, run_nodes, spark_session, storage,
-    write_json,
+    MiB, add_common_args, deployment, format_placement, latency_summary, new_run_id, node_spec, placement, progress,
+    run_nodes, verify_acks, write_json,
 )
-from .node import digest
+from .node import retire_node
 
 TARGETS = dict(p99_s=0.5, flatness=1.5, speedup=100.0)
+#: Node ids of the driver's own clients: the one that writes the histories, the copy baseline's.
+BUILDER_NODE_ID, COPIER_NODE_ID = 100, 101
 
 
 def parse(argv):
@@ -52,7 +55,7 @@ def build_history(store: str, meta: str, work: str, names: dict[str, int], batch
     import wal
     cfg = s3stream.Config(upload_threshold=64 * MiB, cache_size=256 * MiB,
                           wal=wal.WALConfig(capacity=512 * MiB, full_timeout=60))
-    client = s3stream.StreamClient(100, os.path.join(work, "builder.wal"), store, meta, cfg)
+    client = s3stream.StreamClient(BUILDER_NODE_ID, os.path.join(work, "builder.wal"), store, meta, cfg)
     payload = os.urandom(batch)
     for name, size in names.items():
         p = client.open_partition(name)
@@ -65,7 +68,8 @@ def build_history(store: str, meta: str, work: str, names: dict[str, int], batch
             f.result()
         p.close()
         progress(f"  history of {name}: {size / MiB:.0f} MiB committed")
-    client.close()
+    if not client.close()["left_in_wal"]:
+        retire_node(meta, BUILDER_NODE_ID)
 
 
 def copy_baseline(store: str, meta: str, work: str, name: str) -> dict:
@@ -74,7 +78,7 @@ def copy_baseline(store: str, meta: str, work: str, name: str) -> dict:
     import wal
     cfg = s3stream.Config(upload_threshold=64 * MiB, cache_size=256 * MiB,
                           wal=wal.WALConfig(capacity=256 * MiB, full_timeout=60))
-    client = s3stream.StreamClient(101, os.path.join(work, "copier.wal"), store, meta, cfg)
+    client = s3stream.StreamClient(COPIER_NODE_ID, os.path.join(work, "copier.wal"), store, meta, cfg)
     p = client.open_partition(name)
     target = os.path.join(work, f"replica-{name}.log")
     t0 = time.perf_counter()
@@ -91,7 +95,8 @@ def copy_baseline(store: str, meta: str, work: str, name: str) -> dict:
         os.fsync(f.fileno())
     seconds = time.perf_counter() - t0
     p.close()
-    client.close()
+    if not client.close()["left_in_wal"]:
+        retire_node(meta, COPIER_NODE_ID)
     os.unlink(target)
     return dict(bytes=copied, seconds=seconds, mb_s=copied / seconds / 1e6)
 
@@ -99,10 +104,19 @@ def copy_baseline(store: str, meta: str, work: str, name: str) -> dict:
 def run(argv=None) -> dict:
     args = parse(argv)
     histories = {f"h{h}": parse_size(h) for h in args.histories.split(",")}
-    out, work, store, meta_url, cleanup = storage(args, "migration")
+    with deployment(args, "migration", 2) as dep:
+        report = _run(args, dep, histories)
+    write_json(dep.out, report)
+    report["plots"] = plot(report, dep.out)
+    print(format_report(report))
+    return report
+
+
+def _run(args, dep, histories: dict[str, int]) -> dict:
     from s3stream.cluster import Cluster, ClusterConfig
     from s3stream.metadata import open_metadata
     from s3stream.objectstore import open_object_store
+    store, meta_url, work = dep.store, dep.meta, dep.work
     progress(f"building histories {', '.join(histories)}")
     build_history(store, meta_url, work, histories, args.batch)
     progress("Kafka-style copy baseline")
@@ -112,71 +126,49 @@ def run(argv=None) -> dict:
     cluster = Cluster(meta, open_object_store(store), ClusterConfig(**ccfg))
     for name in histories:
         cluster.assign(name, 1)
-    specs = [node_spec(args, n, work, store, meta_url, list(histories), 3600.0, ccfg, keep_acks=True,
-                       inflight=args.inflight) for n in (1, 2)]
+    run_id = new_run_id()
+    specs = [node_spec(args, n, dep.wal_dir, store, meta_url, list(histories), 3600.0, ccfg, keep_acks=True,
+                       inflight=args.inflight, run_id=run_id) for n in (1, 2)]
     reports: list = []
     failures: list[str] = []
+    halt = threading.Event()                                 # the nodes are gone: stop driving them
 
     def drive() -> None:
         try:
             deadline = time.monotonic() + 300
             while time.monotonic() < deadline and not all(cluster.owner(n) == 1 for n in histories):
-                time.sleep(0.05)
+                if halt.wait(0.05):
+                    return
             time.sleep(1.0)                                  # let the load build up
             for k in range(args.migrations):
                 for name in histories:
+                    if halt.is_set():
+                        return
                     target = 2 if cluster.owner(name) == 1 else 1
                     reports.append(cluster.migrate(name, target))
-                    time.sleep(args.pause / len(histories))
+                    halt.wait(args.pause / len(histories))
                 progress(f"  migrations: {len(reports)} of {args.migrations * len(histories)}")
         except Exception as e:     # noqa: BLE001 - reported; the nodes are stopped either way
             failures.append(repr(e))
         finally:
-            meta.put_kv("bench/stop", b"1")
+            meta.put_kv(f"bench/{run_id}/stop", b"1")
 
-    spark = spark_session(args.master if args.master != "local[*]" else "local[2]", "s3stream-migration", 2)
     driver = threading.Thread(target=drive, daemon=True)
     driver.start()
     try:
-        progress(f"2 nodes under load; {args.migrations} migrations per partition")
-        results = run_nodes(spark, specs)
+        progress(f"2 nodes under load on {dep.master}; {args.migrations} migrations per partition")
+        results = run_nodes(dep.spark, specs)
     finally:
-        spark.stop()
-    driver.join()
-    progress("verifying every acknowledged record")
-    lost = verify(store, meta_url, work, results)
+        halt.set()
+        driver.join()
+    where = placement(results)
+    progress(f"  placement: {format_placement(where)}")
+    progress("verifying every acknowledged record through the driver's own client")
+    lost = verify_acks(store, meta_url, results, args.batch)
     meta.close()
-    if not args.keep:
-        cleanup_dirs(cleanup)
     report = summarize(args, histories, baseline, reports, results, lost, failures)
-    write_json(out, report)
-    report["plots"] = plot(report, out)
-    print(format_report(report))
+    report.update(dep.describe(), placement=where)
     return report
-
-
-def verify(store: str, meta: str, work: str, results: list[dict]) -> dict:
-    import s3stream
-    import wal
-    cfg = s3stream.Config(upload_threshold=64 * MiB, cache_size=256 * MiB,
-                          wal=wal.WALConfig(capacity=256 * MiB, full_timeout=60))
-    client = s3stream.StreamClient(102, os.path.join(work, "verifier.wal"), store, meta, cfg)
-    acks: dict[str, dict[int, str]] = {}
-    for r in results:
-        for name, base, d in r["acks"]:
-            acks.setdefault(name, {})[base] = d
-    lost = {}
-    for name, expected in acks.items():
-        p = client.open_partition(name)
-        got = {}
-        for base in sorted(expected):
-            if base < p.log.confirm_offset:
-                res = p.fetch(base, base + 1)
-                got[base] = digest(res.batches[0].payload) if res.batches else None
-        lost[name] = sum(1 for base, d in expected.items() if got.get(base) != d)
-        p.close()
-    client.close()
-    return dict(acknowledged=sum(len(v) for v in acks.values()), lost=sum(lost.values()), by_partition=lost)
 
 
 def summarize(args, histories, baseline, reports, results, lost, failures) -> dict:
@@ -205,8 +197,8 @@ def summarize(args, histories, baseline, reports, results, lost, failures) -> di
 
 def format_report(report: dict) -> str:
     t = TARGETS
-    lines = ["=" * 100, f"Migration under load ({report['load_mb_s']:.0f} MB/s produced), un-uploaded tail <= "
-             f"{report['tail'] / MiB:.0f} MiB"]
+    lines = ["=" * 100, f"Migration under load on {report['master']} ({report['load_mb_s']:.0f} MB/s produced), "
+             f"un-uploaded tail <= {report['tail'] / MiB:.0f} MiB"]
     lines.append(f"{'history':>10} {'moves':>6} {'p50 s':>7} {'p99 s':>7} {'max s':>7} {'tail MiB':>9} "
                  f"{'copy s':>8} {'speedup':>8}  p99 < {t['p99_s']} s")
     for r in report["histories"]:
@@ -223,8 +215,10 @@ def format_report(report: dict) -> str:
                  f"{'MET' if flat and flat <= t['flatness'] else 'MISSED'})")
     lines.append(f"speedup over the copy at the largest history: {last['speedup'] or 0:.0f}x (target >= "
                  f"{t['speedup']:.0f}x: {'MET' if (last['speedup'] or 0) >= t['speedup'] else 'MISSED'})")
+    lines.append(f"nodes ran on: {format_placement(report['placement'])}")
     v = report["verification"]
-    lines.append(f"acknowledged records: {v['acknowledged']}, lost: {v['lost']}")
+    lines.append(f"acknowledged records: {v['acknowledged']}, lost: {v['lost']} (read back different: "
+                 f"{v['mismatched']})" + (f"; unreadable partitions: {v['unreadable']}" if v["unreadable"] else ""))
     if report["failures"] or report["node_errors"]:
         lines.append(f"errors: {report['failures'] + report['node_errors']}")
     if report.get("plots"):

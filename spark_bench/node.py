@@ -3,16 +3,26 @@
 The node opens its own WAL, joins the cluster (shared object store and metadata), runs a
 NodeAgent (it opens the partitions assigned to it and closes those moved away) and one producer
 per partition of the test, which appends while the partition is open here and idles while it is
-elsewhere. It stops after `duration` seconds or when the driver sets the KV key `bench/stop`.
+elsewhere. It stops after `duration` seconds or when the driver sets the KV key
+`bench/<run_id>/stop`.
 It returns its measurements: bytes, latencies, a per-second timeline (bytes acknowledged in
-each 1-second interval since the node started, by the time each append completed), and (if
-asked) every acknowledgement, so the driver can check that nothing acknowledged was lost.
+each 1-second interval since the node started, by the time each append completed), (if asked)
+every acknowledgement as (partition, base offset, node, sequence number, digest), so the driver
+can read each back and compare it with `payload_for`, and where it ran (host, pids, WAL path).
+
+Its WAL goes in `spec["wal_dir"]` when given (local mode: the driver's work dir), else in a new
+directory under `spec["node_dir"]` (default: the temp dir) on the host it runs on, removed
+after a clean close (kept, and named in the result, when a stream's tail stayed in it).
 """
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import os
+import shutil
+import socket
+import tempfile
 import threading
 import time
 
@@ -27,6 +37,48 @@ def payload_for(partition: str, node: int, seq: int, size: int) -> bytes:
 
 def digest(data: bytes) -> str:
     return hashlib.blake2b(data, digest_size=8).hexdigest()
+
+
+def _executor_pid() -> int | None:
+    """The pid of the JVM that started this Python worker (its nearest `java` ancestor), or None
+    where /proc does not say (not Linux, or not under a JVM)."""
+    pid = os.getppid()
+    for _ in range(4):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            return None
+        # "pid (comm) state ppid ...": comm may hold spaces, so split after its closing parenthesis
+        comm = stat[stat.index("(") + 1:stat.rindex(")")]
+        if comm == "java":
+            return pid
+        pid = int(stat[stat.rindex(")") + 2:].split()[1])
+        if pid <= 1:
+            return None
+    return None
+
+
+def retire_node(meta, node_id: int) -> None:
+    """Mark a node that closed cleanly (no stream open, nothing left in its WAL) as gone, so the
+    agents of later runs on the same metadata do not take it for a dead peer and try to fail it
+    over from a WAL they cannot see. Its next start registers it again. `meta`: a store or URL."""
+    if isinstance(meta, str):
+        from s3stream.metadata import open_metadata
+        with contextlib.closing(open_metadata(meta)) as store:
+            store.fence_node(node_id, failover=True)
+    else:
+        meta.fence_node(node_id, failover=True)
+
+
+def where_am_i() -> dict:
+    """This process's host and pids, and its working directory (a Spark executor's own)."""
+    return dict(host=socket.gethostname(), pid=os.getpid(), executor_pid=_executor_pid(), cwd=os.getcwd())
+
+
+def run_nodes_of_partition(specs) -> list[dict]:
+    """The body of a Spark task: run the node(s) of its partition (one, in practice)."""
+    return [run_node(spec) for spec in specs]
 
 
 def run_node(spec: dict) -> dict:
@@ -45,12 +97,16 @@ def run_node(spec: dict) -> dict:
                           upload_interval=spec.get("upload_interval"),
                           wal=wal.WALConfig(capacity=spec["wal_capacity"], full_timeout=60))
     ccfg = ClusterConfig(**spec["cluster"])
-    client = s3stream.StreamClient(node_id, os.path.join(spec["workdir"], f"node{node_id}.wal"),
-                                   spec["store_url"], spec["meta_url"], cfg)
+    own_dir = spec.get("wal_dir") is None
+    wal_dir = (tempfile.mkdtemp(prefix=f"s3stream-node{node_id}-", dir=spec.get("node_dir")) if own_dir
+               else spec["wal_dir"])
+    wal_path = os.path.join(wal_dir, f"node{node_id}.wal")
+    client = s3stream.StreamClient(node_id, wal_path, spec["store_url"], spec["meta_url"], cfg)
     meta = open_metadata(spec["meta_url"])
     store = open_object_store(spec["store_url"])
     agent = NodeAgent(client, Cluster(meta, store, ccfg, cfg))
-    meta.put_kv(f"bench/ready/{node_id}", b"1")
+    keys = f"bench/{spec.get('run_id', 'bench')}"
+    meta.put_kv(f"{keys}/ready/{node_id}", b"1")
     stop = threading.Event()
     lock = threading.Lock()
     latencies: list[int] = []
@@ -83,7 +139,7 @@ def run_node(spec: dict) -> dict:
                 errors.append(repr(e))
                 time.sleep(0.01)
                 continue
-            window.append((fut, t0, data, name))
+            window.append((fut, t0, data, name, seq))
             seq += 1
             if len(window) >= inflight_max:
                 _settle(window.popleft())
@@ -91,7 +147,7 @@ def run_node(spec: dict) -> dict:
             _settle(window.popleft())
 
     def _settle(item) -> None:
-        fut, t0, data, name = item
+        fut, t0, data, name, seq = item
         try:
             base = fut.result(60).base_offset
         except Exception:     # noqa: BLE001 - not acknowledged: the producer would retry it
@@ -105,14 +161,14 @@ def run_node(spec: dict) -> dict:
             sent[0] += len(data)
             timeline[(acked - start_ns) // 1_000_000_000] += len(data)
             if keep_acks:
-                acks.append((name, base, digest(data)))
+                acks.append((name, base, node_id, seq, digest(data)))
 
     threads = [threading.Thread(target=produce, args=(n,), daemon=True) for n in spec["partitions"]]
     for t in threads:
         t.start()
     deadline = start + spec["duration"]
     while time.monotonic() < deadline:
-        if meta.get_kv("bench/stop") is not None or agent.fenced:
+        if meta.get_kv(f"{keys}/stop") is not None or agent.fenced:
             break
         time.sleep(0.05)
     stop.set()
@@ -121,9 +177,16 @@ def run_node(spec: dict) -> dict:
     elapsed = time.monotonic() - start
     stats = client.stats()
     agent.stop()
-    client.close()
+    closed = client.close()
+    if closed["left_in_wal"]:
+        errors.append(f"node {node_id}: streams {closed['left_in_wal']} were not uploaded at close; their tail "
+                      f"stays in {wal_path} on {socket.gethostname()}")
+    else:
+        retire_node(meta, node_id)
+        if own_dir and not spec.get("keep_wal"):
+            shutil.rmtree(wal_dir, ignore_errors=True)
     meta.close()
     store.close()
     return dict(node_id=node_id, bytes=sent[0], seconds=elapsed, latencies=latencies, acks=acks,
                 timeline=sorted(timeline.items()), errors=errors + list(agent.errors)[:20],
-                upload=stats["upload"], wal=stats["wal"])
+                upload=stats["upload"], wal=stats["wal"], wal_path=wal_path, executor=where_am_i())

@@ -4,7 +4,9 @@ Reports aggregate and per-node MB/s, append latency p50/p99/p99.9 (call to ackno
 object-store write requests per GiB, the scaling over the node counts asked (default 1, 2, 4:
 each count is one Spark job whose tasks all run at once), and each node's MB/s over time: its
 first seconds against the rest of the run (steady state: target >= 0.9 of the first seconds;
-a node that slows once its WAL wraps or uploads start shows here).
+a node that slows once its WAL wraps or uploads start shows here). With --verify (the default
+in cluster mode) every acknowledged record is read back by the driver's own client after each
+run and the report counts the lost ones.
 """
 from __future__ import annotations
 
@@ -16,8 +18,8 @@ import os
 from s3stream.reporting import pyplot, save_figure
 
 from .common import (
-    GiB, add_common_args, cleanup_dirs, latency_summary, node_spec, progress, run_nodes, spark_session, storage,
-    write_json,
+    GiB, add_common_args, deployment, format_placement, latency_summary, new_run_id, node_spec, placement, progress,
+    run_nodes, verify_acks, write_json,
 )
 
 #: The first seconds of a node's run, compared with the rest (its steady state).
@@ -28,63 +30,84 @@ STEADY_TARGET = 0.9
 def parse(argv):
     ap = argparse.ArgumentParser(prog="python -m spark_bench throughput", description=__doc__.split("\n\n")[0])
     add_common_args(ap)
-    ap.add_argument("--nodes", default="1,2,4", help="node counts to run, e.g. 1,2,4")
+    ap.add_argument("--nodes", default=None,
+                    help="node counts to run, e.g. 1,2,4 (default 1,2,4; with --standalone N: 1, 2, 4... up to N)")
     ap.add_argument("--partitions", type=int, default=4, help="partitions per node")
     ap.add_argument("--duration", type=float, default=10.0, help="seconds each job produces")
-    return ap.parse_args(argv)
+    ap.add_argument("--verify", action=argparse.BooleanOptionalAction, default=None,
+                    help="read every acknowledged record back after each run and count the lost ones "
+                         "(default: on in cluster mode, off in local mode)")
+    args = ap.parse_args(argv)
+    if args.nodes is None:
+        limit = args.standalone or 4
+        counts = [c for c in (1, 2, 4, 8, 16, 32) if c < limit] + [limit]
+        args.nodes = ",".join(map(str, counts))
+    return args
 
 
 def run(argv=None) -> dict:
     args = parse(argv)
     counts = [int(x) for x in args.nodes.split(",")]
-    out, work, store, meta, cleanup = storage(args, "throughput")
-    spark = spark_session(args.master if args.master != "local[*]" else f"local[{max(counts)}]",
-                          "s3stream-throughput", max(counts))
-    from s3stream.cluster import Cluster
-    from s3stream.metadata import open_metadata
-    from s3stream.objectstore import open_object_store
-    runs = []
-    try:
-        for n in counts:
-            run_work = os.path.join(work, f"n{n}")
-            os.makedirs(run_work, exist_ok=True)
-            run_meta = args.meta or f"sqlite:///{run_work}/meta.db"
-            m = open_metadata(run_meta)
-            cluster = Cluster(m, open_object_store(store))
-            specs = []
-            for node in range(1, n + 1):
-                names = [f"n{n}-p{node}-{i}" for i in range(args.partitions)]
-                for name in names:
-                    cluster.assign(name, node)
-                specs.append(node_spec(args, node, run_work, store, run_meta, names, args.duration,
-                                       cluster=dict(agent_interval=0.02)))
-            progress(f"{n} node(s) x {args.partitions} partitions for {args.duration:g} s")
-            results = run_nodes(spark, specs)
-            total = sum(r["bytes"] for r in results)
-            seconds = max(r["seconds"] for r in results)
-            lat = [x for r in results for x in r["latencies"]]
-            requests = _write_requests(open_object_store(store), m)
-            runs.append(dict(nodes=n, mb_s=total / seconds / 1e6, bytes=total,
-                             per_node_mb_s=[r["bytes"] / r["seconds"] / 1e6 for r in results],
-                             latency=latency_summary(lat), requests_per_gib=requests / (total / GiB) if total else None,
-                             timeline={r["node_id"]: r["timeline"] for r in results},
-                             steady_state={r["node_id"]: steady_state(r["timeline"], r["seconds"]) for r in results},
-                             errors=[e for r in results for e in r["errors"]][:20]))
-            m.close()
-            progress(f"  {runs[-1]['mb_s']:.0f} MB/s, p99 {runs[-1]['latency']['p99_ms']:.1f} ms")
-    finally:
-        spark.stop()
-        if not args.keep:
-            cleanup_dirs(cleanup)
+    with deployment(args, "throughput", max(counts)) as dep:
+        verify = dep.cluster_mode if args.verify is None else args.verify
+        runs = [_run_count(args, dep, n, verify) for n in counts]
     base = runs[0]["mb_s"] if runs else 0
     for r in runs:
         r["scaling"] = r["mb_s"] / base if base else None
-    report = dict(kind="throughput", master=args.master, batch=args.batch, partitions_per_node=args.partitions,
-                  duration=args.duration, store=store, runs=runs)
-    write_json(out, report)
-    report["plots"] = plot(report, out)
+    lost = sum(r["verification"]["lost"] for r in runs) if verify else None
+    report = dict(kind="throughput", **dep.describe(), batch=args.batch, partitions_per_node=args.partitions,
+                  duration=args.duration, store=dep.store, verified=verify, lost=lost, runs=runs)
+    write_json(dep.out, report)
+    report["plots"] = plot(report, dep.out)
     print(format_report(report))
     return report
+
+
+def _run_count(args, dep, n: int, verify: bool) -> dict:
+    """One Spark job of `n` nodes producing for --duration seconds; its row of the report."""
+    from s3stream.cluster import Cluster
+    from s3stream.metadata import open_metadata
+    from s3stream.objectstore import open_object_store
+    run_work = os.path.join(dep.work, f"n{n}")
+    os.makedirs(run_work, exist_ok=True)
+    run_meta = args.meta or f"sqlite:///{run_work}/meta.db"
+    wal_dir = run_work if dep.wal_dir else None
+    run_id = new_run_id()
+    m = open_metadata(run_meta)
+    store = open_object_store(dep.store)
+    try:
+        cluster = Cluster(m, store)
+        specs = []
+        for node in range(1, n + 1):
+            names = [f"n{n}-p{node}-{i}" for i in range(args.partitions)]
+            for name in names:
+                cluster.assign(name, node)
+            specs.append(node_spec(args, node, wal_dir, dep.store, run_meta, names, args.duration,
+                                   cluster=dict(agent_interval=0.02), keep_acks=verify, run_id=run_id))
+        progress(f"{n} node(s) x {args.partitions} partitions for {args.duration:g} s on {dep.master}")
+        results = run_nodes(dep.spark, specs)
+        total = sum(r["bytes"] for r in results)
+        seconds = max(r["seconds"] for r in results)
+        lat = [x for r in results for x in r["latencies"]]
+        # before the verifier's own writes (checkpoints of the partitions it opens) add objects
+        requests = _write_requests(store, m)
+        row = dict(nodes=n, mb_s=total / seconds / 1e6, bytes=total,
+                   per_node_mb_s=[r["bytes"] / r["seconds"] / 1e6 for r in results],
+                   latency=latency_summary(lat), requests_per_gib=requests / (total / GiB) if total else None,
+                   timeline={r["node_id"]: r["timeline"] for r in results},
+                   steady_state={r["node_id"]: steady_state(r["timeline"], r["seconds"]) for r in results},
+                   placement=placement(results),
+                   errors=[e for r in results for e in r["errors"]][:20])
+    finally:
+        m.close()
+        store.close()
+    progress(f"  {row['mb_s']:.0f} MB/s, p99 {row['latency']['p99_ms']:.1f} ms; "
+             f"placement: {format_placement(row['placement'])}")
+    if verify:
+        row["verification"] = verify_acks(dep.store, run_meta, results, args.batch)
+        v = row["verification"]
+        progress(f"  verified through the driver's own client: {v['acknowledged']} acknowledged, {v['lost']} lost")
+    return row
 
 
 def steady_state(timeline: list, seconds: float, head: int = HEAD_SECONDS) -> dict:
@@ -121,7 +144,8 @@ def _write_requests(store, meta) -> int:
 
 
 def format_report(report: dict) -> str:
-    lines = ["=" * 90, f"Spark throughput ({report['master']}, batch {report['batch']} B, "
+    lines = ["=" * 90, f"Spark throughput ({report['master']}"
+             f"{', single-host cluster' if report['single_host'] else ''}, batch {report['batch']} B, "
              f"{report['partitions_per_node']} partitions/node, {report['duration']:g} s per run)"]
     lines.append(f"{'nodes':>5} {'MB/s':>8} {'scaling':>8} {'per node MB/s':>30} {'p50 ms':>7} {'p99 ms':>7} "
                  f"{'p999 ms':>8} {'req/GiB':>8}")
@@ -130,7 +154,15 @@ def format_report(report: dict) -> str:
         lat = r["latency"]
         lines.append(f"{r['nodes']:>5} {r['mb_s']:>8.0f} {r['scaling']:>8.2f} {per:>30} {lat['p50_ms']:>7.1f} "
                      f"{lat['p99_ms']:>7.1f} {lat['p999_ms']:>8.1f} {r['requests_per_gib'] or 0:>8.1f}")
-    lines.append("Nodes share this machine's 2 cores and one disk: scaling shows contention, not the design's limit.")
+    if not report["cluster_mode"] or report["single_host"]:
+        lines.append("Nodes share this machine's cores and disk: scaling shows contention, not the design's limit.")
+    for r in report["runs"]:
+        lines.append(f"{r['nodes']:>5} node(s) ran on: {format_placement(r['placement'])}")
+        if "verification" in r:
+            v = r["verification"]
+            lines.append(f"{'':>5} verified: {v['acknowledged']} acknowledged records, {v['lost']} lost "
+                         f"(read back different: {v['mismatched']})"
+                         + (f"; unreadable partitions: {v['unreadable']}" if v["unreadable"] else ""))
     lines.append(f"Steady state: each node's MB/s after its first {HEAD_SECONDS} s against those first seconds "
                  f"(target >= {STEADY_TARGET})")
     for r in report["runs"]:

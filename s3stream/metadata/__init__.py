@@ -54,7 +54,7 @@ def open_metadata(url: str, **kw) -> MetadataStore:
 
 
 __all__ = [
-    "CommitRange", "CommitRequest", "CommitResult", "CommitSSO", "CommitStreamObject",
+    "ChangeFeed", "CommitRange", "CommitRequest", "CommitResult", "CommitSSO", "CommitStreamObject",
     "MetadataStore", "NodeMeta", "ObjectMeta", "ObjectRef", "ObjectState", "ObjectType",
     "PostgresMetadataStore", "Range", "SqliteMetadataStore", "StreamMeta", "StreamRange",
     "StreamState", "object_key", "open_metadata",

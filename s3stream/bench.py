@@ -752,7 +752,7 @@ def _format_small_records(report: dict) -> list[str]:
             lines.append(f"  {fmt_size(r['size']):>6} {'':>11} {r['engine_no_store']['records_s']:>13,.0f}  "
                          f"{r['ratio_no_store']:>5.2f} {'':<13} {rounds:<22}{'':>15} "
                          f"{r['engine_no_store']['cpu_s_per_gib']:>8.1f}")
-    reclaimed = {side: sum(r[side].get("host_reclaimed_gib", 0.0) for r in small["sizes"])
+    reclaimed = {side: sum(r.get(side, {}).get("host_reclaimed_gib", 0.0) for r in small["sizes"])
                  for side in ("wal", "engine", "engine_no_store")}
     if small.get("page_reporting_order") is not None:
         lines.append(f"  This VM handed freed memory back to its host during the rounds (free page reporting, order "

@@ -75,3 +75,48 @@ def test_discarding_store_drops_puts_only_while_switched(tmp_path):
     assert [o.key for o in store.list()] == ["a"]
     store.delete(["a", "b"])                    # a key never written is no error
     assert list(store.list()) == []
+
+
+def test_engine_bench_reports_memory_handed_back_to_the_host(tmp_path, monkeypatch):
+    """The small-record rounds read free page reporting's counter around each round (a fake
+    /sys directory here); the report says how much each side handed back."""
+    from s3stream import bench
+    fake = tmp_path / "page_reporting"
+    fake.mkdir()
+    (fake / "page_reporting_order").write_text("9\n")
+    counter = fake / "reported_kib"
+    counter.write_text("1000\n")
+    monkeypatch.setattr(bench, "PAGE_REPORTING", str(fake))
+    assert bench.host_reclaimed_kib() == 1000 and bench.page_reporting_order() == 9
+    monkeypatch.setattr(bench, "PAGE_REPORTING", str(tmp_path / "absent"))
+    assert bench.host_reclaimed_kib() is None and bench.page_reporting_order() is None
+    report = {"small_records": {"threads": 4, "inflight": 256, "round_seconds": 1, "page_reporting_order": 9,
+                                "sizes": [{"size": 1024, "rounds": 1, "per_round": [{"ratio": 0.5}], "ratio": 0.5,
+                                           "cpu_ratio": 2.0,
+                                           **{side: {"records_s": 1.0, "cpu_s_per_gib": 1.0,
+                                                     "host_reclaimed_gib": gib}
+                                              for side, gib in (("wal", 0.0), ("engine", 3.5))}}]}}
+    text = "\n".join(bench._format_small_records(report))
+    assert "0.0 GiB in the WAL-alone rounds, 3.5 GiB in the engine rounds" in text
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+def test_metadata_bench_quick(tmp_path, kind, request):
+    from s3stream import bench_metadata
+    url = f"sqlite:///{tmp_path}/m.db" if kind == "sqlite" else request.getfixturevalue("pg_url")
+    report = bench_metadata.run(["--meta", url, "--streams", "5,120", "--seconds", "0.05",
+                                 "--out", str(tmp_path / "out")])
+    data = json.loads((tmp_path / "out" / "report.json").read_text())
+    (store,) = data["stores"]
+    assert list(store["sizes"]) == ["5", "120"]
+    for ops in store["sizes"].values():
+        assert {"node start (register_node)", "commit (prepare + SSO of 4 streams)", "move (open + close)",
+                "a node's open streams", "objects_to_delete (bounded)"} <= set(ops)
+        assert all(op["ops"] > 0 and op["ops_s"] > 0 and op["p50_ms"] <= op["p99_ms"] for op in ops.values())
+    from s3stream.metadata import open_metadata
+    meta = open_metadata(url)
+    try:
+        assert len(meta.list_streams()) >= 120 + bench_metadata.HOT
+    finally:
+        meta.close()
+    assert "operations per second" in bench_metadata.format_report(report)

@@ -42,14 +42,6 @@ def fail_over(node_id: int, *, store: ObjectStore, metadata: MetadataStore, conf
     from .client import close_node_streams, replay_wal
     config = config or Config()
     t0 = time.perf_counter()
-    if not metadata.list_streams(owner_node_id=node_id):
-        # Nothing open, so nothing of its WAL matters (a node that closed cleanly, or died idle):
-        # fence it, and if it opened nothing in between, it is done without reading its WAL,
-        # which may live on a host this one cannot see.
-        node = metadata.fence_node(node_id, failover=True)
-        if not metadata.list_streams(owner_node_id=node_id):
-            log.warning("failed over node %d: it held no open streams", node_id)
-            return FailoverReport(node_id, node.node_epoch, 0, 0, 0, time.perf_counter() - t0)
     path = wal_path or metadata.get_node(node_id).wal_path
     # Open the WAL before fencing: a WAL that cannot be read must not leave the node fenced
     # with its streams still open and nobody to replay them.

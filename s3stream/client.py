@@ -197,6 +197,17 @@ class StreamClient:
         try:
             _check_wal_path(wal_path)
             self._bind_wal(node_id, os.path.abspath(os.fspath(wal_path)))
+            # The slow part of a new WAL (zero-filling it) comes before the registration: a node
+            # registered but still silent for longer than the heartbeat timeout is failed over
+            # by its peers (4 nodes zero-filling 512 MiB each at once took over 5 s).
+            wal.WriteAheadLog.preallocate(wal_path, self.config.wal_config)
+        except wal.WALConfigError as e:
+            self._close_owned()
+            raise ConfigError(str(e)) from e
+        except OSError as e:
+            self._close_owned()
+            raise WALError(f"cannot open or create the WAL at {os.fspath(wal_path)!r}: {e.strerror or e} "
+                           f"(errno {e.errno}); free space or fix the path and its permissions") from e
         except BaseException:
             self._close_owned()
             raise
@@ -224,6 +235,9 @@ class StreamClient:
         self._append_path: AppendPath | None = None
         try:
             self.recovered = self._recover()
+            # A long replay is silence too: tell the peers this node is alive before its agent
+            # (if any) starts heartbeating.
+            self._meta.heartbeat(node_id, self.node_epoch)
             ring = self._wal.start()
         except BaseException:
             self._uploader.abort()

@@ -231,6 +231,21 @@ class WriteAheadLog:
             os.close(fd)
             raise
 
+    @classmethod
+    def preallocate(cls, path: str | os.PathLike, config: WALConfig | None = None) -> bool:
+        """Create the WAL file at `path` and preallocate it to `config.capacity` if nothing is
+        there yet (zero-filling a large file takes seconds); True if it was created. `open` then
+        only formats it. A node does this before it registers, so that peers never see it
+        registered but silent while it zero-fills."""
+        path = os.fspath(path)
+        if os.path.exists(path):
+            return False
+        try:
+            cls._create_file(path, config or WALConfig())
+        except FileExistsError:             # another opener created it meanwhile
+            return False
+        return True
+
     @staticmethod
     def check_not_in_use(path: str | os.PathLike) -> None:
         """WALInUseError if a writer on this host holds the WAL at `path` open (nothing if the

@@ -1,6 +1,6 @@
 """A cluster node in its own process, producing to the partitions assigned to it.
 
-Usage: cluster_node_child.py TMPDIR NODE_ID P1,P2,...
+Usage: cluster_node_child.py TMPDIR NODE_ID P1,P2,... [METADATA_URL]  (default sqlite:///TMPDIR/meta.db)
 Prints "ready" once its partitions are open and "ack PARTITION OFFSET PAYLOAD" per acknowledged
 append, until killed.
 """
@@ -11,7 +11,7 @@ from pathlib import Path
 
 from s3stream import RecordBatch, StreamClient
 from s3stream.cluster import Cluster, NodeAgent
-from s3stream.metadata import SqliteMetadataStore
+from s3stream.metadata import open_metadata
 from s3stream.objectstore import LocalObjectStore
 
 from conftest import small_config
@@ -20,9 +20,10 @@ from test_cluster import FAST
 
 def main() -> None:
     tmp, node_id, names = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3].split(",")
-    client = StreamClient(node_id, tmp / f"node{node_id}.wal", f"file://{tmp}/objects", f"sqlite:///{tmp}/meta.db",
+    meta_url = sys.argv[4] if len(sys.argv) > 4 else f"sqlite:///{tmp}/meta.db"
+    client = StreamClient(node_id, tmp / f"node{node_id}.wal", f"file://{tmp}/objects", meta_url,
                           small_config(upload_interval=0.2))
-    meta = SqliteMetadataStore(str(tmp / "meta.db"))
+    meta = open_metadata(meta_url)
     agent = NodeAgent(client, Cluster(meta, LocalObjectStore(str(tmp / "objects")), FAST))
     while sorted(p.name for p in client.partitions()) != sorted(names):
         time.sleep(0.01)

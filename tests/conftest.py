@@ -122,11 +122,13 @@ def pytest_terminal_summary(terminalreporter):
         return
     tr = terminalreporter
     tr.section("fault matrix: 0 acknowledged records lost and 0 committed objects missing in every cell")
-    head = f"{'store':<10} {'operation':<22} {'fault':<21} {'faulted':>7} {'acked':>6} {'lost':>5} {'missing':>8}  errors seen"
+    head = (f"{'store':<10} {'metadata':<9} {'operation':<22} {'fault':<21} {'faulted':>7} {'acked':>6} {'lost':>5} "
+            f"{'missing':>8}  errors seen")
     tr.write_line(head)
     for r in rows:
-        tr.write_line(f"{r['store']:<10} {r['operation']:<22} {r['fault']:<21} {r['faulted']:>7} {r['acknowledged']:>6} "
-                      f"{r['lost']:>5} {r['committed_missing']:>8}  {', '.join(r['errors_seen']) or '-'}")
+        tr.write_line(f"{r['store']:<10} {r['metadata']:<9} {r['operation']:<22} {r['fault']:<21} {r['faulted']:>7} "
+                      f"{r['acknowledged']:>6} {r['lost']:>5} {r['committed_missing']:>8}  "
+                      f"{', '.join(r['errors_seen']) or '-'}")
 
 
 # ---- PostgreSQL ------------------------------------------------------------------------------------
@@ -161,3 +163,54 @@ def pg_url(pg_server):
     url = pg_server.create_database(name)
     yield url
     pg_server.drop_database(name)
+
+
+# ---- metadata over both stores ---------------------------------------------------------------------
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def metadata_url(request, tmp_path):
+    """The URL of a fresh metadata database: an SQLite file in tmp_path, or a PostgreSQL database
+    (pg_url); every test using it runs on both stores."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path}/meta.db"
+    return request.getfixturevalue("pg_url")
+
+
+def is_postgres(metadata_url: str) -> bool:
+    """Whether a metadata URL names a PostgreSQL database (else an SQLite file)."""
+    return metadata_url.startswith(("postgresql:", "postgres:"))
+
+
+@pytest.fixture
+def open_same_metadata(metadata_url):
+    """Open another store on the test's metadata database (open_metadata keywords such as clock=
+    or lock_timeout_s=); each is closed at the end of the test, before the database is dropped."""
+    from s3stream.metadata import open_metadata
+    opened = []
+
+    def open_(**kw):
+        opened.append(open_metadata(metadata_url, **kw))
+        return opened[-1]
+
+    yield open_
+    for store in opened:
+        store.close()
+
+
+def lock_node_row(metadata_url: str, node_id: int, seconds: float):
+    """Another PostgreSQL session takes node `node_id`'s row FOR UPDATE and holds it `seconds`:
+    every commit and heartbeat of that node waits behind it (the PostgreSQL counterpart of
+    another process holding SQLite's write lock). Returns the started timer that releases it."""
+    import threading
+
+    import psycopg
+    conn = psycopg.connect(metadata_url)           # not autocommit: the lock lasts until commit()
+    assert conn.execute("SELECT node_id FROM nodes WHERE node_id = %s FOR UPDATE", (node_id,)).fetchall()
+
+    def release():
+        conn.commit()
+        conn.close()
+
+    timer = threading.Timer(seconds, release)
+    timer.start()
+    return timer

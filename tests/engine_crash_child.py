@@ -1,6 +1,7 @@
 """Child of the engine crash test: node 1 appends to its streams until SIGKILLed.
 
-Usage: engine_crash_child.py TMPDIR ROUND NSTREAMS [STORE_URL]  (default file://TMPDIR/objects)
+Usage: engine_crash_child.py TMPDIR ROUND NSTREAMS [STORE_URL [METADATA_URL]]
+(defaults file://TMPDIR/objects and sqlite:///TMPDIR/meta.db)
 Prints "stream INDEX ID" for each stream, "ready", then "ack ID SEQ BASE COUNT" per acknowledged
 append. Round 0 creates the streams; later rounds reopen them (recovery closed them).
 """
@@ -17,8 +18,8 @@ from wal_payload import make_payload
 def main() -> None:
     tmp, rnd, nstreams = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     store = sys.argv[4] if len(sys.argv) > 4 else f"file://{tmp}/objects"
-    client = StreamClient(1, tmp / "node1.wal", store, f"sqlite:///{tmp}/meta.db",
-                          small_config(reclaim_interval=None))
+    meta = sys.argv[5] if len(sys.argv) > 5 else f"sqlite:///{tmp}/meta.db"
+    client = StreamClient(1, tmp / "node1.wal", store, meta, small_config(reclaim_interval=None))
     ids_file = tmp / "stream_ids"
     if rnd == 0:
         streams = [client.create_stream() for _ in range(nstreams)]

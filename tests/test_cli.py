@@ -21,7 +21,7 @@ import wal
 from s3stream import RecordBatch, StreamClient
 from s3stream.cli import main
 from s3stream.cluster import Cluster, ClusterConfig, NodeAgent
-from s3stream.metadata import ObjectState, ObjectType, SqliteMetadataStore
+from s3stream.metadata import ObjectState, ObjectType, SqliteMetadataStore, open_metadata
 from s3stream.objectstore import LocalObjectStore, open_object_store
 from conftest import small_config
 
@@ -295,10 +295,10 @@ def test_streams_errors(tmp_path, engine_dir):
 class TwoNodes:
     """Nodes 1 and 2 in this process, each a StreamClient with a NodeAgent; partition p0 on node 1."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, meta_url: str) -> None:
         self.tmp = tmp
-        self.meta_url, self.store_url = f"sqlite:///{tmp}/meta.db", f"file://{tmp}/objects"
-        self.meta = SqliteMetadataStore(str(tmp / "meta.db"))
+        self.meta_url, self.store_url = meta_url, f"file://{tmp}/objects"
+        self.meta = open_metadata(meta_url)
         self.cluster = Cluster(self.meta, LocalObjectStore(str(tmp / "objects")), FAST, small_config())
         self.clients = {n: StreamClient(n, tmp / f"node{n}.wal", self.store_url, self.meta_url, small_config())
                         for n in (1, 2)}
@@ -318,8 +318,9 @@ class TwoNodes:
 
 
 @pytest.fixture
-def two_nodes(tmp_path):
-    nodes = TwoNodes(tmp_path)
+def two_nodes(tmp_path, metadata_url):
+    """Over SQLite and PostgreSQL metadata: the migrate command opens either by URL."""
+    nodes = TwoNodes(tmp_path, metadata_url)
     yield nodes
     nodes.close()
 

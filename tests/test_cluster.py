@@ -1,5 +1,5 @@
 """Partitions, migration under load and failover with real parts (three nodes in one process;
-a SIGKILLed and a SIGSTOPped node process)."""
+a SIGKILLed and a SIGSTOPped node process), over SQLite and PostgreSQL metadata."""
 from __future__ import annotations
 
 import os
@@ -17,18 +17,18 @@ import pytest
 import s3stream
 from s3stream import RecordBatch, StreamClient
 from s3stream.cluster import Cluster, ClusterConfig, NodeAgent
-from s3stream.metadata import SqliteMetadataStore
+from s3stream.metadata import open_metadata
 from s3stream.objectstore import LocalObjectStore
 from s3stream.partition import PartitionMovedError
-from conftest import small_config
+from conftest import is_postgres, small_config
 
 FAST = ClusterConfig(agent_interval=0.01, heartbeat_interval=0.1, heartbeat_timeout=1.0, migration_timeout=5.0)
 
 
 class InProcessCluster:
-    def __init__(self, tmp: Path, nodes=(1, 2, 3), config=FAST):
-        self.tmp = tmp
-        self.meta = SqliteMetadataStore(str(tmp / "meta.db"))
+    def __init__(self, tmp: Path, metadata_url: str, nodes=(1, 2, 3), config=FAST):
+        self.tmp, self.metadata_url = tmp, metadata_url
+        self.meta = open_metadata(metadata_url)
         self.store = LocalObjectStore(str(tmp / "objects"))
         self.cluster = Cluster(self.meta, self.store, config, small_config())
         self.clients = {}
@@ -38,7 +38,7 @@ class InProcessCluster:
 
     def start(self, n):
         self.clients[n] = StreamClient(n, self.tmp / f"node{n}.wal", f"file://{self.tmp}/objects",
-                                       f"sqlite:///{self.tmp}/meta.db", small_config())
+                                       self.metadata_url, small_config())
         self.agents[n] = NodeAgent(self.clients[n], self.cluster)
 
     def partition(self, name):
@@ -93,8 +93,8 @@ def read_partition(c: InProcessCluster, name: str) -> list[tuple[int, bytes]]:
     return out
 
 
-def test_partition_checkpoint_survives_moves(tmp_path):
-    c = InProcessCluster(tmp_path, nodes=(1, 2))
+def test_partition_checkpoint_survives_moves(tmp_path, metadata_url):
+    c = InProcessCluster(tmp_path, metadata_url, nodes=(1, 2))
     try:
         c.cluster.assign("p", 1)
         assert c.cluster.wait_open("p", 1, 5)["leader_epoch"] == 1
@@ -113,8 +113,8 @@ def test_partition_checkpoint_survives_moves(tmp_path):
         c.close()
 
 
-def test_many_migrations_under_load_lose_nothing(tmp_path):
-    c = InProcessCluster(tmp_path)
+def test_many_migrations_under_load_lose_nothing(tmp_path, metadata_url):
+    c = InProcessCluster(tmp_path, metadata_url)
     names = ["a", "b"]
     try:
         for i, name in enumerate(names):
@@ -150,28 +150,57 @@ def test_many_migrations_under_load_lose_nothing(tmp_path):
 NODE = Path(__file__).with_name("cluster_node_child.py")
 
 
-def pause_outside_a_transaction(proc: subprocess.Popen, db_path: Path) -> None:
-    """SIGSTOP the node, retrying until it is not paused inside a SQLite write transaction.
-    SQLite cannot break the lock of a paused process: every other node would wait for it (that
-    case needs a metadata service, not a file). This test is about fencing a paused node."""
+NODE_APPLICATION_NAME = "s3stream-test-node-process"     # the node process's PostgreSQL sessions
+
+
+def wait_stopped(proc: subprocess.Popen) -> None:
+    """Until the kernel has stopped `proc` (SIGSTOP is delivered asynchronously)."""
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        with open(f"/proc/{proc.pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                return
+        time.sleep(0.001)
+
+
+def in_a_transaction(metadata_url: str) -> bool:
+    """Whether the stopped node process is inside a metadata transaction (may hold a lock)."""
+    if is_postgres(metadata_url):
+        import psycopg
+        with psycopg.connect(metadata_url, autocommit=True) as conn:
+            return conn.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name = %s "
+                                "AND datname = current_database() AND xact_start IS NOT NULL",
+                                (NODE_APPLICATION_NAME,)).fetchone()[0] > 0
+    conn = sqlite3.connect(metadata_url[len("sqlite:///"):], timeout=0.2, isolation_level=None)
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        conn.execute("ROLLBACK")
+        return False
+    except sqlite3.OperationalError:
+        return True
+    finally:
+        conn.close()
+
+
+def pause_outside_a_transaction(proc: subprocess.Popen, metadata_url: str) -> None:
+    """SIGSTOP the node, retrying until it is not paused inside a metadata transaction. Neither
+    store breaks the lock of a paused process: SQLite's write lock, or PostgreSQL's row locks
+    (no idle_in_transaction_session_timeout is set), would hold every other node up. This test
+    is about fencing a paused node."""
     for _ in range(100):
         proc.send_signal(signal.SIGSTOP)
-        conn = sqlite3.connect(db_path, timeout=0.2, isolation_level=None)
-        try:
-            conn.execute("BEGIN IMMEDIATE")
-            conn.execute("ROLLBACK")
+        wait_stopped(proc)
+        if not in_a_transaction(metadata_url):
             return
-        except sqlite3.OperationalError:
-            proc.send_signal(signal.SIGCONT)
-            time.sleep(0.01)
-        finally:
-            conn.close()
-    raise AssertionError("node 1 held the metadata write lock at every attempt to pause it")
+        proc.send_signal(signal.SIGCONT)
+        time.sleep(0.01)
+    raise AssertionError("node 1 was inside a metadata transaction at every attempt to pause it")
 
 
-def start_node_process(tmp: Path, node_id: int, partitions: list[str]) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(NODE.parent), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.Popen([sys.executable, str(NODE), str(tmp), str(node_id), ",".join(partitions)],
+def start_node_process(tmp: Path, node_id: int, partitions: list[str], metadata_url: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(NODE.parent), os.environ.get("PYTHONPATH", "")]),
+               PGAPPNAME=NODE_APPLICATION_NAME)      # libpq names the process's sessions with it
+    return subprocess.Popen([sys.executable, str(NODE), str(tmp), str(node_id), ",".join(partitions), metadata_url],
                             stdout=subprocess.PIPE, text=True, env=env)
 
 
@@ -191,30 +220,30 @@ def collect(proc: subprocess.Popen, acks: dict, ready: threading.Event) -> threa
 
 @pytest.mark.parametrize("round_", range(int(os.environ.get("FAILOVER_ROUNDS", "1"))))
 @pytest.mark.parametrize("how", ["kill", "zombie"])
-def test_failover_of_a_dead_node_process(tmp_path, how, round_):
+def test_failover_of_a_dead_node_process(tmp_path, metadata_url, how, round_):
     """Node 1 runs in its own process, producing to its partitions. It is SIGKILLed (or
     SIGSTOPped: a zombie). Node 2 sees its heartbeat expire, fails it over and serves its
     partitions: every record node 1 acknowledged is there. A zombie that wakes up is fenced and
     stops writing, and nothing it appends after the failover becomes readable."""
-    meta = SqliteMetadataStore(str(tmp_path / "meta.db"))
+    meta = open_metadata(metadata_url)
     cluster = Cluster(meta, LocalObjectStore(str(tmp_path / "objects")), FAST, small_config())
     for name in ("p0", "p1"):
         cluster.assign(name, 1)
     acks: dict = {}
     ready = threading.Event()
-    proc = start_node_process(tmp_path, 1, ["p0", "p1"])
+    proc = start_node_process(tmp_path, 1, ["p0", "p1"], metadata_url)
     reader = collect(proc, acks, ready)
     node2 = None
     try:
         assert ready.wait(60), "node 1 did not start"
         time.sleep(0.8)
-        node2 = StreamClient(2, tmp_path / "node2.wal", f"file://{tmp_path}/objects",
-                             f"sqlite:///{tmp_path}/meta.db", small_config())
+        node2 = StreamClient(2, tmp_path / "node2.wal", f"file://{tmp_path}/objects", metadata_url,
+                             small_config())
         agent2 = NodeAgent(node2, cluster)
         if how == "kill":
             proc.send_signal(signal.SIGKILL)
         else:
-            pause_outside_a_transaction(proc, tmp_path / "meta.db")
+            pause_outside_a_transaction(proc, metadata_url)
         time.sleep(0.3)                          # let the pipe drain what node 1 printed before
         stopped_with = dict(acks)
         deadline = time.monotonic() + 30
@@ -267,8 +296,8 @@ def test_failover_of_a_dead_node_process(tmp_path, how, round_):
         meta.close()
 
 
-def test_migrate_to_current_owner_and_to_a_dead_node(tmp_path):
-    c = InProcessCluster(tmp_path, nodes=(1, 2))
+def test_migrate_to_current_owner_and_to_a_dead_node(tmp_path, metadata_url):
+    c = InProcessCluster(tmp_path, metadata_url, nodes=(1, 2))
     try:
         c.cluster.assign("p", 1)
         c.cluster.wait_open("p", 1, 5)
@@ -281,9 +310,9 @@ def test_migrate_to_current_owner_and_to_a_dead_node(tmp_path):
         c.close()
 
 
-def test_failover_of_an_unreadable_wal_changes_nothing(tmp_path):
+def test_failover_of_an_unreadable_wal_changes_nothing(tmp_path, metadata_url):
     from s3stream.failover import fail_over
-    meta = SqliteMetadataStore(str(tmp_path / "meta.db"))
+    meta = open_metadata(metadata_url)
     node = meta.register_node(5, str(tmp_path / "missing.wal"))
     meta.create_stream(5, node.node_epoch)       # open: its tail would be in that WAL
     with pytest.raises(s3stream.WALError, match="cannot open its WAL"):
@@ -292,22 +321,21 @@ def test_failover_of_an_unreadable_wal_changes_nothing(tmp_path):
     meta.close()
 
 
-def test_failover_reads_a_small_wal_with_any_engine_config(tmp_path):
+def test_failover_reads_a_small_wal_with_any_engine_config(tmp_path, metadata_url):
     """The failing-over node's config need not match the dead node's WAL size."""
     import wal
     from s3stream.failover import fail_over
     small = small_config(wal=wal.WALConfig(capacity=4 * 1024 * 1024 + 8192, full_timeout=5),
                          max_batch_bytes=64 * 1024)
-    c = StreamClient(5, tmp_path / "n5.wal", f"file://{tmp_path}/objects", f"sqlite:///{tmp_path}/meta.db", small)
+    c = StreamClient(5, tmp_path / "n5.wal", f"file://{tmp_path}/objects", metadata_url, small)
     s = c.create_stream()
     s.append(RecordBatch(b"durable", 1)).result(10)
     c._uploader.abort()                                        # dies before uploading
     c._wal._ring.stop()
-    meta = SqliteMetadataStore(str(tmp_path / "meta.db"))
+    meta = open_metadata(metadata_url)
     rep = fail_over(5, store=LocalObjectStore(str(tmp_path / "objects")), metadata=meta)   # default Config()
     assert rep.replayed == 1 and rep.streams_closed == 1
-    other = StreamClient(6, tmp_path / "n6.wal", f"file://{tmp_path}/objects", f"sqlite:///{tmp_path}/meta.db",
-                         small_config())
+    other = StreamClient(6, tmp_path / "n6.wal", f"file://{tmp_path}/objects", metadata_url, small_config())
     assert other.open_stream(s.stream_id).fetch(0).batches[0].payload == b"durable"
     other.close()
     meta.close()

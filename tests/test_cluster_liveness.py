@@ -7,7 +7,7 @@ import time
 
 from s3stream import RecordBatch, StreamClient
 from s3stream.cluster import Cluster, ClusterConfig, NodeAgent
-from s3stream.metadata import SqliteMetadataStore
+from s3stream.metadata import MetadataStore, open_metadata
 from s3stream.objectstore import FaultInjectingObjectStore, LocalObjectStore
 from conftest import MiB, small_config
 from test_engine_model import crash
@@ -26,11 +26,11 @@ class FakeClock:
         self.ns += int(seconds * 1e9)
 
 
-def test_a_long_failover_does_not_stop_the_claimants_heartbeats(tmp_path):
-    meta = SqliteMetadataStore(str(tmp_path / "meta.db"))
+def test_a_long_failover_does_not_stop_the_claimants_heartbeats(tmp_path, metadata_url):
+    meta = open_metadata(metadata_url)
     slow = FaultInjectingObjectStore(LocalObjectStore(str(tmp_path / "objects")))
     cluster = Cluster(meta, slow, FAST, small_config())
-    store, meta_url = f"file://{tmp_path}/objects", f"sqlite:///{tmp_path}/meta.db"
+    store, meta_url = f"file://{tmp_path}/objects", metadata_url
     # Node 2 holds data only in its WAL, then dies.
     config = small_config(upload_threshold=8 * MiB, cache_size=16 * MiB, reclaim_interval=None)
     node2 = StreamClient(2, str(tmp_path / "n2.wal"), store, meta_url, config)
@@ -63,18 +63,18 @@ def test_a_long_failover_does_not_stop_the_claimants_heartbeats(tmp_path):
         meta.close()
 
 
-def fake_cluster(tmp_path, nodes=(1, 2, 3)) -> tuple[FakeClock, SqliteMetadataStore, Cluster]:
+def fake_cluster(tmp_path, open_same_metadata, nodes=(1, 2, 3)) -> tuple[FakeClock, MetadataStore, Cluster]:
     """Metadata and a Cluster on one fake clock, with `nodes` registered (beating at its now)."""
     clock = FakeClock()
-    meta = SqliteMetadataStore(str(tmp_path / "meta.db"), clock=clock)
+    meta = open_same_metadata(clock=clock)
     cluster = Cluster(meta, LocalObjectStore(str(tmp_path / "objects")), FAST, clock=clock)
     for n in nodes:
         meta.register_node(n, f"/wal/{n}")
     return clock, meta, cluster
 
 
-def test_a_claim_whose_claimant_died_is_taken_over(tmp_path):
-    clock, meta, cluster = fake_cluster(tmp_path)
+def test_a_claim_whose_claimant_died_is_taken_over(tmp_path, open_same_metadata):
+    clock, meta, cluster = fake_cluster(tmp_path, open_same_metadata)
     epoch2 = meta.get_node(2).node_epoch
     # Node 3 claims node 2's failover, while alive.
     assert cluster.claim_failover(2, epoch2, 3)
@@ -89,8 +89,8 @@ def test_a_claim_whose_claimant_died_is_taken_over(tmp_path):
     assert sorted(meta.list_kv(f"failover/2/{epoch2}/")) == [f"failover/2/{epoch2}/0", f"failover/2/{epoch2}/1"]
 
 
-def test_a_live_claimant_that_takes_too_long_loses_its_claim(tmp_path):
-    clock, meta, cluster = fake_cluster(tmp_path)
+def test_a_live_claimant_that_takes_too_long_loses_its_claim(tmp_path, open_same_metadata):
+    clock, meta, cluster = fake_cluster(tmp_path, open_same_metadata)
     assert cluster.claim_failover(2, 0, 3)
     clock.advance(FAST.heartbeat_timeout + FAST.migration_timeout + 1)
     for n in (1, 3):                                      # both still beating
@@ -98,8 +98,8 @@ def test_a_live_claimant_that_takes_too_long_loses_its_claim(tmp_path):
     assert cluster.claim_failover(2, 0, 1)
 
 
-def test_liveness_follows_the_injected_clock(tmp_path):
-    clock, meta, cluster = fake_cluster(tmp_path, nodes=(1, 2))
+def test_liveness_follows_the_injected_clock(tmp_path, open_same_metadata):
+    clock, meta, cluster = fake_cluster(tmp_path, open_same_metadata, nodes=(1, 2))
     assert cluster.live_nodes() == [1, 2]
     clock.advance(FAST.heartbeat_timeout - 0.1)
     meta.heartbeat(2, meta.get_node(2).node_epoch)
@@ -108,20 +108,18 @@ def test_liveness_follows_the_injected_clock(tmp_path):
     assert cluster.live_nodes() == [2]
 
 
-def test_agent_fails_over_by_the_injected_clock_without_waiting(tmp_path):
+def test_agent_fails_over_by_the_injected_clock_without_waiting(tmp_path, open_same_metadata):
     """With a fake clock, a node's death is a clock step, not a sleep of heartbeat_timeout."""
     clock = FakeClock()
-    meta = SqliteMetadataStore(str(tmp_path / "meta.db"), clock=clock)
+    meta = open_same_metadata(clock=clock)
     cluster = Cluster(meta, LocalObjectStore(str(tmp_path / "objects")), ClusterConfig(
         agent_interval=0.01, heartbeat_interval=0.05, heartbeat_timeout=3600.0, migration_timeout=5.0),
         small_config(), clock=clock)
     store = f"file://{tmp_path}/objects"
-    node2 = StreamClient(2, str(tmp_path / "n2.wal"), store, SqliteMetadataStore(str(tmp_path / "meta.db"),
-                                                                                 clock=clock), small_config())
+    node2 = StreamClient(2, str(tmp_path / "n2.wal"), store, open_same_metadata(clock=clock), small_config())
     node2.create_stream().append(RecordBatch(b"x", 1)).result()
     crash(node2)
-    node1 = StreamClient(1, str(tmp_path / "n1.wal"), store, SqliteMetadataStore(str(tmp_path / "meta.db"),
-                                                                                 clock=clock), small_config())
+    node1 = StreamClient(1, str(tmp_path / "n1.wal"), store, open_same_metadata(clock=clock), small_config())
     agent = NodeAgent(node1, cluster)
     try:
         time.sleep(0.3)
@@ -135,31 +133,4 @@ def test_agent_fails_over_by_the_injected_clock_without_waiting(tmp_path):
     finally:
         agent.stop()
         node1.close()
-        meta.close()
 
-
-def test_a_node_holding_no_streams_fails_over_without_its_wal(tmp_path):
-    """A node that closed cleanly (or died idle) on another host: its WAL is not visible here, and
-    need not be, since no stream of it is open. It is fenced and done; before, the failover raised
-    WALError on every pass of every agent that judged it dead."""
-    from s3stream.errors import WALError
-    from s3stream.failover import fail_over
-    meta = SqliteMetadataStore(str(tmp_path / "meta.db"))
-    store = LocalObjectStore(str(tmp_path / "objects"))
-    try:
-        idle = meta.register_node(7, "/another/host/node7.wal")
-        report = fail_over(7, store=store, metadata=meta)
-        assert (report.records, report.streams_closed) == (0, 0)
-        node = meta.get_node(7)
-        assert node.failover and node.node_epoch == idle.node_epoch + 1
-
-        busy = meta.register_node(8, "/another/host/node8.wal")
-        meta.create_stream(8, busy.node_epoch)           # open: its tail may be in that WAL
-        try:
-            fail_over(8, store=store, metadata=meta)
-            raise AssertionError("a node with open streams was failed over without its WAL")
-        except WALError as e:
-            assert "node8.wal" in str(e)
-        assert len(meta.list_streams(owner_node_id=8)) == 1
-    finally:
-        meta.close()

@@ -1,5 +1,5 @@
-"""The stream engine end to end with real parts: WAL file, SQLite, local directory or S3 over
-HTTP (moto's server), two nodes."""
+"""The stream engine end to end with real parts: WAL file, SQLite or PostgreSQL metadata, local
+directory or S3 over HTTP (moto's server), two nodes."""
 from __future__ import annotations
 
 import random
@@ -12,9 +12,9 @@ from s3stream.metadata import ObjectState, ObjectType, open_metadata
 from conftest import KiB, MiB, small_config
 
 
-def client(tmp_path, node_id, store_url, config=None, **kw):
-    return StreamClient(node_id, tmp_path / f"node{node_id}.wal", store_url,
-                        f"sqlite:///{tmp_path}/meta.db", config or small_config(), **kw)
+def client(tmp_path, node_id, store_url, metadata_url, config=None, **kw):
+    return StreamClient(node_id, tmp_path / f"node{node_id}.wal", store_url, metadata_url,
+                        config or small_config(), **kw)
 
 
 def read_all(stream, start=None, max_bytes=64 * KiB):
@@ -43,9 +43,9 @@ def write_random(streams, rng, n, hot=()):
     return expected
 
 
-def test_many_streams_close_reopen_on_second_node(tmp_path, store_url):
+def test_many_streams_close_reopen_on_second_node(tmp_path, store_url, metadata_url):
     rng = random.Random(7)
-    a = client(tmp_path, 1, store_url)
+    a = client(tmp_path, 1, store_url, metadata_url)
     streams = [a.create_stream() for _ in range(40)]
     expected = write_random(streams, rng, 1500, hot=streams[:2])
     for sid, batches in expected.items():   # offsets are dense and in append order
@@ -57,13 +57,13 @@ def test_many_streams_close_reopen_on_second_node(tmp_path, store_url):
         s.close()
     a.close()
 
-    meta = open_metadata(f"sqlite:///{tmp_path}/meta.db")
+    meta = open_metadata(metadata_url)
     kinds = {o.type for o in meta.list_objects(state=ObjectState.COMMITTED)}
     assert kinds == {ObjectType.STREAM_OBJECT, ObjectType.STREAM_SET_OBJECT}
     assert all(m.state.value == "CLOSED" for m in meta.list_streams())
     meta.close()
 
-    b = client(tmp_path, 2, store_url)
+    b = client(tmp_path, 2, store_url, metadata_url)
     for sid, batches in expected.items():
         s = b.open_stream(sid)
         assert s.epoch == 1 and s.confirm_offset == (batches[-1][0] + batches[-1][1] if batches else 0)
@@ -75,8 +75,8 @@ def test_many_streams_close_reopen_on_second_node(tmp_path, store_url):
     b.close()
 
 
-def test_fetch_semantics(tmp_path):
-    c = client(tmp_path, 1, f"file://{tmp_path}/objects")
+def test_fetch_semantics(tmp_path, metadata_url):
+    c = client(tmp_path, 1, f"file://{tmp_path}/objects", metadata_url)
     s = c.create_stream()
     futs = [s.append(RecordBatch(bytes([i]) * 100, 10)) for i in range(50)]
     assert [f.result(10).base_offset for f in futs] == list(range(0, 500, 10))
@@ -107,16 +107,16 @@ def test_fetch_semantics(tmp_path):
     c.close()
 
 
-def test_bad_input(tmp_path):
+def test_bad_input(tmp_path, metadata_url):
     with pytest.raises(s3stream.ConfigError, match="split_size"):
         small_config(split_size=2 * MiB)
     with pytest.raises(s3stream.ConfigError, match="cache_size"):
         small_config(cache_size=1 * MiB)
     with pytest.raises(s3stream.ConfigError, match="node_id"):
-        client(tmp_path, -1, f"file://{tmp_path}/o")
+        client(tmp_path, -1, f"file://{tmp_path}/o", metadata_url)
     with pytest.raises(s3stream.ConfigError, match="scheme"):
-        client(tmp_path, 1, "ftp://nowhere")
-    c = client(tmp_path, 1, f"file://{tmp_path}/objects")
+        client(tmp_path, 1, "ftp://nowhere", metadata_url)
+    c = client(tmp_path, 1, f"file://{tmp_path}/objects", metadata_url)
     s = c.create_stream()
     with pytest.raises(s3stream.InvalidBatchError, match="count"):
         RecordBatch(b"x", 0)
@@ -135,9 +135,9 @@ def test_bad_input(tmp_path):
     c.close()
 
 
-def test_other_node_cannot_open_an_open_stream(tmp_path):
-    a = client(tmp_path, 1, f"file://{tmp_path}/objects")
-    b = client(tmp_path, 2, f"file://{tmp_path}/objects")
+def test_other_node_cannot_open_an_open_stream(tmp_path, metadata_url):
+    a = client(tmp_path, 1, f"file://{tmp_path}/objects", metadata_url)
+    b = client(tmp_path, 2, f"file://{tmp_path}/objects", metadata_url)
     s = a.create_stream()
     s.append(RecordBatch(b"a", 1)).result(10)
     with pytest.raises(s3stream.StreamNotClosedError):
@@ -152,8 +152,8 @@ def test_other_node_cannot_open_an_open_stream(tmp_path):
     b.close()
 
 
-def test_destroy(tmp_path):
-    c = client(tmp_path, 1, f"file://{tmp_path}/objects")
+def test_destroy(tmp_path, metadata_url):
+    c = client(tmp_path, 1, f"file://{tmp_path}/objects", metadata_url)
     s = c.create_stream()
     s.append(RecordBatch(b"x" * 1000, 1)).result(10)
     sid = s.stream_id

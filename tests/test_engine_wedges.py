@@ -12,9 +12,9 @@ import pytest
 
 import s3stream
 from s3stream import RecordBatch, StreamClient
-from s3stream.metadata import SqliteMetadataStore
+from s3stream.metadata import SqliteMetadataStore, open_metadata
 from s3stream.objectstore import FaultInjectingObjectStore, LocalObjectStore
-from conftest import KiB, MiB, small_config
+from conftest import KiB, MiB, lock_node_row, small_config
 from test_engine import read_all
 
 CONFIG = small_config(upload_threshold=256 * KiB, split_size=64 * KiB, cache_size=2 * MiB, reclaim_interval=None)
@@ -43,7 +43,23 @@ def closes_within(client: StreamClient, seconds: float, **kw) -> dict:
     return out
 
 
+def uploads_go_on_after_the_lock(client: StreamClient, s, release: threading.Timer) -> None:
+    """Appends through a metadata lock held until `release` runs: uploads were retried, none failed."""
+    for i in range(40):                                 # seals and uploads blocks meanwhile
+        s.append(RecordBatch(bytes([i]) * 16 * KiB, 1)).result()
+    release.join()
+    deadline = time.monotonic() + 60
+    while s.committed_offset < 32 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert s.committed_offset >= 32                     # uploads went on after the lock
+    stats = client.stats()["upload"]
+    assert stats["prepare_retries"] + stats["commit_retries"] > 0
+    assert client._uploader.failure is None
+    assert s.append(RecordBatch(b"later", 1)).result().base_offset == 40
+
+
 def test_metadata_locked_past_its_busy_timeout_is_retried(tmp_path):
+    """SQLite: another process holds the database's write lock (PostgreSQL: the next test)."""
     db = str(tmp_path / "meta.db")
     meta = SqliteMetadataStore(db, busy_timeout_s=0.05)
     client = StreamClient(1, str(tmp_path / "n1.wal"), LocalObjectStore(str(tmp_path / "objects")), meta, CONFIG)
@@ -54,17 +70,7 @@ def test_metadata_locked_past_its_busy_timeout_is_retried(tmp_path):
     release = threading.Timer(1.0, lambda: other.execute("COMMIT"))
     release.start()
     try:
-        for i in range(40):                                     # seals and uploads blocks meanwhile
-            s.append(RecordBatch(bytes([i]) * 16 * KiB, 1)).result()
-        release.join()
-        deadline = time.monotonic() + 60
-        while s.committed_offset < 32 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert s.committed_offset >= 32                         # uploads went on after the lock
-        stats = client.stats()["upload"]
-        assert stats["prepare_retries"] + stats["commit_retries"] > 0
-        assert client._uploader.failure is None
-        assert s.append(RecordBatch(b"later", 1)).result().base_offset == 40
+        uploads_go_on_after_the_lock(client, s, release)
     finally:
         release.cancel()
         client.close()
@@ -73,9 +79,25 @@ def test_metadata_locked_past_its_busy_timeout_is_retried(tmp_path):
     assert got == [bytes([i]) * 16 * KiB for i in range(40)] + [b"later"]
 
 
-def test_permanent_put_refusal_stops_uploads_at_once(tmp_path):
+def test_node_row_locked_past_the_lock_timeout_is_retried(tmp_path, pg_url):
+    """PostgreSQL: another session holds the node's row lock past the store's lock_timeout_s."""
+    meta = open_metadata(pg_url, lock_timeout_s=0.05)
+    client = StreamClient(1, str(tmp_path / "n1.wal"), LocalObjectStore(str(tmp_path / "objects")), meta, CONFIG)
+    s = client.create_stream()
+    release = lock_node_row(pg_url, 1, 1.0)            # 20x the lock timeout: every commit waits
+    try:
+        uploads_go_on_after_the_lock(client, s, release)
+    finally:
+        release.join()
+        client.close()
+        meta.close()
+    got = restart_and_read(tmp_path, LocalObjectStore(str(tmp_path / "objects")), pg_url, s.stream_id)
+    assert got == [bytes([i]) * 16 * KiB for i in range(40)] + [b"later"]
+
+
+def test_permanent_put_refusal_stops_uploads_at_once(tmp_path, metadata_url):
     store = FaultInjectingObjectStore(LocalObjectStore(str(tmp_path / "objects")))
-    meta = f"sqlite:///{tmp_path}/meta.db"
+    meta = metadata_url
     client = StreamClient(1, str(tmp_path / "n1.wal"), store, meta, CONFIG)
     s = client.create_stream()
     acked = []
@@ -96,9 +118,9 @@ def test_permanent_put_refusal_stops_uploads_at_once(tmp_path):
     assert restart_and_read(tmp_path, store, meta, s.stream_id)[:len(acked)] == acked
 
 
-def test_close_is_bounded_while_the_store_is_down(tmp_path):
+def test_close_is_bounded_while_the_store_is_down(tmp_path, metadata_url):
     store = FaultInjectingObjectStore(LocalObjectStore(str(tmp_path / "objects")))
-    meta = f"sqlite:///{tmp_path}/meta.db"
+    meta = metadata_url
     client = StreamClient(1, str(tmp_path / "n1.wal"), store, meta, CONFIG)
     s = client.create_stream()
     store.fail_puts_matching(lambda key: True)                  # down: every PUT fails, transiently
@@ -111,10 +133,10 @@ def test_close_is_bounded_while_the_store_is_down(tmp_path):
     assert restart_and_read(tmp_path, store, meta, s.stream_id) == [b"r%d" % i for i in range(10)]
 
 
-def test_default_close_timeout_comes_from_config(tmp_path):
+def test_default_close_timeout_comes_from_config(tmp_path, metadata_url):
     store = FaultInjectingObjectStore(LocalObjectStore(str(tmp_path / "objects")))
     config = small_config(close_timeout=0.5, reclaim_interval=None)
-    client = StreamClient(1, str(tmp_path / "n1.wal"), store, f"sqlite:///{tmp_path}/meta.db", config)
+    client = StreamClient(1, str(tmp_path / "n1.wal"), store, metadata_url, config)
     s = client.create_stream()
     store.fail_puts_matching(lambda key: True)
     s.append(RecordBatch(b"x", 1)).result()
@@ -123,11 +145,11 @@ def test_default_close_timeout_comes_from_config(tmp_path):
         small_config(close_timeout=0)
 
 
-def test_s3_no_such_bucket_is_permanent(moto_endpoint, tmp_path):
+def test_s3_no_such_bucket_is_permanent(moto_endpoint, tmp_path, metadata_url):
     """The real S3 path: the bucket is deleted under a running node."""
     bucket = "wedge-" + str(int(time.time() * 1000))
     url = f"s3://{bucket}/data?endpoint_url={moto_endpoint}&create_bucket=1&max_attempts=2"
-    meta = f"sqlite:///{tmp_path}/meta.db"
+    meta = metadata_url
     client = StreamClient(1, str(tmp_path / "n1.wal"), url, meta, CONFIG)
     s = client.create_stream()
     s3 = boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1",
@@ -146,9 +168,9 @@ def test_s3_no_such_bucket_is_permanent(moto_endpoint, tmp_path):
     assert got and all(p == bytes([i % 256]) * 4 * KiB for i, p in enumerate(got))
 
 
-def test_a_stream_close_that_runs_out_of_time_says_so_and_keeps_the_data(tmp_path):
+def test_a_stream_close_that_runs_out_of_time_says_so_and_keeps_the_data(tmp_path, metadata_url):
     store = FaultInjectingObjectStore(LocalObjectStore(str(tmp_path / "objects")))
-    meta = f"sqlite:///{tmp_path}/meta.db"
+    meta = metadata_url
     client = StreamClient(1, str(tmp_path / "n1.wal"), store, meta, CONFIG)
     s = client.create_stream()
     store.fail_puts_matching(lambda key: True)
@@ -161,14 +183,14 @@ def test_a_stream_close_that_runs_out_of_time_says_so_and_keeps_the_data(tmp_pat
     assert restart_and_read(tmp_path, store, meta, s.stream_id) == [b"kept"]
 
 
-def test_a_full_object_store_is_named_when_appends_back_up(tmp_path):
+def test_a_full_object_store_is_named_when_appends_back_up(tmp_path, metadata_url):
     """A store out of space (ENOSPC on every PUT, retried: space may come back) fills the cache;
     the append that times out names the store's error, not the WAL's capacity."""
     import errno
     store = FaultInjectingObjectStore(LocalObjectStore(str(tmp_path / "objects")))
     config = small_config(upload_threshold=256 * KiB, split_size=64 * KiB, cache_size=512 * KiB, append_timeout=0.5,
                           reclaim_interval=None)
-    client = StreamClient(1, str(tmp_path / "n1.wal"), store, f"sqlite:///{tmp_path}/meta.db", config)
+    client = StreamClient(1, str(tmp_path / "n1.wal"), store, metadata_url, config)
     s = client.create_stream()
     store.fail_next_puts(10**6, OSError(errno.ENOSPC, "No space left on device"))
     with pytest.raises(s3stream.WALFullError, match="No space left on device"):

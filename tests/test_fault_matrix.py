@@ -1,8 +1,11 @@
 """The fault matrix (issue 10): each object-store operation and metadata call failing, hanging or
 losing its response, on the local store (a failing wrapper) and on S3 through the moto server
 (faults injected on the real HTTP path by botocore's event hooks), with the same workload each
-time. Every cell must end with 0 acknowledged records lost and 0 committed objects missing;
-`pytest` prints the matrix as a table at the end of the run (conftest.pytest_terminal_summary)."""
+time, over SQLite and PostgreSQL metadata. Metadata faults are each store's own: SQLite's write
+lock held past its busy timeout; PostgreSQL's node row locked past its lock timeout, and the
+server terminating the store's sessions mid-upload. Every cell must end with 0 acknowledged
+records lost and 0 committed objects missing; `pytest` prints the matrix as a table at the end
+of the run (conftest.pytest_terminal_summary)."""
 from __future__ import annotations
 
 import random
@@ -17,9 +20,9 @@ from botocore.awsrequest import AWSResponse
 
 import s3stream
 from s3stream import RecordBatch, StreamClient
-from s3stream.metadata import ObjectState, SqliteMetadataStore
+from s3stream.metadata import ObjectState, open_metadata
 from s3stream.objectstore import FaultInjectingObjectStore, open_object_store
-from conftest import KiB, MiB, small_config
+from conftest import KiB, MiB, is_postgres, lock_node_row, small_config
 from test_engine_faults import LosingCommitResponses
 
 # 8 MiB blocks: a full block's StreamSetObject goes up as a multipart upload (threshold 5 MiB below).
@@ -94,8 +97,8 @@ def read_back(client, acked: dict, attempts: int = 50) -> tuple[int, list[str]]:
     return lost, errors
 
 
-def missing_committed(meta_path: str, store) -> int:
-    meta = SqliteMetadataStore(meta_path)
+def missing_committed(metadata_url: str, store) -> int:
+    meta = open_metadata(metadata_url)
     try:
         keys = {o.key for o in store.list()}
         return sum(1 for o in meta.list_objects(state=ObjectState.COMMITTED) if o.key not in keys)
@@ -107,17 +110,46 @@ def _events(store: FaultInjectingObjectStore, op: str, outcome: str) -> int:
     return sum(1 for e in store.events if e[0] == op and e[2] == outcome)
 
 
-def run_cell(tmp_path, store_kind: str, url: str, op: str, fault: str) -> None:
+class SessionTerminator(threading.Thread):
+    """Until stopped, the server ends every other session of the database (pg_terminate_backend)
+    every `interval` s: idle pooled connections and ones in the middle of a transaction alike.
+    `terminated` counts the sessions it ended, `busy` those of them that were in the middle of an
+    operation (not idle): the faults the engine had to retry through."""
+
+    def __init__(self, metadata_url: str, interval: float = 0.02) -> None:
+        import psycopg
+        super().__init__(daemon=True)
+        self.interval, self.terminated, self.busy = interval, 0, 0
+        self.stop = threading.Event()
+        self._conn = psycopg.connect(metadata_url, autocommit=True)
+
+    def run(self) -> None:
+        with self._conn as conn:
+            while True:
+                for ended, state in conn.execute(
+                        "SELECT pg_terminate_backend(pid), state FROM pg_stat_activity "
+                        "WHERE datname = current_database() AND pid <> pg_backend_pid()").fetchall():
+                    self.terminated += ended
+                    self.busy += ended and state != "idle"
+                if self.stop.wait(self.interval):
+                    return
+
+
+def run_cell(tmp_path, store_kind: str, url: str, metadata_url: str, op: str, fault: str) -> None:
     """One cell: arm the fault, run the workload through close, read everything back through a
     fresh node (with read faults armed for GET cells), reclaim (delete faults for DELETE cells).
     `fired` counts the faults that really happened, from the injectors' own records."""
-    meta_path = str(tmp_path / "meta.db")
+    metadata_kind = "postgres" if is_postgres(metadata_url) else "sqlite"
     inner = open_object_store(url)
     store = FaultInjectingObjectStore(inner)
-    meta = SqliteMetadataStore(meta_path, busy_timeout_s=0.05)
+    # A lock wait past 50 ms is MetadataBusyError, on either store.
+    meta = open_metadata(metadata_url, **{"postgres": dict(lock_timeout_s=0.05),
+                                          "sqlite": dict(busy_timeout_s=0.05)}[metadata_kind])
     rng = random.Random(zlib.crc32(f"{store_kind}/{op}/{fault}".encode()))
     # DELETE cells need StreamObjects (a trim destroys those; StreamSetObjects go by compaction).
     config = replace(CONFIG, split_size=1 * MiB) if op == "DeleteObjects" else CONFIG
+    if fault == "sessions terminated":         # many uploads while sessions end, not one or two
+        config = replace(CONFIG, upload_threshold=1 * MiB, split_size=1 * MiB, upload_interval=0.1)
     client = StreamClient(1, str(tmp_path / "n1.wal"), store,
                           LosingCommitResponses(meta, 2) if fault == "lost commit response" else meta, config)
     streams = [client.create_stream() for _ in range(3)]
@@ -125,17 +157,32 @@ def run_cell(tmp_path, store_kind: str, url: str, op: str, fault: str) -> None:
     if op == "put":
         {"fail": lambda: store.fail_next_puts(4), "hang": lambda: store.hang_puts(0.5),
          "lost response": lambda: store.put_timeout_after_landing(3)}[fault]()
-    locker = None
+    locker = terminator = None
     if fault == "locked":                       # another connection holds SQLite's write lock for 1 s
-        locker = sqlite3.connect(meta_path, isolation_level=None, check_same_thread=False)
+        locker = sqlite3.connect(metadata_url[len("sqlite:///"):], isolation_level=None, check_same_thread=False)
         locker.execute("BEGIN IMMEDIATE")
         threading.Timer(1.0, lambda: locker.execute("COMMIT")).start()
+    elif fault == "row locked":                 # another session holds node 1's row for 1 s
+        lock_node_row(metadata_url, 1, 1.0)
+    elif fault == "sessions terminated":
+        terminator = SessionTerminator(metadata_url)
+        terminator.start()
     acked = workload(streams, rng)
+    if terminator is not None:
+        # Sessions end all through the uploads (the tails too, by upload_interval) but not during
+        # the streams' close: the uploader retries MetadataBusyError, a close is not retried (its
+        # caller sees the error and may close again).
+        deadline = time.monotonic() + 60
+        while any(s.committed_offset < s.confirm_offset for s in streams) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        terminator.stop.set()
+        terminator.join()
     client.close_streams(streams, timeout=120)
     stats = client.stats()["upload"]
     fired = {"put": (_events(store, "put", "ok") if fault == "hang" else        # each waited 0.5 s
                      _events(store, "put", "injected_failure") + _events(store, "put", "timeout_after_landing")),
-             "metadata": stats["prepare_retries"] + stats["commit_retries"]}.get(op, http.hits if http else 0)
+             "metadata": (terminator.busy if terminator is not None          # ended mid-operation
+                          else stats["prepare_retries"] + stats["commit_retries"])}.get(op, http.hits if http else 0)
     store.clear()
     if http is not None:
         http.left = 0
@@ -143,7 +190,7 @@ def run_cell(tmp_path, store_kind: str, url: str, op: str, fault: str) -> None:
     if locker is not None:
         locker.close()
     # Read back through a fresh node: from the store (nothing in its cache).
-    reader_meta = SqliteMetadataStore(meta_path)
+    reader_meta = open_metadata(metadata_url)
     inner2 = open_object_store(url)
     store2 = FaultInjectingObjectStore(inner2)
     reader = StreamClient(2, str(tmp_path / "n2.wal"), store2, reader_meta, config)
@@ -177,9 +224,10 @@ def run_cell(tmp_path, store_kind: str, url: str, op: str, fault: str) -> None:
         assert left == [], f"objects the failed DELETE left were never deleted: {left}"
         lost, _ = read_back(reader, {sid: batches[-1:] for sid, batches in acked.items()})
     reader.close()
-    missing = missing_committed(meta_path, inner2)
+    reader_meta.close()
+    missing = missing_committed(metadata_url, inner2)
     inner2.close()
-    MATRIX.append(dict(store=store_kind, operation=op, fault=fault, faulted=fired,
+    MATRIX.append(dict(store=store_kind, metadata=metadata_kind, operation=op, fault=fault, faulted=fired,
                        acknowledged=sum(len(b) for b in acked.values()), lost=lost, committed_missing=missing,
                        errors_seen=sorted(set(errors))))
     assert fired > 0, "the fault never fired: the cell tested nothing"
@@ -189,18 +237,24 @@ def run_cell(tmp_path, store_kind: str, url: str, op: str, fault: str) -> None:
 S3_CELLS = [("PutObject", "fail"), ("PutObject", "hang"), ("CreateMultipartUpload", "fail"),
             ("UploadPart", "fail"), ("UploadPart", "hang"), ("GetObject", "fail"), ("GetObject", "hang"),
             ("DeleteObjects", "fail"), ("put", "lost response")]
-LOCAL_CELLS = [("put", "fail"), ("put", "hang"), ("put", "lost response"), ("get", "fail"), ("get", "corrupt"),
-               ("metadata", "locked"), ("metadata", "lost commit response")]
+# (metadata store, operation, fault): the object-store cells on both stores, each store's own
+# metadata faults on it alone.
+LOCAL_CELLS = ([(meta, op, fault) for meta in ("sqlite", "postgres")
+                for op, fault in [("put", "fail"), ("put", "hang"), ("put", "lost response"), ("get", "fail"),
+                                  ("get", "corrupt"), ("metadata", "lost commit response")]]
+               + [("sqlite", "metadata", "locked"),
+                  ("postgres", "metadata", "row locked"), ("postgres", "metadata", "sessions terminated")])
 
 
 @pytest.mark.parametrize("op,fault", S3_CELLS, ids=[f"{o}-{f}".replace(" ", "_") for o, f in S3_CELLS])
-def test_fault_matrix_s3(tmp_path, moto_endpoint, op, fault):
+def test_fault_matrix_s3(tmp_path, moto_endpoint, metadata_url, op, fault):
     bucket = f"fm-{random.getrandbits(32):08x}"
     url = (f"s3://{bucket}/data?endpoint_url={moto_endpoint}&create_bucket=1&max_attempts=2"
            f"&part_size={5 * MiB}&multipart_threshold={5 * MiB}")
-    run_cell(tmp_path, "s3 (moto)", url, op, fault)
+    run_cell(tmp_path, "s3 (moto)", url, metadata_url, op, fault)
 
 
-@pytest.mark.parametrize("op,fault", LOCAL_CELLS, ids=[f"{o}-{f}".replace(" ", "_") for o, f in LOCAL_CELLS])
-def test_fault_matrix_local(tmp_path, op, fault):
-    run_cell(tmp_path, "local", f"file://{tmp_path}/objects", op, fault)
+@pytest.mark.parametrize("metadata_url,op,fault", LOCAL_CELLS, indirect=["metadata_url"],
+                         ids=[f"{o}-{f}-{m}".replace(" ", "_") for m, o, f in LOCAL_CELLS])
+def test_fault_matrix_local(tmp_path, metadata_url, op, fault):
+    run_cell(tmp_path, "local", f"file://{tmp_path}/objects", metadata_url, op, fault)

@@ -15,13 +15,9 @@ from test_engine_model import crash
 CONFIG = small_config(upload_threshold=4 * MiB, cache_size=16 * MiB, reclaim_interval=None)
 
 
-def _urls(tmp_path):
-    return f"file://{tmp_path}/objects", f"sqlite:///{tmp_path}/meta.db"
-
-
-def read_on(tmp_path, wal_name: str, stream_id: int) -> list[bytes]:
+def read_on(tmp_path, metadata_url: str, wal_name: str, stream_id: int) -> list[bytes]:
     """Start node 1 with WAL `wal_name` and read the stream back."""
-    store, meta = _urls(tmp_path)
+    store, meta = f"file://{tmp_path}/objects", metadata_url
     client = StreamClient(1, str(tmp_path / wal_name), store, meta, CONFIG)
     try:
         return [bytes(p) for _, _, p in read_all(client.open_stream(stream_id))]
@@ -29,8 +25,8 @@ def read_on(tmp_path, wal_name: str, stream_id: int) -> list[bytes]:
         client.close()
 
 
-def test_second_instance_with_another_wal_is_refused_while_the_first_runs(tmp_path):
-    store, meta = _urls(tmp_path)
+def test_second_instance_with_another_wal_is_refused_while_the_first_runs(tmp_path, metadata_url):
+    store, meta = f"file://{tmp_path}/objects", metadata_url
     a = StreamClient(1, str(tmp_path / "a.wal"), store, meta, CONFIG)
     try:
         s = a.create_stream()
@@ -46,19 +42,19 @@ def test_second_instance_with_another_wal_is_refused_while_the_first_runs(tmp_pa
         a.close()
 
 
-def test_second_instance_recovers_the_old_wal_first(tmp_path):
-    store, meta = _urls(tmp_path)
+def test_second_instance_recovers_the_old_wal_first(tmp_path, metadata_url):
+    store, meta = f"file://{tmp_path}/objects", metadata_url
     a = StreamClient(1, str(tmp_path / "a.wal"), store, meta, CONFIG)
     s = a.create_stream()
     sid = s.stream_id
     for i in range(10):
         s.append(RecordBatch(b"r%d" % i, 1)).result()
     crash(a)                                   # the 10 records are only in a.wal
-    assert read_on(tmp_path, "b.wal", sid) == [b"r%d" % i for i in range(10)]
+    assert read_on(tmp_path, metadata_url, "b.wal", sid) == [b"r%d" % i for i in range(10)]
 
 
-def test_old_wal_unreadable_here_is_refused_by_name(tmp_path):
-    store, meta = _urls(tmp_path)
+def test_old_wal_unreadable_here_is_refused_by_name(tmp_path, metadata_url):
+    store, meta = f"file://{tmp_path}/objects", metadata_url
     a = StreamClient(1, str(tmp_path / "a.wal"), store, meta, CONFIG)
     s = a.create_stream()
     s.append(RecordBatch(b"x", 1)).result()
@@ -69,14 +65,14 @@ def test_old_wal_unreadable_here_is_refused_by_name(tmp_path):
     assert "a.wal" in str(e.value) and "fail_over" in str(e.value)
     # With the WAL back where the node left it, the node starts and nothing was lost.
     os.rename(tmp_path / "moved.wal", tmp_path / "a.wal")
-    assert read_on(tmp_path, "a.wal", s.stream_id) == [b"x"]
+    assert read_on(tmp_path, metadata_url, "a.wal", s.stream_id) == [b"x"]
 
 
-def test_a_node_with_no_open_streams_may_take_a_new_wal(tmp_path):
-    store, meta = _urls(tmp_path)
+def test_a_node_with_no_open_streams_may_take_a_new_wal(tmp_path, metadata_url):
+    store, meta = f"file://{tmp_path}/objects", metadata_url
     a = StreamClient(1, str(tmp_path / "a.wal"), store, meta, CONFIG)
     s = a.create_stream()
     s.append(RecordBatch(b"x", 1)).result()
     a.close()                                  # clean: everything uploaded, streams closed
     os.unlink(tmp_path / "a.wal")
-    assert read_on(tmp_path, "b.wal", s.stream_id) == [b"x"]
+    assert read_on(tmp_path, metadata_url, "b.wal", s.stream_id) == [b"x"]

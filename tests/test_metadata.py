@@ -46,26 +46,16 @@ def db_path(tmp_path):
     return str(tmp_path / "meta.db")
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
-def meta_url(request, tmp_path):
-    """The URL of a fresh metadata database: an SQLite file, or a PostgreSQL database."""
-    if request.param == "sqlite":
-        return str(tmp_path / "meta.db")
-    return request.getfixturevalue("pg_url")
+@pytest.fixture
+def meta_url(metadata_url):
+    """The URL of a fresh metadata database: an SQLite file, or a PostgreSQL database (conftest)."""
+    return metadata_url
 
 
 @pytest.fixture
-def open_same(meta_url):
+def open_same(open_same_metadata):
     """Open another store on the test's database (open_metadata keywords); closed at the end."""
-    opened = []
-
-    def open_(**kw):
-        opened.append(open_metadata(meta_url, **kw))
-        return opened[-1]
-
-    yield open_
-    for s in opened:
-        s.close()
+    return open_same_metadata
 
 
 @pytest.fixture

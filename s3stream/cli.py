@@ -32,7 +32,7 @@ from .client import WAL_RECORD
 from .cluster import Cluster, ClusterConfig, MigrationReport
 from .config import Config
 from .errors import S3StreamError
-from .metadata import MetadataStore, ObjectState, ObjectType, open_metadata
+from .metadata import MetadataStore, ObjectState, ObjectType, open_metadata, redact_url
 from .objectformat import FOOTER_SIZE, IndexEntry, read_blocks, read_index
 from .objectstore import LocalObjectStore, ObjectStore, open_object_store
 
@@ -113,7 +113,7 @@ def open_meta(url: str) -> MetadataStore:
     try:
         return open_metadata(url)
     except S3StreamError as e:
-        raise click.ClickException(f"cannot open metadata {url!r}: {e}") from e
+        raise click.ClickException(f"cannot open metadata {redact_url(url)!r}: {e}") from e
 
 
 def meta_option(fn: Callable) -> Callable:

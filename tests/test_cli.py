@@ -285,6 +285,8 @@ def test_streams_errors(tmp_path, engine_dir):
     fails(run("streams", "--meta", tmp_path / "dir.db"), 1, "is a directory")
     fails(run("streams", "--meta", "mysql://x/y"), 1, "unsupported metadata URL")
     fails(run("streams", "--meta", "postgresql://127.0.0.1:1/y"), 1, "cannot connect")   # nothing listens there
+    err = fails(run("streams", "--meta", "postgresql://u:s3cr3t@127.0.0.1:1/y"), 1, "postgresql://u:***@127.0.0.1:1/y")
+    assert "s3cr3t" not in err
     shutil.copy(engine_dir / "node1.wal", tmp_path / "notsqlite.db")
     fails(run("streams", "--meta", tmp_path / "notsqlite.db"), 1, "not a database")
     fails(run("streams"), 2, "Missing option '--meta'")

@@ -27,10 +27,25 @@ from __future__ import annotations
 
 import abc
 import hashlib
+import re
 import threading
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Sequence
+
+
+def redact_url(url: str) -> str:
+    """`url` with its password (URL user info or a password= parameter) replaced by ***."""
+    scheme, sep, rest = url.partition("://")
+    if sep:
+        netloc, slash, path = rest.partition("/")
+        if "@" in netloc:
+            userinfo, host = netloc.rsplit("@", 1)
+            if ":" in userinfo:
+                userinfo = userinfo.split(":", 1)[0] + ":***"
+            rest = f"{userinfo}@{host}{slash}{path}"
+        url = scheme + sep + rest
+    return re.sub(r"(password\s*=\s*)('[^']*'|[^&\s]*)", r"\1***", url)
 
 
 class StreamState(str, Enum):

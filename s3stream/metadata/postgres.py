@@ -52,7 +52,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-import re
 import threading
 import time
 import weakref
@@ -63,7 +62,7 @@ import psycopg.conninfo
 from psycopg_pool import ConnectionPool
 
 from ..errors import (ConfigError, MetadataBusyError, MetadataError, StreamFencedError, StreamNotClosedError)
-from .base import (ChangeFeed, CommitRequest, CommitResult, MetadataStore, NodeMeta, ObjectMeta, ObjectRef, ObjectState,
+from .base import (ChangeFeed, redact_url, CommitRequest, CommitResult, MetadataStore, NodeMeta, ObjectMeta, ObjectRef, ObjectState,
                    ObjectType, StreamMeta, StreamState, object_key)
 # The checks and loaders are the SQLite store's own: both stores must decide alike. They take any
 # connection-like object whose execute() takes qmark SQL; _Db adapts a psycopg connection.
@@ -809,15 +808,3 @@ def _password(url: str) -> str | None:
         return None
 
 
-def redact_url(url: str) -> str:
-    """`url` with its password (URL user info or a password= parameter) replaced by ***."""
-    scheme, sep, rest = url.partition("://")
-    if sep:
-        netloc, slash, path = rest.partition("/")
-        if "@" in netloc:
-            userinfo, host = netloc.rsplit("@", 1)
-            if ":" in userinfo:
-                userinfo = userinfo.split(":", 1)[0] + ":***"
-            rest = f"{userinfo}@{host}{slash}{path}"
-        url = scheme + sep + rest
-    return re.sub(r"(password\s*=\s*)('[^']*'|[^&\s]*)", r"\1***", url)

@@ -66,9 +66,7 @@ from .base import (ChangeFeed, redact_url, CommitRequest, CommitResult, Metadata
                    ObjectType, StreamMeta, StreamState, object_key)
 # The checks and loaders are the SQLite store's own: both stores must decide alike. They take any
 # connection-like object whose execute() takes qmark SQL; _Db adapts a psycopg connection.
-from .sqlite import (_COMMITTED, _MARK_DESTROYED, _NODE_COLUMNS, _PREPARED, _SO, _SSO, _check_append,
-                     _check_compaction, _check_node_epoch, _check_request_shape, _check_retry,
-                     _check_stream_epoch, _ids, _live_stream, _load_objects, _load_stream, _load_streams,
+from .sqlite import (_COMMITTED, _MARK_DESTROYED, _NODE_COLUMNS, _PREPARED, _SSO, _apply_commit, _check_node_epoch, _check_request_shape, _check_stream_epoch, _ids, _live_stream, _load_objects, _load_stream, _load_streams,
                      _mark_destroyed, _node_meta, _node_row)
 
 SCHEMA_VERSION = 1
@@ -496,67 +494,7 @@ class PostgresMetadataStore(MetadataStore):
             for stream_id in wanted:
                 if stream_id not in streams:
                     raise MetadataError(f"commit names stream {stream_id}, which does not exist")
-            end_offsets = {stream_id: stream.end_offset for stream_id, stream in streams.items()}
-            not_prepared = [i for i in object_ids if rows[i][0] != _PREPARED]
-            if not_prepared:
-                if len(not_prepared) < len(object_ids):
-                    prepared = [i for i in object_ids if i not in not_prepared]
-                    raise MetadataError(
-                        f"commit mixes PREPARED objects {prepared} with object {not_prepared[0]}"
-                        f" in state {rows[not_prepared[0]][0]}: a commit's objects must all be "
-                        f"PREPARED, or all COMMITTED by an earlier attempt of the same commit")
-                _check_retry(db, request, streams)
-                return CommitResult(end_offsets, already_committed=True)
-            for object_id in object_ids:
-                if rows[object_id][1] <= now:
-                    raise MetadataError(
-                        f"object {object_id} expired at {rows[object_id][1]} ns (now {now}): "
-                        f"its data may be deleted already; upload it again as a new object")
-            deleted = {stream_id for stream_id, stream in streams.items()
-                       if stream.state == StreamState.DELETED}
-            if request.compacted_ids:
-                _check_compaction(db, request, streams)
-            else:
-                for stream_id, group in itertools.groupby(ranges, key=lambda r: r.stream_id):
-                    if stream_id not in deleted:
-                        _check_append(request.node_id, streams[stream_id], list(group))
-
-            if request.sso is not None:
-                order_id = db.execute("SELECT COALESCE(MAX(order_id), 0) + 1 FROM objects "
-                                      "WHERE node_id = ?", (request.node_id,)).fetchone()[0]
-                db.execute("UPDATE objects SET state = ?, type = ?, size = ?, node_id = ?, "
-                           "order_id = ?, committed_ns = ? WHERE object_id = ?",
-                           (_COMMITTED, _SSO, request.sso.size, request.node_id, order_id, now,
-                            request.sso.object_id))
-                db.executemany("INSERT INTO sso_ranges VALUES (?, ?, ?, ?)",
-                               [(request.sso.object_id, r.stream_id, r.start_offset, r.end_offset)
-                                for r in request.sso.ranges if r.stream_id not in deleted])
-            for so in request.stream_objects:
-                if so.range.stream_id in deleted:
-                    # No stream holds it any more: committed straight into destruction.
-                    db.execute("UPDATE objects SET state = ?, type = ?, size = ?, "
-                               "committed_ns = ?, mark_destroyed_ns = ? WHERE object_id = ?",
-                               (_MARK_DESTROYED, _SO, so.size, now, now, so.object_id))
-                    continue
-                db.execute("UPDATE objects SET state = ?, type = ?, size = ?, committed_ns = ? "
-                           "WHERE object_id = ?", (_COMMITTED, _SO, so.size, now, so.object_id))
-                db.execute("INSERT INTO stream_objects VALUES (?, ?, ?, ?)",
-                           (so.object_id, so.range.stream_id, so.range.start_offset, so.range.end_offset))
-            _mark_destroyed(db, now, request.compacted_ids)
-            if not request.compacted_ids:
-                ends = []                   # (stream id, new end, index of its last range)
-                for stream_id, group in itertools.groupby(ranges, key=lambda r: r.stream_id):
-                    if stream_id not in deleted:
-                        ends.append((stream_id, list(group)[-1].end_offset, streams[stream_id].ranges[-1].index))
-                        end_offsets[stream_id] = ends[-1][1]
-                if ends:                    # one statement for all the streams, one for their ranges
-                    ids, new_ends, indexes = (list(column) for column in zip(*ends))
-                    db.execute("UPDATE streams SET end_offset = e.end_offset FROM unnest(?::bigint[], ?::bigint[]) "
-                               "AS e (stream_id, end_offset) WHERE streams.stream_id = e.stream_id", (ids, new_ends))
-                    db.execute("UPDATE ranges SET end_offset = e.end_offset FROM unnest(?::bigint[], ?::bigint[], "
-                               "?::bigint[]) AS e (stream_id, end_offset, range_index) WHERE ranges.stream_id = "
-                               "e.stream_id AND ranges.range_index = e.range_index", (ids, new_ends, indexes))
-            return CommitResult(end_offsets)
+            return _apply_commit(db, request, now, rows, streams, _set_stream_ends)
 
     def get_object(self, object_id: int) -> ObjectMeta:
         with self._transaction(write=False) as db:
@@ -689,6 +627,16 @@ class PostgresMetadataStore(MetadataStore):
 #: The channel every KV write notifies, with the key as its payload (keys are short; PostgreSQL
 #: takes payloads of up to 8,000 bytes).
 KV_CHANNEL = "s3stream_kv"
+
+
+def _set_stream_ends(db: "_Db", ends: list[tuple[int, int, int]]) -> None:
+    """Every stream's end and its last range's end, one statement each."""
+    ids, new_ends, indexes = (list(column) for column in zip(*ends))
+    db.execute("UPDATE streams SET end_offset = e.end_offset FROM unnest(?::bigint[], ?::bigint[]) "
+               "AS e (stream_id, end_offset) WHERE streams.stream_id = e.stream_id", (ids, new_ends))
+    db.execute("UPDATE ranges SET end_offset = e.end_offset FROM unnest(?::bigint[], ?::bigint[], ?::bigint[]) "
+               "AS e (stream_id, end_offset, range_index) WHERE ranges.stream_id = e.stream_id "
+               "AND ranges.range_index = e.range_index", (ids, new_ends, indexes))
 
 
 def _notify(db: "_Db", key: str) -> None:

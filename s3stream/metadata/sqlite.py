@@ -401,67 +401,7 @@ class SqliteMetadataStore(MetadataStore):
                 except StreamNotFoundError:
                     raise MetadataError(f"commit names stream {stream_id}, which does not "
                                         f"exist") from None
-            end_offsets = {stream_id: stream.end_offset for stream_id, stream in streams.items()}
-            not_prepared = [i for i in object_ids if rows[i][0] != _PREPARED]
-            if not_prepared:
-                if len(not_prepared) < len(object_ids):
-                    prepared = [i for i in object_ids if i not in not_prepared]
-                    raise MetadataError(
-                        f"commit mixes PREPARED objects {prepared} with object {not_prepared[0]}"
-                        f" in state {rows[not_prepared[0]][0]}: a commit's objects must all be "
-                        f"PREPARED, or all COMMITTED by an earlier attempt of the same commit")
-                _check_retry(db, request, streams)
-                return CommitResult(end_offsets, already_committed=True)
-            for object_id in object_ids:
-                if rows[object_id][1] <= now:
-                    raise MetadataError(
-                        f"object {object_id} expired at {rows[object_id][1]} ns (now {now}): "
-                        f"its data may be deleted already; upload it again as a new object")
-            deleted = {stream_id for stream_id, stream in streams.items()
-                       if stream.state == StreamState.DELETED}
-            if request.compacted_ids:
-                _check_compaction(db, request, streams)
-            else:
-                for stream_id, group in itertools.groupby(ranges, key=lambda r: r.stream_id):
-                    if stream_id not in deleted:
-                        _check_append(request.node_id, streams[stream_id], list(group))
-
-            if request.sso is not None:
-                order_id = db.execute("SELECT COALESCE(MAX(order_id), 0) + 1 FROM objects "
-                                      "WHERE node_id = ?", (request.node_id,)).fetchone()[0]
-                db.execute("UPDATE objects SET state = ?, type = ?, size = ?, node_id = ?, "
-                           "order_id = ?, committed_ns = ? WHERE object_id = ?",
-                           (_COMMITTED, _SSO, request.sso.size, request.node_id, order_id, now,
-                            request.sso.object_id))
-                db.executemany("INSERT INTO sso_ranges VALUES (?, ?, ?, ?)",
-                               [(request.sso.object_id, r.stream_id, r.start_offset,
-                                 r.end_offset)
-                                for r in request.sso.ranges if r.stream_id not in deleted])
-            for so in request.stream_objects:
-                if so.range.stream_id in deleted:
-                    # No stream holds it any more: committed straight into destruction.
-                    db.execute("UPDATE objects SET state = ?, type = ?, size = ?, "
-                               "committed_ns = ?, mark_destroyed_ns = ? WHERE object_id = ?",
-                               (_MARK_DESTROYED, _SO, so.size, now, now, so.object_id))
-                    continue
-                db.execute("UPDATE objects SET state = ?, type = ?, size = ?, committed_ns = ? "
-                           "WHERE object_id = ?", (_COMMITTED, _SO, so.size, now, so.object_id))
-                db.execute("INSERT INTO stream_objects VALUES (?, ?, ?, ?)",
-                           (so.object_id, so.range.stream_id, so.range.start_offset,
-                            so.range.end_offset))
-            _mark_destroyed(db, now, request.compacted_ids)
-            if not request.compacted_ids:
-                for stream_id, group in itertools.groupby(ranges, key=lambda r: r.stream_id):
-                    if stream_id in deleted:
-                        continue
-                    new_end = list(group)[-1].end_offset
-                    db.execute("UPDATE streams SET end_offset = ? WHERE stream_id = ?",
-                               (new_end, stream_id))
-                    db.execute("UPDATE ranges SET end_offset = ? WHERE stream_id = ? AND "
-                               "range_index = ?",
-                               (new_end, stream_id, streams[stream_id].ranges[-1].index))
-                    end_offsets[stream_id] = new_end
-            return CommitResult(end_offsets)
+            return _apply_commit(db, request, now, rows, streams, _set_stream_ends)
 
     def get_object(self, object_id: int) -> ObjectMeta:
         with self._transaction(write=False) as db:
@@ -576,6 +516,80 @@ class SqliteMetadataStore(MetadataStore):
 
 
 # ---- helpers (all run inside a transaction) ----------------------------------------------------
+
+def _apply_commit(db, request: CommitRequest, now: int, rows: dict[int, tuple],
+                  streams: dict[int, StreamMeta], set_ends) -> CommitResult:
+    """The part of a commit both stores share, once the node epoch is checked and the objects'
+    (state, expire_ns) `rows` and the request's `streams` are loaded (under the store's locks):
+    the retry, expiry, append and compaction checks, then the writes. `set_ends(db, ends)`
+    moves each stream's end and its last range's end, ends = [(stream id, end, range index)]."""
+    ranges = request.all_ranges()
+    object_ids = request.object_ids()
+    end_offsets = {stream_id: stream.end_offset for stream_id, stream in streams.items()}
+    not_prepared = [i for i in object_ids if rows[i][0] != _PREPARED]
+    if not_prepared:
+        if len(not_prepared) < len(object_ids):
+            prepared = [i for i in object_ids if i not in not_prepared]
+            raise MetadataError(
+                f"commit mixes PREPARED objects {prepared} with object {not_prepared[0]}"
+                f" in state {rows[not_prepared[0]][0]}: a commit's objects must all be "
+                f"PREPARED, or all COMMITTED by an earlier attempt of the same commit")
+        _check_retry(db, request, streams)
+        return CommitResult(end_offsets, already_committed=True)
+    for object_id in object_ids:
+        if rows[object_id][1] <= now:
+            raise MetadataError(
+                f"object {object_id} expired at {rows[object_id][1]} ns (now {now}): "
+                f"its data may be deleted already; upload it again as a new object")
+    deleted = {stream_id for stream_id, stream in streams.items()
+               if stream.state == StreamState.DELETED}
+    if request.compacted_ids:
+        _check_compaction(db, request, streams)
+    else:
+        for stream_id, group in itertools.groupby(ranges, key=lambda r: r.stream_id):
+            if stream_id not in deleted:
+                _check_append(request.node_id, streams[stream_id], list(group))
+
+    if request.sso is not None:
+        order_id = db.execute("SELECT COALESCE(MAX(order_id), 0) + 1 FROM objects "
+                              "WHERE node_id = ?", (request.node_id,)).fetchone()[0]
+        db.execute("UPDATE objects SET state = ?, type = ?, size = ?, node_id = ?, "
+                   "order_id = ?, committed_ns = ? WHERE object_id = ?",
+                   (_COMMITTED, _SSO, request.sso.size, request.node_id, order_id, now,
+                    request.sso.object_id))
+        db.executemany("INSERT INTO sso_ranges VALUES (?, ?, ?, ?)",
+                       [(request.sso.object_id, r.stream_id, r.start_offset,
+                         r.end_offset)
+                        for r in request.sso.ranges if r.stream_id not in deleted])
+    for so in request.stream_objects:
+        if so.range.stream_id in deleted:
+            # No stream holds it any more: committed straight into destruction.
+            db.execute("UPDATE objects SET state = ?, type = ?, size = ?, "
+                       "committed_ns = ?, mark_destroyed_ns = ? WHERE object_id = ?",
+                       (_MARK_DESTROYED, _SO, so.size, now, now, so.object_id))
+            continue
+        db.execute("UPDATE objects SET state = ?, type = ?, size = ?, committed_ns = ? "
+                   "WHERE object_id = ?", (_COMMITTED, _SO, so.size, now, so.object_id))
+        db.execute("INSERT INTO stream_objects VALUES (?, ?, ?, ?)",
+                   (so.object_id, so.range.stream_id, so.range.start_offset,
+                    so.range.end_offset))
+    _mark_destroyed(db, now, request.compacted_ids)
+    if not request.compacted_ids:
+        ends = []
+        for stream_id, group in itertools.groupby(ranges, key=lambda r: r.stream_id):
+            if stream_id not in deleted:
+                ends.append((stream_id, list(group)[-1].end_offset, streams[stream_id].ranges[-1].index))
+                end_offsets[stream_id] = ends[-1][1]
+        if ends:
+            set_ends(db, ends)
+    return CommitResult(end_offsets)
+
+
+def _set_stream_ends(db: sqlite3.Connection, ends: list[tuple[int, int, int]]) -> None:
+    db.executemany("UPDATE streams SET end_offset = ? WHERE stream_id = ?", [(end, sid) for sid, end, _ in ends])
+    db.executemany("UPDATE ranges SET end_offset = ? WHERE stream_id = ? AND range_index = ?",
+                   [(end, sid, index) for sid, end, index in ends])
+
 
 def _ids(cursor: sqlite3.Cursor) -> list[int]:
     return [row[0] for row in cursor]

@@ -6,7 +6,7 @@ S3StreamError.
 from .client import StreamClient
 from .config import Config
 from .errors import (
-    AppendFailedError, ConfigError, CorruptDataError, InvalidArgumentError, InvalidBatchError, MetadataBusyError,
+    AppendFailedError, ConfigError, CorruptDataError, FencedLeaderError, InvalidArgumentError, InvalidBatchError, MetadataBusyError,
     MetadataError, NodeConflictError, ObjectNotFoundError, ObjectStoreError, ObjectStorePermanentError,
     OffsetOutOfRangeError, OperationTimeoutError, S3StreamError, StreamClosedError, StreamFencedError, StreamNotClosedError,
     StreamNotFoundError, UnsupportedFormatError, WALCorruptError, WALError, WALFullError,
@@ -16,7 +16,7 @@ from .stream import Stream
 
 __all__ = [
     "AppendFailedError", "AppendFuture", "AppendResult", "Config", "ConfigError", "CorruptDataError",
-    "FetchResult", "FetchedBatch", "InvalidArgumentError", "InvalidBatchError", "MetadataBusyError",
+    "FencedLeaderError", "FetchResult", "FetchedBatch", "InvalidArgumentError", "InvalidBatchError", "MetadataBusyError",
     "MetadataError", "NodeConflictError", "ObjectNotFoundError", "ObjectStoreError",
     "ObjectStorePermanentError", "OffsetOutOfRangeError", "OperationTimeoutError", "RecordBatch",
     "S3StreamError", "Stream", "StreamClient", "StreamClosedError", "StreamFencedError", "StreamNotClosedError",

@@ -31,8 +31,9 @@ from typing import Callable
 
 from .client import StreamClient
 from .config import Config
-from .errors import ConfigError, S3StreamError, StreamFencedError, StreamNotClosedError
+from .errors import ConfigError, FencedLeaderError, S3StreamError, StreamFencedError, StreamNotClosedError
 from .failover import FailoverReport, fail_over
+from .loadreport import LoadReporter
 from .metadata import MetadataStore
 from .objectstore import ObjectStore
 
@@ -47,7 +48,9 @@ class ClusterConfig:
         each change and pass at least this often anyway. heartbeat_interval / heartbeat_timeout: a node silent for the timeout is failed over
         (if auto_failover). migration_timeout: seconds a migration waits for the source to let go
         before fencing and failing it over. max_parallel_moves: partitions a node opens or closes
-        at once (the agent's thread bound)."""
+        at once (the agent's thread bound). report_interval: seconds between a node's load reports
+        (s3stream.loadreport: per-partition bytes in/out per second over the last report_window
+        seconds, and append/fetch p99), which the balancer reads."""
     agent_interval: float = 0.02
     push_fallback_interval: float = 0.5
     heartbeat_interval: float = 0.5
@@ -55,10 +58,12 @@ class ClusterConfig:
     migration_timeout: float = 10.0
     max_parallel_moves: int = 4
     auto_failover: bool = True
+    report_interval: float = 1.0
+    report_window: float = 10.0
 
     def __post_init__(self) -> None:
         for name in ("agent_interval", "push_fallback_interval", "heartbeat_interval", "heartbeat_timeout",
-                     "migration_timeout"):
+                     "migration_timeout", "report_interval", "report_window"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be positive seconds, got {getattr(self, name)}")
         if self.heartbeat_timeout <= 2 * self.heartbeat_interval:
@@ -101,7 +106,6 @@ class Cluster:
         self.config = config or ClusterConfig()
         self.engine_config = engine_config
         self.clock = clock
-        self._lock = threading.Lock()
 
     # ---- assignment ----------------------------------------------------------------------------
 
@@ -111,13 +115,22 @@ class Cluster:
     def assignments(self) -> dict[str, dict]:
         return {k.split("/", 1)[1]: json.loads(v) for k, v in self.meta.list_kv("assignment/").items()}
 
-    def assign(self, name: str, node_id: int) -> int:
-        """Point the partition at `node_id`; returns the new assignment version."""
-        with self._lock:
-            current = self.assignment(name)
-            version = (current["version"] if current else 0) + 1
-            _put(self.meta, f"assignment/{name}", {"node": node_id, "version": version})
-            return version
+    def assign(self, name: str, node_id: int, guard: tuple[str, bytes] | None = None) -> int:
+        """Point the partition at `node_id`; returns the new assignment version. The version is
+        bumped by compare-and-set, so concurrent assigners (any host) never reuse one. With
+        `guard` = (KV key, value), the write happens only while that key holds that value (a
+        leader's lease: see s3stream.balancer.lease); else FencedLeaderError."""
+        key = f"assignment/{name}"
+        while True:
+            raw = self.meta.get_kv(key)
+            version = (json.loads(raw)["version"] if raw is not None else 0) + 1
+            value = json.dumps({"node": node_id, "version": version}).encode()
+            if self.meta.replace_kv(key, raw, value, guard=guard):
+                return version
+            if guard is not None and self.meta.get_kv(guard[0]) != guard[1]:
+                raise FencedLeaderError(
+                    f"not assigning {name!r} to node {node_id}: {guard[0]!r} no longer holds this "
+                    "leader's lease (another leader took over); the deposed leader stops acting")
 
     def owner(self, name: str) -> int | None:
         """The node the partition is open on now (None while it moves)."""
@@ -153,10 +166,11 @@ class Cluster:
         finally:
             feed.close()
 
-    def migrate(self, name: str, to_node: int, timeout: float | None = None) -> MigrationReport:
+    def migrate(self, name: str, to_node: int, timeout: float | None = None,
+                guard: tuple[str, bytes] | None = None) -> MigrationReport:
         """Move a partition to `to_node`: the source closes it (force upload of its tail), the
         target opens it with a new epoch. Falls back to fencing + failover of the source if it
-        does not let go within the timeout."""
+        does not let go within the timeout. `guard`: as for `assign` (a leader's lease)."""
         timeout = self.config.migration_timeout if timeout is None else timeout
         if to_node not in self.live_nodes():
             raise S3StreamError(
@@ -165,7 +179,7 @@ class Cluster:
         current = self.assignment(name)
         source = current["node"] if current else None
         t0 = time.perf_counter()
-        version = self.assign(name, to_node)
+        version = self.assign(name, to_node, guard=guard)
         opened = self.wait_open(name, version, timeout)
         failed_over = False
         if opened is None and source is not None and source != to_node:
@@ -240,6 +254,8 @@ class NodeAgent:
         self._pool = ThreadPoolExecutor(max_workers=self.config.max_parallel_moves,
                                         thread_name_prefix=f"agent-{self.node_id}")
         self._last_heartbeat = 0.0
+        self._reporter = LoadReporter(self.node_id, self.config.report_window)
+        self._last_report = 0.0
         # Opened before the first pass reads the assignments, so no change in between is missed.
         self._feed = client._meta.kv_changes(("assignment/", "closed/"))
         self._retry_soon = False
@@ -281,8 +297,10 @@ class NodeAgent:
             self._retry_soon = False
             self._stop.wait(self.config.agent_interval)
             return
-        heartbeat_due = self._last_heartbeat + self.config.heartbeat_interval - time.monotonic()
-        self._feed.wait(max(0.0, min(self.config.push_fallback_interval, heartbeat_due)))
+        now = time.monotonic()
+        due = min(self._last_heartbeat + self.config.heartbeat_interval,
+                  self._last_report + self.config.report_interval) - now
+        self._feed.wait(max(0.0, min(self.config.push_fallback_interval, due)))
 
     def _pass(self) -> None:
         now = time.monotonic()
@@ -291,6 +309,9 @@ class NodeAgent:
             self._last_heartbeat = now
             if self.config.auto_failover:
                 self._fail_over_dead_peers()
+        if now - self._last_report >= self.config.report_interval:
+            self._reporter.publish(self.client._meta, self.client.partitions())
+            self._last_report = now
         assigned = self.cluster.assignments()
         mine = {name: a["version"] for name, a in assigned.items() if a["node"] == self.node_id}
         open_now = {p.name: p for p in self.client.partitions()}

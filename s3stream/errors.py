@@ -116,6 +116,11 @@ class NodeConflictError(S3StreamError):
     here would fence it and lose what that WAL holds. The message names both WALs and the fix."""
 
 
+class FencedLeaderError(S3StreamError):
+    """A leader (the balancer's) acted after its lease passed to another: the write was refused,
+    nothing changed. The deposed leader stops; the new one plans from the current state."""
+
+
 class WALCorruptError(WALError):
     """The WAL cannot be recovered as it is: damage in the middle of the log with acknowledged
     records after it (`bad_offset`, `resync_offset`, `end`, `records_after` are set, and the
@@ -136,8 +141,8 @@ class WALCorruptError(WALError):
 
 
 __all__ = [
-    "ConfigError", "CorruptDataError", "InvalidArgumentError", "InvalidBatchError", "MetadataBusyError",
-    "MetadataError", "NodeConflictError", "ObjectNotFoundError", "ObjectStoreError",
+    "ConfigError", "CorruptDataError", "FencedLeaderError", "InvalidArgumentError", "InvalidBatchError",
+    "MetadataBusyError", "MetadataError", "NodeConflictError", "ObjectNotFoundError", "ObjectStoreError",
     "ObjectStorePermanentError", "OffsetOutOfRangeError", "OperationTimeoutError", "S3StreamError",
     "StreamClosedError", "StreamFencedError", "StreamNotClosedError", "StreamNotFoundError", "WALCorruptError",
     "WALError", "WALFullError",

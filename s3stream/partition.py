@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .errors import S3StreamError, StreamClosedError, StreamFencedError
+from .loadreport import SAMPLE_EVERY, TrafficMeter
 from .recordbatch import AppendResult, FetchResult, RecordBatch
 
 if TYPE_CHECKING:
@@ -78,6 +80,7 @@ class Partition:
         self.checkpoint = checkpoint
         self._closing = False
         self._lock = threading.Lock()
+        self.meter = TrafficMeter()      # traffic here, for the node's load reports
 
     @property
     def leader_epoch(self) -> int:
@@ -95,18 +98,33 @@ class Partition:
         if self._closing:
             raise PartitionMovedError(self.name, f"partition {self.name!r} is closing on node "
                                                  f"{self._client.node_id}: retry on its new owner")
+        m = self.meter
+        sample = m.appends % SAMPLE_EVERY == 0
+        submitted = time.monotonic_ns() if sample else 0
         try:
-            return self.log.append(batch)
+            future = self.log.append(batch)
         except (StreamClosedError, StreamFencedError) as e:
             raise PartitionMovedError(self.name, f"partition {self.name!r} moved away from node "
                                                  f"{self._client.node_id}: {e}") from e
+        m.appends += 1
+        m.bytes_in += len(batch.payload)
+        if sample:
+            m.append_samples.append((submitted, future))
+        return future
 
     def fetch(self, start_offset: int, end_offset: int | None = None, max_bytes: int = 1 << 20) -> FetchResult:
-        return self.log.fetch(start_offset, end_offset, max_bytes)
+        m = self.meter
+        sample = m.fetches % SAMPLE_EVERY == 0
+        t0 = time.perf_counter() if sample else 0.0
+        result = self.log.fetch(start_offset, end_offset, max_bytes)
+        m.fetches += 1
+        m.bytes_out += result.total_bytes
+        if sample:
+            m.fetch_ms.append((time.perf_counter() - t0) * 1e3)
+        return result
 
     def close(self) -> CloseReport:
         """Stop appends, force-upload the data streams' tails, checkpoint clean, close."""
-        import time
         t0 = time.perf_counter()
         with self._lock:
             if self._closing:

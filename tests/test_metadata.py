@@ -640,6 +640,41 @@ def test_put_kv_if_absent_has_one_winner(open_same):
     assert len(set(results)) == 1 and len(results) == 4
 
 
+def test_replace_kv_compares_key_and_guard(store):
+    assert store.replace_kv("k", None, b"1")                 # absent -> created
+    assert not store.replace_kv("k", None, b"2")             # no longer absent
+    assert not store.replace_kv("k", b"0", b"2")             # wrong expected value
+    assert store.get_kv("k") == b"1"
+    assert store.replace_kv("k", b"1", b"2") and store.get_kv("k") == b"2"
+    store.put_kv("lease", b"epoch-1")
+    assert not store.replace_kv("k", b"2", b"3", guard=("lease", b"epoch-0"))   # stale token
+    assert not store.replace_kv("k", b"2", b"3", guard=("nolease", b"epoch-1"))  # guard absent
+    assert store.get_kv("k") == b"2"
+    assert store.replace_kv("k", b"2", b"3", guard=("lease", b"epoch-1")) and store.get_kv("k") == b"3"
+
+
+def test_replace_kv_has_one_winner_per_value(open_same):
+    """Four stores race to advance a counter by compare-and-set: every increment is counted once."""
+    stores = [open_same() for _ in range(4)]
+    stores[0].put_kv("n", b"0")
+    wins = []
+
+    def bump(s):
+        done = 0
+        while done < 10:
+            current = s.get_kv("n")
+            if s.replace_kv("n", current, str(int(current) + 1).encode()):
+                done += 1
+        wins.append(done)
+
+    threads = [threading.Thread(target=bump, args=(s,)) for s in stores]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert wins == [10] * 4 and stores[0].get_kv("n") == b"40"
+
+
 # ---- concurrency -------------------------------------------------------------------------------
 
 def test_threads_share_one_store(store):

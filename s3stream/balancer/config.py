@@ -29,7 +29,9 @@ class BalancerConfig:
         still says 0.2 (the value of earlier releases). We follow the code: 0.1.
     distribution_linear_range: bytes/s of deviation beyond the band over which a node's score falls
         linearly from 1.0 to 0.1, before it decays logarithmically towards 0 (the article's `var`).
-        AutoMQ uses the node's network baseline bandwidth, 1 GiB/s by default.
+        AutoMQ uses the node's network baseline bandwidth, 1 GiB/s by default; ours is 0, which
+        stands for the mean node traffic (scale-free: scores of nodes carrying KiB/s or GiB/s
+        alike say how far out of the band they are; see goals._Distribution).
     bytes_in_weight / bytes_out_weight: weights of the two soft goals in an action's combined score
         (article: weighted sum of normalised scores). AutoMQ: 1.0 each.
     min_action_load_ratio: a move whose traffic change on the goal's resource is below this fraction
@@ -54,6 +56,11 @@ class BalancerConfig:
     loop_interval_s: seconds between two balancing rounds. AutoMQ: anomaly detect interval 60 s.
     metrics_window_s: metrics reports older than this are ignored (a node without a fresh report
         has unknown load). AutoMQ: accepted metrics delay 1 min.
+    settle_s: seconds after a round that moved partitions before the next plan, so that the
+        nodes' reports describe the new placement (a moved partition's rate restarts on its new
+        node). Ours: 10 s, a report window.
+    lease_ttl_s: the balancer's lease lasts this long unless renewed (every third of it): the
+        longest a dead leader delays its successor. Ours: 15 s.
     slow_append_p99_ms / slow_fetch_p99_ms: a node whose reported append / fetch p99 latency
         exceeds this is slow and receives no partitions. AutoMQ flags a broker slow when its
         pending append or fetch latency passes 10 s (`AbnormalLatency(10000)`).
@@ -63,7 +70,7 @@ class BalancerConfig:
     bytes_out_detect_threshold: float = 1 * MiB
     bytes_in_deviation_ratio: float = 0.1
     bytes_out_deviation_ratio: float = 0.1
-    distribution_linear_range: float = 1 * GiB
+    distribution_linear_range: float = 0.0
     bytes_in_weight: float = 1.0
     bytes_out_weight: float = 1.0
     min_action_load_ratio: float = 0.001
@@ -76,6 +83,8 @@ class BalancerConfig:
     action_rate_limit_per_s: float = 10.0
     loop_interval_s: float = 60.0
     metrics_window_s: float = 60.0
+    settle_s: float = 10.0
+    lease_ttl_s: float = 15.0
     slow_append_p99_ms: float = 10_000.0
     slow_fetch_p99_ms: float = 10_000.0
 
@@ -103,15 +112,17 @@ class BalancerConfig:
                 raise ConfigError(f"BalancerConfig.{name} must be >= 0 bytes/s (0 balances any traffic), "
                                   f"got {getattr(self, name)!r}")
         # The logarithmic tail of the broker score divides by log(band + range): it must exceed 1.
-        if self.distribution_linear_range < 1.0:
-            raise ConfigError(f"BalancerConfig.distribution_linear_range must be at least 1 byte/s, got "
-                              f"{self.distribution_linear_range!r}; AutoMQ uses the network baseline, 1 GiB/s")
+        if self.distribution_linear_range != 0 and self.distribution_linear_range < 1.0:
+            raise ConfigError(f"BalancerConfig.distribution_linear_range must be 0 (the mean node traffic) or at "
+                              f"least 1 byte/s, got {self.distribution_linear_range!r}; AutoMQ uses the network "
+                              f"baseline, 1 GiB/s")
         for name in ("bytes_in_weight", "bytes_out_weight"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"BalancerConfig.{name} must be >= 0 (0 disables the goal's vote), "
                                   f"got {getattr(self, name)!r}")
         for name in ("bytes_in_cap_per_node", "bytes_out_cap_per_node", "action_rate_limit_per_s",
-                     "loop_interval_s", "metrics_window_s", "slow_append_p99_ms", "slow_fetch_p99_ms"):
+                     "loop_interval_s", "metrics_window_s", "settle_s", "lease_ttl_s", "slow_append_p99_ms",
+                     "slow_fetch_p99_ms"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"BalancerConfig.{name} must be > 0, got {getattr(self, name)!r}; "
                                   f"pass e.g. {_default(name)!r}")

@@ -301,6 +301,11 @@ class _Distribution(Goal):
     scores above 0.5 even when neither reaches the band (the article's {false,false} =>
     {false,false} example), and the reverse move scores below 0.5.
 
+    linear_range 0 (the default) stands for the mean itself: a node one mean beyond the band
+    scores 0.1, at any scale. AutoMQ's absolute 1 GiB/s (a broker's baseline bandwidth) makes the
+    scores of nodes carrying MiB/s differ only in the fifth decimal, which ranks moves alike but
+    explains nothing; relative to the mean, an action's score says how much it helps.
+
     Judged nodes: the balanced ones (alive, not excluded, metrics fresh); the mean is over them.
     """
 
@@ -328,9 +333,10 @@ class _Distribution(Goal):
         ua = abs(value - band.mean)
         if ua <= band.deviation:
             return 1.0
-        var = band.deviation + self.linear_range
+        span = self.linear_range or max(band.mean, 2.0)
+        var = band.deviation + span
         if ua <= var:
-            return 1.0 - 0.9 * (ua - band.deviation) / self.linear_range
+            return 1.0 - 0.9 * (ua - band.deviation) / span
         return 0.1 * math.log(var) / math.log(ua)
 
     def _value_acceptable(self, band: _Band, value: float) -> bool:

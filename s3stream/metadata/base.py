@@ -351,6 +351,15 @@ class MetadataStore(abc.ABC):
         """Store `value` unless the key exists; returns the value now stored."""
 
     @abc.abstractmethod
+    def replace_kv(self, key: str, expected: bytes | None, value: bytes,
+                   guard: tuple[str, bytes] | None = None) -> bool:
+        """Compare and set, in one transaction: store `value` if the key's value is `expected`
+        (None: the key is absent) and, when `guard` = (key, value) is given, the guard key holds
+        exactly that value. True if written. A guard is a fencing token: a leader writes only
+        while its lease (the guard) is still the one it holds, so a deposed leader's write is
+        refused even if it does not know yet that it was deposed."""
+
+    @abc.abstractmethod
     def delete_kv(self, key: str) -> None: ...
 
     @abc.abstractmethod

@@ -66,8 +66,9 @@ from .base import (ChangeFeed, redact_url, CommitRequest, CommitResult, Metadata
                    ObjectType, StreamMeta, StreamState, object_key)
 # The checks and loaders are the SQLite store's own: both stores must decide alike. They take any
 # connection-like object whose execute() takes qmark SQL; _Db adapts a psycopg connection.
-from .sqlite import (_COMMITTED, _MARK_DESTROYED, _NODE_COLUMNS, _PREPARED, _SSO, _apply_commit, _check_node_epoch, _check_request_shape, _check_stream_epoch, _ids, _live_stream, _load_objects, _load_stream, _load_streams,
-                     _mark_destroyed, _node_meta, _node_row)
+from .sqlite import (_COMMITTED, _MARK_DESTROYED, _NODE_COLUMNS, _PREPARED, _SSO, _apply_commit, _check_node_epoch,
+                     _check_request_shape, _check_stream_epoch, _ids, _kv_holds, _live_stream, _load_objects,
+                     _load_stream, _load_streams, _mark_destroyed, _node_meta, _node_row)
 
 SCHEMA_VERSION = 1
 
@@ -604,6 +605,23 @@ class PostgresMetadataStore(MetadataStore):
             if inserted:
                 _notify(db, key)
             return bytes(db.execute("SELECT value FROM kv WHERE key = ?", (key,)).fetchone()[0])
+
+    def replace_kv(self, key: str, expected: bytes | None, value: bytes,
+                   guard: tuple[str, bytes] | None = None) -> bool:
+        with self._transaction(write=True) as db:
+            # Rows locked guard first, then the key (every guarded write takes that order), and
+            # kept until commit: nothing changes either between the check and the write. An
+            # absent key cannot be locked: the insert of a concurrent creator makes ours a no-op.
+            if not _kv_holds(db, key, expected, guard, lock=" FOR UPDATE"):
+                return False
+            if expected is None:
+                if db.execute("INSERT INTO kv VALUES (?, ?) ON CONFLICT (key) DO NOTHING RETURNING 1",
+                              (key, bytes(value))).fetchone() is None:
+                    return False
+            else:
+                db.execute("UPDATE kv SET value = ? WHERE key = ?", (bytes(value), key))
+            _notify(db, key)
+            return True
 
     def delete_kv(self, key: str) -> None:
         with self._transaction(write=True) as db:

@@ -503,6 +503,14 @@ class SqliteMetadataStore(MetadataStore):
             db.execute("INSERT OR IGNORE INTO kv VALUES (?, ?)", (key, bytes(value)))
             return bytes(db.execute("SELECT value FROM kv WHERE key = ?", (key,)).fetchone()[0])
 
+    def replace_kv(self, key: str, expected: bytes | None, value: bytes,
+                   guard: tuple[str, bytes] | None = None) -> bool:
+        with self._transaction(write=True) as db:    # BEGIN IMMEDIATE: no writer in between
+            if not _kv_holds(db, key, expected, guard):
+                return False
+            db.execute("INSERT OR REPLACE INTO kv VALUES (?, ?)", (key, bytes(value)))
+            return True
+
     def delete_kv(self, key: str) -> None:
         with self._transaction(write=True) as db:
             db.execute("DELETE FROM kv WHERE key = ?", (key,))
@@ -838,3 +846,15 @@ def _uncovered(needed: list[tuple[int, int]],
         if position < end:
             gaps.append((position, end))
     return gaps
+
+
+def _kv_holds(db, key: str, expected: bytes | None, guard: tuple[str, bytes] | None,
+              lock: str = "") -> bool:
+    """True if `key` holds `expected` (None: absent) and the guard key (if any) its value.
+    `lock` is appended to each SELECT (PostgreSQL: FOR UPDATE, to hold the rows until commit)."""
+    checks = ([guard] if guard is not None else []) + [(key, expected)]
+    for k, want in checks:
+        row = db.execute(f"SELECT value FROM kv WHERE key = ?{lock}", (k,)).fetchone()
+        if (None if row is None else bytes(row[0])) != (None if want is None else bytes(want)):
+            return False
+    return True

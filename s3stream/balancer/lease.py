@@ -1,0 +1,75 @@
+"""The balancer's lease: at most one leader acts at a time, fenced by epoch.
+
+One KV record, `balancer/lease`: {"holder": node id, "epoch": n, "expires_ns": t}. A candidate
+takes the lease when it is absent or expired (epoch + 1), and the holder renews it (same epoch)
+before it expires; every change is a compare-and-set (`MetadataStore.replace_kv`), so two
+candidates never both win one epoch.
+
+Expiry is judged by the candidates' clocks, so clocks decide only when a new leader may take
+over, never whether two act at once: every write a leader makes (an assignment) is guarded by the
+lease record it holds, byte for byte. A leader that was deposed while it paused (GC, a slow
+disk) and does not know it yet has its next write refused (FencedLeaderError), because its
+successor's takeover changed the record.
+"""
+from __future__ import annotations
+
+import json
+import time
+from typing import Callable
+
+from ..metadata import MetadataStore
+
+LEASE_KEY = "balancer/lease"
+
+
+class Lease:
+    """A candidate for the lease `key`. `token` is the guard for the holder's writes (None while
+    not holding it)."""
+
+    def __init__(self, meta: MetadataStore, holder: int, ttl_s: float, key: str = LEASE_KEY,
+                 clock: Callable[[], int] = time.time_ns) -> None:
+        self.meta = meta
+        self.holder = holder
+        self.ttl_ns = int(ttl_s * 1e9)
+        self.key = key
+        self.clock = clock
+        self.epoch = 0
+        self._raw: bytes | None = None      # the record as we last wrote it, while we hold it
+
+    @property
+    def token(self) -> tuple[str, bytes] | None:
+        """(key, value) to guard a leader's writes with, or None if not the holder."""
+        return None if self._raw is None else (self.key, self._raw)
+
+    def acquire(self) -> bool:
+        """Take or renew the lease; True if this candidate holds it now (until the expiry it set)."""
+        raw = self.meta.get_kv(self.key)
+        now = self.clock()
+        current = json.loads(raw) if raw is not None else None
+        if current is not None and current["holder"] == self.holder and raw == self._raw:
+            epoch = current["epoch"]                              # ours: renew
+        elif current is None or now >= current["expires_ns"]:
+            epoch = (current["epoch"] if current else 0) + 1      # free or expired: take over
+        else:
+            self._raw = None                                      # someone else's, still valid
+            return False
+        value = json.dumps({"holder": self.holder, "epoch": epoch, "expires_ns": now + self.ttl_ns},
+                           sort_keys=True).encode()
+        if self.meta.replace_kv(self.key, raw, value):
+            self._raw, self.epoch = value, epoch
+            return True
+        self._raw = None
+        return False
+
+    def release(self) -> None:
+        """Give the lease up (expire it now) if still held, so a successor need not wait."""
+        if self._raw is None:
+            return
+        record = json.loads(self._raw)
+        record["expires_ns"] = 0
+        self.meta.replace_kv(self.key, self._raw, json.dumps(record, sort_keys=True).encode())
+        self._raw = None
+
+    def holder_now(self) -> dict | None:
+        raw = self.meta.get_kv(self.key)
+        return None if raw is None else json.loads(raw)

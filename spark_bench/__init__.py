@@ -3,6 +3,7 @@ object store and metadata).
 
     python -m spark_bench throughput [--nodes 1,2,4] [--duration S] [--verify] ...
     python -m spark_bench migration  [--histories 16M,256M,1G] [--tail 16M] [--migrations N] ...
+    python -m spark_bench balance    [--nodes 4] [--partitions 32] [--rate MB/s] [--quick] ...
 
 Where they run (options of both):
     (default) or --master local[N]   one process; the nodes' WALs in the driver's work dir
@@ -31,7 +32,9 @@ def main(argv: list[str] | None = None) -> dict:
         from .throughput import run
     elif kind == "migration":
         from .migration import run
+    elif kind == "balance":
+        from .balance import run
     else:
-        print(f"unknown load test {kind!r}: choose throughput or migration\n\n{USAGE}", file=sys.stderr)
+        print(f"unknown load test {kind!r}: choose throughput, migration or balance\n\n{USAGE}", file=sys.stderr)
         raise SystemExit(2)
     return run(rest)

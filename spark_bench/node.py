@@ -10,6 +10,12 @@ each 1-second interval since the node started, by the time each append completed
 every acknowledgement as (partition, base offset, node, sequence number, digest), so the driver
 can read each back and compare it with `payload_for`, and where it ran (host, pids, WAL path).
 
+Optional, for the balancer's load test: `rates` ({partition: bytes/s}) paces each producer
+instead of letting it run flat out, `rates_after` and `change_at` (seconds after `origin`)
+change the rates mid-run; `origin` (unix seconds, the driver's) aligns every node's timeline on
+one clock; `balancer` (BalancerConfig keywords) runs a balancer candidate on the node, from
+`balancer_start` seconds after `origin` (the nodes elect one leader through the lease).
+
 Its WAL goes in `spec["wal_dir"]` when given (local mode: the driver's work dir), else in a new
 directory under `spec["node_dir"]` (default: the temp dir) on the host it runs on, removed
 after a clean close (kept, and named in the result, when a stream's tail stayed in it).
@@ -116,19 +122,39 @@ def run_node(spec: dict) -> dict:
     errors: list[str] = []
     start_ns = time.monotonic_ns()
     start = start_ns / 1e9                  # the same clock as time.monotonic()
+    # The timeline's second 0: the driver's origin when given (every node on one clock), else now.
+    origin_ns = start_ns - (time.time_ns() - int(spec["origin"] * 1e9)) if "origin" in spec else start_ns
     keep_acks = spec.get("keep_acks", False)
     inflight_max = spec.get("inflight", 32)
+    rates, rates_after = spec.get("rates"), spec.get("rates_after") or spec.get("rates")
+    change_at_ns = origin_ns + int(spec.get("change_at", 1e9) * 1e9)
+
+    def pace(name: str, next_ns: int) -> int:
+        """Wait until this partition's next send is due at its rate; the next due time."""
+        rate = (rates_after if time.monotonic_ns() >= change_at_ns else rates)[name]
+        now = time.monotonic_ns()
+        if next_ns > now:
+            stop.wait((next_ns - now) / 1e9)
+            now = next_ns
+        # Never more than 100 ms of backlog: a partition that was elsewhere does not burst here.
+        return max(next_ns, now - 100_000_000) + int(spec["batch"] / rate * 1e9)
 
     def produce(name: str) -> None:
         seq = 0
         window: collections.deque = collections.deque()
+        next_ns = time.monotonic_ns()
         while not stop.is_set():
             p = client._partitions.get(name)
             if p is None or not p.is_open:
                 while window:                       # settle what was sent before it moved
                     _settle(window.popleft())
                 time.sleep(0.005)
+                next_ns = time.monotonic_ns()
                 continue
+            if rates is not None:
+                next_ns = pace(name, next_ns)
+                if stop.is_set():
+                    break
             data = payload_for(name, node_id, seq, spec["batch"])
             t0 = time.monotonic_ns()
             try:
@@ -159,18 +185,26 @@ def run_node(spec: dict) -> dict:
         with lock:
             latencies.append(done - t0)
             sent[0] += len(data)
-            timeline[(acked - start_ns) // 1_000_000_000] += len(data)
+            timeline[(acked - origin_ns) // 1_000_000_000] += len(data)
             if keep_acks:
                 acks.append((name, base, node_id, seq, digest(data)))
 
     threads = [threading.Thread(target=produce, args=(n,), daemon=True) for n in spec["partitions"]]
     for t in threads:
         t.start()
+    balancer = None
+    balancer_at = origin_ns + int(spec.get("balancer_start", 0) * 1e9)
     deadline = start + spec["duration"]
     while time.monotonic() < deadline:
         if meta.get_kv(f"{keys}/stop") is not None or agent.fenced:
             break
+        if balancer is None and spec.get("balancer") is not None and time.monotonic_ns() >= balancer_at:
+            from s3stream.balancer import BalancerConfig
+            from s3stream.balancer.loop import Balancer
+            balancer = Balancer(Cluster(meta, store, ccfg, cfg), node_id, BalancerConfig(**spec["balancer"])).start()
         time.sleep(0.05)
+    if balancer is not None:
+        balancer.stop()
     stop.set()
     for t in threads:
         t.join()
@@ -189,4 +223,6 @@ def run_node(spec: dict) -> dict:
     store.close()
     return dict(node_id=node_id, bytes=sent[0], seconds=elapsed, latencies=latencies, acks=acks,
                 timeline=sorted(timeline.items()), errors=errors + list(agent.errors)[:20],
-                upload=stats["upload"], wal=stats["wal"], wal_path=wal_path, executor=where_am_i())
+                upload=stats["upload"], wal=stats["wal"], wal_path=wal_path, executor=where_am_i(),
+                balancer=None if balancer is None else dict(history=list(balancer.history), rounds=balancer.rounds,
+                                                            moves=balancer.moves, errors=list(balancer.errors)))

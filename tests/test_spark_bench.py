@@ -27,3 +27,19 @@ def test_spark_migration_smoke_loses_nothing(tmp_path):
     assert report["verification"]["acknowledged"] > 0
     assert report["verification"]["lost"] == 0
     assert not report["failures"]
+
+
+def test_spark_balance_smoke_converges_and_loses_nothing(tmp_path):
+    """Four Spark tasks as nodes, the hottest 8 of 32 Zipf partitions on node 1: the nodes'
+    balancers (one leads) spread the load, then rebalance after the cold partition turns hot."""
+    from spark_bench import main
+    report = main(["balance", "--duration", "36", "--warmup", "6", "--lead", "10", "--out", str(tmp_path),
+                   "--store", f"file://{tmp_path}/objects", "--wal-capacity", "64M"])
+    assert report["imbalance_before"] > 2.0
+    assert report["imbalance_before_change"] < 1.3 and report["imbalance_after"] < 1.3
+    assert report["moves"] > 0 and len(report["leaders"]) >= 1
+    assert report["acked"] > 1000 and report["lost"] == 0
+    assert all(m["outcome"] == "moved" for m in report["move_log"])
+    saved = json.loads((tmp_path / "report.json").read_text())
+    assert {"imbalance_before", "imbalance_after", "seconds_to_balance", "moves", "acked", "lost"} <= saved.keys()
+    assert (tmp_path / "traffic.png").stat().st_size > 0

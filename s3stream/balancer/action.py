@@ -13,6 +13,10 @@ NEUTRAL = 0.5
 class Action:
     """Move `partition` from node `source` to node `dest`.
 
+    A swap (`swap` set) also moves partition `swap` from `dest` back to `source`: what a single
+    move cannot do when every partition of the loaded node is larger than the room on the
+    others (a node holding two hot partitions): goals judge it by the net load it shifts.
+
     A goal proposes an action with empty `scores`; the planner fills in every goal's score in
     [0, 1] (0.5 neutral), the weighted score of the soft goals (`score`), the goal that proposed
     it (`goal`) and `load_change`: what the move shifts on that goal's resource (bytes/s for the
@@ -25,3 +29,8 @@ class Action:
     load_change: float = 0.0
     goal: str = ""
     score: float = NEUTRAL
+    swap: str | None = None
+
+    @property
+    def partitions(self) -> tuple[str, ...]:
+        return (self.partition,) if self.swap is None else (self.partition, self.swap)

@@ -27,6 +27,7 @@ def action_to_dict(action: Action, model: ClusterModel | None = None) -> dict:
         "score": round(action.score, 6),
         "load_change": action.load_change,
         "scores": {name: round(s, 6) for name, s in action.scores.items()},
+        "swap": action.swap,
     }
     if model is not None:
         p = model.partition(action.partition)
@@ -44,6 +45,8 @@ def explain_action(action: Action, model: ClusterModel | None = None) -> str:
     else:
         change = f"moves {format_rate(action.load_change)}"
     line = f"move {action.partition} node {action.source} -> node {action.dest}"
+    if action.swap is not None:
+        line = f"swap {action.partition} (node {action.source} -> {action.dest}) with {action.swap} (back)"
     if action.goal:
         line += f" for {action.goal} ({change})"
     line += f"; score {action.score:.4f}"

@@ -111,8 +111,12 @@ class Goal:
                    for n in model.node_ids() if self._participates(model, n))
 
     def load_change(self, model: ClusterModel, action: Action) -> float:
-        """What the move shifts on this goal's resource (1 for the partition count)."""
-        return model.partition(action.partition).value(self.resource)
+        """What the move shifts on this goal's resource from source to dest (1 for the partition
+        count); a swap shifts the difference of its two partitions."""
+        value = model.partition(action.partition).value(self.resource)
+        if action.swap is not None:
+            value -= model.partition(action.swap).value(self.resource)
+        return value
 
     def is_trivial(self, model: ClusterModel, action: Action) -> bool:
         """True if the move changes too little to be worth doing for this goal."""
@@ -387,6 +391,33 @@ class _Distribution(Goal):
                 if wide or not picks:
                     picks += _around(entries, gap / 2.0, frozen, n_part, upper=gap, lower=max(floor, 1e-300))
                 out.extend(Action(name, src, dest) for name in _unique(picks))
+        return out
+
+
+    def swap_candidates(self, model: ClusterModel, frozen: Collection[str] = ()) -> list[Action]:
+        """Swaps for when no single move is acceptable: for the most loaded nodes above the band
+        and the least loaded nodes, exchange a partition p of the source for a smaller q of the
+        destination so that the source sheds about what puts both in the band: p - q near
+        min(source - mean, upper - dest). For each p (the source's largest few), the q nearest
+        p - that target is found by bisection in the destination's sorted index."""
+        band = self._context(model)
+        judged = [n for n in model.nodes() if n.balanced]
+        value = {n.node_id: model.node_value(n.node_id, self.resource) for n in judged}
+        over = sorted((n for n in value if value[n] > band.upper), key=lambda n: -value[n])[:_WIDE[0]]
+        dests = sorted((n.node_id for n in judged if n.can_receive), key=lambda n: value[n])[:_WIDE[1]]
+        out = []
+        for src in over:
+            mine = [(v, name) for v, name in reversed(model.sorted_partitions(src, self.resource))
+                    if name not in frozen][:2 * _WIDE[2]]
+            for dest in dests:
+                want = min(value[src] - band.mean, band.upper - value[dest])
+                if dest == src or want <= 0:
+                    continue
+                theirs = model.sorted_partitions(dest, self.resource)
+                for v, name in mine:
+                    # q in [v - (value[src] - value[dest]), v): the pair ends no further apart
+                    for q in _around(theirs, v - want, frozen, 2, upper=v, lower=v - (value[src] - value[dest])):
+                        out.append(Action(name, src, dest, swap=q))
         return out
 
 

@@ -139,8 +139,13 @@ class Balancer:
             log.info("balancer %d (epoch %d): %s", self.node_id, self.lease.epoch, explain_action(action, model))
             try:
                 report = self.cluster.migrate(action.partition, action.dest, guard=self.lease.token)
-                entry.update(outcome="moved", seconds=round(report.seconds, 4), tail_bytes=report.tail_bytes)
+                seconds, tail = report.seconds, report.tail_bytes
                 self.moves += 1
+                if action.swap is not None:
+                    back = self.cluster.migrate(action.swap, action.source, guard=self.lease.token)
+                    seconds, tail = seconds + back.seconds, tail + back.tail_bytes
+                    self.moves += 1
+                entry.update(outcome="moved", seconds=round(seconds, 4), tail_bytes=tail)
                 self._last_move = self.clock()
             except FencedLeaderError as e:
                 entry.update(outcome="fenced", error=str(e))

@@ -60,7 +60,9 @@ def plan(model: ClusterModel, goals: Sequence[Goal] | None = None,
             if best is None:
                 break
             snapshot.move(best.partition, best.dest)
-            moved.add(best.partition)
+            if best.swap is not None:
+                snapshot.move(best.swap, best.source)
+            moved.update(best.partitions)
             actions.append(best)
         optimized.append(goal)
     return actions
@@ -85,18 +87,26 @@ def _best_action(model: ClusterModel, goal: Goal, goals: Sequence[Goal], optimiz
     hard = [g for g in goals if g.hard]
     soft = [g for g in goals if not g.hard]
     optimized_names = [g.name for g in optimized]
-    for wide in (False, True):
+    proposals = (lambda: goal.candidate_actions(model, frozen=moved, wide=False),
+                 lambda: goal.candidate_actions(model, frozen=moved, wide=True),
+                 # Last, where the goal has them: swaps, when no single move is acceptable.
+                 lambda: getattr(goal, "swap_candidates", lambda *a, **k: [])(model, frozen=moved))
+    for propose in proposals:
         best: Action | None = None
         best_key = None
-        seen: set[tuple[str, int]] = set()
-        for candidate in goal.candidate_actions(model, frozen=moved, wide=wide):
-            key = (candidate.partition, candidate.dest)
-            if key in seen or candidate.partition in moved or candidate.dest == candidate.source:
+        seen: set[tuple[str, int, str | None]] = set()
+        for candidate in propose():
+            key = (candidate.partition, candidate.dest, candidate.swap)
+            if key in seen or moved.intersection(candidate.partitions) or candidate.dest == candidate.source:
                 continue
             seen.add(key)
             if model.partition(candidate.partition).node_id != candidate.source:
                 continue
+            if candidate.swap is not None and model.partition(candidate.swap).node_id != candidate.dest:
+                continue
             if not model.node(candidate.dest).can_receive or goal.is_trivial(model, candidate):
+                continue
+            if candidate.swap is not None and not model.node(candidate.source).can_receive:
                 continue
             scores: dict[str, float] = {}
             vetoed = False

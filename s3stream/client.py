@@ -544,16 +544,22 @@ class StreamClient:
 
     # ---- closing ------------------------------------------------------------------------------
 
-    def close(self, timeout: float | None = None) -> dict:
+    def close(self, timeout: float | None = None, retire: bool = False) -> dict:
         """Close every open stream (force upload + CLOSED), then the WAL (clean shutdown).
+
+        `retire`: the node leaves the cluster for good (or until it starts again): once
+        everything is uploaded and the WAL closed cleanly, it is marked in metadata as failed
+        over, so peers' agents never take its silence for a crash and try to fail it over from
+        a WAL they cannot reach (another host's disk). Its next start registers it again. If
+        anything stayed in the WAL, it is not retired: its next start (or a failover) replays it.
 
         Waits at most `timeout` seconds in all (default: Config.close_timeout) for uploads: a
         store that is down or refusing cannot hold close() forever. Streams whose data could not
         be uploaded in time stay OPENED with their tail in the WAL, which the node's next start
         (or a failover) replays. Returns {"closed": stream ids closed, "left_in_wal": stream ids
-        whose tail stayed in the WAL, "errors": messages}; also logged as a warning."""
+        whose tail stayed in the WAL, "errors": messages, "retired": bool}; also logged as a warning."""
         if self._closed:
-            return dict(closed=[], left_in_wal=[], errors=[])
+            return dict(closed=[], left_in_wal=[], errors=[], retired=False)
         deadline = time.monotonic() + (self.config.close_timeout if timeout is None else timeout)
 
         def remaining() -> float:
@@ -586,13 +592,20 @@ class StreamClient:
         self._wal.close()
         self._append_path.stop_callbacks()
         self._callbacks.join()
+        retired = False
+        if retire and not left and not errors:
+            try:
+                self._meta.fence_node(self.node_id, failover=True)
+                retired = True
+            except S3StreamError as e:
+                errors.append(e)
         self._close_owned()
         if errors:
             log.warning("client of node %d closed with errors: %s", self.node_id, errors)
         if left:
             log.warning("client of node %d: streams %s were not uploaded before close gave up; their data "
                         "stays in WAL %s and is replayed at the node's next start", self.node_id, left, self._wal.path)
-        return dict(closed=closed, left_in_wal=left, errors=[str(e) for e in errors])
+        return dict(closed=closed, left_in_wal=left, errors=[str(e) for e in errors], retired=retired)
 
     def _close_owned(self) -> None:
         """Close the stores this client opened from URLs (not the ones it was handed)."""

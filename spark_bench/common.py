@@ -260,7 +260,7 @@ def verify_acks(store: str, meta: str, results: list[dict], batch: int) -> dict:
     e.g. a node left it open; all its records count as lost)."""
     import s3stream
     import wal
-    from .node import digest, payload_for, retire_node
+    from .node import digest, payload_for
     acks: dict[str, dict[int, tuple[int, int, str]]] = {}
     for r in results:
         for name, base, node, seq, d in r["acks"]:
@@ -303,8 +303,7 @@ def verify_acks(store: str, meta: str, results: list[dict], batch: int) -> dict:
                 mismatched += bad
                 lost[name] = len(expected) - good
         finally:
-            if not client.close()["left_in_wal"]:
-                retire_node(meta, VERIFIER_NODE_ID)
+            client.close(retire=True)
     return dict(acknowledged=sum(len(v) for v in acks.values()), lost=sum(lost.values()), mismatched=mismatched,
                 by_partition=lost, unreadable=unreadable)
 

@@ -29,7 +29,6 @@ from .common import (
     MiB, add_common_args, deployment, format_placement, latency_summary, new_run_id, node_spec, placement, progress,
     run_nodes, verify_acks, write_json,
 )
-from .node import retire_node
 
 TARGETS = dict(p99_s=0.5, flatness=1.5, speedup=100.0)
 #: Node ids of the driver's own clients: the one that writes the histories, the copy baseline's.
@@ -68,8 +67,7 @@ def build_history(store: str, meta: str, work: str, names: dict[str, int], batch
             f.result()
         p.close()
         progress(f"  history of {name}: {size / MiB:.0f} MiB committed")
-    if not client.close()["left_in_wal"]:
-        retire_node(meta, BUILDER_NODE_ID)
+    client.close(retire=True)
 
 
 def copy_baseline(store: str, meta: str, work: str, name: str) -> dict:
@@ -95,8 +93,7 @@ def copy_baseline(store: str, meta: str, work: str, name: str) -> dict:
         os.fsync(f.fileno())
     seconds = time.perf_counter() - t0
     p.close()
-    if not client.close()["left_in_wal"]:
-        retire_node(meta, COPIER_NODE_ID)
+    client.close(retire=True)
     os.unlink(target)
     return dict(bytes=copied, seconds=seconds, mb_s=copied / seconds / 1e6)
 

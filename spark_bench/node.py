@@ -23,7 +23,6 @@ after a clean close (kept, and named in the result, when a stream's tail stayed 
 from __future__ import annotations
 
 import collections
-import contextlib
 import hashlib
 import os
 import shutil
@@ -63,18 +62,6 @@ def _executor_pid() -> int | None:
         if pid <= 1:
             return None
     return None
-
-
-def retire_node(meta, node_id: int) -> None:
-    """Mark a node that closed cleanly (no stream open, nothing left in its WAL) as gone, so the
-    agents of later runs on the same metadata do not take it for a dead peer and try to fail it
-    over from a WAL they cannot see. Its next start registers it again. `meta`: a store or URL."""
-    if isinstance(meta, str):
-        from s3stream.metadata import open_metadata
-        with contextlib.closing(open_metadata(meta)) as store:
-            store.fence_node(node_id, failover=True)
-    else:
-        meta.fence_node(node_id, failover=True)
 
 
 def where_am_i() -> dict:
@@ -211,14 +198,12 @@ def run_node(spec: dict) -> dict:
     elapsed = time.monotonic() - start
     stats = client.stats()
     agent.stop()
-    closed = client.close()
+    closed = client.close(retire=True)
     if closed["left_in_wal"]:
         errors.append(f"node {node_id}: streams {closed['left_in_wal']} were not uploaded at close; their tail "
                       f"stays in {wal_path} on {socket.gethostname()}")
-    else:
-        retire_node(meta, node_id)
-        if own_dir and not spec.get("keep_wal"):
-            shutil.rmtree(wal_dir, ignore_errors=True)
+    elif own_dir and not spec.get("keep_wal"):
+        shutil.rmtree(wal_dir, ignore_errors=True)
     meta.close()
     store.close()
     return dict(node_id=node_id, bytes=sent[0], seconds=elapsed, latencies=latencies, acks=acks,

@@ -134,3 +134,37 @@ def test_agent_fails_over_by_the_injected_clock_without_waiting(tmp_path, open_s
         agent.stop()
         node1.close()
 
+
+
+def test_a_retired_node_is_not_failed_over_and_starts_again(tmp_path, open_same_metadata):
+    """close(retire=True) after a clean close: peers see the node gone, not dead, so nobody
+    claims a failover of a WAL on a disk they cannot reach; a close that left data in the WAL
+    does not retire. The retired node's next start registers it again and reads its data."""
+    clock = FakeClock()
+    meta = open_same_metadata(clock=clock)
+    cluster = Cluster(meta, LocalObjectStore(str(tmp_path / "objects")), ClusterConfig(
+        agent_interval=0.01, heartbeat_interval=0.05, heartbeat_timeout=3600.0, migration_timeout=5.0),
+        small_config(), clock=clock)
+    store = f"file://{tmp_path}/objects"
+    node2 = StreamClient(2, str(tmp_path / "n2.wal"), store, open_same_metadata(clock=clock), small_config())
+    created = node2.create_stream()
+    stream_id = created.stream_id
+    created.append(RecordBatch(b"kept", 1)).result()
+    epoch = node2.node_epoch
+    assert node2.close(retire=True)["retired"]
+    assert meta.get_node(2).failover
+    node1 = StreamClient(1, str(tmp_path / "n1.wal"), store, open_same_metadata(clock=clock), small_config())
+    agent = NodeAgent(node1, cluster)
+    try:
+        clock.advance(3601)                              # node 2's heartbeat is long gone
+        time.sleep(0.3)
+        assert not meta.list_kv("failover/2/")           # nobody claimed it
+    finally:
+        agent.stop()
+        node1.close()
+    again = StreamClient(2, str(tmp_path / "n2.wal"), store, open_same_metadata(clock=clock), small_config())
+    try:
+        assert again.node_epoch > epoch and not meta.get_node(2).failover
+        assert bytes(again.open_stream(stream_id).fetch(0, 1).batches[0].payload) == b"kept"
+    finally:
+        again.close()

@@ -126,8 +126,12 @@ def test_close_is_bounded_while_the_store_is_down(tmp_path, metadata_url):
     store.fail_puts_matching(lambda key: True)                  # down: every PUT fails, transiently
     for i in range(10):
         s.append(RecordBatch(b"r%d" % i, 1)).result()
-    report = closes_within(client, 60, timeout=1.0)
+    report = closes_within(client, 60, timeout=1.0, retire=True)
     assert report["left_in_wal"] == [s.stream_id] and report["closed"] == []
+    assert not report["retired"]                      # its tail is in the WAL: it must come back
+    check = open_metadata(meta)
+    assert not check.get_node(1).failover
+    check.close()
     assert client.stats()["upload"]["put_retries"] > 0
     store.clear()
     assert restart_and_read(tmp_path, store, meta, s.stream_id) == [b"r%d" % i for i in range(10)]

@@ -22,8 +22,8 @@ from _native.appendpath import AppendPath
 
 from .config import Config
 from .errors import (
-    AppendFailedError, ConfigError, CorruptDataError, InvalidBatchError, NodeConflictError, OperationTimeoutError,
-    S3StreamError, StreamClosedError, StreamFencedError, StreamNotClosedError, StreamNotFoundError, WALCorruptError,
+    AppendFailedError, ConfigError, CorruptDataError, InvalidBatchError, NodeConflictError, OffsetOutOfRangeError,
+    OperationTimeoutError, S3StreamError, StreamClosedError, StreamFencedError, StreamNotClosedError, StreamNotFoundError, WALCorruptError,
     WALError, WALFullError, check_int,
 )
 from .lifecycle import ObjectReclaimer, ReclaimerThread
@@ -35,7 +35,8 @@ from .stream import Stream
 from .upload import Uploader
 
 if TYPE_CHECKING:
-    from .partition import Partition
+    from .partition import Partition, PartitionReader
+    from .recordbatch import FetchResult
 
 log = logging.getLogger("s3stream")
 
@@ -282,6 +283,42 @@ class StreamClient:
             if stream_id in self._streams:
                 raise StreamNotClosedError(f"stream {stream_id} is already open on this client")
         return self._register(self._meta_call(self._meta.open_stream, stream_id, self.node_id, self.node_epoch))
+
+    def fetch_committed(self, stream_id: int, start_offset: int, end_offset: int | None = None,
+                        max_bytes: int = 1 << 20) -> "FetchResult":
+        """Read a stream's committed records (what its objects hold) without opening it: no
+        epoch change, nothing written, whichever node owns it. For readers that own nothing:
+        a verifier, a mirror's source side, an audit. The readable range is [start, end) of the
+        stream in metadata (`end_offset` default: its committed end); a stream open elsewhere may
+        hold acknowledged records beyond it in its owner's WAL, readable here once uploaded.
+        StreamNotFoundError for a stream that does not exist or was deleted; OffsetOutOfRangeError
+        outside that range."""
+        from .recordbatch import FetchResult
+        check_int("stream_id", stream_id)
+        check_int("start_offset", start_offset)
+        if end_offset is not None:
+            check_int("end_offset", end_offset)
+        check_int("max_bytes", max_bytes, minimum=1)
+        self._check_usable()
+        meta = self._meta_call(self._meta.get_stream, stream_id)
+        if meta.state == StreamState.DELETED:
+            raise StreamNotFoundError(f"stream {stream_id} was deleted")
+        end = meta.end_offset if end_offset is None else end_offset
+        if start_offset < meta.start_offset or end > meta.end_offset or start_offset > end:
+            raise OffsetOutOfRangeError(
+                f"stream {stream_id}: fetch [{start_offset}, {end}) is outside its committed range "
+                f"[{meta.start_offset}, {meta.end_offset}]")
+        if start_offset == end:
+            return FetchResult([])
+        return FetchResult(self._reader.read(stream_id, start_offset, end, max_bytes))
+
+    def read_partition(self, name: str) -> "PartitionReader":
+        """A read-only view of the named partition's committed records (see fetch_committed):
+        it does not open the partition, so its owner keeps it. StreamNotFoundError if there is
+        no such partition."""
+        from .partition import PartitionReader
+        self._check_usable()
+        return PartitionReader(self, name)
 
     def open_partition(self, name: str) -> "Partition":
         """Create the named partition or open it on this node (see s3stream.partition)."""

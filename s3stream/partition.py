@@ -17,7 +17,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .errors import S3StreamError, StreamClosedError, StreamFencedError
+from .errors import S3StreamError, StreamClosedError, StreamFencedError, StreamNotFoundError
 from .loadreport import SAMPLE_EVERY, TrafficMeter
 from .recordbatch import AppendResult, FetchResult, RecordBatch
 
@@ -142,6 +142,43 @@ class Partition:
         self.checkpoint = done
         self._client._forget_partition(self)
         return CloseReport(tail, time.perf_counter() - t0)
+
+
+class PartitionReader:
+    """A partition's committed records, read without opening it (StreamClient.read_partition).
+
+    The meta stream's last committed checkpoint names the log stream; `start_offset` and
+    `end_offset` are the log's committed range, read from metadata at each call (the owner
+    keeps appending and uploading). A partition created moments ago whose first checkpoint is
+    still in its owner's WAL is not readable yet (StreamNotFoundError says so)."""
+
+    def __init__(self, client: "StreamClient", name: str) -> None:
+        self._client = client
+        self.name = name
+        raw = client._meta.get_kv(_kv_key(name))
+        if raw is None:
+            raise StreamNotFoundError(f"there is no partition {name!r} (no KV key {_kv_key(name)!r})")
+        self.meta_stream_id = int(raw)
+        meta = client._meta.get_stream(self.meta_stream_id)
+        if meta.end_offset == meta.start_offset:
+            raise StreamNotFoundError(
+                f"partition {name!r} has no committed checkpoint yet (its owner has not uploaded it): "
+                "retry after the owner's next upload")
+        res = client.fetch_committed(self.meta_stream_id, meta.end_offset - 1, meta.end_offset)
+        self.checkpoint = Checkpoint.decode(res.batches[-1].payload)
+        self.log_stream_id = self.checkpoint.streams["log"]
+
+    @property
+    def start_offset(self) -> int:
+        return self._client._meta.get_stream(self.log_stream_id).start_offset
+
+    @property
+    def end_offset(self) -> int:
+        """The log's committed end (records below it are readable here)."""
+        return self._client._meta.get_stream(self.log_stream_id).end_offset
+
+    def fetch(self, start_offset: int, end_offset: int | None = None, max_bytes: int = 1 << 20) -> FetchResult:
+        return self._client.fetch_committed(self.log_stream_id, start_offset, end_offset, max_bytes)
 
 
 def open_partition(client: "StreamClient", name: str) -> Partition:

@@ -339,3 +339,34 @@ def test_failover_reads_a_small_wal_with_any_engine_config(tmp_path, metadata_ur
     assert other.open_stream(s.stream_id).fetch(0).batches[0].payload == b"durable"
     other.close()
     meta.close()
+
+
+def test_read_partition_reads_committed_records_without_opening(tmp_path, metadata_url):
+    """A client that owns nothing reads a partition open on another node: what is committed,
+    with no epoch change and no write; the rest once the owner uploads it."""
+    c = InProcessCluster(tmp_path, metadata_url, nodes=(1, 2))
+    try:
+        c.cluster.assign("p", 1)
+        c.cluster.wait_open("p", 1, 5)
+        p = c.partition("p")
+        for i in range(5):
+            p.append(RecordBatch(b"r%d" % i, 1)).result(10)
+        with pytest.raises(s3stream.StreamNotFoundError, match="no committed checkpoint yet|no partition"):
+            c.clients[2].read_partition("p")                    # nothing uploaded yet
+        c.clients[1].close_streams([])                          # force upload: seals the cache
+        deadline = time.monotonic() + 10
+        while c.meta.get_stream(p.log.stream_id).end_offset < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        before = c.meta.get_stream(p.log.stream_id)
+        reader = c.clients[2].read_partition("p")
+        assert (reader.log_stream_id, reader.start_offset, reader.end_offset) == (p.log.stream_id, 0, 5)
+        assert [bytes(b.payload) for b in reader.fetch(0).batches] == [b"r%d" % i for i in range(5)]
+        after = c.meta.get_stream(p.log.stream_id)
+        assert (after.epoch, after.owner_node_id) == (before.epoch, 1)     # still node 1's
+        p.append(RecordBatch(b"more", 1)).result(10)                      # the owner goes on
+        with pytest.raises(s3stream.OffsetOutOfRangeError, match="committed range"):
+            reader.fetch(0, 6)
+        with pytest.raises(s3stream.StreamNotFoundError, match="no partition 'nope'"):
+            c.clients[2].read_partition("nope")
+    finally:
+        c.close()

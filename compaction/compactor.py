@@ -135,7 +135,8 @@ class Compactor:
         state = self._load_state(ssos)
         if not ssos:
             return
-        streams = {s.stream_id: s for s in self._meta.list_streams(include_deleted=True)}
+        # Only the streams these objects hold, not every stream in the cluster.
+        streams = self._meta.get_streams(r.stream_id for o in ssos for r in o.ranges)
         oldest_allowed = self._clock() - int(self.config.force_split_age * 1e9)
         data_time = {o.object_id: state.get(o.object_id, o.committed_ns or 0) for o in ssos}
         old = [o for o in ssos if data_time[o.object_id] <= oldest_allowed]

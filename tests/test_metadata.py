@@ -640,6 +640,22 @@ def test_put_kv_if_absent_has_one_winner(open_same):
     assert len(set(results)) == 1 and len(results) == 4
 
 
+def test_get_streams_reads_the_ids_asked(store):
+    from s3stream.metadata import base
+    node = store.register_node(1, "w1")
+    made = [store.create_stream(1, node.node_epoch) for _ in range(7)]
+    store.delete_stream(made[2].stream_id, made[2].epoch)
+    chunk, base.GET_STREAMS_CHUNK = base.GET_STREAMS_CHUNK, 3          # several reads
+    try:
+        got = store.get_streams([m.stream_id for m in made[1:]] + [made[1].stream_id, 10_000])
+    finally:
+        base.GET_STREAMS_CHUNK = chunk
+    assert sorted(got) == [m.stream_id for m in made[1:]]               # the missing id is absent
+    assert got[made[2].stream_id].state.value == "DELETED"
+    assert got[made[3].stream_id] == store.get_stream(made[3].stream_id)
+    assert store.get_streams([]) == {}
+
+
 def test_replace_kv_compares_key_and_guard(store):
     assert store.replace_kv("k", None, b"1")                 # absent -> created
     assert not store.replace_kv("k", None, b"2")             # no longer absent

@@ -31,7 +31,7 @@ import re
 import threading
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Sequence
+from typing import Iterable, Sequence
 
 
 def redact_url(url: str) -> str:
@@ -221,6 +221,10 @@ class ChangeFeed:
         self.wake()
 
 
+#: Stream ids per read of get_streams (under SQLite's bound on a statement's parameters).
+GET_STREAMS_CHUNK = 500
+
+
 class MetadataStore(abc.ABC):
     """See the module docstring for the contract; errors are s3stream.errors classes."""
 
@@ -280,6 +284,20 @@ class MetadataStore(abc.ABC):
     @abc.abstractmethod
     def get_stream(self, stream_id: int) -> StreamMeta:
         """StreamNotFoundError if missing (DELETED streams are returned)."""
+
+    def get_streams(self, stream_ids: Iterable[int]) -> dict[int, StreamMeta]:
+        """The streams with these ids (DELETED ones included; missing ids are absent), in one
+        read per GET_STREAMS_CHUNK ids: what a caller holding a set of ids (compaction: the
+        streams of a node's StreamSetObjects) needs, without listing every stream."""
+        ids = sorted(set(stream_ids))
+        out: dict[int, StreamMeta] = {}
+        for i in range(0, len(ids), GET_STREAMS_CHUNK):
+            out.update((m.stream_id, m) for m in self._get_streams(ids[i:i + GET_STREAMS_CHUNK]))
+        return out
+
+    @abc.abstractmethod
+    def _get_streams(self, stream_ids: list[int]) -> list[StreamMeta]:
+        """get_streams for at most GET_STREAMS_CHUNK ids, one transaction."""
 
     @abc.abstractmethod
     def list_streams(self, include_deleted: bool = False,

@@ -434,6 +434,12 @@ class PostgresMetadataStore(MetadataStore):
         with self._transaction(write=False) as db:
             return _load_stream(db, stream_id)
 
+    def _get_streams(self, stream_ids: list[int]) -> list[StreamMeta]:
+        if not stream_ids:
+            return []
+        with self._transaction(write=False) as db:
+            return _load_streams(db, f"WHERE stream_id IN ({', '.join('?' * len(stream_ids))})", stream_ids)
+
     def list_streams(self, include_deleted: bool = False,
                      owner_node_id: int | None = None) -> list[StreamMeta]:
         if owner_node_id is not None:       # the owner is set only while OPENED

@@ -5,6 +5,7 @@ S3StreamError.
 """
 from .client import StreamClient
 from .config import Config
+from .consumer import ConsumerGroups, StaleGenerationError
 from .errors import (
     AppendFailedError, ConfigError, CorruptDataError, FencedLeaderError, InvalidArgumentError, InvalidBatchError, MetadataBusyError,
     MetadataError, NodeConflictError, ObjectNotFoundError, ObjectStoreError, ObjectStorePermanentError,
@@ -15,10 +16,10 @@ from .recordbatch import AppendFuture, AppendResult, FetchedBatch, FetchResult, 
 from .stream import Stream
 
 __all__ = [
-    "AppendFailedError", "AppendFuture", "AppendResult", "Config", "ConfigError", "CorruptDataError",
+    "AppendFailedError", "AppendFuture", "AppendResult", "Config", "ConfigError", "ConsumerGroups", "CorruptDataError",
     "FencedLeaderError", "FetchResult", "FetchedBatch", "InvalidArgumentError", "InvalidBatchError", "MetadataBusyError",
     "MetadataError", "NodeConflictError", "ObjectNotFoundError", "ObjectStoreError",
     "ObjectStorePermanentError", "OffsetOutOfRangeError", "OperationTimeoutError", "RecordBatch",
-    "S3StreamError", "Stream", "StreamClient", "StreamClosedError", "StreamFencedError", "StreamNotClosedError",
+    "S3StreamError", "StaleGenerationError", "Stream", "StreamClient", "StreamClosedError", "StreamFencedError", "StreamNotClosedError",
     "StreamNotFoundError", "UnsupportedFormatError", "WALCorruptError", "WALError", "WALFullError",
 ]

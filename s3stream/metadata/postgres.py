@@ -93,7 +93,9 @@ _SCHEMA = (
         size BIGINT NOT NULL, type TEXT, state TEXT NOT NULL, node_id BIGINT, order_id BIGINT,
         prepared_ns BIGINT NOT NULL, expire_ns BIGINT NOT NULL,
         committed_ns BIGINT, mark_destroyed_ns BIGINT)""",
-    "CREATE INDEX objects_by_state ON objects (state)",
+    # (state, object_id): the reclaimer's bounded scan reads each state's objects in id order and
+    # stops at its limit (an index on state alone returns them in heap order: all must be sorted).
+    "CREATE INDEX objects_by_state ON objects (state, object_id)",
     """CREATE INDEX objects_by_node_order ON objects (node_id, order_id)
         WHERE node_id IS NOT NULL""",
     """CREATE TABLE sso_ranges (
@@ -563,12 +565,16 @@ class PostgresMetadataStore(MetadataStore):
     def objects_to_delete(self, destroy_delay_ns: int, limit: int | None = None) -> list[ObjectMeta]:
         with self._transaction(write=False) as db:
             now = self._clock()
-            # Two index range scans on (state), lowest ids first, cut at the limit (NULL: none).
-            return _load_objects(
-                db, "o.object_id IN (SELECT object_id FROM objects WHERE state = ? AND expire_ns <= ? UNION "
-                    "SELECT object_id FROM objects WHERE state = ? AND mark_destroyed_ns <= ? "
-                    "ORDER BY 1 LIMIT ?)",
-                (_PREPARED, now, _MARK_DESTROYED, now - destroy_delay_ns, limit))
+            # Two ordered scans of (state, object_id), each stopping at the limit, merged and cut
+            # again (LIMIT NULL: none): the cost follows the limit, not the objects waiting. The
+            # ids come first, so the objects and their ranges load by primary key.
+            ids = _ids(db.execute(
+                "SELECT object_id FROM ("
+                "(SELECT object_id FROM objects WHERE state = ? AND expire_ns <= ? ORDER BY object_id LIMIT ?) "
+                "UNION ALL (SELECT object_id FROM objects WHERE state = ? AND mark_destroyed_ns <= ? "
+                "ORDER BY object_id LIMIT ?)) AS due ORDER BY 1 LIMIT ?",
+                (_PREPARED, now, limit, _MARK_DESTROYED, now - destroy_delay_ns, limit, limit)))
+            return _load_objects(db, "o.object_id = ANY(?)", (sorted(ids),)) if ids else []
 
     def remove_objects(self, object_ids: Sequence[int]) -> list[int]:
         removed = []

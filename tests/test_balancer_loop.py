@@ -189,6 +189,24 @@ def stop_all(producers):
         p.join()
 
 
+#: Six partitions of unequal rates, all on node 1 of three (imbalance 3).
+SKEWED_RATES = {"a": 96 * KiB, "b": 64 * KiB, "c": 48 * KiB, "d": 32 * KiB, "e": 24 * KiB, "f": 24 * KiB}
+
+
+def skewed_load(c: InProcessCluster) -> list[RateProducer]:
+    """Put SKEWED_RATES' partitions on node 1, start their producers, and let a report window of
+    traffic pass; returns the running producers (stop them with stop_all)."""
+    for name in SKEWED_RATES:
+        c.cluster.assign(name, 1)
+    for name in SKEWED_RATES:
+        assert c.cluster.wait_open(name, 1, 10)
+    producers = [RateProducer(c, name, rate) for name, rate in SKEWED_RATES.items()]
+    for p in producers:
+        p.start()
+    time.sleep(1.5)
+    return producers
+
+
 def node_imbalance(c: InProcessCluster) -> float:
     model = live_model(c.cluster, QUICK)
     loads = [model.node_load(n).bytes_in_per_s for n in model.node_ids()]
@@ -199,18 +217,10 @@ def test_a_skewed_cluster_converges_and_loses_nothing(tmp_path, metadata_url):
     """Three nodes, six partitions all on node 1 with unequal rates: the balancer spreads them
     until every node is within the band, then stops moving; every acknowledged record reads back."""
     c = InProcessCluster(tmp_path, metadata_url, nodes=(1, 2, 3), config=FAST)
-    rates = {"a": 96 * KiB, "b": 64 * KiB, "c": 48 * KiB, "d": 32 * KiB, "e": 24 * KiB, "f": 24 * KiB}
     balancer = None
     producers = []
     try:
-        for n in rates:
-            c.cluster.assign(n, 1)
-        for n in rates:
-            assert c.cluster.wait_open(n, 1, 10)
-        producers = [RateProducer(c, n, r) for n, r in rates.items()]
-        for p in producers:
-            p.start()
-        time.sleep(1.5)                                     # a report window of traffic
+        producers = skewed_load(c)
         before = node_imbalance(c)
         assert before > 2.5                                 # everything on one of three nodes
         balancer = Balancer(c.cluster, 1, QUICK).start()

@@ -314,22 +314,14 @@ def test_run_once_with_nothing_to_move_records_the_round_and_releases_the_lease(
 
 def test_run_once_moves_partitions_of_a_live_cluster(tmp_path):
     """Three nodes with agents, six producing partitions on node 1: one round moves some off it."""
-    from test_balancer_loop import FAST, RateProducer, read_partition, stop_all
+    from test_balancer_loop import FAST, SKEWED_RATES, read_partition, skewed_load, stop_all
     from test_cluster import InProcessCluster
 
     url = f"sqlite:///{tmp_path}/meta.db"
     c = InProcessCluster(tmp_path, url, nodes=(1, 2, 3), config=FAST)
-    rates = {"a": 96 * KiB, "b": 64 * KiB, "c": 48 * KiB, "d": 32 * KiB, "e": 24 * KiB, "f": 24 * KiB}
     producers = []
     try:
-        for name in rates:
-            c.cluster.assign(name, 1)
-        for name in rates:
-            assert c.cluster.wait_open(name, 1, 10)
-        producers = [RateProducer(c, name, rate) for name, rate in rates.items()]
-        for p in producers:
-            p.start()
-        time.sleep(1.5)                                     # a report window of traffic
+        producers = skewed_load(c)
         result = run("balance", "run", "--meta", url, "--store", tmp_path / "objects", "--node-id", 9, "--once",
                      "--detect-threshold", "8K", "--deviation-ratio", "0.15")
         out = ok(result)
@@ -338,7 +330,7 @@ def test_run_once_moves_partitions_of_a_live_cluster(tmp_path):
         assert f"Round done: {len(moved)} actions executed" in out
         last = json.loads(c.meta.get_kv(LAST_ROUND_KEY))
         assert last["leader"] == 9 and [a["outcome"] for a in last["actions"]] == ["moved"] * len(moved)
-        owners = {c.cluster.assignment(name)["node"] for name in rates}
+        owners = {c.cluster.assignment(name)["node"] for name in SKEWED_RATES}
         assert owners == {1, 2, 3}
     finally:
         stop_all(producers)

@@ -73,6 +73,16 @@ def fake_cluster(tmp_path, open_same_metadata, nodes=(1, 2, 3)) -> tuple[FakeClo
     return clock, meta, cluster
 
 
+def hour_timeout_cluster(tmp_path, open_same_metadata) -> tuple[FakeClock, MetadataStore, Cluster]:
+    """Metadata and a Cluster on one fake clock whose nodes die only when it jumps an hour."""
+    clock = FakeClock()
+    meta = open_same_metadata(clock=clock)
+    cluster = Cluster(meta, LocalObjectStore(str(tmp_path / "objects")), ClusterConfig(
+        agent_interval=0.01, heartbeat_interval=0.05, heartbeat_timeout=3600.0, migration_timeout=5.0),
+        small_config(), clock=clock)
+    return clock, meta, cluster
+
+
 def test_a_claim_whose_claimant_died_is_taken_over(tmp_path, open_same_metadata):
     clock, meta, cluster = fake_cluster(tmp_path, open_same_metadata)
     epoch2 = meta.get_node(2).node_epoch
@@ -110,11 +120,7 @@ def test_liveness_follows_the_injected_clock(tmp_path, open_same_metadata):
 
 def test_agent_fails_over_by_the_injected_clock_without_waiting(tmp_path, open_same_metadata):
     """With a fake clock, a node's death is a clock step, not a sleep of heartbeat_timeout."""
-    clock = FakeClock()
-    meta = open_same_metadata(clock=clock)
-    cluster = Cluster(meta, LocalObjectStore(str(tmp_path / "objects")), ClusterConfig(
-        agent_interval=0.01, heartbeat_interval=0.05, heartbeat_timeout=3600.0, migration_timeout=5.0),
-        small_config(), clock=clock)
+    clock, meta, cluster = hour_timeout_cluster(tmp_path, open_same_metadata)
     store = f"file://{tmp_path}/objects"
     node2 = StreamClient(2, str(tmp_path / "n2.wal"), store, open_same_metadata(clock=clock), small_config())
     node2.create_stream().append(RecordBatch(b"x", 1)).result()
@@ -140,11 +146,7 @@ def test_a_retired_node_is_not_failed_over_and_starts_again(tmp_path, open_same_
     """close(retire=True) after a clean close: peers see the node gone, not dead, so nobody
     claims a failover of a WAL on a disk they cannot reach; a close that left data in the WAL
     does not retire. The retired node's next start registers it again and reads its data."""
-    clock = FakeClock()
-    meta = open_same_metadata(clock=clock)
-    cluster = Cluster(meta, LocalObjectStore(str(tmp_path / "objects")), ClusterConfig(
-        agent_interval=0.01, heartbeat_interval=0.05, heartbeat_timeout=3600.0, migration_timeout=5.0),
-        small_config(), clock=clock)
+    clock, meta, cluster = hour_timeout_cluster(tmp_path, open_same_metadata)
     store = f"file://{tmp_path}/objects"
     node2 = StreamClient(2, str(tmp_path / "n2.wal"), store, open_same_metadata(clock=clock), small_config())
     created = node2.create_stream()

@@ -291,11 +291,16 @@ class NodeAgent:
         target retries its open when the source lets go), the next heartbeat, or a moved
         partition's open or close finishing; polling every agent_interval where the store cannot
         push."""
-        if not self._feed.pushes or self._retry_soon:
-            # A move that failed (the source had not let go: its close may have landed while
-            # the open was under way, unseen) is retried after agent_interval, pushes or not.
+        if not self._feed.pushes:
             self._retry_soon = False
             self._stop.wait(self.config.agent_interval)
+            return
+        if self._retry_soon:
+            # A move that failed (the source had not let go) is retried when the source's close
+            # is pushed (closed/), and after agent_interval at the latest: its close may have
+            # landed while the open was under way, its push consumed unseen.
+            self._retry_soon = False
+            self._feed.wait(self.config.agent_interval)
             return
         now = time.monotonic()
         due = min(self._last_heartbeat + self.config.heartbeat_interval,

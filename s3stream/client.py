@@ -329,6 +329,12 @@ class StreamClient:
                 return self._partitions[name]
         return open_partition(self, name)
 
+    @property
+    def metadata(self) -> MetadataStore:
+        """The metadata store of this client's cluster (shared: do not close it), for add-ons
+        that keep their own records there (the mirror, the balancer, consumer offsets)."""
+        return self._meta
+
     def partitions(self) -> list["Partition"]:
         with self._lock:
             return list(self._partitions.values())

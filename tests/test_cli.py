@@ -15,11 +15,10 @@ import types
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 import wal
 from s3stream import RecordBatch, StreamClient
-from s3stream.cli import main
+from cli_helpers import fails, run
 from s3stream.cluster import Cluster, ClusterConfig, NodeAgent
 from s3stream.metadata import ObjectState, ObjectType, SqliteMetadataStore, open_metadata
 from s3stream.objectstore import LocalObjectStore, open_object_store
@@ -30,22 +29,6 @@ FAST = ClusterConfig(agent_interval=0.01, heartbeat_interval=0.1, heartbeat_time
                      auto_failover=False)
 
 
-def run(*args: str, env: dict | None = None):
-    """Invoke the CLI in-process; stdout and stderr apart (click < 8.2 needs mix_stderr=False)."""
-    try:
-        runner = CliRunner(mix_stderr=False)
-    except TypeError:
-        runner = CliRunner()
-    return runner.invoke(main, [str(a) for a in args], env=env)
-
-
-def fails(result, code: int = 1, message: str = "") -> str:
-    """The result is a user error: the exit code, one 'Error:' message containing `message`, no traceback."""
-    assert result.exit_code == code, (result.exit_code, result.output)
-    assert not isinstance(result.exception, Exception) or isinstance(result.exception, SystemExit), result.exception
-    assert "Traceback" not in result.output
-    assert "Error:" in result.stderr and message in result.stderr, result.stderr
-    return result.stderr
 
 
 def fingerprint(path: Path) -> tuple:

@@ -8,11 +8,10 @@ import time
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 from s3stream.balancer.lease import LEASE_KEY, Lease
 from s3stream.balancer.loop import LAST_ROUND_KEY
-from s3stream.cli import main
+from cli_helpers import fails, ok, run
 from s3stream.cluster import Cluster
 from s3stream.loadreport import REPORT_PREFIX
 from s3stream.metadata import open_metadata
@@ -24,29 +23,7 @@ MiB = 1024 * KiB
 RATES = {"a": 3 * MiB, "b": 2 * MiB, "c": 1.5 * MiB, "d": 1 * MiB, "e": 768 * KiB, "f": 768 * KiB}
 
 
-def run(*args):
-    """Invoke the CLI in-process; stdout and stderr apart (click < 8.2 needs mix_stderr=False)."""
-    try:
-        runner = CliRunner(mix_stderr=False)
-    except TypeError:
-        runner = CliRunner()
-    return runner.invoke(main, [str(a) for a in args])
 
-
-def ok(result):
-    assert result.exit_code == 0, (result.exit_code, result.output, result.exception)
-    return result.stdout
-
-
-def fails(result, code: int = 1, *messages: str) -> str:
-    """A user error: the exit code, an 'Error:' line containing every message, no traceback."""
-    assert result.exit_code == code, (result.exit_code, result.output)
-    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
-    assert "Traceback" not in result.output
-    assert "Error:" in result.stderr, result.stderr
-    for message in messages:
-        assert message in result.stderr, result.stderr
-    return result.stderr
 
 
 def report(node: int, partitions: dict[str, float], at: float) -> dict:

@@ -9,6 +9,10 @@ Pieces, one module each:
 - flow.py: MirrorFlow, the copy of one partition, exactly once across crashes and handovers.
 - checkpoint.py: sync_checkpoints, consumer groups' offsets translated onto the target.
 - heartbeat.py: liveness and replication latency, readable on the target alone.
+- worker.py: MirrorWorker, a flow's partitions shared out over workers by leases, rebalanced
+  incrementally (a join or leave moves only what the quotas demand); one leader writes the
+  heartbeats and syncs checkpoints.
+- status.py: mirror_status, the flows, leases, workers and heartbeats read from the target's KV.
 
 Why exact, where MM2 is not: MM2 writes the copied records through a producer, which may
 duplicate them on retries and assigns offsets it does not control, so it can only sample the
@@ -41,11 +45,13 @@ from .heartbeat import HEARTBEATS, Heartbeat, Heartbeater, latest_heartbeats, re
 from .offsets import OffsetMap, Position, add_segment
 from .policy import DefaultReplicationPolicy, IdentityReplicationPolicy, ReplicationPolicy
 from .records import FlowState, PartitionRecord, list_flows, load_flow
+from .status import flow_status, mirror_status
+from .worker import MirrorWorker, WorkerConfig
 
 __all__ = [
     "CheckpointEntry", "CheckpointReport", "DefaultReplicationPolicy", "FlowMetrics", "FlowState", "HEARTBEATS",
     "Heartbeat", "Heartbeater", "IdentityReplicationPolicy", "MirrorConflictError", "MirrorError", "MirrorFlow",
-    "MirrorNameError", "OffsetMap", "OffsetNotMirroredError", "PartitionRecord", "Position", "ReplicationPolicy",
-    "SourceTrimmedError", "add_segment", "latest_heartbeats", "list_flows", "load_flow", "replication_latency",
-    "sync_checkpoints",
+    "MirrorNameError", "MirrorWorker", "OffsetMap", "OffsetNotMirroredError", "PartitionRecord", "Position",
+    "ReplicationPolicy", "SourceTrimmedError", "WorkerConfig", "add_segment", "flow_status", "latest_heartbeats",
+    "list_flows", "load_flow", "mirror_status", "replication_latency", "sync_checkpoints",
 ]

@@ -1236,13 +1236,15 @@ def mirror_status_command(target_meta_url: str, flow_id: str | None, as_json: bo
 
 # ---- bench ----------------------------------------------------------------------------------------
 
-BENCH_KINDS = ("engine", "wal", "metadata", "spark-throughput", "spark-migration", "spark-balance")
+BENCH_KINDS = ("engine", "wal", "metadata", "spark-throughput", "spark-migration", "spark-balance",
+               "spark-mirror")
 #: spark_bench has no --quick: these small settings stand for it (options given after them win).
 SPARK_QUICK = {
     "throughput": ["--nodes", "1,2", "--partitions", "1", "--duration", "1.5", "--wal-capacity", "64M"],
     "migration": ["--histories", "4M,16M", "--migrations", "3", "--tail", "4M", "--pause", "0.1",
                   "--wal-capacity", "64M"],
     "balance": ["--quick", "--wal-capacity", "128M"],
+    "mirror": ["--quick"],
 }
 
 
@@ -1302,6 +1304,7 @@ def bench(kind: str, quick: bool, out: str | None, bench_args: tuple[str, ...]) 
     spark-migration   spark_bench: partition migration time under load against a copy baseline
     spark-balance     spark_bench: the balancer on a Zipf-skewed 4-node cluster, and after a
                       hot spot moves: imbalance before/after, seconds to balance, moves, lost
+    spark-mirror      spark_bench: mirror 16 partitions under load, a worker SIGKILLed, a consumer failover
     engine            s3stream.bench: ingest into 10 and 1,000 streams against WAL-only
                       ingest, small records (128 B-64 KiB) and CPU per GiB against the WAL
                       alone, open-loop append latency, object-store requests per GiB,

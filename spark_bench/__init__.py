@@ -4,6 +4,7 @@ object store and metadata).
     python -m spark_bench throughput [--nodes 1,2,4] [--duration S] [--verify] ...
     python -m spark_bench migration  [--histories 16M,256M,1G] [--tail 16M] [--migrations N] ...
     python -m spark_bench balance    [--nodes 4] [--partitions 32] [--rate MB/s] [--quick] ...
+    python -m spark_bench mirror     [--workers 2] [--rate MB/s] [--duration S] [--quick] ...
 
 Where they run (options of both):
     (default) or --master local[N]   one process; the nodes' WALs in the driver's work dir
@@ -34,7 +35,9 @@ def main(argv: list[str] | None = None) -> dict:
         from .migration import run
     elif kind == "balance":
         from .balance import run
+    elif kind == "mirror":
+        from .mirror import run
     else:
-        print(f"unknown load test {kind!r}: choose throughput, migration or balance\n\n{USAGE}", file=sys.stderr)
+        print(f"unknown load test {kind!r}: choose throughput, migration, balance or mirror\n\n{USAGE}", file=sys.stderr)
         raise SystemExit(2)
     return run(rest)

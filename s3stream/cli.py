@@ -7,9 +7,11 @@
     s3stream balance plan                the moves the balancer would make now (live, or a recorded state)
     s3stream balance record|status       save the state it plans from; its lease, nodes' reports, last round
     s3stream balance run                 run a balancer candidate in the foreground (moves partitions)
+    s3stream mirror run                  run a mirror worker: copy a source cluster's partitions here
+    s3stream mirror status               flows, offset maps, leases, workers, heartbeats of the mirror
     s3stream bench                       the engine, WAL or Spark benchmarks
 
-`inspect`, `streams`, `balance plan` and `balance status` only read. User errors (a missing file, a
+`inspect`, `streams`, `balance plan`, `balance status` and `mirror status` only read. User errors (a missing file, a
 corrupt WAL or object, a bad URL) print one line saying what was wrong and what to do, and exit with
 status 1; usage errors exit 2.
 """

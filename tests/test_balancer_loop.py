@@ -2,6 +2,7 @@
 that converges without losing a record, over SQLite and PostgreSQL metadata."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -132,7 +133,9 @@ def test_two_balancers_one_acts(tmp_path, metadata_url):
         for p in producers:
             p.start()
         time.sleep(1.0)
-        balancers = [Balancer(Cluster(open_metadata(metadata_url), c.store, FAST), node, QUICK).start()
+        # A lease long enough that a loaded machine's pauses never pass it between the two.
+        config = dataclasses.replace(QUICK, lease_ttl_s=6.0)
+        balancers = [Balancer(Cluster(open_metadata(metadata_url), c.store, FAST), node, config).start()
                      for node in (1, 2)]
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and not any(b.moves for b in balancers):

@@ -26,7 +26,7 @@ from s3stream.reporting import pyplot, save_figure
 
 from .common import (
     KiB, add_common_args, deployment, format_placement, new_run_id, node_spec, placement, progress, run_nodes,
-    verify_acks, write_json,
+    publish, verify_acks,
 )
 
 TARGETS = dict(imbalance_after=1.15, seconds_to_balance=60.0, moves_last_10s=2, plan_seconds=1.0)
@@ -71,11 +71,7 @@ def run(argv=None) -> dict:
     args = parse(argv)
     with deployment(args, "balance", args.nodes) as dep:
         report = _run(args, dep)
-    write_json(dep.out, report)
-    report["plots"] = plot(report, dep.out)
-    write_json(dep.out, report)
-    print(format_report(report))
-    return report
+    return publish(report, dep.out, plot, format_report)
 
 
 def _run(args, dep) -> dict:

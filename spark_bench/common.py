@@ -310,6 +310,16 @@ def latency_summary(latencies_ns: list[int]) -> dict:
     return percentiles(latencies_ns, ps=(0.5, 0.99, 0.999))
 
 
+def publish(report: dict, out: str, plot, format_report) -> dict:
+    """Write report.json, draw the plots (their paths go into report["plots"], and the JSON is
+    written again with them), print the summary; returns the report."""
+    write_json(out, report)
+    report["plots"] = plot(report, out)
+    write_json(out, report)
+    print(format_report(report))
+    return report
+
+
 def write_json(out: str, report: dict) -> str:
     path = os.path.join(out, "report.json")
     with open(path, "w") as f:

@@ -27,7 +27,7 @@ from s3stream.reporting import pyplot, save_figure
 
 from .common import (
     MiB, add_common_args, deployment, format_placement, latency_summary, new_run_id, node_spec, placement, progress,
-    run_nodes, verify_acks, write_json,
+    publish, run_nodes, verify_acks,
 )
 
 TARGETS = dict(p99_s=0.5, flatness=1.5, speedup=100.0)
@@ -103,10 +103,7 @@ def run(argv=None) -> dict:
     histories = {f"h{h}": parse_size(h) for h in args.histories.split(",")}
     with deployment(args, "migration", 2) as dep:
         report = _run(args, dep, histories)
-    write_json(dep.out, report)
-    report["plots"] = plot(report, dep.out)
-    print(format_report(report))
-    return report
+    return publish(report, dep.out, plot, format_report)
 
 
 def _run(args, dep, histories: dict[str, int]) -> dict:

@@ -47,7 +47,7 @@ from wal.bench import percentiles
 
 from s3stream.reporting import pyplot, save_figure
 
-from .common import KiB, MiB, add_common_args, deployment, new_run_id, progress, write_json
+from .common import KiB, MiB, add_common_args, deployment, new_run_id, progress, publish
 from .node import digest, payload_for, where_am_i
 
 TARGETS = dict(lost=0, duplicates=0, translation_errors=0)
@@ -518,11 +518,7 @@ def run(argv=None) -> dict:
     args = parse(argv)
     with deployment(args, "mirror", args.source_nodes + args.workers) as dep:
         report = _run(args, dep)
-    write_json(dep.out, report)
-    report["plots"] = plot(report, dep.out)
-    write_json(dep.out, report)
-    print(format_report(report))
-    return report
+    return publish(report, dep.out, plot, format_report)
 
 
 def _run(args, dep) -> dict:

@@ -96,6 +96,27 @@ def test_lease_has_one_holder_and_expires_to_the_next_epoch(tmp_path, metadata_u
         meta.close()
 
 
+def test_lease_records_are_read_by_the_lease_module(tmp_path):
+    """A value that is not a lease record is a free lease (taken over by compare-and-set, not
+    crashed on); expire() ends a lease only if the record is still the one read."""
+    from s3stream.balancer.lease import expire, is_held, read_lease
+    meta = open_metadata(f"sqlite:///{tmp_path}/meta.db")
+    try:
+        meta.put_kv(LEASE_KEY, b"not json")
+        assert read_lease(meta.get_kv(LEASE_KEY)) is None and not is_held(None, 0)
+        a = Lease(meta, 1, ttl_s=10.0)
+        assert a.acquire() and a.epoch == 1
+        held = meta.get_kv(LEASE_KEY)
+        assert is_held(read_lease(held), time.time_ns())
+        assert a.acquire()                                   # renewed: the record changed
+        assert not expire(meta, LEASE_KEY, held)             # a stale read expires nothing
+        assert is_held(a.holder_now(), time.time_ns())
+        assert expire(meta, LEASE_KEY, meta.get_kv(LEASE_KEY))
+        assert not is_held(a.holder_now(), time.time_ns())
+    finally:
+        meta.close()
+
+
 def test_a_deposed_leader_cannot_assign(tmp_path, metadata_url):
     meta = open_metadata(metadata_url)
     now = [1_000_000_000]

@@ -22,6 +22,34 @@ from ..metadata import MetadataStore
 LEASE_KEY = "balancer/lease"
 
 
+def read_lease(raw: bytes | None) -> dict | None:
+    """A lease record ({"holder", "epoch", "expires_ns"}), or None if absent or not one."""
+    if raw is None:
+        return None
+    try:
+        record = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("expires_ns"), int):
+        return None
+    return record
+
+
+def is_held(record: dict | None, now_ns: int) -> bool:
+    """True if the record's lease has not expired at `now_ns` (released ones have expired)."""
+    return record is not None and now_ns < record["expires_ns"]
+
+
+def expire(meta: MetadataStore, key: str, raw: bytes) -> bool:
+    """Expire the lease at `key` now, if it still holds exactly `raw` (compare-and-set): its
+    successor need not wait for the expiry. True if expired here."""
+    record = read_lease(raw)
+    if record is None:
+        return False
+    record["expires_ns"] = 0
+    return meta.replace_kv(key, raw, json.dumps(record, sort_keys=True).encode())
+
+
 class Lease:
     """A candidate for the lease `key`. `token` is the guard for the holder's writes (None while
     not holding it)."""
@@ -45,10 +73,10 @@ class Lease:
         """Take or renew the lease; True if this candidate holds it now (until the expiry it set)."""
         raw = self.meta.get_kv(self.key)
         now = self.clock()
-        current = json.loads(raw) if raw is not None else None
+        current = read_lease(raw)
         if current is not None and current["holder"] == self.holder and raw == self._raw:
             epoch = current["epoch"]                              # ours: renew
-        elif current is None or now >= current["expires_ns"]:
+        elif not is_held(current, now):
             epoch = (current["epoch"] if current else 0) + 1      # free or expired: take over
         else:
             self._raw = None                                      # someone else's, still valid
@@ -63,13 +91,9 @@ class Lease:
 
     def release(self) -> None:
         """Give the lease up (expire it now) if still held, so a successor need not wait."""
-        if self._raw is None:
-            return
-        record = json.loads(self._raw)
-        record["expires_ns"] = 0
-        self.meta.replace_kv(self.key, self._raw, json.dumps(record, sort_keys=True).encode())
-        self._raw = None
+        if self._raw is not None:
+            expire(self.meta, self.key, self._raw)
+            self._raw = None
 
     def holder_now(self) -> dict | None:
-        raw = self.meta.get_kv(self.key)
-        return None if raw is None else json.loads(raw)
+        return read_lease(self.meta.get_kv(self.key))

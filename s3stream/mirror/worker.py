@@ -64,7 +64,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import wal
 
-from ..balancer.lease import Lease
+from ..balancer.lease import Lease, expire, is_held, read_lease
 from ..cluster import Cluster, ClusterConfig
 from ..config import Config
 from ..errors import ConfigError, InvalidArgumentError, S3StreamError, StreamFencedError, StreamNotClosedError
@@ -530,8 +530,8 @@ class MirrorWorker:
         prefix = leases_prefix(self.flow_id)
         out = {}
         for key, raw in self.target_meta.list_kv(prefix).items():
-            target, record = key[len(prefix):], decode_json(raw)
-            if target in sources and isinstance(record, dict) and record.get("expires_ns", 0) > now:
+            target, record = key[len(prefix):], read_lease(raw)
+            if target in sources and is_held(record, now):
                 out[target] = record
         return out
 
@@ -719,18 +719,16 @@ class MirrorWorker:
     def _adopt_previous_leases(self) -> None:
         """Expire the leases an earlier incarnation of this worker still holds (it was fenced when
         this one registered its node, and its partitions closed by the WAL replay), so this one
-        need not wait lease_ttl to claim them. Writes the balancer Lease's record format."""
+        need not wait lease_ttl to claim them."""
         now = self._ns()
         keys = dict(self.target_meta.list_kv(leases_prefix(self.flow_id)))
         raw = self.target_meta.get_kv(leader_key(self.flow_id))
         if raw is not None:
             keys[leader_key(self.flow_id)] = raw
         for key, raw in keys.items():
-            record = decode_json(raw)
-            if isinstance(record, dict) and record.get("holder") == self.worker_id \
-                    and record.get("expires_ns", 0) > now:
-                record["expires_ns"] = 0
-                self.target_meta.replace_kv(key, raw, json.dumps(record, sort_keys=True).encode())
+            record = read_lease(raw)
+            if is_held(record, now) and record["holder"] == self.worker_id:
+                expire(self.target_meta, key, raw)
 
     def _fenced(self, error: BaseException) -> None:
         self.fatal = error

@@ -26,7 +26,7 @@ from s3stream.reporting import pyplot, save_figure
 
 from .common import (
     KiB, add_common_args, deployment, format_placement, new_run_id, node_spec, placement, progress, run_nodes,
-    publish, verify_acks,
+    publish, verdict, verify_acks,
 )
 
 TARGETS = dict(imbalance_after=1.15, seconds_to_balance=60.0, moves_last_10s=2, plan_seconds=1.0)
@@ -210,10 +210,6 @@ def plot(report: dict, out: str) -> list[str]:
     return [save_figure(plt, fig, out, "traffic.png")]
 
 
-def _verdict(ok: bool | None) -> str:
-    return "MET" if ok else "MISSED"
-
-
 def format_report(r: dict) -> str:
     t = r["targets"]
     stb = r["seconds_to_balance"]
@@ -223,15 +219,15 @@ def format_report(r: dict) -> str:
         f"{r['rate_mb_s']:g} MB/s Zipf(s={r['zipf']:g}), hot spot at {r['change_at']:.0f} s",
         f"imbalance (max node bytes-in / mean): first {WINDOW} s {r['imbalance_before']:.2f}, before the change "
         f"{r['imbalance_before_change']:.2f}, last {WINDOW} s {r['imbalance_after']:.2f} "
-        f"(target <= {t['imbalance_after']}: {_verdict(r['imbalance_after'] <= t['imbalance_after'])})",
+        f"(target <= {t['imbalance_after']}: {verdict(r['imbalance_after'] <= t['imbalance_after'])})",
         f"seconds to balance: from the start {r['seconds_to_balance_detail']['from_start']}, from the change "
         f"{r['seconds_to_balance_detail']['from_change']} (target <= {t['seconds_to_balance']:g}: "
-        f"{_verdict(stb is not None and stb <= t['seconds_to_balance'])})",
+        f"{verdict(stb is not None and stb <= t['seconds_to_balance'])})",
         f"moves: {r['moves']} in all, {r['moves_last_10s']} in the last {WINDOW} s (target <= "
-        f"{t['moves_last_10s']}: {_verdict(r['moves_last_10s'] <= t['moves_last_10s'])}); leader(s): {r['leaders']}",
+        f"{t['moves_last_10s']}: {verdict(r['moves_last_10s'] <= t['moves_last_10s'])}); leader(s): {r['leaders']}",
         f"acknowledged records: {r['acked']}, lost: {r['lost']}",
         f"planning 10,000 partitions on 100 nodes: {r['plan_seconds_10k_100']:.3f} s (target < "
-        f"{t['plan_seconds']:g} s: {_verdict(r['plan_seconds_10k_100'] < t['plan_seconds'])})",
+        f"{t['plan_seconds']:g} s: {verdict(r['plan_seconds_10k_100'] < t['plan_seconds'])})",
     ]
     if r["errors"]:
         lines.append(f"errors: {r['errors'][:5]}")

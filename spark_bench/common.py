@@ -184,12 +184,19 @@ def wait_for_executors(spark, count: int, master: str, timeout: float = 10.0) ->
         time.sleep(0.2)
 
 
-def run_nodes(spark, specs: list[dict]) -> list[dict]:
+def run_nodes(spark, specs: list[dict], body=None) -> list[dict]:
     """Run every spec as one Spark task, all at once (a barrier stage: the master must offer a
-    slot per node, or the stage fails instead of running nodes one after the other)."""
-    from spark_bench.node import run_nodes_of_partition
+    slot per node, or the stage fails instead of running nodes one after the other). `body`:
+    the task's function of its specs (default: spark_bench.node.run_nodes_of_partition)."""
+    if body is None:
+        from spark_bench.node import run_nodes_of_partition as body
     rdd = spark.sparkContext.parallelize(specs, len(specs))
-    return rdd.barrier().mapPartitions(run_nodes_of_partition).collect()
+    return rdd.barrier().mapPartitions(body).collect()
+
+
+def verdict(ok: bool | None) -> str:
+    """A target's verdict in a load test's summary."""
+    return "MET" if ok else "MISSED"
 
 
 @dataclass

@@ -27,7 +27,7 @@ from s3stream.reporting import pyplot, save_figure
 
 from .common import (
     MiB, add_common_args, deployment, format_placement, latency_summary, new_run_id, node_spec, placement, progress,
-    publish, run_nodes, verify_acks,
+    publish, run_nodes, verdict, verify_acks,
 )
 
 TARGETS = dict(p99_s=0.5, flatness=1.5, speedup=100.0)
@@ -196,7 +196,7 @@ def format_report(report: dict) -> str:
     lines.append(f"{'history':>10} {'moves':>6} {'p50 s':>7} {'p99 s':>7} {'max s':>7} {'tail MiB':>9} "
                  f"{'copy s':>8} {'speedup':>8}  p99 < {t['p99_s']} s")
     for r in report["histories"]:
-        ok = "MET" if r["p99_s"] is not None and r["p99_s"] < t["p99_s"] else "MISSED"
+        ok = verdict(r["p99_s"] is not None and r["p99_s"] < t["p99_s"])
         lines.append(f"{r['history_bytes'] / MiB:>8.0f}Mi {r['migrations']:>6} {r['p50_s'] or 0:>7.3f} "
                      f"{r['p99_s'] or 0:>7.3f} {r['max_s'] or 0:>7.3f} {(r['tail_bytes_mean'] or 0) / MiB:>9.1f} "
                      f"{r['copy_seconds']:>8.2f} {r['speedup'] or 0:>7.0f}x  {ok}")
@@ -206,9 +206,9 @@ def format_report(report: dict) -> str:
                  + " s; target open " + ", ".join(f"{r['open_p50_s'] or 0:.3f}" for r in report["histories"])
                  + " s; the rest is agent polling and metadata writes")
     lines.append(f"flat in history: p99 largest / smallest = {flat or 0:.2f} (target <= {t['flatness']}: "
-                 f"{'MET' if flat and flat <= t['flatness'] else 'MISSED'})")
+                 f"{verdict(flat and flat <= t['flatness'])})")
     lines.append(f"speedup over the copy at the largest history: {last['speedup'] or 0:.0f}x (target >= "
-                 f"{t['speedup']:.0f}x: {'MET' if (last['speedup'] or 0) >= t['speedup'] else 'MISSED'})")
+                 f"{t['speedup']:.0f}x: {verdict((last['speedup'] or 0) >= t['speedup'])})")
     lines.append(f"nodes ran on: {format_placement(report['placement'])}")
     v = report["verification"]
     lines.append(f"acknowledged records: {v['acknowledged']}, lost: {v['lost']} (read back different: "

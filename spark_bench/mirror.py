@@ -47,7 +47,7 @@ from wal.bench import percentiles
 
 from s3stream.reporting import pyplot, save_figure
 
-from .common import KiB, MiB, add_common_args, deployment, new_run_id, progress, publish
+from .common import KiB, MiB, add_common_args, deployment, new_run_id, progress, publish, run_nodes, verdict
 from .node import digest, payload_for, where_am_i
 
 TARGETS = dict(lost=0, duplicates=0, translation_errors=0)
@@ -119,12 +119,6 @@ def wall_ns(monotonic_ns: int) -> int:
 def run_tasks_of_partition(specs) -> list[dict]:
     """The body of a Spark task: a source node or a mirror worker's supervisor, by `role`."""
     return [run_source(spec) if spec["role"] == "source" else run_supervisor(spec) for spec in specs]
-
-
-def run_stage(spark, specs: list[dict]) -> list[dict]:
-    """Every spec as one task of a barrier stage: all run at once, or the stage fails."""
-    rdd = spark.sparkContext.parallelize(specs, len(specs))
-    return rdd.barrier().mapPartitions(run_tasks_of_partition).collect()
 
 
 def run_source(spec: dict) -> dict:
@@ -550,7 +544,7 @@ def _run(args, dep) -> dict:
     consumer.start()
     monitor.start()
     try:
-        results = run_stage(dep.spark, specs)
+        results = run_nodes(dep.spark, specs, body=run_tasks_of_partition)
     except BaseException:
         monitor.abort.set()         # it sets the stop key on its way out: no worker child outlives the run
         consumer.abort.set()
@@ -714,10 +708,6 @@ def _s(seconds: float | None) -> str:
     return "n/a" if seconds is None else f"{seconds:.2f} s"
 
 
-def _verdict(ok: bool) -> str:
-    return "MET" if ok else "MISSED"
-
-
 def format_report(r: dict) -> str:
     c, k = r["consumer"], r["kill"]
     lines = [
@@ -727,9 +717,9 @@ def format_report(r: dict) -> str:
         f"records mirrored: {r['records']} of {r['source_batches']} source batches ({r['acked']} acknowledged); "
         f"{r['mb_s']:.2f} MB/s over {r['mirror_seconds']:.1f} s; caught up {_s(r['catch_up_after_load_s'])} after "
         f"the load; in order: {r['in_order']}",
-        f"lost: {r['lost']} ({_verdict(r['lost'] == 0)}), duplicates: {r['duplicates']} "
-        f"({_verdict(r['duplicates'] == 0)}), translation_errors: {r['translation_errors']} "
-        f"({_verdict(r['translation_errors'] == 0)})",
+        f"lost: {r['lost']} ({verdict(r['lost'] == 0)}), duplicates: {r['duplicates']} "
+        f"({verdict(r['duplicates'] == 0)}), translation_errors: {r['translation_errors']} "
+        f"({verdict(r['translation_errors'] == 0)})",
         f"lag (source ack -> committed on target, +-{r['lag_resolution_s']} s): p50 {_s(r['lag_p50_s'])}, p99 "
         f"{_s(r['lag_p99_s'])}, max {_s(r['lag_max_s'])} over {r['lag_samples']} batches",
         (f"kill: worker {k['worker_id']} (pid {k['pid']}) SIGKILLed at {k['second']:.1f} s, replaced by pid "

@@ -19,7 +19,7 @@ from s3stream.reporting import pyplot, save_figure
 
 from .common import (
     GiB, add_common_args, deployment, format_placement, latency_summary, new_run_id, node_spec, placement, progress,
-    run_nodes, verify_acks, write_json,
+    run_nodes, verdict, verify_acks, write_json,
 )
 
 #: The first seconds of a node's run, compared with the rest (its steady state).
@@ -172,7 +172,7 @@ def format_report(report: dict) -> str:
                 parts.append(f"node {node}: {st['first_mb_s'] or 0:.0f} MB/s, too short for a steady state")
             else:
                 parts.append(f"node {node}: {st['first_mb_s']:.0f} -> {st['steady_mb_s']:.0f} MB/s = "
-                             f"{st['ratio']:.2f} {'MET' if st['ratio'] >= STEADY_TARGET else 'MISSED'}")
+                             f"{st['ratio']:.2f} {verdict(st['ratio'] >= STEADY_TARGET)}")
         lines.append(f"{r['nodes']:>5} node(s): " + "; ".join(parts))
     if report.get("plots"):
         lines.append("plots: " + ", ".join(report["plots"]))

@@ -24,6 +24,7 @@ from s3stream.errors import StreamNotFoundError
 from s3stream.metadata import open_metadata
 from s3stream.mirror import MirrorFlow
 from s3stream.objectstore import LocalObjectStore
+from test_mirror import read_batches
 
 FLOW = "A-to-B"
 CHILD = Path(__file__)
@@ -115,15 +116,6 @@ def run_child(tmp: Path, source_url: str, target_url: str, node: int, kill_after
         proc.wait(10)
     assert proc.returncode == -signal.SIGKILL
     return replayed, started, position
-
-
-def read_batches(view, start: int, end: int) -> list[tuple[int, int, bytes]]:
-    out, position = [], start
-    while position < end:
-        batches = view.fetch(position, end, 1 << 20).batches
-        out += [(b.base_offset, b.count, bytes(b.payload)) for b in batches]
-        position = batches[-1].end_offset
-    return out
 
 
 def wait_committed(source: StreamClient, end: int, timeout: float = 20.0):

@@ -40,6 +40,7 @@ cdef class Ring:
     cdef bint has_open
     cdef uint64_t next_offset
     cdef uint64_t _trim_offset
+    cdef uint64_t _fill_end             # records end at or before it (first zero-fill); max once filled
     cdef uint64_t _durable_end
     cdef uint64_t _appended_end
     cdef unsigned char* resume_block

@@ -148,6 +148,7 @@ cdef class Ring:
         self.max_record = max_record
         self.next_offset = resume_offset
         self._trim_offset = trim_offset
+        self._fill_end = NO_SEQ
         self._durable_end = resume_offset
         self._appended_end = resume_offset
         self.dispatched_end = resume_offset
@@ -301,6 +302,9 @@ cdef class Ring:
                 self.has_open = True
             b = self._slot(self.open_seq)
             q = record_start(b.pos)
+            # Before the lap check: a wrap's padding block must not land beyond the fill either.
+            if q + rec_len > self._fill_end:
+                return PLACE_WAIT_SPACE
             lap_end = (q // self.capacity + 1) * self.capacity
             if q + rec_len > lap_end:
                 self._seal(b, True)
@@ -509,6 +513,12 @@ cdef class Ring:
             return self._failure()
         if rc == PLACE_NOMEM:
             return MemoryError(f"cannot allocate a WAL batch buffer for a {n}-byte record")
+        if rc == PLACE_WAIT_SPACE and self._fill_end != NO_SEQ:
+            return self.full_error(
+                f"WAL first fill is behind: no room for a {n}-byte record within {self.full_timeout_ns / 1e9:g} s "
+                f"because the new WAL file is zero-filled only up to {self._fill_end} of {self.capacity} bytes "
+                "(preallocate='background'; appends wait for it rather than overwrite it). The disk is slower "
+                "than the appends: retry, raise full_timeout, or create WALs with preallocate='zeros'.")
         if rc == PLACE_WAIT_SPACE:
             return self.full_error(
                 f"WAL full: no room for a {n}-byte record within {self.full_timeout_ns / 1e9:g} s; "
@@ -756,6 +766,21 @@ cdef class Ring:
             self._trim_offset = offset
             pthread_cond_broadcast(&self.space_cv)
         pthread_mutex_unlock(&self.mutex)
+
+    def set_fill_end(self, fill_end) -> None:
+        """Place records only below logical offset `fill_end` (None: anywhere), for the first
+        zero-fill of a new WAL file: the caller persists the fill mark before it raises this, and
+        the filler never writes below the mark. Appends reaching it wait as for trim space."""
+        cdef uint64_t v = NO_SEQ if fill_end is None else <uint64_t>fill_end
+        self._lock_with_gil()
+        self._fill_end = v
+        pthread_cond_broadcast(&self.space_cv)
+        pthread_mutex_unlock(&self.mutex)
+
+    @property
+    def fill_end(self):
+        """The fill limit set by `set_fill_end` (None: none)."""
+        return None if self._fill_end == NO_SEQ else self._fill_end
 
     @property
     def durable_end(self) -> int:

@@ -229,10 +229,8 @@ class Reader:
             budget = max_bytes - size
             if out and budget <= 0:
                 break
-            got = self._cache.read(stream_id, pos, end, max(budget, 1))
-            if got:
-                self.stats["cache_reads"] += 1
-            else:
+            got = self.read_cached(stream_id, pos, end, max(budget, 1))
+            if not got:
                 got = self._read_objects(stream_id, pos, end, max(budget, 1), first=not out)
                 if not got and out:
                     break                        # the next block does not fit what is left
@@ -247,6 +245,15 @@ class Reader:
                 size += len(batch.payload)
             pos = out[-1].end_offset
         return out
+
+    def read_cached(self, stream_id: int, start: int, end: int, max_bytes: int) -> list[Batch]:
+        """The log cache's batches from the one containing `start` towards `end`, up to
+        `max_bytes`: a copy under the cache's lock, no I/O. Empty if the cache does not hold
+        `start` (its batches are only in objects)."""
+        got = self._cache.read(stream_id, start, end, max_bytes)
+        if got:
+            self.stats["cache_reads"] += 1
+        return got
 
     def _read_objects(self, stream_id: int, pos: int, end: int, budget: int, first: bool = True) -> list[Batch]:
         last_error: Exception | None = None

@@ -68,6 +68,24 @@ class Stream(StreamWriter):
         Reads need an open handle: a closed or destroyed one raises StreamClosedError (another
         node may have trimmed or appended since), a fenced one StreamFencedError. Offsets and
         max_bytes must be ints (InvalidArgumentError)."""
+        end = self._fetch_end(start_offset, end_offset, max_bytes)
+        if start_offset == end:
+            return FetchResult([])
+        return FetchResult(self._client._reader.read(self.stream_id, start_offset, end, max_bytes))
+
+    def fetch_cached(self, start_offset: int, end_offset: int | None = None,
+                     max_bytes: int = 1 << 20) -> FetchResult | None:
+        """What `fetch` answers, if the log cache holds `start_offset`: a memory copy, never
+        I/O, so an event loop may call it inline (s3stream.aio does). None when that batch is
+        only in objects (`fetch` reads them). Raises as `fetch` does."""
+        end = self._fetch_end(start_offset, end_offset, max_bytes)
+        if start_offset == end:
+            return FetchResult([])
+        got = self._client._reader.read_cached(self.stream_id, start_offset, end, max_bytes)
+        return FetchResult(got) if got else None
+
+    def _fetch_end(self, start_offset: int, end_offset: int | None, max_bytes: int) -> int:
+        """The end of a fetch's range, checked (see fetch)."""
         check_int("start_offset", start_offset)
         if end_offset is not None:
             check_int("end_offset", end_offset)
@@ -79,9 +97,7 @@ class Stream(StreamWriter):
             raise OffsetOutOfRangeError(
                 f"stream {self.stream_id}: fetch [{start_offset}, {end}) is outside the readable range "
                 f"[{self._start_offset}, {confirm}]")
-        if start_offset == end:
-            return FetchResult([])
-        return FetchResult(self._client._reader.read(self.stream_id, start_offset, end, max_bytes))
+        return end
 
     # ---- trim, close, destroy -------------------------------------------------------------------
 

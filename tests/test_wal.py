@@ -195,6 +195,14 @@ def test_bad_config_is_refused(kwargs, match):
         wal.WALConfig(**kwargs)
 
 
+def test_preallocate_modes():
+    assert wal.WALConfig().preallocate == "background"
+    for mode in ("background", "zeros", "fallocate"):
+        assert wal.WALConfig(preallocate=mode).preallocate == mode
+    with pytest.raises(wal.WALConfigError, match="'background', 'zeros', 'fallocate'"):
+        wal.WALConfig(preallocate="zero")
+
+
 def test_bad_paths_are_refused(tmp_path):
     with pytest.raises(wal.WALConfigError, match="is a directory"):
         wal.WriteAheadLog.open(tmp_path, node_id=1)

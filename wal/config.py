@@ -15,6 +15,8 @@ GiB = 1024 * MiB
 DEFAULT_CAPACITY = 2 * GiB
 #: Smallest data area accepted: a few batches must fit.
 MIN_DATA_CAPACITY = 64 * KiB
+#: How a new WAL file gets its space (WALConfig.preallocate).
+PREALLOCATE_MODES = ("background", "zeros", "fallocate")
 
 
 @dataclass(frozen=True)
@@ -34,8 +36,12 @@ class WALConfig:
     max_record_bytes: largest record body (None: a quarter of the data capacity, at most 64 MiB).
     direct_io: None tries O_DIRECT and falls back to buffered writes + fdatasync where the
         filesystem refuses it; True requires it; False never uses it.
-    preallocate: "zeros" writes the whole new file once (later O_DIRECT writes then need no
-        extent conversion: 777 vs 519 MB/s at 1 MiB measured here); "fallocate" is instant.
+    preallocate: how a new WAL file gets its space. "background" (default): `posix_fallocate`
+        (instant), then the writer session zero-fills the data area in a thread while appends
+        run; appends never pass the filled end (they wait for it, see docs/wal-format.md,
+        invariant 8). "zeros" writes the whole file before `open` returns (seconds for 2 GiB;
+        later O_DIRECT writes need no extent conversion). "fallocate" is instant and never
+        filled: every write of the first lap converts an unwritten extent (slower).
     """
 
     capacity: int | None = None
@@ -45,7 +51,7 @@ class WALConfig:
     full_timeout: float = 30.0
     max_record_bytes: int | None = None
     direct_io: bool | None = None
-    preallocate: str = "zeros"
+    preallocate: str = "background"
 
     def __post_init__(self) -> None:
         # Types first: a float or a bool would pass the range checks and break the ring later.
@@ -77,8 +83,9 @@ class WALConfig:
             raise WALConfigError(f"full_timeout must be positive seconds, got {self.full_timeout}")
         if self.max_record_bytes is not None and self.max_record_bytes < 1:
             raise WALConfigError(f"max_record_bytes must be positive, got {self.max_record_bytes}")
-        if self.preallocate not in ("zeros", "fallocate"):
-            raise WALConfigError(f"preallocate must be 'zeros' or 'fallocate', got {self.preallocate!r}")
+        if self.preallocate not in PREALLOCATE_MODES:
+            raise WALConfigError(f"preallocate must be one of {', '.join(map(repr, PREALLOCATE_MODES))}, "
+                                 f"got {self.preallocate!r}")
 
     @staticmethod
     def check_capacity(capacity: int, what: str) -> None:

@@ -21,6 +21,11 @@ _CRC = struct.Struct("<I")
 #: without a valid extension reads as "unknown" (0) for each field.
 _EXT_AT = _LAYOUT.size + _CRC.size
 _EXT = struct.Struct("<IIQ")               # 16 bytes, then a u32 CRC of them
+#: The fill mark at byte 104 (preallocate="background"), with its own CRC at byte 112: present
+#: only while the first zero-fill of the file runs. Bytes left zero (every other header, and
+#: every header of writers before it) fail that CRC and read as "filled".
+_FILL_AT = _EXT_AT + _EXT.size + _CRC.size
+_FILL = struct.Struct("<Q")
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,9 @@ class Header:
     inflight_batches: int = 0
     batch_bytes: int = 0
     salvaged_end: int = 0
+    # Fill mark: the data area is zero-filled (and records may lie) only below this physical
+    # offset; the filler resumes here. None: filled (also every header written before the field).
+    fill_end: int | None = None
 
     def next(self, **changes) -> "Header":
         return replace(self, write_seq=self.write_seq + 1, **changes)
@@ -51,6 +59,9 @@ class Header:
                             1 if self.clean_shutdown else 0, self.clean_end)
         ext = _EXT.pack(self.inflight_batches, self.batch_bytes, self.salvaged_end)
         slot = body + _CRC.pack(crc32c(body)) + ext + _CRC.pack(crc32c(ext))
+        if self.fill_end is not None:
+            fill = _FILL.pack(self.fill_end)
+            slot += fill + _CRC.pack(crc32c(fill))
         return slot + bytes(HEADER_SLOT - len(slot))
 
 
@@ -81,8 +92,12 @@ def decode_slot(raw: bytes) -> tuple[str, Header | None]:
     ext = raw[_EXT_AT:_EXT_AT + _EXT.size]
     (ext_crc,) = _CRC.unpack_from(raw, _EXT_AT + _EXT.size)
     known = crc32c(ext) == ext_crc
+    fill = raw[_FILL_AT:_FILL_AT + _FILL.size]
+    (fill_crc,) = _CRC.unpack_from(raw, _FILL_AT + _FILL.size)
+    fill_end = _FILL.unpack(fill)[0] if crc32c(fill) == fill_crc else None
     return SlotState.VALID, Header(capacity, trim, seq, wtime, node_id, node_epoch, generation,
-                                   bool(clean), clean_end, *(_EXT.unpack(ext) if known else (0, 0, 0)))
+                                   bool(clean), clean_end, *(_EXT.unpack(ext) if known else (0, 0, 0)),
+                                   fill_end=fill_end)
 
 
 def slot_version(raw: bytes) -> int | None:

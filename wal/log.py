@@ -31,6 +31,7 @@ from .errors import (
     ForeignWALError, RecordTooLargeError, WALClosedError, WALConfigError, WALCorruptError,
     WALFencedError, WALFullError, WALInUseError, WALIOError, WALMidLogCorruptError, WALVersionError,
 )
+from .fill import ZeroFiller
 from .header import VERSION, Header, SlotState, pick_header, slot_version
 
 log = logging.getLogger("wal")
@@ -170,6 +171,7 @@ class WriteAheadLog:
         self._ring: Ring | None = None
         self._writers: list[threading.Thread] = []
         self._dispatcher: threading.Thread | None = None
+        self._filler: ZeroFiller | None = None
         self._recovered: RecoveryResult | None = None
         self._closed = False
 
@@ -234,8 +236,8 @@ class WriteAheadLog:
     @classmethod
     def preallocate(cls, path: str | os.PathLike, config: WALConfig | None = None) -> bool:
         """Create the WAL file at `path` and preallocate it to `config.capacity` if nothing is
-        there yet (zero-filling a large file takes seconds); True if it was created. `open` then
-        only formats it. A node does this before it registers, so that peers never see it
+        there yet (zero-filling a large file takes seconds with preallocate="zeros"; "background"
+        and "fallocate" are instant); True if it was created. `open` then only formats it. A node does this before it registers, so that peers never see it
         registered but silent while it zero-fills."""
         path = os.fspath(path)
         if os.path.exists(path):
@@ -269,7 +271,8 @@ class WriteAheadLog:
         WALConfig.check_capacity(capacity, "capacity")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            if config.preallocate == "fallocate":
+            if config.preallocate in ("fallocate", "background"):
+                # "background": reserved now, zero-filled by the session's ZeroFiller.
                 os.posix_fallocate(fd, 0, capacity)
             else:
                 zeros = bytes(_ZERO_CHUNK)
@@ -348,9 +351,12 @@ class WriteAheadLog:
             if capacity > size:
                 os.ftruncate(fd, capacity)
         WALConfig.check_capacity(capacity, "device size" if block_device else "capacity")
+        # A file to zero-fill in the background starts with an empty fill mark (a device is used
+        # as it is). The file was fallocated by _create_file, unless it already existed.
+        fill_end = 0 if config.preallocate == "background" and not block_device else None
         header = Header(capacity=capacity, trim_offset=0, write_seq=0, write_time_ns=time.time_ns(),
                         node_id=node_id, node_epoch=node_epoch, generation=0, clean_shutdown=True,
-                        clean_end=0)
+                        clean_end=0, fill_end=fill_end)
         # Both slots, so a stale foreign slot can never win later.
         cls._write_slot(fd, header)
         cls._write_slot(fd, header.next())
@@ -437,13 +443,20 @@ class WriteAheadLog:
             # What a crash of this session can leave behind a torn write (see find_gap), kept as
             # the largest of any session: stale batches of an earlier one may still lie there.
             inflight = cfg.buffers if cfg.writer_threads > 1 else 0
+            # A block device needs no fill, whatever a header copied onto it says.
+            fill_end = None if self._block_device else self._header.fill_end
             self._write_header(node_id=self._node_id, node_epoch=self._node_epoch,
                                generation=generation, clean_shutdown=False, clean_end=0,
                                inflight_batches=max(inflight, self._header.inflight_batches),
-                               batch_bytes=max(cfg.batch_bytes + BLOCK, self._header.batch_bytes))
+                               batch_bytes=max(cfg.batch_bytes + BLOCK, self._header.batch_bytes),
+                               fill_end=fill_end)
             ring = Ring(self._fd, HEADER_AREA, self._data_capacity, cfg.batch_bytes + BLOCK, cfg.buffers,
                         generation, resume, self._header.trim_offset, resume_block, cfg.full_timeout,
                         self._max_record, (WALFullError, WALClosedError, WALIOError, RecordTooLargeError))
+            if fill_end is not None:
+                # Before any append: records stay below the persisted mark (which is in the first
+                # lap, so logical and physical offsets agree there).
+                ring.set_fill_end(fill_end)
             self._writers = [threading.Thread(target=ring.run_writer, name=f"wal-writer-{i}", daemon=True)
                              for i in range(cfg.writer_threads)]
             # Callbacks (given to append or added to a handle later) run on this thread; it
@@ -452,7 +465,23 @@ class WriteAheadLog:
             for t in self._writers + [self._dispatcher]:
                 t.start()
             self._ring = ring
+            if fill_end is not None:
+                self._filler = ZeroFiller(self._fd, HEADER_AREA, self._data_capacity, fill_end,
+                                          self._fill_advanced)
+                self._filler.start()
             return ring
+
+    def _fill_advanced(self, fill_end: int | None) -> bool:
+        """The filler has written zeros below `fill_end` (None: the whole data area): persist
+        the mark, then let the ring place records below it. False once the WAL is closing."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._write_header(fill_end=fill_end)
+            self._ring.set_fill_end(fill_end)
+            if fill_end is None:
+                log.info("WAL %s: first fill complete", self._path)
+            return True
 
     def start(self) -> Ring:
         """Begin the writer session (after `recover()`, if it is called at all) and return its
@@ -496,7 +525,12 @@ class WriteAheadLog:
     # ---- closing -----------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Write out everything appended, record a clean shutdown and release the file."""
+        """Write out everything appended, record a clean shutdown and release the file. A first
+        fill still running stops after its current chunk; the next session resumes it."""
+        filler = self._filler
+        if filler is not None:
+            # Outside the lock: the filler takes it to record its progress.
+            filler.stop()
         with self._lock:
             if self._closed:
                 return
@@ -584,7 +618,16 @@ class WriteAheadLog:
         return self._recovered.end if self._recovered else self._header.trim_offset
 
     def stats(self) -> dict:
-        return self._ring.stats() if self._ring is not None else {}
+        """The ring's counters (empty before the session starts) and the first fill's progress:
+        `filled_bytes` of the data area zero-filled, `fill_complete` (preallocate="background")."""
+        stats = self._ring.stats() if self._ring is not None else {}
+        fill_end = self._header.fill_end
+        stats.update(filled_bytes=self._data_capacity if fill_end is None else fill_end,
+                     fill_complete=fill_end is None)
+        filler = self._filler
+        if filler is not None and filler.error is not None:
+            stats["fill_error"] = str(filler.error)
+        return stats
 
     def __repr__(self) -> str:
         mode = "O_DIRECT" if self._direct_io else "buffered"

@@ -24,6 +24,12 @@ One run measures, on ONE file (the WAL's own, preallocated file):
 Raw writes after the first WAL session go only to the ring's free space (after the clean end of
 the closed WAL, before its trim offset plus capacity), so the file stays a valid WAL.
 
+`--first-start` runs a different, shorter comparison instead: for each preallocate mode, a new
+WAL of `--capacity` from `WriteAheadLog.open` to its first durable append, then the sequential
+append rate (128 KiB records, trimmed as they go) over the first lap of the ring, while a
+background fill still runs, and over the second (steady state). The modes run `--rounds` times in
+rotating order (the disk drifts); medians are printed. Output `first-start.json`.
+
 Output: a table on stdout (progress on stderr), `report.json` and, if matplotlib is installed,
 `throughput.png` and `latency.png` in `--out`. Targets are printed with whether each was met;
 nothing is asserted. The exit status is 0 unless the benchmark itself could not run.
@@ -46,7 +52,7 @@ import time
 from _native.walio import AlignedBuffer, datasync
 from _native.walrecord import BLOCK, HEADER_AREA, RECORD_HEADER
 
-from .config import GiB, KiB, MiB, WALConfig
+from .config import PREALLOCATE_MODES, GiB, KiB, MiB, WALConfig
 from .header import pick_header
 from .log import WriteAheadLog
 
@@ -400,6 +406,93 @@ def run_case(path: str, cfg: WALConfig, size: int, threads: int, args, limit_hin
     return res
 
 
+def first_start(path: str, cfg: WALConfig, record_bytes: int = 128 * KiB - 64, inflight: int = 64,
+                laps: int = 2) -> dict:
+    """A new WAL at `path`: seconds from `WriteAheadLog.open` to the first durable append, then
+    the payload rate of sequential appends over each lap of the ring (trimmed every 64 MiB)."""
+    t0 = time.perf_counter()
+    wal = WriteAheadLog.open(path, node_id=BENCH_NODE_ID, config=cfg)
+    try:
+        wal.append(b"first").result(60)
+        first = time.perf_counter() - t0
+        trimmer = Trimmer(wal, 64 * MiB)
+        trimmer.start()
+        payload = os.urandom(record_bytes)
+        dq: collections.deque = collections.deque()
+        lap_rates, fill_done_at = [], None
+        try:
+            for lap in range(1, laps + 1):
+                lap_end = lap * wal.capacity
+                start_end, t_lap = wal.durable_end, time.perf_counter()
+                while True:
+                    h = wal.append(payload)
+                    dq.append(h)
+                    if len(dq) >= inflight:
+                        dq.popleft().result(60)
+                    if fill_done_at is None and wal.stats()["fill_complete"]:
+                        fill_done_at = wal.durable_end
+                    if h.end >= lap_end:
+                        break
+                while dq:
+                    dq.popleft().result(60)
+                seconds = time.perf_counter() - t_lap
+                lap_rates.append((wal.durable_end - start_end) / seconds / MB)
+        finally:
+            trimmer.stop()
+        return dict(preallocate=cfg.preallocate, first_append_s=first, lap_mb_s=lap_rates,
+                    direct_io=wal.direct_io, fill_complete_at_offset=fill_done_at,
+                    stats=wal.stats())
+    finally:
+        wal.close()
+
+
+def run_first_start(args) -> dict:
+    """`--first-start`: each preallocate mode on a new file in --out, `--rounds` times, the order
+    rotated each round so that a drifting disk favours no mode."""
+    os.makedirs(args.out, exist_ok=True)
+    results: dict = {mode: [] for mode in PREALLOCATE_MODES}
+    env = dict(cpu_count=os.cpu_count(), filesystem=_fs_type(os.path.abspath(args.out)), loadavg_start=_loadavg())
+    for rnd in range(args.rounds):
+        modes = PREALLOCATE_MODES[rnd % 3:] + PREALLOCATE_MODES[:rnd % 3]
+        for mode in modes:
+            path = os.path.join(args.out, f"first-start-{mode}.wal")
+            if os.path.exists(path):
+                raise SystemExit(f"wal.bench: {path!r} exists (an interrupted run?); remove it first")
+            cfg = WALConfig(capacity=args.capacity, batch_bytes=args.batch_bytes, buffers=args.buffers,
+                            writer_threads=args.writer_threads, preallocate=mode)
+            try:
+                r = first_start(path, cfg)
+            finally:
+                if os.path.exists(path):
+                    os.unlink(path)
+            _progress(f"round {rnd + 1}/{args.rounds} preallocate={mode} ({fmt_size(args.capacity)}): first "
+                      f"durable append after {r['first_append_s']:.3f} s; laps "
+                      + ", ".join(f"{x:.0f} MB/s" for x in r["lap_mb_s"]))
+            results[mode].append(r)
+    env["loadavg_end"] = _loadavg()
+
+    def median(xs):
+        xs = sorted(xs)
+        return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
+
+    summary = {mode: dict(first_append_s=median([r["first_append_s"] for r in rs]),
+                          lap1_mb_s=median([r["lap_mb_s"][0] for r in rs]),
+                          lap2_mb_s=median([r["lap_mb_s"][1] for r in rs]))
+               for mode, rs in results.items()}
+    report = dict(capacity=args.capacity, batch_bytes=args.batch_bytes, rounds=args.rounds, summary=summary,
+                  results=results, environment=env)
+    print(f"medians of {args.rounds} round(s), {fmt_size(args.capacity)} WAL, 128 KiB records:")
+    print(f"{'preallocate':<12} {'first append':>13} {'lap 1 MB/s':>11} {'lap 2 MB/s':>11}")
+    for mode, m in summary.items():
+        print(f"{mode:<12} {m['first_append_s']:>11.3f} s {m['lap1_mb_s']:>11.0f} {m['lap2_mb_s']:>11.0f}")
+    jpath = os.path.join(args.out, "first-start.json")
+    with open(jpath, "w") as f:
+        json.dump(report, f, indent=2, default=str)
+        f.write("\n")
+    print(f"wrote {jpath}", flush=True)
+    return report
+
+
 def queue_floor_ms(case: dict, cfg: WALConfig, limit_mb_s: float) -> float:
     """Little's law: with N bytes always queued, mean latency >= N / throughput. Queued bytes are
     the producers' in-flight records, but at most what the WAL's batch buffers hold (appends
@@ -725,7 +818,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--batch-bytes", type=parse_size, default=d.batch_bytes)
     g.add_argument("--buffers", type=int, default=d.buffers)
     g.add_argument("--writer-threads", type=int, default=d.writer_threads)
-    g.add_argument("--preallocate", choices=("zeros", "fallocate"), default=d.preallocate)
+    g.add_argument("--preallocate", choices=PREALLOCATE_MODES, default=d.preallocate)
+    ap.add_argument("--first-start", action="store_true",
+                    help="only compare the preallocate modes: time to the first durable append of a new "
+                    "WAL and append rates over its first and second lap (give --capacity 2G for the default)")
+    ap.add_argument("--rounds", type=int, default=3, help="--first-start: rounds over the modes")
     g = ap.add_argument_group("throughput cases")
     g.add_argument("--sizes", type=_size_list, default=[4 * KiB, 64 * KiB], help="record sizes, e.g. 4K,64K")
     g.add_argument("--threads", type=_int_list, default=[1, 4], help="producer thread counts, e.g. 1,4")
@@ -753,6 +850,8 @@ def build_parser() -> argparse.ArgumentParser:
 def run(argv: list[str] | None = None) -> dict:
     """Run the benchmark; print the table; write report.json (and plots) to --out; return the report."""
     args = build_parser().parse_args(argv)
+    if args.first_start:
+        return run_first_start(args)
     if args.duration is None:
         args.duration = 1.0 if args.quick else 5.0
     if args.warmup is None:

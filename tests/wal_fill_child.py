@@ -21,7 +21,7 @@ THREADS = 2
 def main() -> None:
     path, rnd, capacity = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     ZeroFiller.chunk_bytes = 64 * 1024
-    ZeroFiller.before_chunk = lambda offset: time.sleep(0.004)
+    ZeroFiller.before_chunk = lambda offset: time.sleep(0.01)
     w = wal.WriteAheadLog.open(path, node_id=1, config=wal.WALConfig(
         capacity=capacity, batch_bytes=64 * 1024, full_timeout=60, preallocate="background"))
     recovered = list(w.recover())

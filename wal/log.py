@@ -237,8 +237,9 @@ class WriteAheadLog:
     def preallocate(cls, path: str | os.PathLike, config: WALConfig | None = None) -> bool:
         """Create the WAL file at `path` and preallocate it to `config.capacity` if nothing is
         there yet (zero-filling a large file takes seconds with preallocate="zeros"; "background"
-        and "fallocate" are instant); True if it was created. `open` then only formats it. A node does this before it registers, so that peers never see it
-        registered but silent while it zero-fills."""
+        and "fallocate" are instant); True if it was created. `open` then only formats it. A
+        node does this before it registers, so that peers never see it registered but silent
+        while it zero-fills."""
         path = os.fspath(path)
         if os.path.exists(path):
             return False
@@ -445,6 +446,12 @@ class WriteAheadLog:
             inflight = cfg.buffers if cfg.writer_threads > 1 else 0
             # A block device needs no fill, whatever a header copied onto it says.
             fill_end = None if self._block_device else self._header.fill_end
+            if fill_end is not None and resume > fill_end:
+                # Records above the mark cannot come from a session of this build; they can
+                # from a file formatted over an old WAL (force_format). Never zero them.
+                fill_end = -(-resume // BLOCK) * BLOCK
+                if fill_end >= self._data_capacity:
+                    fill_end = None
             self._write_header(node_id=self._node_id, node_epoch=self._node_epoch,
                                generation=generation, clean_shutdown=False, clean_end=0,
                                inflight_batches=max(inflight, self._header.inflight_batches),

@@ -70,6 +70,7 @@ cdef class AppendPath:
     cdef bint cb_stop
     cdef uint64_t stat_appends
     cdef uint64_t stat_bytes
+    cdef uint64_t stat_lock_waits       # appends that found the append lock taken
 
     cdef void _lock_append(self) noexcept
     cdef void _unlock_append(self) noexcept

@@ -33,6 +33,7 @@ cimport cython
 
 from _native.sysdeps cimport (
     monotonic_ns, lock_releasing_gil, pthread_mutex_init, pthread_mutex_destroy, pthread_mutex_unlock,
+    pthread_mutex_trylock, pthread_mutex_lock,
 )
 from _native.endian cimport store32, store64
 from _native.walrecord cimport RECORD_HEADER_SIZE
@@ -240,6 +241,10 @@ cdef class StreamWriter:
         """Queue an append's (WAL end, end offset) for the confirm offset (cache lock held)."""
         cdef size_t cap, live, i
         cdef void* p
+        if self.q_head == self.q_cap:
+            # Drop what is durable first: nothing else drains the queue while no one reads the
+            # stream, and without this it would grow by an entry per append for good.
+            self._advance_confirm()
         if self.q_tail == self.q_head:
             self.q_tail = self.q_head = 0
         if self.q_head == self.q_cap:
@@ -307,6 +312,10 @@ cdef class StreamWriter:
         self._advance_confirm()
         self.path.cache.release()
         return self.confirmed
+
+    def _pending_entries(self) -> int:
+        """Entries of the confirm queue (tests: it must stay bounded by the appends in flight)."""
+        return self.q_head - self.q_tail
 
     def _writer_state(self) -> int:
         return self.wstate
@@ -382,7 +391,10 @@ cdef class AppendPath:
             pthread_mutex_destroy(&self.append_mutex)
 
     cdef void _lock_append(self) noexcept:
-        lock_releasing_gil(&self.append_mutex)
+        if pthread_mutex_trylock(&self.append_mutex) != 0:
+            self.stat_lock_waits += 1           # GIL held: no other thread counts meanwhile
+            with nogil:
+                pthread_mutex_lock(&self.append_mutex)
 
     cdef void _unlock_append(self) noexcept:
         pthread_mutex_unlock(&self.append_mutex)
@@ -497,7 +509,7 @@ cdef class AppendPath:
         self.refusal = (error_type, message)
 
     def stats(self) -> dict:
-        return dict(appends=self.stat_appends, bytes=self.stat_bytes)
+        return dict(appends=self.stat_appends, bytes=self.stat_bytes, lock_waits=self.stat_lock_waits)
 
     # ---- callbacks ---------------------------------------------------------------------------
 

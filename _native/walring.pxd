@@ -68,6 +68,8 @@ cdef class Ring:
     cdef uint64_t stat_batches
     cdef uint64_t stat_bytes_written
     cdef uint64_t stat_full_waits
+    cdef uint64_t stat_buffer_waits     # placements that waited for a free batch buffer
+    cdef uint64_t stat_lock_waits       # engine placements that found the mutex taken
     cdef bint initialized
     cdef object full_error
     cdef object closed_error

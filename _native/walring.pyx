@@ -347,6 +347,8 @@ cdef class Ring:
                 have_deadline = True
             if rc == PLACE_WAIT_SPACE:
                 self.stat_full_waits += 1
+            else:
+                self.stat_buffer_waits += 1
             w = pthread_cond_timedwait(&self.space_cv, &self.mutex, &deadline)
             if w == ETIMEDOUT:
                 rc = self._place(plen + n, out_pos)
@@ -386,6 +388,8 @@ cdef class Ring:
             if pthread_mutex_trylock(&self.mutex) == 0:
                 rc = self._place_and_copy(prefix, plen, data, n, crc, out_pos, False)
                 pthread_mutex_unlock(&self.mutex)
+            else:
+                self.stat_lock_waits += 1       # GIL held: no other thread counts meanwhile
         else:
             with nogil:
                 crc = crc32c_update(crc32c_update(0, prefix, plen), data, n)
@@ -478,6 +482,7 @@ cdef class Ring:
                 with nogil:
                     crc = crc32c_update(crc32c_update(0, psrc, plen), src, n)
             else:
+                self.stat_lock_waits += 1
                 crc = crc32c_update(crc32c_update(0, psrc, plen), src, n)
             if waited and (rc == PLACE_WAIT_SPACE or rc == PLACE_WAIT_BUFFER):
                 # Slow path: wait without the GIL; the mutex is released before the GIL is
@@ -821,9 +826,11 @@ cdef class Ring:
         self._lock_with_gil()
         records, record_bytes = self.stat_records, self.stat_record_bytes
         batches, written, waits = self.stat_batches, self.stat_bytes_written, self.stat_full_waits
+        buffer_waits = self.stat_buffer_waits
         pthread_mutex_unlock(&self.mutex)
         return dict(records=records, record_bytes=record_bytes, batches=batches,
-                    bytes_written=written, full_waits=waits)
+                    bytes_written=written, full_waits=waits, buffer_waits=buffer_waits,
+                    lock_waits=self.stat_lock_waits)
 
 
 cdef void _call(fn, handle) noexcept:

@@ -139,6 +139,26 @@ def test_oversized_batch_is_refused_and_nothing_is_written(tmp_path):
         c.close()
 
 
+def test_confirm_queue_stays_bounded_without_readers(tmp_path):
+    """Each append queues (WAL end, end offset) for the confirm offset. Only reads drained that
+    queue, so a stream nobody read grew it by an entry per append, for good."""
+    c = client(tmp_path)
+    try:
+        s = c.create_stream()
+        window = []
+        for i in range(20_000):
+            window.append(s.append(RecordBatch(b"r", 1)))
+            if len(window) == 64:
+                window.pop(0).result(10)
+        for f in window:
+            f.result(10)
+        assert s._pending_entries() <= 256
+        assert s.confirm_offset == 20_000           # a read drains the rest
+        assert s._pending_entries() == 0
+    finally:
+        c.close()
+
+
 # ---- a failure in the completion path ------------------------------------------------------------
 
 def test_failure_after_the_wal_fails_the_append_clearly_and_close_does_not_hang(tmp_path):

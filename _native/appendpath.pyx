@@ -138,6 +138,11 @@ cdef class AppendResult:
         return f"AppendResult(base_offset={self.base_offset})"
 
 
+# Not tracked by the cyclic GC: every append makes one, and as tracked objects they triggered
+# full collections (tens of ms with a large heap) at a rate set by the append rate. A future
+# refers to its path (long-lived, refers back only through a pending callback entry, which
+# running the callback drops) and to an error that was never raised (no traceback): no cycle.
+@cython.no_gc
 @cython.freelist(1024)
 cdef class AppendFuture:
     """The pending acknowledgement of one append (a light future). `result()` returns an

@@ -33,6 +33,7 @@ Report: JSON and PNG plots in --out.
 from __future__ import annotations
 
 import argparse
+import array
 import collections
 import json
 import os
@@ -458,8 +459,10 @@ class SmallRecordBench:
         threads = len(appends)
         interval = threads * 1e9 / rate
         per_thread = max(1, int(rate * seconds / threads))
-        latencies: list[int] = []
-        send_lags: list[int] = []           # how late the producers called append: their own share
+        # Samples in arrays, not lists: the cyclic GC walks every item of a list in each full
+        # collection, so millions of samples made the harness pause its own producers.
+        latencies = array.array("q")
+        send_lags = array.array("q")        # how late the producers called append: their own share
         unknown, capped, last_send = [0], [0], [0]
         lock = threading.Lock()
         start = time.monotonic_ns() + 10_000_000        # let every thread start before the schedule does
@@ -467,8 +470,8 @@ class SmallRecordBench:
         def body(index: int, append) -> None:
             first = start + index * interval / threads
             window: collections.deque = collections.deque()
-            lat: list[int] = []
-            lag: list[int] = []
+            lat = array.array("q")
+            lag = array.array("q")
             missing = waits = 0
 
             def harvest(block: bool) -> None:

@@ -1,0 +1,137 @@
+"""Progress bars for the benchmarks and load tests: tqdm bars on stderr, shown only when someone
+watches.
+
+A bar is shown when the stream it writes to (stderr by default: reports go to stdout, so they
+stay clean when redirected) is a terminal, unless the environment variable CI is set or
+S3STREAM_PROGRESS=0; S3STREAM_PROGRESS=1 shows it regardless. Without tqdm installed (it comes
+with the `bench` and `test` extras) every bar is a silent stand-in and the benchmarks run the same.
+
+Bars must cost nothing inside a timed section: advance them between rounds and phases, or wrap a
+long timed phase in `progress_over`, whose ticker thread redraws at most TICKS_PER_SECOND times a
+second and does not run at all when the bar is off. Log lines written with `log_line` appear
+above any open bar instead of through it.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TextIO
+
+#: "1": show bars even off a terminal or under CI; "0": never show them.
+ENV = "S3STREAM_PROGRESS"
+#: The most redraws a second of any bar (tqdm's mininterval) and of `progress_over`'s ticker.
+TICKS_PER_SECOND = 4
+
+
+def enabled(file: TextIO | None = None) -> bool:
+    """Whether a bar writing to `file` (default stderr) would be shown."""
+    forced = os.environ.get(ENV, "").strip()
+    if forced in ("0", "1"):
+        return forced == "1"
+    if os.environ.get("CI", "").strip().lower() not in ("", "0", "false"):
+        return False
+    file = sys.stderr if file is None else file
+    try:
+        return bool(file.isatty())
+    except (AttributeError, ValueError, OSError):    # no isatty, or a closed stream
+        return False
+
+
+def progress(iterable: Iterable | None = None, *, total: float | None = None, desc: str | None = None,
+             unit: str = "it", file: TextIO | None = None, leave: bool = False, **tqdm_args: Any):
+    """A tqdm bar over `iterable` (or advanced by `.update(n)` up to `total`) writing to `file`
+    (default stderr), disabled as `enabled` says. Use it as tqdm: iterate it, or
+    `with progress(total=n) as bar: ... bar.update()`. Bars are transient (leave=False) unless
+    asked: the log lines keep the record, a bar only shows where a run is."""
+    file = sys.stderr if file is None else file
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _SilentBar(iterable, total)
+    return tqdm(iterable, total=total, desc=desc, unit=unit, file=file, leave=leave, disable=not enabled(file),
+                mininterval=1 / TICKS_PER_SECOND, dynamic_ncols=True, **tqdm_args)
+
+
+@contextlib.contextmanager
+def progress_over(seconds: float, desc: str | None = None, *, file: TextIO | None = None,
+                  clock: Callable[[], float] = time.monotonic) -> Iterator[Any]:
+    """A bar over `seconds` of wall time while the body runs (a timed phase that must not pay
+    for a bar: Spark tasks the driver waits for, a workload of fixed length). A ticker thread
+    redraws it at most TICKS_PER_SECOND times a second; when the bar is off, no thread starts.
+    The bar stops at its end if the body runs longer; its elapsed time keeps counting."""
+    total = max(float(seconds), 1e-3)
+    bar = progress(total=total, desc=desc, unit="s", file=file,
+                   bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed} of " + _clock_text(total))
+    if bar.disable:
+        with bar:
+            yield bar
+        return
+    stop = threading.Event()
+    start = clock()
+
+    def tick() -> None:
+        while not stop.wait(1 / TICKS_PER_SECOND):
+            bar.n = min(total, clock() - start)
+            bar.refresh()
+
+    ticker = threading.Thread(target=tick, name="progress-ticker", daemon=True)
+    ticker.start()
+    try:
+        yield bar
+    finally:
+        stop.set()
+        ticker.join()
+        bar.close()
+
+
+def log_line(text: str, file: TextIO | None = None) -> None:
+    """Write one line to `file` (default stderr) above any open bar instead of through it."""
+    file = sys.stderr if file is None else file
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        print(text, file=file, flush=True)
+        return
+    tqdm.write(text, file=file)
+    file.flush()
+
+
+def _clock_text(seconds: float) -> str:
+    minutes, secs = divmod(int(round(seconds)), 60)
+    return f"{minutes:02d}:{secs:02d}"
+
+
+class _SilentBar:
+    """Stands in for a tqdm bar when tqdm is not installed: iterates, counts, shows nothing."""
+    disable = True
+
+    def __init__(self, iterable: Iterable | None, total: float | None) -> None:
+        self.iterable, self.total, self.n = iterable, total, 0
+
+    def __iter__(self):
+        return iter(self.iterable if self.iterable is not None else ())
+
+    def __enter__(self) -> "_SilentBar":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def update(self, n: float = 1) -> None:
+        self.n += n
+
+    def set_description(self, desc: str | None = None, refresh: bool = True) -> None:
+        pass
+
+    def set_postfix_str(self, s: str = "", refresh: bool = True) -> None:
+        pass
+
+    def refresh(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -45,13 +45,13 @@ import os
 import platform
 import re
 import stat
-import sys
 import threading
 import time
 
 from _native.walio import AlignedBuffer, datasync
 from _native.walrecord import BLOCK, HEADER_AREA, RECORD_HEADER
 
+from .bench_progress import log_line, progress
 from .config import PREALLOCATE_MODES, GiB, KiB, MiB, WALConfig
 from .header import pick_header
 from .log import WriteAheadLog
@@ -99,7 +99,7 @@ def fmt_size(n: int) -> str:
 
 
 def _progress(msg: str) -> None:
-    print(f"[wal.bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+    log_line(f"[wal.bench {time.strftime('%H:%M:%S')}] {msg}")
 
 
 # ---- statistics ---------------------------------------------------------------------------------
@@ -452,6 +452,7 @@ def run_first_start(args) -> dict:
     os.makedirs(args.out, exist_ok=True)
     results: dict = {mode: [] for mode in PREALLOCATE_MODES}
     env = dict(cpu_count=os.cpu_count(), filesystem=_fs_type(os.path.abspath(args.out)), loadavg_start=_loadavg())
+    bar = progress(total=args.rounds * len(PREALLOCATE_MODES), desc="wal.bench first start", unit="WAL")
     for rnd in range(args.rounds):
         modes = PREALLOCATE_MODES[rnd % 3:] + PREALLOCATE_MODES[:rnd % 3]
         for mode in modes:
@@ -469,6 +470,8 @@ def run_first_start(args) -> dict:
                       f"durable append after {r['first_append_s']:.3f} s; laps "
                       + ", ".join(f"{x:.0f} MB/s" for x in r["lap_mb_s"]))
             results[mode].append(r)
+            bar.update()
+    bar.close()
     env["loadavg_end"] = _loadavg()
 
     def median(xs):
@@ -897,6 +900,8 @@ def run(argv: list[str] | None = None) -> dict:
     max_size = max(args.sizes + [args.sync_size])
     t_all = time.perf_counter()
     created = False
+    # one step per phase and per case, advanced between them: nothing inside a timed section
+    steps = progress(total=4 + len(args.sizes) * len(args.threads), desc="wal.bench", unit="step")
     try:
         nphase = 4
         _progress(f"phase 0/{nphase}: creating {fmt_size(args.capacity)} WAL at {path} "
@@ -907,6 +912,7 @@ def run(argv: list[str] | None = None) -> dict:
         if max_size > info["max_record_bytes"]:
             raise SystemExit(f"wal.bench: record size {max_size} exceeds the WAL's max record "
                              f"{info['max_record_bytes']}; raise --capacity")
+        steps.update()
 
         _progress(f"phase 1/{nphase}: raw limit, {fmt_size(args.raw_bytes)} of {fmt_size(args.raw_block)} "
                   "pwrite+fdatasync")
@@ -914,6 +920,7 @@ def run(argv: list[str] | None = None) -> dict:
         if raw_start.get("note"):
             _progress(raw_start["note"])
         _progress(f"  raw: {raw_start['mb_s']:.1f} MB/s")
+        steps.update()
 
         # A short raw run between cases (before the first, between each two, after the last):
         # the disk is shared and its speed drifts, so each case is also compared with the mean of
@@ -942,6 +949,7 @@ def run(argv: list[str] | None = None) -> dict:
                       f"p99 {_f(lat['p99_ms'], '.2f')} ms"
                       + (f" (raw after: {after['mb_s']:.0f} MB/s)" if after else "")
                       + (f", ERRORS: {c['errors']}" if c["errors"] else ""))
+            steps.update()
         report["cases"] = cases
 
         _progress(f"phase 3/{nphase}: {args.sync_count} synchronous {fmt_size(args.sync_size)} appends, "
@@ -960,10 +968,12 @@ def run(argv: list[str] | None = None) -> dict:
         _progress(f"  WAL sync p50 {_f(wal_sync['latency']['p50_ms'], '.3f')} ms; raw p50 "
                   + ", ".join(f"{fmt_size(r['block_bytes'])} {_f(r['latency']['p50_ms'], '.3f')} ms"
                               for r in wal_sync["raw"]))
+        steps.update()
 
         _progress(f"phase 4/{nphase}: raw limit again, {fmt_size(args.raw_bytes)}")
         raw_end = raw_write_test(path, free_region(path, cfg), data_capacity, args.raw_bytes, args.raw_block)
         _progress(f"  raw: {raw_end['mb_s']:.1f} MB/s")
+        steps.update()
         limit = max(raw_start["mb_s"], raw_end["mb_s"])
         report["raw"] = dict(start=raw_start, end=raw_end, limit_mb_s=limit)
         for c in cases:
@@ -972,6 +982,7 @@ def run(argv: list[str] | None = None) -> dict:
             adj = c.get("raw_adjacent")
             c["ratio_adjacent"] = c["mb_s"] / adj["mb_s"] if adj else None
     finally:
+        steps.close()
         if created and not args.keep:
             try:
                 os.unlink(path)

@@ -39,12 +39,12 @@ import json
 import os
 import resource
 import shutil
-import sys
 import threading
 import time
 
 import wal
 from wal.bench import Trimmer, fmt_size, parse_size, percentiles
+from wal.bench_progress import log_line, progress
 
 from . import Config, RecordBatch, StreamClient
 from .lifecycle import ObjectReclaimer
@@ -69,7 +69,7 @@ OPEN_LOOP_TICK_NS = 200_000
 
 
 def _progress(msg: str) -> None:
-    print(f"[s3stream.bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+    log_line(f"[s3stream.bench {time.strftime('%H:%M:%S')}] {msg}")
 
 
 # ---- completion times of append handles -----------------------------------------------------------
@@ -615,9 +615,12 @@ def run(argv: list[str] | None = None) -> dict:
                                     batch=args.batch, threads=args.threads, inflight=128,
                                     store_dir=base_store, workdir=base_work), targets=TARGETS, only=args.only)
     runs = []
+    cases = (("1000 streams", args.ingest, 1000), ("10 streams", args.dataset, 10))
+    ingests = cases if args.only == "all" else cases[1:]
+    # one step per ingest, the reads and the small records, advanced between them
+    phases = progress(total=len(ingests) + (2 if args.only == "all" else 1), desc="s3stream.bench", unit="phase")
     try:
-        cases = (("1000 streams", args.ingest, 1000), ("10 streams", args.dataset, 10))
-        for name, total, nstreams in cases if args.only == "all" else cases[1:]:
+        for name, total, nstreams in ingests:
             work = os.path.join(base_work, str(nstreams))
             # The 10-stream data set is read back cold from disk, so its objects live on disk.
             store = os.path.join(base_store if nstreams == 1000 else work, "objects")
@@ -636,7 +639,9 @@ def run(argv: list[str] | None = None) -> dict:
                     s.close()
                 client.close()
             runs.append(res)
+            phases.update()
         report["reads"] = read_cases(args, config, payload, base_work)
+        phases.update()
         if args.only == "all":
             work, store = os.path.join(base_work, "small"), os.path.join(base_store, "small")
             for d in (work, store):
@@ -645,7 +650,9 @@ def run(argv: list[str] | None = None) -> dict:
             report["small_records"], report["open_loop"] = small_records(
                 work, store, config, args.record_sizes, args.rounds, args.round_seconds,
                 set(args.open_loop_sizes), args.open_loop_seconds)
+            phases.update()
     finally:
+        phases.close()
         if not args.keep:
             shutil.rmtree(base_store, ignore_errors=True)
             shutil.rmtree(base_work, ignore_errors=True)
@@ -665,24 +672,33 @@ def read_cases(args, config: Config, payload: bytes, base_work: str) -> dict:
     so_work = os.path.join(base_work, "10-so")
     shutil.rmtree(so_work, ignore_errors=True)
     os.makedirs(os.path.join(so_work, "objects"))
-    _progress(f"ingest of {fmt_size(args.dataset)} into 10 streams as StreamObjects (split_size 4 MiB)")
-    engine_ingest(so_work, os.path.join(so_work, "objects"), replace(config, split_size=min(4 * MiB, config.split_size)),
-                  payload, args.threads, args.dataset, 10, compare_wal=False)
-    layouts["stream objects"] = so_work
-    _progress("tail reads of 128 B, 1 KiB and 64 KiB records from the log cache")
-    tail_store = os.path.join(so_work, "tail-objects")
-    os.makedirs(tail_store, exist_ok=True)
-    tail = tail_read_sizes(so_work, tail_store, config, per_stream=(2 if args.quick else 16) * MiB,
-                           rounds=10 if args.quick else 200)
-    out: dict = dict(local={}, s3={})
-    for layout, work in layouts.items():
-        _progress(f"catch-up read of {layout} from the local store (fresh node, cold caches)")
-        out["local"][layout] = catchup_local(work, os.path.join(work, "objects"), config)
-    if not args.no_s3:
-        with moto_server() as endpoint:
-            for i, (layout, work) in enumerate(layouts.items()):
-                _progress(f"catch-up read of {layout} from S3 through moto (fresh node, cold caches)")
-                out["s3"][layout] = catchup_s3(work, os.path.join(work, "objects"), config, endpoint, f"catchup-{i}")
+    # steps, advanced between them: the StreamObjects ingest, the tail reads, then the catch-up
+    # read of each of the two layouts from the local store and from S3
+    with progress(total=2 + 2 * (1 if args.no_s3 else 2), desc="reads", unit="step") as steps:
+        _progress(f"ingest of {fmt_size(args.dataset)} into 10 streams as StreamObjects (split_size 4 MiB)")
+        engine_ingest(so_work, os.path.join(so_work, "objects"),
+                      replace(config, split_size=min(4 * MiB, config.split_size)),
+                      payload, args.threads, args.dataset, 10, compare_wal=False)
+        layouts["stream objects"] = so_work
+        steps.update()
+        _progress("tail reads of 128 B, 1 KiB and 64 KiB records from the log cache")
+        tail_store = os.path.join(so_work, "tail-objects")
+        os.makedirs(tail_store, exist_ok=True)
+        tail = tail_read_sizes(so_work, tail_store, config, per_stream=(2 if args.quick else 16) * MiB,
+                               rounds=10 if args.quick else 200)
+        steps.update()
+        out: dict = dict(local={}, s3={})
+        for layout, work in layouts.items():
+            _progress(f"catch-up read of {layout} from the local store (fresh node, cold caches)")
+            out["local"][layout] = catchup_local(work, os.path.join(work, "objects"), config)
+            steps.update()
+        if not args.no_s3:
+            with moto_server() as endpoint:
+                for i, (layout, work) in enumerate(layouts.items()):
+                    _progress(f"catch-up read of {layout} from S3 through moto (fresh node, cold caches)")
+                    out["s3"][layout] = catchup_s3(work, os.path.join(work, "objects"), config, endpoint,
+                                                   f"catchup-{i}")
+                    steps.update()
     return dict(catchup=out, tail=tail)
 
 

@@ -52,7 +52,9 @@ cdef class Ring:
     cdef pthread_mutex_t mutex
     cdef pthread_cond_t work_cv
     cdef pthread_cond_t space_cv
-    cdef pthread_cond_t done_cv
+    cdef pthread_cond_t done_cv          # durability waiters, with wait_mutex (not mutex)
+    cdef pthread_mutex_t wait_mutex
+    cdef pthread_cond_t dispatch_cv      # the callback dispatcher, with mutex
     cdef uint64_t* log_end
     cdef int64_t* log_ns
     cdef uint64_t log_count
@@ -77,6 +79,7 @@ cdef class Ring:
     cdef object too_large_error
 
     cdef void _lock_with_gil(self) noexcept
+    cdef void _wake_waiters(self) noexcept nogil
     cdef int _reserve_pending(self) noexcept nogil
     cdef void _release_pending(self, int slot) noexcept nogil
     cdef uint64_t _dispatchable_end(self) noexcept nogil

@@ -18,6 +18,12 @@ Locking rules (they keep this deadlock-free and keep the GIL out of the writers'
   releases the GIL, waits for the holder to finish, and tries again. So no thread ever holds
   `mutex` while waiting for the GIL: writers, which never take the GIL, never wait on Python.
 - Nothing that can allocate a GC-tracked Python object runs while `mutex` is held.
+- Threads waiting for durability (`_wait`) sleep on `done_cv` under their own `wait_mutex`,
+  never under `mutex`: waking after each batch, they would otherwise all retake `mutex` just
+  when appenders want it. Writers take `wait_mutex` (inside `mutex`) only to broadcast; waiters
+  read the watermark and failure state, which only writers change, under `wait_mutex` alone.
+- The dispatcher sleeps on its own `dispatch_cv`, signalled only when callbacks are queued, so a
+  WAL without callbacks never wakes it.
 - An append whose placement had to wait registers its callback after releasing `mutex`; until
   it has, its record's end sits in `pending_ends` and the dispatcher stops short of it, so
   callbacks still run in offset order.
@@ -180,11 +186,13 @@ cdef class Ring:
             finally:
                 PyBuffer_Release(&view)
         pthread_mutex_init(&self.mutex, NULL)
+        pthread_mutex_init(&self.wait_mutex, NULL)
         pthread_condattr_init(&attr)
         pthread_condattr_setclock(&attr, CLOCK_MONOTONIC)
         pthread_cond_init(&self.work_cv, &attr)
         pthread_cond_init(&self.space_cv, &attr)
         pthread_cond_init(&self.done_cv, &attr)
+        pthread_cond_init(&self.dispatch_cv, &attr)
         pthread_cond_init(&self.reg_cv, &attr)
         pthread_condattr_destroy(&attr)
         memset(self.pending_ends, 0, sizeof(self.pending_ends))
@@ -200,7 +208,9 @@ cdef class Ring:
             pthread_cond_destroy(&self.work_cv)
             pthread_cond_destroy(&self.space_cv)
             pthread_cond_destroy(&self.done_cv)
+            pthread_cond_destroy(&self.dispatch_cv)
             pthread_cond_destroy(&self.reg_cv)
+            pthread_mutex_destroy(&self.wait_mutex)
             pthread_mutex_destroy(&self.mutex)
         free(self.resume_block)
         free(self.log_end)
@@ -217,6 +227,14 @@ cdef class Ring:
                 pthread_mutex_lock(&self.mutex)
                 pthread_mutex_unlock(&self.mutex)
 
+    cdef void _wake_waiters(self) noexcept nogil:
+        """Wake durability waiters and, if callbacks are queued, the dispatcher (mutex held)."""
+        pthread_mutex_lock(&self.wait_mutex)
+        pthread_cond_broadcast(&self.done_cv)
+        pthread_mutex_unlock(&self.wait_mutex)
+        if self.ncallbacks or self.dispatch_stop:
+            pthread_cond_signal(&self.dispatch_cv)
+
     cdef int _reserve_pending(self) noexcept nogil:
         """A free pending-registration slot (mutex held; waits if all are taken)."""
         cdef int i
@@ -232,7 +250,7 @@ cdef class Ring:
         self.pending_ends[slot] = 0
         self.pending_count -= 1
         pthread_cond_signal(&self.reg_cv)
-        pthread_cond_broadcast(&self.done_cv)
+        pthread_cond_signal(&self.dispatch_cv)
 
     cdef uint64_t _dispatchable_end(self) noexcept nogil:
         """Callbacks of records ending at or below this may run (mutex held)."""
@@ -587,9 +605,10 @@ cdef class Ring:
                 self.stat_batches += 1
                 self.stat_bytes_written += b.write_len
             self._advance()
-            pthread_cond_broadcast(&self.done_cv)
+            self._wake_waiters()
             pthread_cond_broadcast(&self.space_cv)
-        pthread_cond_broadcast(&self.done_cv)
+        self._wake_waiters()
+        pthread_cond_signal(&self.dispatch_cv)
         pthread_mutex_unlock(&self.mutex)
 
     cdef void _advance(self) noexcept nogil:
@@ -621,7 +640,7 @@ cdef class Ring:
         self.stopping = True
         pthread_cond_broadcast(&self.work_cv)
         pthread_cond_broadcast(&self.space_cv)
-        pthread_cond_broadcast(&self.done_cv)
+        self._wake_waiters()
         pthread_mutex_unlock(&self.mutex)
 
     # ---- waiting and callbacks ----------------------------------------------------------------
@@ -652,23 +671,21 @@ cdef class Ring:
             return 1
         if not forever:
             delay = <int64_t>(float(timeout) * 1e9)
-        self._lock_with_gil()
-        s = self._settled_locked(end)
-        pthread_mutex_unlock(&self.mutex)
+        s = self._settled_locked(end)       # what only writers change, read without a lock
         if s == 0 and (forever or delay > 0):
             with nogil:
                 deadline_after(&deadline, delay)
-                pthread_mutex_lock(&self.mutex)
+                pthread_mutex_lock(&self.wait_mutex)
                 while True:
                     s = self._settled_locked(end)
                     if s != 0:
                         break
                     if forever:
-                        pthread_cond_wait(&self.done_cv, &self.mutex)
-                    elif pthread_cond_timedwait(&self.done_cv, &self.mutex, &deadline) == ETIMEDOUT:
+                        pthread_cond_wait(&self.done_cv, &self.wait_mutex)
+                    elif pthread_cond_timedwait(&self.done_cv, &self.wait_mutex, &deadline) == ETIMEDOUT:
                         s = self._settled_locked(end)
                         break
-                pthread_mutex_unlock(&self.mutex)
+                pthread_mutex_unlock(&self.wait_mutex)
         return s
 
     def wait_durable(self, uint64_t end, timeout=None) -> bool:
@@ -694,7 +711,7 @@ cdef class Ring:
             self.callback_seq += 1
             heapq.heappush(self.callbacks, entry)
             self.ncallbacks += 1
-            pthread_cond_broadcast(&self.done_cv)    # it may be durable already
+            pthread_cond_signal(&self.dispatch_cv)   # it may be durable already
         if slot >= 0:
             self._release_pending(slot)
         pthread_mutex_unlock(&self.mutex)
@@ -718,7 +735,7 @@ cdef class Ring:
                 # callbacks never wakes this thread (or takes the GIL) per write.
                 while ((self.ncallbacks == 0 or self._dispatchable_end() <= self.dispatched_end)
                        and not self._dispatch_all_locked()):
-                    pthread_cond_wait(&self.done_cv, &self.mutex)
+                    pthread_cond_wait(&self.dispatch_cv, &self.mutex)
                 pthread_mutex_unlock(&self.mutex)
             self._lock_with_gil()
             finished = self._dispatch_all_locked()
@@ -739,7 +756,7 @@ cdef class Ring:
         """Make `run_dispatcher` call what is left (failing what is not durable) and return."""
         self._lock_with_gil()
         self.dispatch_stop = True
-        pthread_cond_broadcast(&self.done_cv)
+        pthread_cond_signal(&self.dispatch_cv)
         pthread_mutex_unlock(&self.mutex)
 
     def _completion_time(self, uint64_t end):

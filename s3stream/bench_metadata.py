@@ -23,12 +23,12 @@ import itertools
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 from typing import Callable
 
 from wal.bench import percentiles
+from wal.bench_progress import log_line, progress
 
 from .metadata import CommitRange, CommitRequest, CommitSSO, CommitStreamObject, MetadataStore, open_metadata
 from .reporting import pyplot, save_figure
@@ -40,7 +40,7 @@ TTL_NS = 3600 * 10 ** 9
 
 
 def _progress(msg: str) -> None:
-    print(f"[s3stream.bench_metadata {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+    log_line(f"[s3stream.bench_metadata {time.strftime('%H:%M:%S')}] {msg}")
 
 
 def populate(meta: MetadataStore, count: int, already: int) -> None:
@@ -48,6 +48,7 @@ def populate(meta: MetadataStore, count: int, already: int) -> None:
     of SSO_STREAMS with one committed StreamSetObject of 1 KiB per stream."""
     epochs = {n: meta.register_node(n, f"/bench/node{n}.wal").node_epoch for n in range(2, 2 + POPULATE_NODES)}
     made, last = already, time.monotonic()
+    bar = progress(total=count - already, desc="populating", unit="stream")
     while made < count:
         node = 2 + (made // SSO_STREAMS) % POPULATE_NODES
         group = [meta.create_stream(node, epochs[node]) for _ in range(min(SSO_STREAMS, count - made))]
@@ -55,9 +56,11 @@ def populate(meta: MetadataStore, count: int, already: int) -> None:
         meta.commit(CommitRequest(node, epochs[node], sso=CommitSSO(oid, 1024 * len(group), tuple(
             CommitRange(s.stream_id, s.epoch, 0, 1024) for s in group))))
         made += len(group)
+        bar.update(len(group))
         if time.monotonic() - last > 5:
             _progress(f"  {made:,} of {count:,} streams")
             last = time.monotonic()
+    bar.close()
 
 
 class Hot:
@@ -147,7 +150,13 @@ def bench_store(name: str, url: str, sizes: list[int], seconds: float) -> dict:
                       f"operation for {seconds:g} s")
             for fn in ops.values():         # untimed: the database's files and caches settle first
                 time_op(fn, min(0.5, seconds / 2))
-            out["sizes"][size] = {op: time_op(fn, seconds) for op, fn in ops.items()}
+            # advanced between operations, never while one is timed
+            with progress(total=len(ops), desc=f"{name}, {size:,} streams", unit="op") as bar:
+                timed = {}
+                for op, fn in ops.items():
+                    timed[op] = time_op(fn, seconds)
+                    bar.update()
+            out["sizes"][size] = timed
     finally:
         meta.close()
     return out

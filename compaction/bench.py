@@ -35,12 +35,12 @@ import json
 import os
 import random
 import shutil
-import sys
 import threading
 import time
 
 import wal
 from wal.bench import percentiles
+from wal.bench_progress import log_line, progress, progress_over
 
 from s3stream import Config, FetchedBatch, RecordBatch, StreamClient
 from s3stream.logcache import LogCache
@@ -58,7 +58,7 @@ SIZE_WEIGHTS = (30, 30, 20, 15, 5)
 
 
 def _progress(msg: str) -> None:
-    print(f"[compaction.bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+    log_line(f"[compaction.bench {time.strftime('%H:%M:%S')}] {msg}")
 
 
 class KeyRecordingStore:
@@ -239,7 +239,8 @@ def run_case(args, name: str, with_compaction: bool) -> dict:
     _progress(f"run {name}: {args.streams} streams, {args.rate / MiB:.0f} MiB/s for {args.duration:.0f} s, "
               f"compaction {'on' if with_compaction else 'off'}")
     started_ns = time.monotonic_ns()
-    elapsed = workload.run(meta, args.duration)
+    with progress_over(args.duration, f"run {name}"):
+        elapsed = workload.run(meta, args.duration)
     stats = client.stats()
     if runner is not None:
         runner.stop()
@@ -360,11 +361,16 @@ def run(argv: list[str] | None = None) -> dict:
     try:
         # A, B, A again: the baseline brackets the compaction run in time, so slow drift of the
         # machine (other processes, the disk) does not land on one side only.
-        base = run_case(args, "without", with_compaction=False)
-        comp = run_case(args, "with", with_compaction=True)
-        again = run_case(args, "without-again", with_compaction=False)
-        _progress("read cost before and after compaction")
-        reads = read_cost_case(args, base)
+        with progress(total=4, desc="compaction.bench", unit="phase") as phases:
+            base = run_case(args, "without", with_compaction=False)
+            phases.update()
+            comp = run_case(args, "with", with_compaction=True)
+            phases.update()
+            again = run_case(args, "without-again", with_compaction=False)
+            phases.update()
+            _progress("read cost before and after compaction")
+            reads = read_cost_case(args, base)
+            phases.update()
     finally:
         if not args.keep:
             shutil.rmtree(args.workdir, ignore_errors=True)

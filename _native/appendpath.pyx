@@ -33,7 +33,7 @@ cimport cython
 
 from _native.sysdeps cimport (
     monotonic_ns, lock_releasing_gil, pthread_mutex_init, pthread_mutex_destroy, pthread_mutex_unlock,
-    pthread_mutex_trylock, pthread_mutex_lock,
+    pthread_mutex_trylock, pthread_mutex_lock, trylock_spinning,
 )
 from _native.endian cimport store32, store64
 from _native.walrecord cimport RECORD_HEADER_SIZE
@@ -60,6 +60,18 @@ cdef enum:
 # Failpoints for tests: names -> armed. Checked only where the append path can fail after its
 # record is in the WAL (the insert into the log cache).
 cdef bint _fail_insert = False
+
+# Tries of the ring's and the cache's mutex, with the GIL, before waiting for them without it.
+# Both are held briefly (the WAL writer, a seal); an appender that gave up the GIL while holding
+# the append lock would hand it to the other appenders only for them to block on that lock and
+# be woken one by one (a convoy: 2-3 context switches per append it affects).
+cdef int _lock_attempts = 1000
+
+
+def set_lock_attempts(int attempts) -> None:
+    """Tune the tries above (benchmarks); at least 1."""
+    global _lock_attempts
+    _lock_attempts = max(1, attempts)
 
 #: Error types used before an engine exists (RecordBatch validation); s3stream sets its own.
 _error_types = {"invalid_batch": ValueError}
@@ -448,7 +460,7 @@ cdef class AppendPath:
                 store64(prefix + 16, base)
                 store32(prefix + 24, count)
                 try:
-                    self.ring.place_record(prefix, WAL_PREFIX, data, n, &pos)
+                    self.ring.place_record(prefix, WAL_PREFIX, data, n, &pos, _lock_attempts)
                 except BaseException as e:
                     raise self.map_error(e) from e
                 # The record is in the WAL from here on: its offsets are taken whatever happens.
@@ -456,7 +468,8 @@ cdef class AppendPath:
                 wal_end = pos + RECORD_HEADER_SIZE + WAL_PREFIX + n
                 fut.base_offset = base
                 fut.wal_end = wal_end
-                self.cache.acquire()
+                if not trylock_spinning(&self.cache.mutex, _lock_attempts):
+                    self.cache.acquire()
                 try:
                     if _fail_insert:
                         raise MemoryError("failpoint cache_insert")

@@ -94,6 +94,33 @@ cdef inline int pread_full(int fd, unsigned char* buf, size_t length, long long 
     return 0
 
 
+cdef extern from *:
+    """
+    #if defined(__x86_64__) || defined(__i386__)
+    #include <immintrin.h>
+    static inline void s3s_cpu_relax(void) { _mm_pause(); }
+    #elif defined(__aarch64__)
+    static inline void s3s_cpu_relax(void) { __asm__ __volatile__("yield"); }
+    #else
+    static inline void s3s_cpu_relax(void) { }
+    #endif
+    """
+    void cpu_relax "s3s_cpu_relax" () nogil
+
+
+cdef inline bint trylock_spinning(pthread_mutex_t* m, int attempts) noexcept nogil:
+    """Try to take `m` up to `attempts` times (at least once), pausing the CPU between tries:
+    for a caller that must not give up the GIL while it waits for a briefly held mutex."""
+    cdef int i
+    if pthread_mutex_trylock(m) == 0:
+        return True
+    for i in range(1, attempts):
+        cpu_relax()
+        if pthread_mutex_trylock(m) == 0:
+            return True
+    return False
+
+
 cdef inline void lock_releasing_gil(pthread_mutex_t* m) noexcept:
     """Take `m` from a thread holding the GIL: at once if it is free, else wait for it without
     the GIL (its holder may need the GIL to finish). For mutexes that no GIL-free thread takes;

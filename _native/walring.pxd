@@ -90,7 +90,7 @@ cdef class Ring:
                              const unsigned char* data, size_t n, uint32_t crc,
                              uint64_t* out_pos, bint may_wait) noexcept nogil
     cdef int place_record(self, const unsigned char* prefix, size_t plen,
-                          const unsigned char* data, size_t n, uint64_t* out_pos) except -1
+                          const unsigned char* data, size_t n, uint64_t* out_pos, int attempts) except -1
     cdef object _place_error(self, int rc, size_t n)
     cdef object _failure(self)
     cdef void _writer_loop(self) noexcept nogil

@@ -40,7 +40,7 @@ from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE
 from _native.checksum cimport crc32c_update
 from _native.sysdeps cimport (
     pthread_mutex_t, pthread_cond_t, pthread_condattr_t, pthread_mutex_init, pthread_mutex_destroy,
-    pthread_mutex_lock, pthread_mutex_trylock, pthread_mutex_unlock, pthread_condattr_init,
+    pthread_mutex_lock, pthread_mutex_trylock, trylock_spinning, pthread_mutex_unlock, pthread_condattr_init,
     pthread_condattr_setclock, pthread_condattr_destroy, pthread_cond_init, pthread_cond_destroy,
     pthread_cond_wait, pthread_cond_timedwait, pthread_cond_signal, pthread_cond_broadcast,
     CLOCK_MONOTONIC, timespec, posix_memalign, pwrite_full, fdatasync, monotonic_ns, deadline_after,
@@ -391,11 +391,14 @@ cdef class Ring:
         return PLACE_OK
 
     cdef int place_record(self, const unsigned char* prefix, size_t plen,
-                          const unsigned char* data, size_t n, uint64_t* out_pos) except -1:
+                          const unsigned char* data, size_t n, uint64_t* out_pos, int attempts) except -1:
         """Encode one record whose body is `prefix + data` into the ring (GIL held); returns 0
         with its logical offset in `out_pos`, or raises the configured errors. Waits without the
         GIL (at most `full_timeout`) for space or a free batch buffer. The native append path of
-        the engine calls this directly; it never registers a callback."""
+        the engine calls this directly; it never registers a callback. The mutex is tried up to
+        `attempts` times with the GIL before waiting for it without the GIL: the engine's caller
+        holds its append lock, which every other appender waits for, so giving up the GIL there
+        only hands it to threads that will block (and must then be woken one by one)."""
         cdef uint32_t crc
         cdef int rc = PLACE_WAIT_SPACE
         if n + plen > self.max_record:
@@ -403,7 +406,7 @@ cdef class Ring:
                                        f"{self.max_record} bytes; split it or raise max_record_bytes")
         if n < NOGIL_BYTES:
             crc = crc32c_update(crc32c_update(0, prefix, plen), data, n)
-            if pthread_mutex_trylock(&self.mutex) == 0:
+            if trylock_spinning(&self.mutex, attempts):
                 rc = self._place_and_copy(prefix, plen, data, n, crc, out_pos, False)
                 pthread_mutex_unlock(&self.mutex)
             else:
@@ -473,7 +476,7 @@ cdef class Ring:
                                            f"{self.max_record} bytes; split it or raise max_record_bytes")
             handle.submitted_ns = monotonic_ns()
             if entry is None:
-                self.place_record(psrc, plen, src, n, &pos)
+                self.place_record(psrc, plen, src, n, &pos, 1)
                 handle.offset = pos
                 handle.end = pos + RECORD_HEADER_SIZE + plen + n
                 return handle

@@ -28,23 +28,6 @@ cdef class Scanner:
     After it is exhausted: `end` is the logical offset just past the last valid record (padding
     included), where a writer resumes; `stop_reason` says why the scan ended (walrecord codes).
     """
-    cdef int fd
-    cdef uint64_t header_area
-    cdef uint64_t capacity
-    cdef uint64_t pos
-    cdef uint64_t limit
-    cdef unsigned char* buf
-    cdef size_t buf_size
-    cdef uint64_t buf_start
-    cdef size_t buf_len
-    cdef size_t chunk
-    cdef bint finished
-    cdef readonly int stop_reason
-    cdef readonly uint64_t end
-    cdef readonly uint32_t last_generation
-    cdef readonly uint64_t records
-    cdef readonly uint64_t record_bytes
-    cdef readonly uint64_t paddings
 
     def __cinit__(self, int fd, uint64_t header_area, uint64_t capacity, uint64_t start,
                   size_t chunk_size=1 << 20):

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from wal.bench import parse_size, percentiles
+from wal.bench_progress import log_line, progress_over
 
 KiB, MiB, GiB = 1024, 1024 ** 2, 1024 ** 3
 
@@ -34,7 +35,7 @@ EXECUTOR_WAIT = 90.0
 
 
 def progress(msg: str) -> None:
-    print(f"[spark_bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+    log_line(f"[spark_bench {time.strftime('%H:%M:%S')}] {msg}")
 
 
 def add_common_args(ap: argparse.ArgumentParser) -> None:
@@ -184,14 +185,17 @@ def wait_for_executors(spark, count: int, master: str, timeout: float = 10.0) ->
         time.sleep(0.2)
 
 
-def run_nodes(spark, specs: list[dict], body=None) -> list[dict]:
+def run_nodes(spark, specs: list[dict], body=None, seconds: float | None = None) -> list[dict]:
     """Run every spec as one Spark task, all at once (a barrier stage: the master must offer a
     slot per node, or the stage fails instead of running nodes one after the other). `body`:
-    the task's function of its specs (default: spark_bench.node.run_nodes_of_partition)."""
+    the task's function of its specs (default: spark_bench.node.run_nodes_of_partition).
+    `seconds`: how long the nodes are to run, for a bar over that time while the driver waits
+    (on a terminal only; the driver's ticker costs the nodes nothing)."""
     if body is None:
         from spark_bench.node import run_nodes_of_partition as body
     rdd = spark.sparkContext.parallelize(specs, len(specs))
-    return rdd.barrier().mapPartitions(body).collect()
+    with progress_over(seconds, f"{len(specs)} Spark task(s)") if seconds else contextlib.nullcontext():
+        return rdd.barrier().mapPartitions(body).collect()
 
 
 def verdict(ok: bool | None) -> str:

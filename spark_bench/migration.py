@@ -22,6 +22,7 @@ import threading
 import time
 
 from wal.bench import parse_size
+from wal.bench_progress import progress as progress_bar
 
 from s3stream.reporting import pyplot, save_figure
 
@@ -56,17 +57,21 @@ def build_history(store: str, meta: str, work: str, names: dict[str, int], batch
                           wal=wal.WALConfig(capacity=512 * MiB, full_timeout=60))
     client = s3stream.StreamClient(BUILDER_NODE_ID, os.path.join(work, "builder.wal"), store, meta, cfg)
     payload = os.urandom(batch)
-    for name, size in names.items():
-        p = client.open_partition(name)
-        futures = []
-        for _ in range(size // batch):
-            futures.append(p.append(s3stream.RecordBatch(payload, 1)))
-            if len(futures) >= 256:
-                futures.pop(0).result()
-        for f in futures:
-            f.result()
-        p.close()
-        progress(f"  history of {name}: {size / MiB:.0f} MiB committed")
+    with progress_bar(total=sum(size // batch * batch for size in names.values()), desc="histories", unit="B",
+                      unit_scale=True, unit_divisor=1024) as bar:
+        for name, size in names.items():
+            p = client.open_partition(name)
+            futures = []
+            for _ in range(size // batch):
+                futures.append(p.append(s3stream.RecordBatch(payload, 1)))
+                if len(futures) >= 256:
+                    futures.pop(0).result()
+                    bar.update(batch)
+            for f in futures:
+                f.result()
+            bar.update(len(futures) * batch)
+            p.close()
+            progress(f"  history of {name}: {size / MiB:.0f} MiB committed")
     client.close(retire=True)
 
 
@@ -126,6 +131,7 @@ def _run(args, dep, histories: dict[str, int]) -> dict:
     reports: list = []
     failures: list[str] = []
     halt = threading.Event()                                 # the nodes are gone: stop driving them
+    moves = progress_bar(total=args.migrations * len(histories), desc="migrations", unit="move")
 
     def drive() -> None:
         try:
@@ -140,6 +146,7 @@ def _run(args, dep, histories: dict[str, int]) -> dict:
                         return
                     target = 2 if cluster.owner(name) == 1 else 1
                     reports.append(cluster.migrate(name, target))
+                    moves.update()                           # after the migration's own clock stopped
                     halt.wait(args.pause / len(histories))
                 progress(f"  migrations: {len(reports)} of {args.migrations * len(histories)}")
         except Exception as e:     # noqa: BLE001 - reported; the nodes are stopped either way
@@ -155,6 +162,7 @@ def _run(args, dep, histories: dict[str, int]) -> dict:
     finally:
         halt.set()
         driver.join()
+        moves.close()
     where = placement(results)
     progress(f"  placement: {format_placement(where)}")
     progress("verifying every acknowledged record through the driver's own client")

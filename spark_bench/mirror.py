@@ -544,7 +544,7 @@ def _run(args, dep) -> dict:
     consumer.start()
     monitor.start()
     try:
-        results = run_nodes(dep.spark, specs, body=run_tasks_of_partition)
+        results = run_nodes(dep.spark, specs, body=run_tasks_of_partition, seconds=load_end - time.time())
     except BaseException:
         monitor.abort.set()         # it sets the stop key on its way out: no worker child outlives the run
         consumer.abort.set()

@@ -16,6 +16,7 @@ import math
 import os
 
 from s3stream.reporting import pyplot, save_figure
+from wal.bench_progress import progress as progress_bar
 
 from .common import (
     GiB, add_common_args, deployment, format_placement, latency_summary, new_run_id, node_spec, placement, progress,
@@ -50,7 +51,7 @@ def run(argv=None) -> dict:
     counts = [int(x) for x in args.nodes.split(",")]
     with deployment(args, "throughput", max(counts)) as dep:
         verify = dep.cluster_mode if args.verify is None else args.verify
-        runs = [_run_count(args, dep, n, verify) for n in counts]
+        runs = [_run_count(args, dep, n, verify) for n in progress_bar(counts, desc="node counts", unit="run")]
     base = runs[0]["mb_s"] if runs else 0
     for r in runs:
         r["scaling"] = r["mb_s"] / base if base else None
@@ -85,7 +86,7 @@ def _run_count(args, dep, n: int, verify: bool) -> dict:
             specs.append(node_spec(args, node, wal_dir, dep.store, run_meta, names, args.duration,
                                    cluster=dict(agent_interval=0.02), keep_acks=verify, run_id=run_id))
         progress(f"{n} node(s) x {args.partitions} partitions for {args.duration:g} s on {dep.master}")
-        results = run_nodes(dep.spark, specs)
+        results = run_nodes(dep.spark, specs, seconds=args.duration)
         total = sum(r["bytes"] for r in results)
         seconds = max(r["seconds"] for r in results)
         lat = [x for r in results for x in r["latencies"]]

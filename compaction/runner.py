@@ -8,6 +8,7 @@ import time
 from typing import TYPE_CHECKING, Callable
 
 from s3stream.errors import StreamFencedError
+from s3stream.latency import DURATION_BUCKETS, LatencyHistogram
 from s3stream.lifecycle import ObjectReclaimer
 
 from .compactor import Compactor
@@ -45,6 +46,9 @@ class CompactionRunner:
         self.errors = 0
         self.last_error: BaseException | None = None
         self.fenced = False
+        # Seconds of each round that ran to its end, by kind (metrics(): "round_seconds").
+        self.round_seconds = {"stream_set": LatencyHistogram(DURATION_BUCKETS),
+                              "stream_object": LatencyHistogram(DURATION_BUCKETS)}
 
     def start(self) -> "CompactionRunner":
         if self._thread is not None:
@@ -87,8 +91,12 @@ class CompactionRunner:
                 return
             try:
                 self.gate.checkpoint()
+                t0 = time.perf_counter()
                 actions[name]()
-                self.rounds += name != "reclaim"
+                if name != "reclaim":
+                    self.rounds += 1
+                    self.round_seconds["stream_set" if name == "sso" else "stream_object"].observe(
+                        time.perf_counter() - t0)
             except CompactionStopped:
                 return
             except StreamFencedError as e:
@@ -121,7 +129,8 @@ class CompactionRunner:
                     uploaded_bytes=uploaded_bytes, write_amplification=amplification,
                     compaction_write_ratio=compaction_ratio,
                     objects_deleted=self.reclaimer.deleted if self.reclaimer else None,
-                    objects=object_stats(self.compactor._meta))
+                    objects=object_stats(self.compactor._meta),
+                    round_seconds={kind: h.snapshot() for kind, h in self.round_seconds.items()})
 
 
 def attach(client: "StreamClient", config: CompactionConfig | None = None, *,

@@ -33,6 +33,7 @@ from .client import StreamClient
 from .config import Config
 from .errors import ConfigError, FencedLeaderError, S3StreamError, StreamFencedError, StreamNotClosedError
 from .failover import FailoverReport, fail_over
+from .latency import DURATION_BUCKETS, LatencyHistogram
 from .loadreport import LoadReporter
 from .metadata import MetadataStore
 from .objectstore import ObjectStore
@@ -83,6 +84,11 @@ class MigrationReport:
     failed_over: bool        # the source did not let go in time and was fenced
     close_seconds: float = 0.0   # the source's close (wait for appends, force upload, commit)
     open_seconds: float = 0.0    # the target's open (epoch + 1, checkpoint read and write)
+
+
+#: Seconds of every migration this process completed (Cluster.migrate: from the assignment to
+#: the target's open), whichever nodes it moved between; exported as s3stream_migration_seconds.
+MIGRATION_SECONDS = LatencyHistogram(DURATION_BUCKETS)
 
 
 def _get(meta: MetadataStore, key: str) -> dict | None:
@@ -193,9 +199,11 @@ class Cluster:
             raise S3StreamError(f"partition {name!r} was not opened on node {to_node} within {timeout} s")
         closed = _get(self.meta, f"closed/{name}")
         mine = closed if closed and closed["version"] == version else {}
-        return MigrationReport(name, source, to_node, time.perf_counter() - t0, mine.get("tail_bytes", 0),
-                               opened["leader_epoch"], failed_over, mine.get("seconds", 0.0),
-                               opened.get("seconds", 0.0))
+        report = MigrationReport(name, source, to_node, time.perf_counter() - t0, mine.get("tail_bytes", 0),
+                                 opened["leader_epoch"], failed_over, mine.get("seconds", 0.0),
+                                 opened.get("seconds", 0.0))
+        MIGRATION_SECONDS.observe(report.seconds)
+        return report
 
     # ---- failover ------------------------------------------------------------------------------
 

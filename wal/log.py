@@ -516,6 +516,14 @@ class WriteAheadLog:
             return True
         return ring.wait_durable(ring.appended_end, timeout)
 
+    def completion_time(self, end: int) -> int | None:
+        """time.monotonic_ns() at which the records ending at or before logical offset `end`
+        became durable, from the ring's log of its last durable advances; None if they are not
+        durable yet, or became so too long ago to be in that log. For samplers of the write
+        latency that must cost the appenders nothing (s3stream.metrics)."""
+        ring = self._ring
+        return None if ring is None else ring._completion_time(end)
+
     def trim(self, offset: int) -> None:
         """Discard records before logical `offset` (a record's offset or end). Durable on return.
         Trimming backwards or to the current trim offset does nothing."""
@@ -624,10 +632,23 @@ class WriteAheadLog:
             return ring.durable_end
         return self._recovered.end if self._recovered else self._header.trim_offset
 
+    @property
+    def appended_end(self) -> int:
+        """End of the last record placed (durable once `durable_end` reaches it); before the
+        writer session starts, `durable_end`."""
+        ring = self._ring
+        return ring.appended_end if ring is not None else self.durable_end
+
     def stats(self) -> dict:
-        """The ring's counters (empty before the session starts) and the first fill's progress:
+        """The ring's counters and `used_bytes` (logical bytes from the trim offset to the last
+        record placed) of `capacity` (none of these before the session starts), and the first
+        fill's progress:
         `filled_bytes` of the data area zero-filled, `fill_complete` (preallocate="background")."""
-        stats = self._ring.stats() if self._ring is not None else {}
+        ring = self._ring
+        stats = ring.stats() if ring is not None else {}
+        if ring is not None:
+            # Bytes between the trim offset and the last record placed: what uploads must free.
+            stats.update(used_bytes=max(0, ring.appended_end - ring.trim_offset), capacity=self._data_capacity)
         fill_end = self._header.fill_end
         stats.update(filled_bytes=self._data_capacity if fill_end is None else fill_end,
                      fill_complete=fill_end is None)

@@ -1,5 +1,5 @@
-"""Object store wrappers: counting (InstrumentedObjectStore) and, for tests, failing on demand
-(FaultInjectingObjectStore). Both keep the ObjectStore contract of what they wrap."""
+"""Object store wrappers: counting and timing (InstrumentedObjectStore) and, for tests, failing
+on demand (FaultInjectingObjectStore). Both keep the ObjectStore contract of what they wrap."""
 from __future__ import annotations
 
 import random
@@ -8,6 +8,7 @@ import time
 from typing import Callable, Iterable, Iterator
 
 from ..errors import ObjectStoreError
+from ..latency import LatencyHistogram
 from .base import ObjectInfo, ObjectStore, write_requests
 
 KeyPredicate = Callable[[str], bool]
@@ -43,15 +44,22 @@ class InstrumentedObjectStore(_Wrapper):
     A put counts the write requests of base.write_requests: 1 up to the multipart threshold, else create + ceil(size / part_size) parts +
     complete. A get of an empty range is no request. Counts are taken when a call is made,
     bytes when it succeeds; failures are also counted under "errors".
+
+    It also times every put, get and delete (successful or not) in a LatencyHistogram per
+    operation (`latencies()`) and counts the calls in progress (`inflight()`): what the
+    Prometheus metrics read at scrape time (s3stream.metrics).
     """
 
     _KEYS = ("put", "put_requests", "bytes_written", "get", "get_requests", "bytes_read",
              "size", "delete", "deleted_keys", "list", "errors")
+    _TIMED = ("put", "get", "delete")
 
     def __init__(self, inner: ObjectStore) -> None:
         super().__init__(inner)
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(self._KEYS, 0)
+        self._latency = {op: LatencyHistogram() for op in self._TIMED}
+        self._inflight = dict.fromkeys(self._TIMED, 0)
 
     def _add(self, **amounts: int) -> None:
         with self._lock:
@@ -63,21 +71,27 @@ class InstrumentedObjectStore(_Wrapper):
         size = len(memoryview(data).cast("B"))
         requests = write_requests(size, _part_size(self.inner), getattr(self.inner, "multipart_threshold", None))
         self._add(put=1, put_requests=requests)
+        t0 = self._begin("put")
         try:
             self.inner.put(key, data)
         except Exception:
             self._add(errors=1)
             raise
+        finally:
+            self._end("put", t0)
         self._add(bytes_written=size)
 
     def get(self, key: str, start: int = 0, end: int | None = None) -> bytes:
         """Delegate, counting the request and bytes returned."""
         self._add(get=1, get_requests=0 if end is not None and start == end else 1)
+        t0 = self._begin("get")
         try:
             data = self.inner.get(key, start, end)
         except Exception:
             self._add(errors=1)
             raise
+        finally:
+            self._end("get", t0)
         self._add(bytes_read=len(data))
         return data
 
@@ -94,11 +108,14 @@ class InstrumentedObjectStore(_Wrapper):
         """Delegate, counting the call and the keys."""
         keys = list(keys)
         self._add(delete=1, deleted_keys=len(keys))
+        t0 = self._begin("delete")
         try:
             self.inner.delete(keys)
         except Exception:
             self._add(errors=1)
             raise
+        finally:
+            self._end("delete", t0)
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         """Delegate, counting the call."""
@@ -109,15 +126,35 @@ class InstrumentedObjectStore(_Wrapper):
             self._add(errors=1)
             raise
 
+    def _begin(self, op: str) -> float:
+        with self._lock:
+            self._inflight[op] += 1
+        return time.perf_counter()
+
+    def _end(self, op: str, t0: float) -> None:
+        self._latency[op].observe(time.perf_counter() - t0)
+        with self._lock:
+            self._inflight[op] -= 1
+
     def stats(self) -> dict[str, int]:
         """A snapshot of the counters."""
         with self._lock:
             return dict(self._counts)
 
+    def latencies(self) -> dict[str, dict]:
+        """Per operation ("put", "get", "delete"): a LatencyHistogram snapshot of its calls' seconds."""
+        return {op: h.snapshot() for op, h in self._latency.items()}
+
+    def inflight(self) -> dict[str, int]:
+        """Per operation ("put", "get", "delete"): calls in progress now."""
+        with self._lock:
+            return dict(self._inflight)
+
     def reset(self) -> None:
-        """Zero every counter."""
+        """Zero every counter and histogram."""
         with self._lock:
             self._counts = dict.fromkeys(self._KEYS, 0)
+            self._latency = {op: LatencyHistogram() for op in self._TIMED}
 
 
 class FaultInjectingObjectStore(_Wrapper):

@@ -35,6 +35,8 @@ from .stream import Stream
 from .upload import Uploader
 
 if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
     from .partition import Partition, PartitionReader
     from .recordbatch import FetchResult
 
@@ -163,11 +165,17 @@ class StreamClient:
 
     `object_store` and `metadata` are URLs ("file:///dir", "s3://bucket/prefix?endpoint_url=...",
     "sqlite:////path/meta.db") or ready-made store objects (shared, not closed by this client).
+
+    `metrics`: True exports Prometheus metrics on prometheus_client's default registry; a
+    CollectorRegistry exports them on that one (see s3stream.metrics and docs/metrics.md). The
+    object and metadata stores are then wrapped to time their calls. `self.metrics` is the registration
+    (None without), removed by close().
     """
 
     def __init__(self, node_id: int, wal_path: str | os.PathLike, object_store: str | ObjectStore,
                  metadata: str | MetadataStore, config: Config | None = None, *,
-                 clock: Callable[[], int] = time.monotonic_ns) -> None:
+                 clock: Callable[[], int] = time.monotonic_ns,
+                 metrics: "bool | CollectorRegistry" = False) -> None:
         if isinstance(node_id, bool) or not isinstance(node_id, int) or not 0 <= node_id < 1 << 63:
             raise ConfigError(f"node_id must be a non-negative integer, got {node_id!r}")
         self.config = config or Config()
@@ -180,6 +188,10 @@ class StreamClient:
         self._owns_meta = isinstance(metadata, str)
         self._store: ObjectStore = open_object_store(object_store) if isinstance(object_store, str) else object_store
         self._meta: MetadataStore = open_metadata(metadata) if isinstance(metadata, str) else metadata
+        self.metrics = None
+        if metrics is not False and metrics is not None:
+            from .metrics import instrumented_stores
+            self._store, self._meta = instrumented_stores(self._store, self._meta)
         self._lock = threading.Lock()
         self._streams: dict[int, Stream] = {}
         self._partitions: dict[str, "Partition"] = {}
@@ -265,6 +277,13 @@ class StreamClient:
         if self.config.upload_interval is not None:
             self._ticker = threading.Thread(target=self._tick, name="s3stream-interval", daemon=True)
             self._ticker.start()
+        if metrics is not False and metrics is not None:
+            from .metrics import instrument
+            try:
+                self.metrics = instrument(self, None if metrics is True else metrics)
+            except BaseException:
+                self.close()
+                raise
 
     # ---- streams ------------------------------------------------------------------------------
 
@@ -603,6 +622,8 @@ class StreamClient:
         whose tail stayed in the WAL, "errors": messages, "retired": bool}; also logged as a warning."""
         if self._closed:
             return dict(closed=[], left_in_wal=[], errors=[], retired=False)
+        if self.metrics is not None:
+            self.metrics.unregister()
         deadline = time.monotonic() + (self.config.close_timeout if timeout is None else timeout)
 
         def remaining() -> float:

@@ -1,0 +1,366 @@
+"""Prometheus metrics of StreamClients, read at scrape time (docs/metrics.md lists every metric).
+
+    client = StreamClient(..., metrics=True)          # or metrics=registry; wrappers installed
+    s3stream.metrics.serve(9108)                      # /metrics on :9108 (or your own exporter)
+
+or, for a client built without `metrics=`, `handle = s3stream.metrics.instrument(client, registry)`
+(then only what the engine counts anyway is exported: no object store or metadata latencies,
+unless its stores were InstrumentedObjectStore / InstrumentedMetadataStore already);
+`handle.unregister()` removes it (client.close() does so for `metrics=`).
+
+Nothing runs per append. The engine's counters (appends, bytes, WAL batches, uploads, cache
+reads) already exist in `StreamClient.stats()`; one collector per registry reads every
+registered client's stats when it is scraped and yields them with a `node` label, so two
+clients (two nodes) in one process share a registry without duplicate series. Latency
+histograms come from:
+- object store PUT/GET/DELETE and every metadata operation: the Instrumented* wrappers the client
+  installs with `metrics=` (a microsecond per call, against milliseconds of I/O);
+- fetches: the reader times each Stream.fetch (fetch_cached, the inline tail read, is not timed);
+- appends, sampled: partitions already keep one append in 64 with its submission time
+  (s3stream.loadreport) and the engine records when each record became durable; a scrape
+  observes the samples taken since the previous one. Plain Stream.append is one native call
+  with nothing to hook, so the WAL side is also probed: every `probe_interval` a thread of this
+  module notes, when records are pending, the WAL's appended end and the time, and later reads
+  from the WAL's log of durable advances when that end became durable: the wait an append made
+  at that instant sees (the group commit's gather, write and fsync), never touching appends;
+- migrations, failovers (process-wide) and compaction rounds (per node, when compaction is attached).
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+import weakref
+from typing import TYPE_CHECKING, Iterable, Iterator
+
+from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from .latency import LatencyHistogram
+from .metadata import MetadataStore
+from .metadata.wrappers import InstrumentedMetadataStore
+from .objectstore import ObjectStore
+from .objectstore.wrappers import InstrumentedObjectStore
+
+if TYPE_CHECKING:
+    from .client import StreamClient
+
+log = logging.getLogger("s3stream.metrics")
+
+PREFIX = "s3stream_"
+#: Seconds between two probes of a WAL's durable wait (s3stream_wal_durable_wait_seconds).
+PROBE_INTERVAL = 0.05
+
+
+def instrumented_stores(store: ObjectStore, meta: MetadataStore) -> tuple[ObjectStore, MetadataStore]:
+    """`store` and `meta` wrapped to time their calls (unless they are already)."""
+    if not isinstance(store, InstrumentedObjectStore):
+        store = InstrumentedObjectStore(store)
+    if not isinstance(meta, InstrumentedMetadataStore):
+        meta = InstrumentedMetadataStore(meta)
+    return store, meta
+
+
+def instrument(client: "StreamClient", registry: CollectorRegistry | None = None, *,
+               probe_interval: float | None = PROBE_INTERVAL) -> "ClientMetrics":
+    """Export `client`'s metrics on `registry` (default: prometheus_client.REGISTRY), labelled
+    node=<its node id>. ValueError if a client of that node is registered there already.
+    `probe_interval` None: no WAL probe thread (no s3stream_wal_durable_wait_seconds)."""
+    registry = REGISTRY if registry is None else registry
+    handle = ClientMetrics(client, registry, probe_interval)
+    _collector_for(registry).add(handle)
+    handle._start()
+    return handle
+
+
+def serve(port: int, registry: CollectorRegistry | None = None, addr: str = "0.0.0.0"):
+    """Serve `registry` (default: prometheus_client.REGISTRY) on http://addr:port/metrics in a
+    daemon thread, with the process-wide metrics (migrations, failovers) on it even before a
+    client registers. Returns prometheus_client's (server, thread); server.shutdown() stops it."""
+    registry = REGISTRY if registry is None else registry
+    _collector_for(registry)
+    return start_http_server(port, addr=addr, registry=registry)
+
+
+class ClientMetrics:
+    """One client's registration on one registry (see `instrument`)."""
+
+    def __init__(self, client: "StreamClient", registry: CollectorRegistry, probe_interval: float | None) -> None:
+        self.client = client
+        self.registry = registry
+        self.node = str(client.node_id)
+        self._lock = threading.Lock()
+        self.append_latency = LatencyHistogram()
+        self.wal_durable_wait = LatencyHistogram()
+        self._harvested: dict[int, tuple[object, int]] = {}   # id(meter) -> (meter, newest sample taken)
+        self._probe_interval = probe_interval
+        self._stop = threading.Event()
+        self._probe: threading.Thread | None = None
+
+    def _start(self) -> None:
+        if self._probe_interval:
+            self._probe = threading.Thread(target=self._run_probe, name=f"s3stream-metrics-{self.node}", daemon=True)
+            self._probe.start()
+
+    def unregister(self) -> None:
+        """Stop exporting this client (idempotent)."""
+        self._stop.set()
+        collector = _collectors.get(self.registry)
+        if collector is not None:
+            collector.remove(self)
+        if self._probe is not None and self._probe is not threading.current_thread():
+            self._probe.join()
+
+    # ---- append latency samples --------------------------------------------------------------
+
+    def _harvest_append_samples(self) -> None:
+        """Observe the partitions' append samples taken since the last scrape that are done."""
+        live = {}
+        for partition in self.client.partitions():
+            meter = partition.meter
+            _, seen = self._harvested.get(id(meter), (meter, -1))
+            newest = seen
+            # Samples are appended in submission order; only the ones after `seen` are new.
+            fresh = []
+            for submitted, future in reversed(list(meter.append_samples)):
+                if submitted <= seen:
+                    break
+                fresh.append((submitted, future))
+            for submitted, future in reversed(fresh):
+                done = future.completed_ns
+                if done is None:
+                    if not future.done():
+                        break                     # later ones are (nearly always) pending too
+                else:
+                    self.append_latency.observe(max(0, done - submitted) / 1e9)
+                newest = submitted                # a failed append is skipped, not waited for
+            live[id(meter)] = (meter, newest)
+        self._harvested = live
+
+    # ---- WAL probe ---------------------------------------------------------------------------
+
+    def _run_probe(self) -> None:
+        wal_log = self.client._wal
+        pending: collections.deque = collections.deque()
+        while not self._stop.wait(self._probe_interval):
+            try:
+                while pending:
+                    t0, end = pending[0]
+                    done = wal_log.completion_time(end)
+                    if done is None:
+                        if wal_log.durable_end < end:
+                            break                 # not durable yet: look again next time
+                    else:                         # (durable but out of the log: dropped)
+                        self.wal_durable_wait.observe(max(0, done - t0) / 1e9)
+                    pending.popleft()
+                t0 = time.monotonic_ns()
+                appended = wal_log.appended_end
+                if appended > wal_log.durable_end and len(pending) < 1024:
+                    pending.append((t0, appended))
+            except Exception:                    # noqa: BLE001 - a closed WAL: the client is closing
+                if self._stop.is_set():
+                    return
+                log.debug("WAL probe of node %s failed", self.node, exc_info=True)
+
+    # ---- scrape ------------------------------------------------------------------------------
+
+    def collect_into(self, families: "_Families") -> None:
+        client = self.client
+        with self._lock:
+            self._harvest_append_samples()
+        stats = client.stats()
+        node = self.node
+        f = families
+        f.gauge("node_epoch", "Epoch of the node (bumped at each start)", node, stats["node_epoch"])
+        f.gauge("open_streams", "Streams open on the node", node, stats["open_streams"])
+        f.gauge("uncommitted_bytes", "Bytes appended but not yet committed to objects (admission counts these)",
+                node, stats["uncommitted_bytes"])
+        append = stats["append"]
+        f.counter("appends", "Appends accepted (one per RecordBatch)", node, append["appends"])
+        f.counter("append_bytes", "Payload bytes of accepted appends", node, append["bytes"])
+        f.counter("append_lock_waits", "Appends that found the append lock taken", node, append["lock_waits"])
+        f.histogram("append_latency_seconds", "Append latency, submission to durable in the WAL, of one partition "
+                    "append in 64 (sampled; _count counts samples, not appends)", node, self.append_latency.snapshot())
+        w = stats["wal"]
+        if "records" in w:
+            f.counter("wal_records", "Records written to the WAL", node, w["records"])
+            f.counter("wal_record_bytes", "Bytes of WAL records (headers included)", node, w["record_bytes"])
+            f.counter("wal_batches", "WAL batch writes (one pwrite + fdatasync each)", node, w["batches"])
+            f.counter("wal_written_bytes", "Bytes written to the WAL device (aligned batches)", node, w["bytes_written"])
+            f.counter("wal_full_waits", "Appends that waited for WAL space", node, w["full_waits"])
+        if "used_bytes" in w:
+            f.gauge("wal_used_bytes", "WAL bytes from the trim offset to the last record placed", node, w["used_bytes"])
+            f.gauge("wal_capacity_bytes", "WAL data area size", node, w["capacity"])
+        f.histogram("wal_durable_wait_seconds", "Probed: from an instant with appends pending until every record "
+                    f"placed before it is durable (gather, write, fsync), every {self._probe_interval} s",
+                    node, self.wal_durable_wait.snapshot())
+        cache = stats["cache"]
+        f.gauge("log_cache_bytes", "Bytes in the log cache (active and sealed blocks)", node, cache["bytes"])
+        f.gauge("upload_queue_blocks", "Sealed log cache blocks waiting for upload or commit", node,
+                cache["sealed_blocks"])
+        up = stats["upload"]
+        f.counter("upload_blocks", "Log cache blocks uploaded and committed", node, up["blocks"])
+        f.counter("upload_objects", "Objects uploaded, by type", node, up["stream_set_objects"], type="stream_set")
+        f.counter("upload_objects", "Objects uploaded, by type", node, up["stream_objects"], type="stream")
+        f.counter("upload_bytes", "Bytes of objects uploaded", node, up["bytes"])
+        for step in ("put", "prepare", "commit"):
+            f.counter("upload_retries", "Upload steps retried, by step", node, up[f"{step}_retries"], step=step)
+        read = stats["read"]
+        f.counter("log_cache_hits", "Reads (fetch chunks) served by the log cache", node, read["cache_reads"])
+        f.counter("block_cache_hits", "Object blocks a fetch found in the block cache (or in flight)", node,
+                  read["block_hits"] + read["block_waits"])
+        f.counter("block_cache_misses", "Object blocks a fetch had to GET", node, read["block_fetches"])
+        f.counter("object_reads", "Object range reads (GETs of data) by the reader", node, read["object_reads"])
+        f.counter("object_read_bytes", "Bytes of object range reads by the reader", node, read["object_bytes"])
+        f.counter("readahead_bytes", "Bytes read ahead", node, read["readahead_bytes"])
+        f.gauge("block_cache_bytes", "Bytes in the block cache", node, read["block_cache_bytes"])
+        f.gauge("read_inflight_bytes", "Bytes of object reads in flight", node, read["inflight_bytes"])
+        f.histogram("fetch_latency_seconds", "Stream.fetch latency (log cache or objects)", node, read["fetch_latency"])
+        store = client._store
+        if isinstance(store, InstrumentedObjectStore):
+            counts = store.stats()
+            for op in ("put", "get", "delete", "list", "size"):
+                f.counter("object_store_calls", "Object store calls, by operation", node, counts[op], operation=op)
+            f.counter("object_store_requests", "S3 requests of puts (multipart parts counted) and gets", node,
+                      counts["put_requests"], operation="put")
+            f.counter("object_store_requests", "S3 requests of puts (multipart parts counted) and gets", node,
+                      counts["get_requests"], operation="get")
+            f.counter("object_store_written_bytes", "Bytes put to the object store", node, counts["bytes_written"])
+            f.counter("object_store_read_bytes", "Bytes got from the object store", node, counts["bytes_read"])
+            f.counter("object_store_deleted_keys", "Keys deleted from the object store", node, counts["deleted_keys"])
+            f.counter("object_store_errors", "Object store calls that raised", node, counts["errors"])
+            for op, n in store.inflight().items():
+                f.gauge("object_store_inflight", "Object store calls in progress (put: uploads in flight)", node, n,
+                        operation=op)
+            for op, snap in store.latencies().items():
+                f.histogram("object_store_latency_seconds", "Object store call latency, by operation", node, snap,
+                            operation=op)
+        meta = client.metadata
+        if isinstance(meta, InstrumentedMetadataStore):
+            errors = meta.errors()
+            for op, snap in meta.latencies().items():
+                f.histogram("metadata_latency_seconds", "Metadata store operation latency (prepare_objects, "
+                            "commit, open_stream...)", node, snap, operation=op)
+                f.counter("metadata_errors", "Metadata operations that raised, by operation", node,
+                          errors.get(op, 0), operation=op)
+        compaction = stats.get("compaction")
+        if isinstance(compaction, dict):
+            _compaction_metrics(f, node, compaction)
+
+
+def _compaction_metrics(f: "_Families", node: str, c: dict) -> None:
+    """The compaction add-on's stats source (compaction.runner.attach), read as data: s3stream
+    does not import compaction."""
+    totals = c.get("totals", {})
+    f.counter("compaction_rounds", "Compaction rounds run", node, c.get("rounds", 0))
+    f.counter("compaction_errors", "Compaction rounds that failed", node, c.get("errors", 0))
+    f.counter("compaction_read_bytes", "Bytes compaction read", node, totals.get("bytes_read", 0))
+    f.counter("compaction_written_bytes", "Bytes compaction wrote", node, totals.get("bytes_written", 0))
+    for kind, snap in (c.get("round_seconds") or {}).items():
+        f.histogram("compaction_round_seconds", "Compaction round duration, by kind", node, snap, kind=kind)
+    objects = c.get("objects") or {}
+    for kind, name in (("stream_set_objects", "stream_set"), ("stream_objects", "stream"),
+                       ("mark_destroyed", "mark_destroyed"), ("prepared", "prepared")):
+        if kind in objects:
+            f.gauge("objects", "Objects in metadata, by type or state (cluster-wide, read by compaction)", node,
+                    objects[kind]["count"], type=name)
+            f.gauge("object_bytes", "Bytes of objects in metadata, by type or state", node,
+                    objects[kind]["bytes"], type=name)
+
+
+class _Families:
+    """Metric families of one scrape, by name; samples added in any order."""
+
+    def __init__(self) -> None:
+        self._families: dict[str, Metric] = {}
+
+    def _family(self, kind, name: str, doc: str, labels: Iterable[str]) -> Metric:
+        family = self._families.get(name)
+        if family is None:
+            family = self._families[name] = kind(PREFIX + name, doc, labels=list(labels))
+        return family
+
+    def counter(self, name: str, doc: str, node: str, value: float, **labels: str) -> None:
+        self._family(CounterMetricFamily, name, doc, ["node", *labels]).add_metric([node, *labels.values()], value)
+
+    def gauge(self, name: str, doc: str, node: str, value: float, **labels: str) -> None:
+        self._family(GaugeMetricFamily, name, doc, ["node", *labels]).add_metric([node, *labels.values()], value)
+
+    def histogram(self, name: str, doc: str, node: str | None, snap: dict, **labels: str) -> None:
+        names = ([] if node is None else ["node"]) + list(labels)
+        values = ([] if node is None else [node]) + list(labels.values())
+        self._family(HistogramMetricFamily, name, doc, names).add_metric(values, _buckets(snap), snap["sum"])
+
+    def __iter__(self) -> Iterator[Metric]:
+        return iter(self._families.values())
+
+
+def _buckets(snap: dict) -> list[tuple[str, float]]:
+    out = []
+    running = 0
+    for bound, n in zip(snap["bounds"], snap["counts"]):
+        running += n
+        out.append((repr(float(bound)), running))
+    out.append(("+Inf", snap["count"]))
+    return out
+
+
+class _RegistryCollector(Collector):
+    """The one collector of a registry: every registered client's metrics, and the process's."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._handles: list[ClientMetrics] = []
+
+    def add(self, handle: ClientMetrics) -> None:
+        with self._lock:
+            for other in self._handles:
+                if other.node == handle.node:
+                    raise ValueError(f"a client of node {handle.node} is registered on this registry already; "
+                                     "unregister it (or close it) first")
+            self._handles.append(handle)
+
+    def remove(self, handle: ClientMetrics) -> None:
+        with self._lock:
+            if handle in self._handles:
+                self._handles.remove(handle)
+
+    def describe(self) -> list[Metric]:
+        # Names are not declared: this is the only s3stream collector on a registry, and an
+        # empty describe() keeps registration from running a whole collect().
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        from .cluster import MIGRATION_SECONDS
+        from .failover import FAILOVER_SECONDS
+        families = _Families()
+        with self._lock:
+            handles = list(self._handles)
+        for handle in handles:
+            try:
+                handle.collect_into(families)
+            except Exception:                    # noqa: BLE001 - one closing client must not fail the scrape
+                log.warning("metrics of node %s could not be read", handle.node, exc_info=True)
+        families.histogram("migration_seconds", "Migrations this process ran (Cluster.migrate), assignment to open",
+                           None, MIGRATION_SECONDS.snapshot())
+        families.histogram("failover_seconds", "Failovers this process ran (fail_over): fence, replay, close",
+                           None, FAILOVER_SECONDS.snapshot())
+        yield from families
+
+
+_collectors: "weakref.WeakKeyDictionary[CollectorRegistry, _RegistryCollector]" = weakref.WeakKeyDictionary()
+_collectors_lock = threading.Lock()
+
+
+def _collector_for(registry: CollectorRegistry) -> _RegistryCollector:
+    with _collectors_lock:
+        collector = _collectors.get(registry)
+        if collector is None:
+            collector = _collectors[registry] = _RegistryCollector()
+            registry.register(collector)
+        return collector
+
+
+__all__ = ["ClientMetrics", "PROBE_INTERVAL", "instrument", "instrumented_stores", "serve"]

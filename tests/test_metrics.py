@@ -1,0 +1,179 @@
+"""Prometheus metrics (s3stream.metrics): a fresh registry scraped after real appends, fetches and
+uploads through a client on a local store and SQLite, its values checked against what was done
+and against the store's own counters."""
+from __future__ import annotations
+
+import time
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from s3stream import RecordBatch, StreamClient, metrics
+from s3stream.failover import FAILOVER_SECONDS, fail_over
+from s3stream.objectstore import open_object_store
+from s3stream.objectstore.wrappers import InstrumentedObjectStore
+from conftest import small_config
+
+
+def scrape(registry) -> dict:
+    """{(sample name, ((label, value), ...) sorted): value} of one scrape, through the text format."""
+    out = {}
+    for family in text_string_to_metric_families(generate_latest(registry).decode()):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(samples: dict, name: str, **labels) -> float:
+    return samples[(name, tuple(sorted(labels.items())))]
+
+
+def wait_for(predicate, what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def local(tmp_path):
+    return f"file://{tmp_path}/objects", f"sqlite:///{tmp_path}/meta.db"
+
+
+def test_scrape_after_appends_fetches_and_uploads(tmp_path, local):
+    store_url, meta_url = local
+    registry = CollectorRegistry()
+    own = InstrumentedObjectStore(open_object_store(store_url))
+    client = StreamClient(1, tmp_path / "n1.wal", own, meta_url, small_config(), metrics=registry)
+    try:
+        stream = client.create_stream()
+        futures = [stream.append(RecordBatch(bytes([i % 256]) * 1000, count=2)) for i in range(300)]
+        futures[-1].result()
+        before = scrape(registry)
+        assert value(before, "s3stream_appends_total", node="1") == 300
+        assert value(before, "s3stream_append_bytes_total", node="1") == 300_000
+        assert value(before, "s3stream_wal_records_total", node="1") == 300
+        used_before = value(before, "s3stream_wal_used_bytes", node="1")
+        assert used_before >= 300_000
+        assert value(before, "s3stream_upload_blocks_total", node="1") == 0
+
+        hits = value(before, "s3stream_log_cache_hits_total", node="1")
+        for _ in range(3):                                   # tail reads: the log cache serves them
+            assert stream.fetch(stream.confirm_offset - 2).batches
+        after_reads = scrape(registry)
+        assert value(after_reads, "s3stream_log_cache_hits_total", node="1") == hits + 3
+        assert value(after_reads, "s3stream_fetch_latency_seconds_count", node="1") == 3
+
+        stream.close()                                       # force upload and commit of its tail
+        wait_for(lambda: value(scrape(registry), "s3stream_wal_used_bytes", node="1") < used_before,
+                 "the WAL to be trimmed after the commit")
+        samples = scrape(registry)
+        blocks = value(samples, "s3stream_upload_blocks_total", node="1")
+        assert blocks >= 1
+        # One metadata commit per uploaded block, and the wrapper saw each one.
+        assert value(samples, "s3stream_metadata_latency_seconds_count", node="1", operation="commit") == blocks
+        assert value(samples, "s3stream_metadata_latency_seconds_count", node="1",
+                     operation="prepare_objects") == blocks
+        # The client's PUTs are exactly the ones the caller's own instrumented store counted.
+        mine = own.stats()
+        assert mine["put"] >= 1
+        assert value(samples, "s3stream_object_store_calls_total", node="1", operation="put") == mine["put"]
+        assert value(samples, "s3stream_object_store_written_bytes_total", node="1") == mine["bytes_written"]
+        assert value(samples, "s3stream_object_store_latency_seconds_count", node="1", operation="put") == mine["put"]
+        assert value(samples, "s3stream_upload_bytes_total", node="1") == mine["bytes_written"]
+        assert value(samples, "s3stream_object_store_inflight", node="1", operation="put") == 0
+        objects = (value(samples, "s3stream_upload_objects_total", node="1", type="stream_set")
+                   + value(samples, "s3stream_upload_objects_total", node="1", type="stream"))
+        assert objects == mine["put"]
+        assert value(samples, "s3stream_upload_queue_blocks", node="1") == 0
+    finally:
+        client.close()
+    assert not any(dict(labels).get("node") == "1" for _, labels in scrape(registry))
+
+
+def test_two_clients_on_one_registry_and_unregister(tmp_path, local):
+    store_url, meta_url = local
+    registry = CollectorRegistry()
+    one = StreamClient(1, tmp_path / "n1.wal", store_url, meta_url, small_config(), metrics=registry)
+    two = StreamClient(2, tmp_path / "n2.wal", store_url, meta_url, small_config())
+    try:
+        handle = metrics.instrument(two, registry)
+        for client, n in ((one, 5), (two, 7)):
+            s = client.create_stream()
+            s.append_many([RecordBatch(b"x" * 10)] * n)[-1].result()
+        samples = scrape(registry)
+        assert value(samples, "s3stream_appends_total", node="1") == 5
+        assert value(samples, "s3stream_appends_total", node="2") == 7
+        # The second client was built without metrics=: no store wrappers, so no PUT histogram.
+        assert ("s3stream_object_store_calls_total", (("node", "2"), ("operation", "put"))) not in samples
+        assert ("s3stream_object_store_calls_total", (("node", "1"), ("operation", "put"))) in samples
+        with pytest.raises(ValueError, match="node 2"):
+            metrics.instrument(two, registry)
+        handle.unregister()
+        handle.unregister()                                  # idempotent
+        samples = scrape(registry)
+        assert ("s3stream_appends_total", (("node", "2"),)) not in samples
+        assert value(samples, "s3stream_appends_total", node="1") == 5
+    finally:
+        one.close()
+        two.close()
+    assert "s3stream_appends_total" not in {name for name, _ in scrape(registry)}
+
+
+def test_append_latency_samples_each_observed_once(tmp_path, local):
+    store_url, meta_url = local
+    registry = CollectorRegistry()
+    client = StreamClient(1, tmp_path / "n1.wal", store_url, meta_url, small_config(), metrics=registry)
+    try:
+        partition = client.open_partition("orders")
+        futures = [partition.append(RecordBatch(b"y" * 100)) for _ in range(640)]
+        futures[-1].result()
+        first = value(scrape(registry), "s3stream_append_latency_seconds_count", node="1")
+        assert first == 10                                   # one append in 64 is sampled
+        assert value(scrape(registry), "s3stream_append_latency_seconds_count", node="1") == first
+        futures = [partition.append(RecordBatch(b"y" * 100)) for _ in range(64)]
+        futures[-1].result()
+        samples = scrape(registry)
+        assert value(samples, "s3stream_append_latency_seconds_count", node="1") == first + 1
+        assert 0 < value(samples, "s3stream_append_latency_seconds_sum", node="1") < 11 * 20
+    finally:
+        client.close()
+
+
+def test_wal_probe_observes_pending_appends(tmp_path, local):
+    store_url, meta_url = local
+    registry = CollectorRegistry()
+    client = StreamClient(1, tmp_path / "n1.wal", store_url, meta_url, small_config())
+    handle = metrics.instrument(client, registry, probe_interval=0.002)
+    try:
+        stream = client.create_stream()
+        deadline = time.monotonic() + 10
+        while handle.wal_durable_wait.count < 3 and time.monotonic() < deadline:
+            stream.append_many([RecordBatch(b"z" * 4000)] * 64)
+        assert handle.wal_durable_wait.count >= 3
+        assert value(scrape(registry), "s3stream_wal_durable_wait_seconds_count", node="1") >= 3
+    finally:
+        handle.unregister()
+        client.close()
+
+
+def test_failover_duration_is_exported(tmp_path, local):
+    from s3stream.metadata import open_metadata
+    store_url, meta_url = local
+    registry = CollectorRegistry()
+    retired = StreamClient(3, tmp_path / "n3.wal", store_url, meta_url, small_config())
+    retired.create_stream().append(RecordBatch(b"w" * 100)).result()
+    retired.close()
+    client = StreamClient(1, tmp_path / "n1.wal", store_url, meta_url, small_config(), metrics=registry)
+    store, meta = open_object_store(store_url), open_metadata(meta_url)
+    try:
+        before = FAILOVER_SECONDS.count
+        fail_over(3, store=store, metadata=meta, config=small_config())
+        # Process-wide: no node label (the node that ran it is this process, not the one recovered).
+        assert value(scrape(registry), "s3stream_failover_seconds_count") == before + 1
+    finally:
+        client.close()
+        store.close()
+        meta.close()

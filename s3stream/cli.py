@@ -147,6 +147,25 @@ def json_option(fn: Callable) -> Callable:
     return click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")(fn)
 
 
+def metrics_option(fn: Callable) -> Callable:
+    return click.option("--metrics-port", type=click.IntRange(0, 65535), default=0, metavar="PORT",
+                        help="Serve Prometheus metrics on http://0.0.0.0:PORT/metrics (docs/metrics.md) "
+                             "[default: 0, off].")(fn)
+
+
+def serve_metrics(port: int) -> None:
+    """Start /metrics on `port` (0: do nothing) on prometheus_client's default registry."""
+    if not port:
+        return
+    from .metrics import serve
+    try:
+        serve(port)
+    except OSError as e:
+        raise click.ClickException(f"cannot serve metrics on port {port}: {e.strerror or e}; choose another "
+                                   "--metrics-port") from e
+    click.echo(f"metrics on http://0.0.0.0:{port}/metrics")
+
+
 def _iso(ns: int) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ns / 1e9)) if ns else "-"
 
@@ -1049,18 +1068,21 @@ def balance_status(meta_url: str, as_json: bool) -> None:
               help=f"Seconds between plans while leading [default: {_BALANCER_DEFAULTS.loop_interval_s:g}].")
 @click.option("--once", is_flag=True, help="Take the lease, plan and execute one round now, then stop.")
 @balancer_options
+@metrics_option
 @user_errors
 def balance_run(meta_url: str, store_url: str, node_id: int, once: bool, excluded: tuple[int, ...],
-                **thresholds: Any) -> None:
+                metrics_port: int, **thresholds: Any) -> None:
     """Run a balancer candidate in the foreground until Ctrl-C, printing each move it makes.
 
     Candidates compete for one lease; the holder plans every --interval seconds from the nodes'
     load reports and migrates partitions (nodes must run NodeAgents). A source that does not let
     go in time is failed over from here, which needs its WAL readable by this process. Ctrl-C
     lets the move under way finish and releases the lease. --once: one forced round, exit 1 if
-    another candidate holds the lease or a move fails.
+    another candidate holds the lease or a move fails. --metrics-port: the durations of the
+    migrations and failovers this candidate ran (s3stream_migration_seconds, _failover_seconds).
     """
     config = balancer_config(**thresholds)
+    serve_metrics(metrics_port)
     # A failover opens the source's WAL with the capacity in its header, whatever it is.
     failover_config = Config(wal=wal.WALConfig(capacity=None))
     with contextlib.closing(open_meta(meta_url)) as meta, contextlib.closing(open_store(store_url)) as store:
@@ -1173,16 +1195,18 @@ def mirror() -> None:
                    "quarter of it) [default: the engine's, 2G].")
 @click.option("--upload-interval", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
               metavar="S", help="Seconds after which mirrored records are uploaded on the target even if few.")
+@metrics_option
 @user_errors
 def mirror_run(source_meta_url: str, source_store_url: str, target_meta_url: str, target_store_url: str,
                source_alias: str, worker_id: int, wal_dir: str, flow_id: str | None, interval: float | None,
-               wal_capacity: int | None, upload_interval: float) -> None:
+               wal_capacity: int | None, upload_interval: float, metrics_port: int) -> None:
     """Run a mirror worker in the foreground until Ctrl-C, printing its flows' starts and stops.
 
     The worker claims its share of the source's partitions (leases in the target's metadata),
     copies each into A.NAME on this cluster, and hands partitions over when workers join or
     leave. One worker leads: it writes the heartbeats and translates consumer groups' offsets.
     Ctrl-C stops its flows (each target partition closed), releases its leases and exits.
+    --metrics-port: the target node's engine metrics, labelled node=<worker id>.
     """
     from .mirror import MirrorWorker, WorkerConfig
     engine = Config(upload_interval=upload_interval)
@@ -1195,7 +1219,8 @@ def mirror_run(source_meta_url: str, source_store_url: str, target_meta_url: str
     defaults = WorkerConfig()
     timing = {} if interval is None else dict(interval=interval, lease_ttl=max(defaults.lease_ttl, 3 * interval),
                                               worker_timeout=max(defaults.worker_timeout, 3 * interval))
-    config = WorkerConfig(engine=engine, **timing)
+    config = WorkerConfig(engine=engine, metrics=bool(metrics_port), **timing)
+    serve_metrics(metrics_port)
     with contextlib.ExitStack() as stack:
         stores = {name: stack.enter_context(contextlib.closing(opener(url))) for name, url, opener in (
             ("source_meta", source_meta_url, open_meta), ("source_store", source_store_url, open_store),

@@ -71,14 +71,16 @@ def test_status_of_a_running_worker(env):
 
 
 def test_run_in_the_foreground_until_ctrl_c(env):
+    from test_metrics import free_port, scrape_url
     for name in ("p0", "p1", "p2"):
         env.produce(name, 15)
     pythonpath = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "s3stream", "mirror", "run", "--source-meta", env.source_url, "--source-store",
          env.source_store, "--target-meta", env.target_url, "--target-store", env.target_store, "--alias", "A",
          "--worker-id", "7", "--wal-dir", str(env.tmp / "cli-worker"), "--flow", FLOW, "--interval", "0.1",
-         "--wal-capacity", "16M", "--upload-interval", "0.05"],
+         "--wal-capacity", "16M", "--upload-interval", "0.05", "--metrics-port", str(port)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=dict(os.environ, PYTHONPATH=pythonpath, PYTHONUNBUFFERED="1"))
     lines: list[str] = []
@@ -91,6 +93,10 @@ def test_run_in_the_foreground_until_ctrl_c(env):
         env.produce("p1", 10)
         env.wait_mirrored()
         assert holders(env, ["p0", "p1", "p2"]) == {"p0": 7, "p1": 7, "p2": 7}
+        # The target node's engine, on --metrics-port: every mirrored record was appended there.
+        metrics = scrape_url(port)
+        assert metrics[("s3stream_appends_total", (("node", "7"),))] >= 3 * 15 + 10
+        assert ("s3stream_metadata_latency_seconds_count", (("node", "7"), ("operation", "commit"))) in metrics
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 0, proc.stderr.read()
     finally:

@@ -3,7 +3,14 @@ uploads through a client on a local store and SQLite, its values checked against
 and against the store's own counters."""
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import subprocess
+import sys
 import time
+import urllib.request
+from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -18,11 +25,34 @@ from conftest import small_config
 
 def scrape(registry) -> dict:
     """{(sample name, ((label, value), ...) sorted): value} of one scrape, through the text format."""
+    return parse(generate_latest(registry).decode())
+
+
+def parse(text: str) -> dict:
     out = {}
-    for family in text_string_to_metric_families(generate_latest(registry).decode()):
+    for family in text_string_to_metric_families(text):
         for s in family.samples:
             out[(s.name, tuple(sorted(s.labels.items())))] = s.value
     return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape_url(port: int, timeout: float = 20.0) -> dict:
+    """GET /metrics on localhost:`port` (retried while the server starts), parsed as by scrape()."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+                return parse(response.read().decode())
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
 
 
 def value(samples: dict, name: str, **labels) -> float:
@@ -177,3 +207,38 @@ def test_failover_duration_is_exported(tmp_path, local):
         client.close()
         store.close()
         meta.close()
+
+
+def test_balance_run_serves_metrics_port(tmp_path):
+    """`s3stream balance run --metrics-port P` serves /metrics (the process-wide families) until Ctrl-C."""
+    from s3stream.metadata import open_metadata
+    open_metadata(f"sqlite:///{tmp_path}/meta.db").close()
+    (tmp_path / "objects").mkdir()
+    repo = Path(__file__).resolve().parent.parent
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "s3stream", "balance", "run", "--meta", f"sqlite:///{tmp_path}/meta.db",
+         "--store", str(tmp_path / "objects"), "--node-id", "9", "--metrics-port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])))
+    try:
+        samples = scrape_url(port)
+        assert ("s3stream_migration_seconds_count", ()) in samples
+        assert ("s3stream_failover_seconds_count", ()) in samples
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0, proc.stderr.read()
+        assert f"metrics on http://0.0.0.0:{port}/metrics" in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_metrics_port_taken_is_a_user_error(tmp_path):
+    from cli_helpers import fails, run
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        fails(run("balance", "run", "--meta", f"sqlite:///{tmp_path}/meta.db", "--store", tmp_path / "objects",
+                  "--node-id", 9, "--metrics-port", port), 1, f"cannot serve metrics on port {port}")

@@ -156,6 +156,8 @@ class WorkerConfig:
     max_in_flight_bytes, fetch_bytes, poll_interval, skip_trimmed: each flow's (MirrorFlow).
     engine: the target node's engine Config (default Config()); the source reader uses it with a
         small WAL, no upload interval and no object reclaimer.
+    metrics: the target node's StreamClient(metrics=...): True or a prometheus_client registry
+        exports its metrics (labelled with the worker id); False, none.
     """
     interval: float = 1.0
     lease_ttl: float = 10.0
@@ -170,6 +172,7 @@ class WorkerConfig:
     poll_interval: float = 0.05
     skip_trimmed: bool = False
     engine: Config | None = None
+    metrics: object = False
 
     def __post_init__(self) -> None:
         for name in ("interval", "lease_ttl", "worker_timeout", "checkpoint_interval", "heartbeat_interval",
@@ -315,7 +318,7 @@ class MirrorWorker:
                                                        max_record_bytes=SOURCE_MAX_BATCH + 64))
         s = self._stores
         self._target = StreamClient(self.worker_id, os.path.join(self.wal_dir, f"target-{self.worker_id}.wal"),
-                                    s["target_store"], s["target_meta"], engine)
+                                    s["target_store"], s["target_meta"], engine, metrics=self.config.metrics)
         try:
             self._source = StreamClient(self.source_node_id,
                                         os.path.join(self.wal_dir, f"source-{self.source_node_id}.wal"),

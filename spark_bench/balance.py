@@ -25,8 +25,8 @@ import time
 from s3stream.reporting import pyplot, save_figure
 
 from .common import (
-    KiB, add_common_args, deployment, format_placement, new_run_id, node_spec, placement, progress, run_nodes,
-    publish, verdict, verify_acks,
+    KiB, add_common_args, assign_metrics_ports, deployment, format_placement, new_run_id, node_spec, placement,
+    progress, run_nodes, publish, verdict, verify_acks,
 )
 
 TARGETS = dict(imbalance_after=1.15, seconds_to_balance=60.0, moves_last_10s=2, plan_seconds=1.0)
@@ -110,6 +110,7 @@ def _run(args, dep) -> dict:
     progress(f"{args.nodes} nodes, {len(names)} partitions, {args.rate:g} MB/s Zipf(s={args.zipf:g}); hottest "
              f"{rates[names[0]] / 1e6:.2f} MB/s; {cold} turns hot at {change_at:.0f} s; balancers from "
              f"{args.warmup:g} s; {args.duration:g} s in all")
+    assign_metrics_ports(specs, args.metrics_port)
     results = run_nodes(dep.spark, specs, seconds=origin + args.duration - time.time())
     progress(f"placement: {format_placement(placement(results))}")
     progress("verifying every acknowledged record through the driver's own client")

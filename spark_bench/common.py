@@ -62,6 +62,9 @@ def add_common_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--wal-capacity", type=parse_size, default=512 * MiB, help="each node's WAL file size")
     ap.add_argument("--out", default=None, help="report directory (JSON + PNG)")
     ap.add_argument("--keep", action="store_true", help="keep the work and store directories")
+    ap.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
+                    help="serve each node task's Prometheus metrics on http://0.0.0.0:PORT+i/metrics, i being "
+                         "the task's index in its job (0, the default: off)")
 
 
 def is_cluster(master: str) -> bool:
@@ -124,6 +127,34 @@ def node_spec(args, node_id: int, wal_dir: str | None, store: str, meta: str, pa
                 partitions=partitions, duration=duration, batch=args.batch, upload_threshold=args.upload_threshold,
                 split_size=8 * MiB, wal_capacity=args.wal_capacity, cluster=cluster, keep_acks=keep_acks,
                 inflight=inflight, run_id=run_id, keep_wal=args.keep)
+
+
+def assign_metrics_ports(specs: list[dict], port: int) -> None:
+    """Give the job's tasks ports port, port + 1, ... (several share a host; 0: no metrics)."""
+    for i, spec in enumerate(specs):
+        spec["metrics_port"] = port + i if port else 0
+
+
+def serve_task_metrics(spec: dict):
+    """In a task: serve prometheus_client's default registry on spec["metrics_port"]; the
+    server (to pass to stop_task_metrics), or None if off or the port is taken (the load test
+    runs on without)."""
+    port = spec.get("metrics_port") or 0
+    if not port:
+        return None
+    from s3stream.metrics import serve
+    try:
+        server, _ = serve(port)
+    except OSError as e:
+        progress(f"metrics: port {port} not served ({e})")
+        return None
+    return server
+
+
+def stop_task_metrics(server) -> None:
+    if server is not None:
+        server.shutdown()
+        server.server_close()
 
 
 def new_run_id() -> str:

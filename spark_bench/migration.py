@@ -27,8 +27,8 @@ from wal.bench_progress import progress as progress_bar
 from s3stream.reporting import pyplot, save_figure
 
 from .common import (
-    MiB, add_common_args, deployment, format_placement, latency_summary, new_run_id, node_spec, placement, progress,
-    publish, run_nodes, verdict, verify_acks,
+    MiB, add_common_args, assign_metrics_ports, deployment, format_placement, latency_summary, new_run_id, node_spec,
+    placement, progress, publish, run_nodes, verdict, verify_acks,
 )
 
 TARGETS = dict(p99_s=0.5, flatness=1.5, speedup=100.0)
@@ -158,6 +158,7 @@ def _run(args, dep, histories: dict[str, int]) -> dict:
     driver.start()
     try:
         progress(f"2 nodes under load on {dep.master}; {args.migrations} migrations per partition")
+        assign_metrics_ports(specs, args.metrics_port)
         results = run_nodes(dep.spark, specs)
     finally:
         halt.set()

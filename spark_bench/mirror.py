@@ -47,7 +47,8 @@ from wal.bench import percentiles
 
 from s3stream.reporting import pyplot, save_figure
 
-from .common import KiB, MiB, add_common_args, deployment, new_run_id, progress, publish, run_nodes, verdict
+from .common import (KiB, MiB, add_common_args, assign_metrics_ports, deployment, new_run_id, progress, publish,
+                     run_nodes, serve_task_metrics, stop_task_metrics, verdict)
 from .node import digest, payload_for, where_am_i
 
 TARGETS = dict(lost=0, duplicates=0, translation_errors=0)
@@ -131,7 +132,8 @@ def run_source(spec: dict) -> dict:
     node_id = spec["node_id"]
     wal_dir = spec["wal_dir"] or tempfile.mkdtemp(prefix=f"s3stream-source{node_id}-", dir=spec.get("node_dir"))
     client = s3stream.StreamClient(node_id, os.path.join(wal_dir, f"source{node_id}.wal"), spec["store"],
-                                   spec["meta"], engine_config(spec))
+                                   spec["meta"], engine_config(spec), metrics=bool(spec.get("metrics_port")))
+    metrics_server = serve_task_metrics(spec)
     parts = {name: client.open_partition(name) for name in spec["partitions"]}
     interval_ns = int(spec["batch"] / spec["rate_per_partition"] * 1e9)
     origin_ns = int(spec["origin"] * 1e9)
@@ -185,6 +187,7 @@ def run_source(spec: dict) -> dict:
         p.close()
     ends = {name: client.read_partition(name).end_offset for name in parts}
     client.close(retire=True)
+    stop_task_metrics(metrics_server)
     meta = open_metadata(spec["meta"])
     try:
         meta.put_kv(f"bench/{spec['run_id']}/source-done/{node_id}", json.dumps(ends).encode())
@@ -293,7 +296,9 @@ def child_main(raw_spec: str) -> None:
     config = WorkerConfig(interval=0.5, lease_ttl=4.0, worker_timeout=4.0,
                           checkpoint_interval=spec["checkpoint_interval"], heartbeat_interval=1.0, retry_backoff=1.0,
                           flow_stop_timeout=10.0, poll_interval=0.02, fetch_bytes=1 * MiB,
-                          max_in_flight_bytes=4 * MiB, engine=engine_config(spec))
+                          max_in_flight_bytes=4 * MiB, engine=engine_config(spec),
+                          metrics=bool(spec.get("metrics_port")))
+    serve_task_metrics(spec)               # the process ends with the worker (or is SIGKILLed)
     worker = MirrorWorker(spec["worker_id"], source_store=spec["source_store"], source_meta=spec["source_meta"],
                           target_store=spec["target_store"], target_meta=spec["target_meta"],
                           source_alias=SOURCE_ALIAS, flow_id=FLOW, wal_dir=spec["wal_dir"], config=config).start()
@@ -544,6 +549,7 @@ def _run(args, dep) -> dict:
     consumer.start()
     monitor.start()
     try:
+        assign_metrics_ports(specs, args.metrics_port)
         results = run_nodes(dep.spark, specs, body=run_tasks_of_partition, seconds=load_end - time.time())
     except BaseException:
         monitor.abort.set()         # it sets the stop key on its way out: no worker child outlives the run

@@ -84,6 +84,8 @@ def run_node(spec: dict) -> dict:
     from s3stream.objectstore import open_object_store
     from s3stream.partition import PartitionMovedError
 
+    from .common import serve_task_metrics, stop_task_metrics
+
     node_id = spec["node_id"]
     cfg = s3stream.Config(upload_threshold=spec["upload_threshold"], split_size=min(spec["split_size"], spec["upload_threshold"]),
                           cache_size=max(4 * spec["upload_threshold"], 256 * MiB), max_batch_bytes=max(spec["batch"], 1 * MiB),
@@ -94,7 +96,9 @@ def run_node(spec: dict) -> dict:
     wal_dir = (tempfile.mkdtemp(prefix=f"s3stream-node{node_id}-", dir=spec.get("node_dir")) if own_dir
                else spec["wal_dir"])
     wal_path = os.path.join(wal_dir, f"node{node_id}.wal")
-    client = s3stream.StreamClient(node_id, wal_path, spec["store_url"], spec["meta_url"], cfg)
+    client = s3stream.StreamClient(node_id, wal_path, spec["store_url"], spec["meta_url"], cfg,
+                                   metrics=bool(spec.get("metrics_port")))
+    metrics_server = serve_task_metrics(spec)
     meta = open_metadata(spec["meta_url"])
     store = open_object_store(spec["store_url"])
     agent = NodeAgent(client, Cluster(meta, store, ccfg, cfg))
@@ -199,6 +203,7 @@ def run_node(spec: dict) -> dict:
     stats = client.stats()
     agent.stop()
     closed = client.close(retire=True)
+    stop_task_metrics(metrics_server)
     if closed["left_in_wal"]:
         errors.append(f"node {node_id}: streams {closed['left_in_wal']} were not uploaded at close; their tail "
                       f"stays in {wal_path} on {socket.gethostname()}")

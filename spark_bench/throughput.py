@@ -19,8 +19,8 @@ from s3stream.reporting import pyplot, save_figure
 from wal.bench_progress import progress as progress_bar
 
 from .common import (
-    GiB, add_common_args, deployment, format_placement, latency_summary, new_run_id, node_spec, placement, progress,
-    run_nodes, verdict, verify_acks, write_json,
+    GiB, add_common_args, assign_metrics_ports, deployment, format_placement, latency_summary, new_run_id, node_spec,
+    placement, progress, run_nodes, verdict, verify_acks, write_json,
 )
 
 #: The first seconds of a node's run, compared with the rest (its steady state).
@@ -86,6 +86,7 @@ def _run_count(args, dep, n: int, verify: bool) -> dict:
             specs.append(node_spec(args, node, wal_dir, dep.store, run_meta, names, args.duration,
                                    cluster=dict(agent_interval=0.02), keep_acks=verify, run_id=run_id))
         progress(f"{n} node(s) x {args.partitions} partitions for {args.duration:g} s on {dep.master}")
+        assign_metrics_ports(specs, args.metrics_port)
         results = run_nodes(dep.spark, specs, seconds=args.duration)
         total = sum(r["bytes"] for r in results)
         seconds = max(r["seconds"] for r in results)

@@ -242,3 +242,41 @@ def test_metrics_port_taken_is_a_user_error(tmp_path):
         port = taken.getsockname()[1]
         fails(run("balance", "run", "--meta", f"sqlite:///{tmp_path}/meta.db", "--store", tmp_path / "objects",
                   "--node-id", 9, "--metrics-port", port), 1, f"cannot serve metrics on port {port}")
+
+
+def test_spark_node_task_serves_metrics_on_its_port(tmp_path):
+    """A Spark node task (spark_bench.node.run_node, called here without Spark) with a metrics
+    port from --metrics-port serves its node's engine while it runs, and stops serving after."""
+    import argparse
+    import threading
+
+    from s3stream.cluster import Cluster
+    from s3stream.metadata import open_metadata
+    from spark_bench.common import assign_metrics_ports, node_spec
+    from spark_bench.node import run_node
+    store_url, meta_url = f"file://{tmp_path}/objects", f"sqlite:///{tmp_path}/meta.db"
+    args = argparse.Namespace(node_dir=None, batch=1024, upload_threshold=1 << 20, wal_capacity=16 << 20, keep=False)
+    specs = [node_spec(args, 1, str(tmp_path), store_url, meta_url, ["p0"], 3.0, {})]
+    port = free_port()
+    assign_metrics_ports(specs, port)
+    assert specs[0]["metrics_port"] == port
+    meta = open_metadata(meta_url)
+    store = open_object_store(store_url)
+    try:
+        Cluster(meta, store).assign("p0", 1)
+        result = {}
+        task = threading.Thread(target=lambda: result.update(run_node(specs[0])))
+        task.start()
+        deadline = time.monotonic() + 20
+        samples = scrape_url(port)
+        while samples.get(("s3stream_appends_total", (("node", "1"),)), 0) == 0 and time.monotonic() < deadline:
+            time.sleep(0.2)
+            samples = scrape_url(port)
+        assert samples[("s3stream_appends_total", (("node", "1"),))] > 0
+        task.join(60)
+        assert not result["errors"], result["errors"]
+        with pytest.raises(OSError):
+            scrape_url(port, timeout=0.5)
+    finally:
+        meta.close()
+        store.close()

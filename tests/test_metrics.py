@@ -280,3 +280,37 @@ def test_spark_node_task_serves_metrics_on_its_port(tmp_path):
     finally:
         meta.close()
         store.close()
+
+
+def test_compaction_rounds_and_objects(tmp_path, local):
+    """With compaction attached: its rounds, bytes and the objects by type, per node."""
+    import compaction
+    from compaction.config import CompactionConfig
+    store_url, meta_url = local
+    registry = CollectorRegistry()
+    client = StreamClient(1, tmp_path / "n1.wal", store_url, meta_url, small_config(), metrics=registry)
+    runner = compaction.attach(client, CompactionConfig(sso_interval=0.05, so_interval=0.05), start=False)
+    try:
+        streams = [client.create_stream() for _ in range(3)]
+        for _ in range(3):
+            for s in streams:
+                s.append(RecordBatch(b"c" * 900)).result(10)
+            for s in streams:
+                s.close(10)                                   # one more StreamSetObject each time
+            streams = [client.open_stream(s.stream_id) for s in streams]
+        samples = scrape(registry)
+        assert value(samples, "s3stream_objects", node="1", type="stream_set") >= 3
+        assert value(samples, "s3stream_compaction_rounds_total", node="1") == 0
+        runner.start()
+        wait_for(lambda: runner.compactor.totals.commits >= 1, "a compaction commit")
+        runner.stop(10)
+        samples = scrape(registry)
+        rounds = value(samples, "s3stream_compaction_rounds_total", node="1")
+        assert rounds >= 1
+        timed = sum(value(samples, "s3stream_compaction_round_seconds_count", node="1", kind=kind)
+                    for kind in ("stream_set", "stream_object"))
+        assert timed == rounds
+        assert value(samples, "s3stream_compaction_written_bytes_total", node="1") > 0
+    finally:
+        runner.stop(10)
+        client.close()

@@ -75,6 +75,13 @@ cdef enum:
     # the interpreter's switch interval (5 ms).
     NOGIL_BYTES = 1048576
 
+# Upper bounds (ns) of the batch write latency buckets (pwrite + fdatasync, timed by the writer):
+# s3stream.latency.LATENCY_BUCKETS in nanoseconds, plus +Inf (write_hist has one more slot).
+cdef int64_t WRITE_BOUNDS_NS[17]
+WRITE_BOUNDS_NS[:] = [100_000, 250_000, 500_000, 1_000_000, 2_500_000, 5_000_000, 10_000_000,
+                      25_000_000, 50_000_000, 100_000_000, 250_000_000, 500_000_000, 1_000_000_000,
+                      2_500_000_000, 5_000_000_000, 10_000_000_000, 30_000_000_000]
+
 cdef uint64_t NO_SEQ = 0xFFFFFFFFFFFFFFFF
 
 
@@ -568,6 +575,8 @@ cdef class Ring:
             self._writer_loop()
 
     cdef void _writer_loop(self) noexcept nogil:
+        cdef int64_t took
+        cdef int bucket
         cdef uint64_t seq
         cdef Batch* b
         cdef int err
@@ -591,12 +600,21 @@ cdef class Ring:
             b.state = SLOT_WRITING
             err = self.io_errno
             pthread_mutex_unlock(&self.mutex)
+            took = -1
             if err == 0:
+                took = monotonic_ns()
                 err = pwrite_full(self.fd, b.buf, b.write_len,
                                   <long long>(self.header_area + b.start % self.capacity))
                 if err == 0 and fdatasync(self.fd) != 0:
                     err = errno
+                took = monotonic_ns() - took
             pthread_mutex_lock(&self.mutex)
+            if err == 0 and took >= 0:
+                bucket = 0
+                while bucket < 17 and took > WRITE_BOUNDS_NS[bucket]:
+                    bucket += 1
+                self.write_hist[bucket] += 1
+                self.write_ns_sum += took
             b.state = SLOT_WRITTEN
             b.error = err
             if err:
@@ -846,15 +864,23 @@ cdef class Ring:
         return self.io_errno != 0
 
     def stats(self) -> dict:
-        cdef uint64_t records, record_bytes, batches, written, waits
+        cdef uint64_t records, record_bytes, batches, written, waits, buffer_waits
+        cdef uint64_t hist[18]
+        cdef int64_t write_ns
         self._lock_with_gil()
         records, record_bytes = self.stat_records, self.stat_record_bytes
         batches, written, waits = self.stat_batches, self.stat_bytes_written, self.stat_full_waits
         buffer_waits = self.stat_buffer_waits
+        memcpy(hist, self.write_hist, sizeof(hist))     # no Python object while the mutex is held
+        write_ns = self.write_ns_sum
         pthread_mutex_unlock(&self.mutex)
+        counts = [hist[i] for i in range(18)]
+        write_sum = write_ns / 1e9
         return dict(records=records, record_bytes=record_bytes, batches=batches,
                     bytes_written=written, full_waits=waits, buffer_waits=buffer_waits,
-                    lock_waits=self.stat_lock_waits)
+                    lock_waits=self.stat_lock_waits,
+                    write_latency=dict(bounds=[WRITE_BOUNDS_NS[i] / 1e9 for i in range(17)], counts=counts,
+                                       sum=write_sum, count=sum(counts)))
 
 
 cdef void _call(fn, handle) noexcept:

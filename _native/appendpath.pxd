@@ -71,6 +71,10 @@ cdef class AppendPath:
     cdef uint64_t stat_appends
     cdef uint64_t stat_bytes
     cdef uint64_t stat_lock_waits       # appends that found the append lock taken
+    cdef int64_t sample_ns[1024]        # submission time of every 64th append (a ring)
+    cdef uint64_t sample_end[1024]      # its WAL record's end, to find when it became durable
+    cdef uint64_t samples_taken         # samples ever stored
+    cdef uint64_t samples_read          # samples ever handed to take_latency_samples
 
     cdef void _lock_append(self) noexcept
     cdef void _unlock_append(self) noexcept

@@ -45,6 +45,10 @@ log = logging.getLogger("s3stream.append")
 cdef enum:
     WAL_PREFIX = 28          # u64 stream id | u64 epoch | u64 base offset | u32 count
 
+cdef enum:
+    LATENCY_SAMPLE_EVERY = 64    # a power of two: appends between latency samples
+    LATENCY_SAMPLES = 1024       # the ring of samples kept for take_latency_samples
+
 # Writer states (s3stream.Stream names them).
 OPEN = 0
 CLOSING = 1
@@ -430,6 +434,7 @@ cdef class AppendPath:
         cdef AppendFuture fut
         cdef const unsigned char* data
         cdef bint have_view = False
+        cdef uint64_t i
         if type(payload) is bytes:          # the common case: no buffer protocol round trip
             data = <const unsigned char*>PyBytes_AS_STRING(payload)
             n = <size_t>PyBytes_GET_SIZE(payload)
@@ -500,6 +505,11 @@ cdef class AppendPath:
                 PyBuffer_Release(&view)
         self.stat_appends += 1
         self.stat_bytes += n
+        if (self.stat_appends & (LATENCY_SAMPLE_EVERY - 1)) == 0 and fut.error is None:
+            i = self.samples_taken % LATENCY_SAMPLES
+            self.sample_ns[i] = fut.submitted_ns
+            self.sample_end[i] = fut.wal_end
+            self.samples_taken += 1
         if sealed is not None:
             self.on_sealed(sealed)
         if not self.pressure_signalled and self.ring.untrimmed_hint() > self.pressure_bytes:
@@ -528,6 +538,20 @@ cdef class AppendPath:
 
     def stats(self) -> dict:
         return dict(appends=self.stat_appends, bytes=self.stat_bytes, lock_waits=self.stat_lock_waits)
+
+    def take_latency_samples(self) -> list:
+        """[(submitted_ns, wal_end)] of the appends sampled (one in LATENCY_SAMPLE_EVERY, all
+        streams) since the last call, oldest first; at most the last LATENCY_SAMPLES of them. The
+        append is durable once the WAL's durable end passes `wal_end`; the WAL's completion log
+        says when. Sampling costs an append a counter test; this is for a metrics scraper."""
+        cdef uint64_t first = self.samples_read
+        cdef uint64_t i
+        if self.samples_taken - first > LATENCY_SAMPLES:
+            first = self.samples_taken - LATENCY_SAMPLES
+        out = [(self.sample_ns[i % LATENCY_SAMPLES], self.sample_end[i % LATENCY_SAMPLES])
+               for i in range(first, self.samples_taken)]
+        self.samples_read = self.samples_taken
+        return out
 
     # ---- callbacks ---------------------------------------------------------------------------
 

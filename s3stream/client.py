@@ -10,6 +10,7 @@ Lifecycle of a node:
 """
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import struct
@@ -195,6 +196,7 @@ class StreamClient:
         self._lock = threading.Lock()
         self._streams: dict[int, Stream] = {}
         self._partitions: dict[str, "Partition"] = {}
+        self._latency_pending: collections.deque[tuple[int, int]] = collections.deque(maxlen=4096)
         self._closed = False
         self._fenced = False
         self._admit_cond = threading.Condition()
@@ -353,6 +355,34 @@ class StreamClient:
         """The metadata store of this client's cluster (shared: do not close it), for add-ons
         that keep their own records there (the mirror, the balancer, consumer offsets)."""
         return self._meta
+
+    @property
+    def object_store(self) -> ObjectStore:
+        """The object store this client uploads to (shared: do not close it), for add-ons that
+        read or write objects of their own (compaction, its reclaimer)."""
+        return self._store
+
+    @property
+    def write_ahead_log(self) -> wal.WriteAheadLog:
+        """This node's write-ahead log, for what observes it (metrics: `stats()`,
+        `appended_end`, `completion_time`). Appending to it directly bypasses every stream."""
+        return self._wal
+
+    def append_latencies(self) -> list[float]:
+        """Seconds from submission to durable of the appends sampled (one in 64, every stream)
+        since the last call that are durable by now; the still pending ones are returned by a
+        later call. For a metrics scraper: sampling costs an append a counter test."""
+        with self._lock:
+            pending = self._latency_pending
+            pending.extend(self._append_path.take_latency_samples())
+            durable = self._wal.durable_end
+            out = []
+            while pending and pending[0][1] <= durable:
+                submitted, end = pending.popleft()
+                done = self._wal.completion_time(end)
+                if done is not None:        # None: older than the WAL's completion log
+                    out.append(max(0, done - submitted) / 1e9)
+            return out
 
     def partitions(self) -> list["Partition"]:
         with self._lock:

@@ -16,21 +16,17 @@ histograms come from:
 - object store PUT/GET/DELETE and every metadata operation: the Instrumented* wrappers the client
   installs with `metrics=` (a microsecond per call, against milliseconds of I/O);
 - fetches: the reader times each Stream.fetch (fetch_cached, the inline tail read, is not timed);
-- appends, sampled: partitions already keep one append in 64 with its submission time
-  (s3stream.loadreport) and the engine records when each record became durable; a scrape
-  observes the samples taken since the previous one. Plain Stream.append is one native call
-  with nothing to hook, so the WAL side is also probed: every `probe_interval` a thread of this
-  module notes, when records are pending, the WAL's appended end and the time, and later reads
-  from the WAL's log of durable advances when that end became durable: the wait an append made
-  at that instant sees (the group commit's gather, write and fsync), never touching appends;
+- appends, sampled: the native append path keeps the submission time and WAL end of one append
+  in 64 (every stream; a counter test per append) and the WAL logs when its durable end moved;
+  a scrape observes the samples durable since the previous one (`StreamClient.append_latencies`);
+- WAL batch writes (pwrite + fdatasync): the WAL's writer threads count them in fixed buckets,
+  once per batch, without the GIL;
 - migrations, failovers (process-wide) and compaction rounds (per node, when compaction is attached).
 """
 from __future__ import annotations
 
-import collections
 import logging
 import threading
-import time
 import weakref
 from typing import TYPE_CHECKING, Iterable, Iterator
 
@@ -50,8 +46,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("s3stream.metrics")
 
 PREFIX = "s3stream_"
-#: Seconds between two probes of a WAL's durable wait (s3stream_wal_durable_wait_seconds).
-PROBE_INTERVAL = 0.05
 
 
 def instrumented_stores(store: ObjectStore, meta: MetadataStore) -> tuple[ObjectStore, MetadataStore]:
@@ -63,15 +57,12 @@ def instrumented_stores(store: ObjectStore, meta: MetadataStore) -> tuple[Object
     return store, meta
 
 
-def instrument(client: "StreamClient", registry: CollectorRegistry | None = None, *,
-               probe_interval: float | None = PROBE_INTERVAL) -> "ClientMetrics":
+def instrument(client: "StreamClient", registry: CollectorRegistry | None = None) -> "ClientMetrics":
     """Export `client`'s metrics on `registry` (default: prometheus_client.REGISTRY), labelled
-    node=<its node id>. ValueError if a client of that node is registered there already.
-    `probe_interval` None: no WAL probe thread (no s3stream_wal_durable_wait_seconds)."""
+    node=<its node id>. ValueError if a client of that node is registered there already."""
     registry = REGISTRY if registry is None else registry
-    handle = ClientMetrics(client, registry, probe_interval)
+    handle = ClientMetrics(client, registry)
     _collector_for(registry).add(handle)
-    handle._start()
     return handle
 
 
@@ -87,89 +78,26 @@ def serve(port: int, registry: CollectorRegistry | None = None, addr: str = "0.0
 class ClientMetrics:
     """One client's registration on one registry (see `instrument`)."""
 
-    def __init__(self, client: "StreamClient", registry: CollectorRegistry, probe_interval: float | None) -> None:
+    def __init__(self, client: "StreamClient", registry: CollectorRegistry) -> None:
         self.client = client
         self.registry = registry
         self.node = str(client.node_id)
         self._lock = threading.Lock()
         self.append_latency = LatencyHistogram()
-        self.wal_durable_wait = LatencyHistogram()
-        self._harvested: dict[int, tuple[object, int]] = {}   # id(meter) -> (meter, newest sample taken)
-        self._probe_interval = probe_interval
-        self._stop = threading.Event()
-        self._probe: threading.Thread | None = None
-
-    def _start(self) -> None:
-        if self._probe_interval:
-            self._probe = threading.Thread(target=self._run_probe, name=f"s3stream-metrics-{self.node}", daemon=True)
-            self._probe.start()
 
     def unregister(self) -> None:
         """Stop exporting this client (idempotent)."""
-        self._stop.set()
         collector = _collectors.get(self.registry)
         if collector is not None:
             collector.remove(self)
-        if self._probe is not None and self._probe is not threading.current_thread():
-            self._probe.join()
-
-    # ---- append latency samples --------------------------------------------------------------
-
-    def _harvest_append_samples(self) -> None:
-        """Observe the partitions' append samples taken since the last scrape that are done."""
-        live = {}
-        for partition in self.client.partitions():
-            meter = partition.meter
-            _, seen = self._harvested.get(id(meter), (meter, -1))
-            newest = seen
-            # Samples are appended in submission order; only the ones after `seen` are new.
-            fresh = []
-            for submitted, future in reversed(list(meter.append_samples)):
-                if submitted <= seen:
-                    break
-                fresh.append((submitted, future))
-            for submitted, future in reversed(fresh):
-                done = future.completed_ns
-                if done is None:
-                    if not future.done():
-                        break                     # later ones are (nearly always) pending too
-                else:
-                    self.append_latency.observe(max(0, done - submitted) / 1e9)
-                newest = submitted                # a failed append is skipped, not waited for
-            live[id(meter)] = (meter, newest)
-        self._harvested = live
-
-    # ---- WAL probe ---------------------------------------------------------------------------
-
-    def _run_probe(self) -> None:
-        wal_log = self.client._wal
-        pending: collections.deque = collections.deque()
-        while not self._stop.wait(self._probe_interval):
-            try:
-                while pending:
-                    t0, end = pending[0]
-                    done = wal_log.completion_time(end)
-                    if done is None:
-                        if wal_log.durable_end < end:
-                            break                 # not durable yet: look again next time
-                    else:                         # (durable but out of the log: dropped)
-                        self.wal_durable_wait.observe(max(0, done - t0) / 1e9)
-                    pending.popleft()
-                t0 = time.monotonic_ns()
-                appended = wal_log.appended_end
-                if appended > wal_log.durable_end and len(pending) < 1024:
-                    pending.append((t0, appended))
-            except Exception:                    # noqa: BLE001 - a closed WAL: the client is closing
-                if self._stop.is_set():
-                    return
-                log.debug("WAL probe of node %s failed", self.node, exc_info=True)
 
     # ---- scrape ------------------------------------------------------------------------------
 
     def collect_into(self, families: "_Families") -> None:
         client = self.client
         with self._lock:
-            self._harvest_append_samples()
+            for seconds in client.append_latencies():
+                self.append_latency.observe(seconds)
         stats = client.stats()
         node = self.node
         f = families
@@ -181,8 +109,8 @@ class ClientMetrics:
         f.counter("appends", "Appends accepted (one per RecordBatch)", node, append["appends"])
         f.counter("append_bytes", "Payload bytes of accepted appends", node, append["bytes"])
         f.counter("append_lock_waits", "Appends that found the append lock taken", node, append["lock_waits"])
-        f.histogram("append_latency_seconds", "Append latency, submission to durable in the WAL, of one partition "
-                    "append in 64 (sampled; _count counts samples, not appends)", node, self.append_latency.snapshot())
+        f.histogram("append_latency_seconds", "Append latency, submission to durable in the WAL, of one append "
+                    "in 64 (sampled; _count counts samples, not appends)", node, self.append_latency.snapshot())
         w = stats["wal"]
         if "records" in w:
             f.counter("wal_records", "Records written to the WAL", node, w["records"])
@@ -193,9 +121,9 @@ class ClientMetrics:
         if "used_bytes" in w:
             f.gauge("wal_used_bytes", "WAL bytes from the trim offset to the last record placed", node, w["used_bytes"])
             f.gauge("wal_capacity_bytes", "WAL data area size", node, w["capacity"])
-        f.histogram("wal_durable_wait_seconds", "Probed: from an instant with appends pending until every record "
-                    f"placed before it is durable (gather, write, fsync), every {self._probe_interval} s",
-                    node, self.wal_durable_wait.snapshot())
+        if "write_latency" in w:
+            f.histogram("wal_write_seconds", "WAL batch writes, pwrite + fdatasync, as timed by the WAL's writer",
+                        node, w["write_latency"])
         cache = stats["cache"]
         f.gauge("log_cache_bytes", "Bytes in the log cache (active and sealed blocks)", node, cache["bytes"])
         f.gauge("upload_queue_blocks", "Sealed log cache blocks waiting for upload or commit", node,
@@ -218,7 +146,7 @@ class ClientMetrics:
         f.gauge("block_cache_bytes", "Bytes in the block cache", node, read["block_cache_bytes"])
         f.gauge("read_inflight_bytes", "Bytes of object reads in flight", node, read["inflight_bytes"])
         f.histogram("fetch_latency_seconds", "Stream.fetch latency (log cache or objects)", node, read["fetch_latency"])
-        store = client._store
+        store = client.object_store
         if isinstance(store, InstrumentedObjectStore):
             counts = store.stats()
             for op in ("put", "get", "delete", "list", "size"):
@@ -363,4 +291,4 @@ def _collector_for(registry: CollectorRegistry) -> _RegistryCollector:
         return collector
 
 
-__all__ = ["ClientMetrics", "PROBE_INTERVAL", "instrument", "instrumented_stores", "serve"]
+__all__ = ["ClientMetrics", "instrument", "instrumented_stores", "serve"]

@@ -153,17 +153,19 @@ def test_two_clients_on_one_registry_and_unregister(tmp_path, local):
 
 
 def test_append_latency_samples_each_observed_once(tmp_path, local):
+    """Plain Stream.append is sampled natively, one append in 64 over all streams."""
     store_url, meta_url = local
     registry = CollectorRegistry()
     client = StreamClient(1, tmp_path / "n1.wal", store_url, meta_url, small_config(), metrics=registry)
     try:
-        partition = client.open_partition("orders")
-        futures = [partition.append(RecordBatch(b"y" * 100)) for _ in range(640)]
+        streams = [client.create_stream() for _ in range(2)]
+        before = client.stats()["append"]["appends"]
+        futures = [streams[i % 2].append(RecordBatch(b"y" * 100)) for i in range(640)]
         futures[-1].result()
         first = value(scrape(registry), "s3stream_append_latency_seconds_count", node="1")
-        assert first == 10                                   # one append in 64 is sampled
+        assert first == (before + 640) // 64 - before // 64
         assert value(scrape(registry), "s3stream_append_latency_seconds_count", node="1") == first
-        futures = [partition.append(RecordBatch(b"y" * 100)) for _ in range(64)]
+        futures = [streams[0].append(RecordBatch(b"y" * 100)) for _ in range(64)]
         futures[-1].result()
         samples = scrape(registry)
         assert value(samples, "s3stream_append_latency_seconds_count", node="1") == first + 1
@@ -172,20 +174,21 @@ def test_append_latency_samples_each_observed_once(tmp_path, local):
         client.close()
 
 
-def test_wal_probe_observes_pending_appends(tmp_path, local):
+def test_wal_write_latency_counts_every_batch(tmp_path, local):
     store_url, meta_url = local
     registry = CollectorRegistry()
-    client = StreamClient(1, tmp_path / "n1.wal", store_url, meta_url, small_config())
-    handle = metrics.instrument(client, registry, probe_interval=0.002)
+    client = StreamClient(1, tmp_path / "n1.wal", store_url, meta_url, small_config(), metrics=registry)
     try:
         stream = client.create_stream()
-        deadline = time.monotonic() + 10
-        while handle.wal_durable_wait.count < 3 and time.monotonic() < deadline:
-            stream.append_many([RecordBatch(b"z" * 4000)] * 64)
-        assert handle.wal_durable_wait.count >= 3
-        assert value(scrape(registry), "s3stream_wal_durable_wait_seconds_count", node="1") >= 3
+        for _ in range(5):
+            stream.append_many([RecordBatch(b"z" * 4000)] * 16)[-1].result()
+        samples = scrape(registry)
+        batches = value(samples, "s3stream_wal_batches_total", node="1")
+        assert batches >= 5
+        assert value(samples, "s3stream_wal_write_seconds_count", node="1") == batches
+        assert 0 < value(samples, "s3stream_wal_write_seconds_sum", node="1") < batches * 30
+        assert value(samples, "s3stream_wal_write_seconds_bucket", node="1", le="+Inf") == batches
     finally:
-        handle.unregister()
         client.close()
 
 

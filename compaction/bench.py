@@ -39,15 +39,13 @@ import threading
 import time
 
 import wal
-from wal.bench import percentiles
-from wal.bench_progress import log_line, progress, progress_over
+from wal.benchkit import log_line, percentiles, progress, progress_over, pyplot, save_figure
 
 from s3stream import Config, FetchedBatch, RecordBatch, StreamClient
 from s3stream.logcache import LogCache
 from s3stream.metadata import SqliteMetadataStore
 from s3stream.objectstore import LocalObjectStore
 from s3stream.read import Reader
-from s3stream.reporting import pyplot, save_figure
 
 from . import CompactionConfig, Compactor, attach, object_stats
 

@@ -44,15 +44,14 @@ import threading
 import time
 
 import wal
-from wal.bench import Trimmer, fmt_size, parse_size, percentiles
-from wal.bench_progress import log_line, progress
+from wal.bench import Trimmer
+from wal.benchkit import fmt_size, log_line, parse_size, percentiles, progress, pyplot, save_figure
 
 from . import Config, RecordBatch, StreamClient
 from .lifecycle import ObjectReclaimer
 from .metadata import ObjectState, SqliteMetadataStore
 from .objectstore import InstrumentedObjectStore, LocalObjectStore
 from .bench_reads import catchup_local, catchup_s3, format_catchup, moto_server, tail_read, tail_read_sizes
-from .reporting import pyplot, save_figure
 
 KiB, MiB, GiB = 1024, 1024 ** 2, 1024 ** 3
 TARGETS = {"ingest_ratio": 0.8, "catchup_ratio": 0.7, "small_record_ratio": 0.8,

@@ -27,11 +27,9 @@ import tempfile
 import time
 from typing import Callable
 
-from wal.bench import percentiles
-from wal.bench_progress import log_line, progress
+from wal.benchkit import log_line, percentiles, progress, pyplot, save_figure
 
 from .metadata import CommitRange, CommitRequest, CommitSSO, CommitStreamObject, MetadataStore, open_metadata
-from .reporting import pyplot, save_figure
 
 HOT = 8                      # streams the timed operations work on (owned by node 1)
 POPULATE_NODES = 4           # nodes that own the other streams

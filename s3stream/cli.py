@@ -34,7 +34,7 @@ import click
 
 import wal
 from _native import objcodec
-from wal import bench as wal_bench
+from wal.benchkit import parse_size
 from wal.header import Header, pick_header
 from wal.log import HEADER_AREA, HEADER_SLOT
 
@@ -624,7 +624,7 @@ class SizeType(click.ParamType):
             return value
         text = str(value).strip()
         try:
-            return wal_bench.parse_size(text[:-2] if text.lower().endswith("/s") else text)
+            return parse_size(text[:-2] if text.lower().endswith("/s") else text)
         except argparse.ArgumentTypeError as e:
             self.fail(str(e), param, ctx)
 
@@ -1108,7 +1108,7 @@ def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int 
     if value is None:
         return None
     try:
-        return wal_bench.parse_size(value)
+        return parse_size(value)
     except argparse.ArgumentTypeError as e:
         raise click.BadParameter(str(e)) from e
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from s3stream.reporting import pyplot, save_figure
+from wal.benchkit import pyplot, save_figure
 
 from .common import (
     KiB, add_common_args, assign_metrics_ports, deployment, format_placement, new_run_id, node_spec, placement,

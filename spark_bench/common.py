@@ -23,8 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from wal.bench import parse_size, percentiles
-from wal.bench_progress import log_line, progress_over
+from wal.benchkit import log_line, parse_size, percentiles, progress_over
 
 KiB, MiB, GiB = 1024, 1024 ** 2, 1024 ** 3
 

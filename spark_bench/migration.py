@@ -21,10 +21,8 @@ import os
 import threading
 import time
 
-from wal.bench import parse_size
-from wal.bench_progress import progress as progress_bar
+from wal.benchkit import parse_size, progress as progress_bar, pyplot, save_figure
 
-from s3stream.reporting import pyplot, save_figure
 
 from .common import (
     MiB, add_common_args, assign_metrics_ports, deployment, format_placement, latency_summary, new_run_id, node_spec,

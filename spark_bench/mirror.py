@@ -43,9 +43,8 @@ import tempfile
 import threading
 import time
 
-from wal.bench import percentiles
+from wal.benchkit import percentiles, pyplot, save_figure
 
-from s3stream.reporting import pyplot, save_figure
 
 from .common import (KiB, MiB, add_common_args, assign_metrics_ports, deployment, new_run_id, progress, publish,
                      run_nodes, serve_task_metrics, stop_task_metrics, verdict)

@@ -15,8 +15,7 @@ import itertools
 import math
 import os
 
-from s3stream.reporting import pyplot, save_figure
-from wal.bench_progress import progress as progress_bar
+from wal.benchkit import progress as progress_bar, pyplot, save_figure
 
 from .common import (
     GiB, add_common_args, assign_metrics_ports, deployment, format_placement, latency_summary, new_run_id, node_spec,

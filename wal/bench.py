@@ -43,7 +43,6 @@ import json
 import math
 import os
 import platform
-import re
 import stat
 import threading
 import time
@@ -51,7 +50,7 @@ import time
 from _native.walio import AlignedBuffer, datasync
 from _native.walrecord import BLOCK, HEADER_AREA, RECORD_HEADER
 
-from .bench_progress import log_line, progress
+from .benchkit import fmt_size, log_line, parse_size, percentiles, progress, pyplot, save_figure
 from .config import PREALLOCATE_MODES, GiB, KiB, MiB, WALConfig
 from .header import pick_header
 from .log import WriteAheadLog
@@ -64,18 +63,6 @@ TARGETS = {
     "throughput_ratio": {4 * KiB: 0.8, 64 * KiB: 0.9},   # record size -> min ratio to the limit
     "p99_ms": 5.0,
 }
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
-_UNIT = {"": 1, "k": KiB, "m": MiB, "g": GiB, "t": 1024 * GiB}
-
-
-def parse_size(text: str) -> int:
-    """'4K', '64KiB', '1M', '1.5G', '4096' -> bytes (binary units)."""
-    m = _SIZE_RE.match(str(text))
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 4096, 4K, 64KiB, 1M, 1G)")
-    return int(float(m.group(1)) * _UNIT[m.group(2).lower()])
-
 
 def _size_list(text: str) -> list[int]:
     return [parse_size(t) for t in text.split(",") if t.strip()]
@@ -91,38 +78,8 @@ def _int_list(text: str) -> list[int]:
     return vals
 
 
-def fmt_size(n: int) -> str:
-    for unit, f in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
-        if n >= f and n % f == 0:
-            return f"{n // f} {unit}"
-    return f"{n} B"
-
-
 def _progress(msg: str) -> None:
     log_line(f"[wal.bench {time.strftime('%H:%M:%S')}] {msg}")
-
-
-# ---- statistics ---------------------------------------------------------------------------------
-
-def percentiles(samples_ns, ps=(0.5, 0.99, 0.999)) -> dict:
-    """Nearest-rank percentiles of nanosecond samples, in ms."""
-    data = sorted(samples_ns)
-    n = len(data)
-    out: dict = {"samples": n}
-    if not n:
-        out.update({f"p{_pname(p)}_ms": None for p in ps})
-        out.update(mean_ms=None, max_ms=None)
-        return out
-    for p in ps:
-        idx = min(n - 1, max(0, math.ceil(p * n) - 1))
-        out[f"p{_pname(p)}_ms"] = data[idx] / 1e6
-    out["mean_ms"] = sum(data) / n / 1e6
-    out["max_ms"] = data[-1] / 1e6
-    return out
-
-
-def _pname(p: float) -> str:
-    return {0.5: "50", 0.99: "99", 0.999: "999"}.get(p, str(p).replace("0.", ""))
 
 
 # ---- the file and raw I/O ----------------------------------------------------------------------
@@ -716,13 +673,8 @@ def format_table(report: dict) -> str:
 
 
 def write_plots(report: dict, out: str) -> list[str]:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("wal.bench: matplotlib is not installed, so no PNG plots were made (pip install matplotlib "
-              "to get them); report.json is written anyway.", flush=True)
+    plt = pyplot("wal.bench")
+    if plt is None:
         return []
     files = []
     cases = report["cases"]
@@ -748,11 +700,7 @@ def write_plots(report: dict, out: str) -> list[str]:
     ax.set_title("WAL append throughput per case (green: target met, red: missed)")
     ax.set_ylim(0, max(vals + [limit] + [v for _, v in adj]) * 1.45)
     ax.legend(loc="upper center", ncol=2, fontsize=7)
-    fig.tight_layout()
-    p = os.path.join(out, "throughput.png")
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    files.append(p)
+    files.append(save_figure(plt, fig, out, "throughput.png"))
 
     fig, ax = plt.subplots(figsize=(10, 4.8))
     groups = [(c["name"], c["latency"]) for c in cases]
@@ -773,11 +721,7 @@ def write_plots(report: dict, out: str) -> list[str]:
     ax.set_title("Append latency percentiles (WAL: completed_ns - submitted_ns)")
     ax.legend(fontsize=8, ncol=4, loc="upper center")
     ax.set_ylim(top=ax.get_ylim()[1] * 8)
-    fig.tight_layout()
-    p = os.path.join(out, "latency.png")
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    files.append(p)
+    files.append(save_figure(plt, fig, out, "latency.png"))
     return files
 
 

@@ -1,5 +1,8 @@
-"""Progress bars for the benchmarks and load tests: tqdm bars on stderr, shown only when someone
-watches.
+"""What every benchmark and load test shares (wal's, s3stream's, compaction's and spark_bench's):
+sizes (`parse_size`, `fmt_size`), latency percentiles, matplotlib plots, and progress bars. It
+lives in `wal`, the lowest Python layer, so that every layer's benchmarks can import it.
+
+Progress bars: tqdm bars on stderr, shown only when someone watches.
 
 A bar is shown when the stream it writes to (stderr by default: reports go to stdout, so they
 stay clean when redirected) is a terminal, unless the environment variable CI is set or
@@ -13,8 +16,11 @@ above any open bar instead of through it.
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
+import math
 import os
+import re
 import sys
 import threading
 import time
@@ -26,6 +32,79 @@ ENV = "S3STREAM_PROGRESS"
 #: The most redraws a second of any bar (tqdm's mininterval) and of `progress_over`'s ticker.
 TICKS_PER_SECOND = 4
 
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
+_UNIT = {"": 1, "k": KiB, "m": MiB, "g": GiB, "t": 1024 * GiB}
+
+
+# ---- sizes ------------------------------------------------------------------------------------
+
+def parse_size(text: str) -> int:
+    """'4K', '64KiB', '1M', '1.5G', '4096' -> bytes (binary units)."""
+    m = _SIZE_RE.match(str(text))
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 4096, 4K, 64KiB, 1M, 1G)")
+    return int(float(m.group(1)) * _UNIT[m.group(2).lower()])
+
+
+def fmt_size(n: int) -> str:
+    """Bytes as the largest binary unit that divides them: '64 KiB', '2 GiB', '100 B'."""
+    for unit, f in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if n >= f and n % f == 0:
+            return f"{n // f} {unit}"
+    return f"{n} B"
+
+
+# ---- statistics ---------------------------------------------------------------------------------
+
+def percentiles(samples_ns, ps=(0.5, 0.99, 0.999)) -> dict:
+    """Nearest-rank percentiles of nanosecond samples, in ms."""
+    data = sorted(samples_ns)
+    n = len(data)
+    out: dict = {"samples": n}
+    if not n:
+        out.update({f"p{_pname(p)}_ms": None for p in ps})
+        out.update(mean_ms=None, max_ms=None)
+        return out
+    for p in ps:
+        idx = min(n - 1, max(0, math.ceil(p * n) - 1))
+        out[f"p{_pname(p)}_ms"] = data[idx] / 1e6
+    out["mean_ms"] = sum(data) / n / 1e6
+    out["max_ms"] = data[-1] / 1e6
+    return out
+
+
+def _pname(p: float) -> str:
+    return {0.5: "50", 0.99: "99", 0.999: "999"}.get(p, str(p).replace("0.", ""))
+
+
+# ---- plots --------------------------------------------------------------------------------------
+
+def pyplot(who: str):
+    """matplotlib.pyplot on the Agg backend, or None (with a note) if matplotlib is missing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"{who}: matplotlib is not installed, so no PNG plots (pip install matplotlib); "
+              "report.json is written anyway", flush=True)
+        return None
+    return plt
+
+
+def save_figure(plt, fig, out: str, name: str) -> str:
+    """Save `fig` as out/name (PNG) and close it; returns the path."""
+    fig.tight_layout()
+    path = os.path.join(out, name)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ---- progress -----------------------------------------------------------------------------------
 
 def enabled(file: TextIO | None = None) -> bool:
     """Whether a bar writing to `file` (default stderr) would be shown."""

@@ -142,10 +142,10 @@ def attach(client: "StreamClient", config: CompactionConfig | None = None, *,
     Stop the runner before closing the client."""
     config = config or CompactionConfig()
     config.check_engine(client.config.max_batch_bytes)
-    compactor = Compactor(client._store, client._meta, client.node_id, client.node_epoch, config)
+    compactor = Compactor(client.object_store, client.metadata, client.node_id, client.node_epoch, config)
     reclaimer = None
     if client.config.reclaim_interval is None:
-        reclaimer = ObjectReclaimer(client._store, client._meta, client.config.destroy_delay)
+        reclaimer = ObjectReclaimer(client.object_store, client.metadata, client.config.destroy_delay)
     runner = CompactionRunner(compactor, reclaimer=reclaimer,
                               uploaded_bytes=lambda: client.stats()["upload"]["bytes"])
     client.add_stats_source(

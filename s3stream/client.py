@@ -385,8 +385,14 @@ class StreamClient:
             return out
 
     def partitions(self) -> list["Partition"]:
+        """The partitions open on this node."""
         with self._lock:
             return list(self._partitions.values())
+
+    def partition(self, name: str) -> "Partition | None":
+        """The partition `name` if it is open on this node, else None (never opens it)."""
+        with self._lock:
+            return self._partitions.get(name)
 
     def _remember_partition(self, partition: "Partition") -> None:
         with self._lock:

@@ -265,7 +265,7 @@ class NodeAgent:
         self._reporter = LoadReporter(self.node_id, self.config.report_window)
         self._last_report = 0.0
         # Opened before the first pass reads the assignments, so no change in between is missed.
-        self._feed = client._meta.kv_changes(("assignment/", "closed/"))
+        self._feed = client.metadata.kv_changes(("assignment/", "closed/"))
         self._retry_soon = False
         self.fenced = False
         self.errors: deque[str] = deque(maxlen=100)     # the latest failures, bounded
@@ -318,12 +318,12 @@ class NodeAgent:
     def _pass(self) -> None:
         now = time.monotonic()
         if now - self._last_heartbeat >= self.config.heartbeat_interval:
-            self.client._meta.heartbeat(self.node_id, self.client.node_epoch)
+            self.client.metadata.heartbeat(self.node_id, self.client.node_epoch)
             self._last_heartbeat = now
             if self.config.auto_failover:
                 self._fail_over_dead_peers()
         if now - self._last_report >= self.config.report_interval:
-            self._reporter.publish(self.client._meta, self.client.partitions())
+            self._reporter.publish(self.client.metadata, self.client.partitions())
             self._last_report = now
         assigned = self.cluster.assignments()
         mine = {name: a["version"] for name, a in assigned.items() if a["node"] == self.node_id}
@@ -338,7 +338,7 @@ class NodeAgent:
             elif self._published.get(name, 0) < version:
                 # Re-assigned to the node that already has it open: confirm the new version.
                 p = open_now[name]
-                _put(self.client._meta, f"opened/{name}", {"node": self.node_id, "version": version,
+                _put(self.client.metadata, f"opened/{name}", {"node": self.node_id, "version": version,
                                                             "leader_epoch": p.leader_epoch, "at": time.time(),
                                                             "seconds": 0.0})
                 self._published[name] = version
@@ -367,14 +367,14 @@ class NodeAgent:
     def _open(self, name: str, version: int) -> None:
         t0 = time.perf_counter()
         partition = self.client.open_partition(name)
-        _put(self.client._meta, f"opened/{name}", {"node": self.node_id, "version": version,
+        _put(self.client.metadata, f"opened/{name}", {"node": self.node_id, "version": version,
                                                     "leader_epoch": partition.leader_epoch, "at": time.time(),
                                                     "seconds": time.perf_counter() - t0})
         self._published[name] = version
 
     def _close(self, partition, version: int) -> None:
         report = partition.close()
-        _put(self.client._meta, f"closed/{partition.name}",
+        _put(self.client.metadata, f"closed/{partition.name}",
              {"node": self.node_id, "version": version, "tail_bytes": report.tail_bytes,
               "seconds": report.seconds, "at": time.time()})
 
@@ -384,7 +384,7 @@ class NodeAgent:
         heartbeats (the loop keeps running; the busy set keeps it from starting twice)."""
         now = self.cluster.clock()
         timeout = int(self.config.heartbeat_timeout * 1e9)
-        for node in self.client._meta.list_nodes():
+        for node in self.client.metadata.list_nodes():
             if node.node_id == self.node_id or node.failover or now - node.heartbeat_ns < timeout:
                 continue
             if f"failover/{node.node_id}" in self._busy:

@@ -135,7 +135,7 @@ def run_node(spec: dict) -> dict:
         window: collections.deque = collections.deque()
         next_ns = time.monotonic_ns()
         while not stop.is_set():
-            p = client._partitions.get(name)
+            p = client.partition(name)
             if p is None or not p.is_open:
                 while window:                       # settle what was sent before it moved
                     _settle(window.popleft())

@@ -44,7 +44,7 @@ from .balancer.bench_plan import imbalance
 from .balancer.explain import format_rate
 from .balancer.lease import LEASE_KEY
 from .balancer.loop import LAST_ROUND_KEY, Balancer, live_model
-from .client import WAL_RECORD
+from .recovery import WAL_RECORD
 from .cluster import Cluster, ClusterConfig, MigrationReport
 from .config import Config
 from .errors import ConfigError, S3StreamError

@@ -13,7 +13,6 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import struct
 import threading
 import time
 from typing import TYPE_CHECKING, Callable
@@ -23,15 +22,19 @@ from _native.appendpath import AppendPath
 
 from .config import Config
 from .errors import (
-    AppendFailedError, ConfigError, CorruptDataError, InvalidBatchError, NodeConflictError, OffsetOutOfRangeError,
+    AppendFailedError, ConfigError, InvalidBatchError, NodeConflictError, OffsetOutOfRangeError,
     OperationTimeoutError, S3StreamError, StreamClosedError, StreamFencedError, StreamNotClosedError, StreamNotFoundError, WALCorruptError,
     WALError, WALFullError, check_int,
 )
 from .lifecycle import ObjectReclaimer, ReclaimerThread
-from .logcache import CacheBlock, LogCache, new_log_cache
+from .logcache import CacheBlock, new_log_cache
 from .metadata import CommitResult, MetadataStore, StreamMeta, StreamState, open_metadata
 from .objectstore import ObjectStore, open_object_store
+from .failover import fail_over
+from .partition import Partition, PartitionReader, open_partition
 from .read import Reader
+from .recordbatch import FetchResult
+from .recovery import close_node_streams, replay_wal
 from .stream import Stream
 from .upload import Uploader
 
@@ -42,84 +45,6 @@ if TYPE_CHECKING:
     from .recordbatch import FetchResult
 
 log = logging.getLogger("s3stream")
-
-#: Header of a stream record in the WAL: stream id, stream epoch, base offset, record count.
-#: Written natively by the append path (_native/appendpath.pyx, WAL_PREFIX); read here.
-WAL_RECORD = struct.Struct("<QQQI")
-
-
-def replay_wal(records, node_id: int, meta: MetadataStore, cache: LogCache, uploader: Uploader,
-               gaps_below: int = 0) -> dict:
-    """Upload and commit the WAL records of `node_id` above each stream's committed end, through
-    `cache` and `uploader` (whose node id and epoch are the ones committed under). Used at a
-    node's restart and, on a dead node's behalf, by failover. Records of streams that have moved
-    on (another owner or epoch) cannot be committed and are reported in the log. Below
-    `gaps_below` (the WAL's salvaged_end: records there were salvaged past a corrupt span) a
-    stream whose offsets stop at a gap keeps what precedes the gap; its records after it are
-    dropped and reported (offsets cannot skip); elsewhere a gap is CorruptDataError."""
-    metas: dict[int, StreamMeta | None] = {}
-    expected: dict[int, int] = {}
-    broken: dict[int, list[int]] = {}          # stream -> [where it now ends, records dropped]
-    count = replayed = 0
-    last_end = None
-    last_block = -1
-    for rec in records:
-        count += 1
-        last_end = rec.end
-        stream_id, epoch, base, n = WAL_RECORD.unpack_from(rec.data)
-        if stream_id not in metas:
-            try:
-                metas[stream_id] = meta.get_stream(stream_id)
-            except StreamNotFoundError:
-                metas[stream_id] = None
-        m = metas[stream_id]
-        if m is None or m.state == StreamState.DELETED or base + n <= m.end_offset:
-            continue
-        if m.state != StreamState.OPENED or m.owner_node_id != node_id or m.epoch != epoch:
-            log.error("stream %d: WAL of node %d holds offsets [%d, %d) above its committed end %d written at "
-                      "epoch %d, but the stream is now %s on node %s at epoch %d: they cannot be committed",
-                      stream_id, node_id, base, base + n, m.end_offset, epoch, m.state.value,
-                      m.owner_node_id, m.epoch)
-            continue
-        want = expected.get(stream_id, m.end_offset)
-        if stream_id in broken:
-            broken[stream_id][1] += 1
-            continue
-        if base != want:
-            if rec.offset >= gaps_below:
-                raise CorruptDataError(f"WAL of node {node_id}: stream {stream_id} record at offset {base}, "
-                                       f"expected {want}")
-            broken[stream_id] = [want, 1]
-            continue
-        expected[stream_id] = base + n
-        replayed += 1
-        sealed = cache.put(stream_id, epoch, (base, n, memoryview(rec.data)[WAL_RECORD.size:]), rec.end, rec.offset)
-        if sealed is not None:
-            uploader.submit(sealed)
-            last_block = sealed.block_id
-            if last_block >= 2:        # bound memory: at most two blocks uploading behind the scan
-                uploader.wait_committed(last_block - 2)
-    sealed = cache.seal()
-    if sealed is not None:
-        uploader.submit(sealed)
-        last_block = sealed.block_id
-    if last_block >= 0:
-        uploader.wait_committed(last_block)
-    for stream_id, (first, n) in sorted(broken.items()):
-        log.error("stream %d: the salvaged WAL of node %d lost its records from offset %d on (a corrupt span); "
-                  "%d later records of it are dropped: the stream ends at %d", stream_id, node_id, first, n, first)
-    return dict(records=count, replayed=replayed, last_end=last_end,
-                dropped={sid: dict(from_offset=first, records=n) for sid, (first, n) in broken.items()})
-
-
-def close_node_streams(meta: MetadataStore, node_id: int) -> int:
-    """Close every stream `node_id` holds open (after its data was committed)."""
-    closed = 0
-    for m in meta.list_streams(owner_node_id=node_id):
-        meta.close_stream(m.stream_id, m.epoch, node_id)
-        closed += 1
-    return closed
-
 
 def _check_wal_path(wal_path) -> None:
     """ConfigError, before anything is registered, for a WAL path that cannot be created: its
@@ -314,7 +239,6 @@ class StreamClient:
         hold acknowledged records beyond it in its owner's WAL, readable here once uploaded.
         StreamNotFoundError for a stream that does not exist or was deleted; OffsetOutOfRangeError
         outside that range."""
-        from .recordbatch import FetchResult
         check_int("stream_id", stream_id)
         check_int("start_offset", start_offset)
         if end_offset is not None:
@@ -337,13 +261,11 @@ class StreamClient:
         """A read-only view of the named partition's committed records (see fetch_committed):
         it does not open the partition, so its owner keeps it. StreamNotFoundError if there is
         no such partition."""
-        from .partition import PartitionReader
         self._check_usable()
         return PartitionReader(self, name)
 
     def open_partition(self, name: str) -> "Partition":
         """Create the named partition or open it on this node (see s3stream.partition)."""
-        from .partition import open_partition
         self._check_usable()
         with self._lock:
             if name in self._partitions:
@@ -614,7 +536,6 @@ class StreamClient:
                 f"which this host cannot read; starting it with WAL {wal_path!r} would lose that tail. Start "
                 f"node {node_id} with that WAL, or fail it over from a host that can read it "
                 "(s3stream.failover.fail_over), then start it with the new WAL.")
-        from .failover import fail_over
         log.warning("node %d was registered with WAL %s and starts with %s: recovering the old WAL first",
                     node_id, old, wal_path)
         fail_over(node_id, store=self._store, metadata=self._meta, config=self.config, wal_path=old)

@@ -22,6 +22,7 @@ from .latency import DURATION_BUCKETS, LatencyHistogram
 from .logcache import new_log_cache
 from .metadata import MetadataStore
 from .objectstore import ObjectStore
+from .recovery import close_node_streams, replay_wal
 from .upload import Uploader
 
 log = logging.getLogger("s3stream.failover")
@@ -44,7 +45,6 @@ class FailoverReport:
 def fail_over(node_id: int, *, store: ObjectStore, metadata: MetadataStore, config: Config | None = None,
               wal_path: str | None = None) -> FailoverReport:
     """Fence `node_id`, commit what its WAL holds, close its streams (see module docstring)."""
-    from .client import close_node_streams, replay_wal
     config = config or Config()
     t0 = time.perf_counter()
     path = wal_path or metadata.get_node(node_id).wal_path

@@ -95,8 +95,9 @@ def decode_slot(raw: bytes) -> tuple[str, Header | None]:
     fill = raw[_FILL_AT:_FILL_AT + _FILL.size]
     (fill_crc,) = _CRC.unpack_from(raw, _FILL_AT + _FILL.size)
     fill_end = _FILL.unpack(fill)[0] if crc32c(fill) == fill_crc else None
+    inflight, batch_bytes, salvaged_end = _EXT.unpack(ext) if known else (0, 0, 0)
     return SlotState.VALID, Header(capacity, trim, seq, wtime, node_id, node_epoch, generation,
-                                   bool(clean), clean_end, *(_EXT.unpack(ext) if known else (0, 0, 0)),
+                                   bool(clean), clean_end, inflight, batch_bytes, salvaged_end,
                                    fill_end=fill_end)
 
 

@@ -393,9 +393,9 @@ class WriteAheadLog:
             yield Record(offset, data)
         self._finish_scan(scanner)
 
-    def _finish_scan(self, scanner: Scanner) -> None:
+    def _finish_scan(self, scanner: Scanner) -> RecoveryResult:
         reason = walrecord.STOP_REASONS.get(scanner.stop_reason, str(scanner.stop_reason))
-        self._recovered = RecoveryResult(scanner.end, scanner.records, scanner.record_bytes, reason)
+        recovered = self._recovered = RecoveryResult(scanner.end, scanner.records, scanner.record_bytes, reason)
         h = self._header
         gap = find_gap(self._fd, h, self._data_capacity, scanner)
         if gap is not None:
@@ -413,6 +413,7 @@ class WriteAheadLog:
             raise WALCorruptError(
                 f"WAL {self._path!r} was shut down cleanly at offset {h.clean_end} but its records "
                 f"can be read only to {scanner.end} ({reason}): the device lost or corrupted data")
+        return recovered
 
     @property
     def recovery_result(self) -> RecoveryResult | None:
@@ -428,12 +429,13 @@ class WriteAheadLog:
             self._check_open()
             if self._recovery:
                 raise WALClosedError(f"WAL {self._path!r} is open read-only for recovery; it takes no appends")
-            if self._recovered is None:
+            recovered = self._recovered
+            if recovered is None:
                 scanner = Scanner(self._fd, HEADER_AREA, self._data_capacity, self._header.trim_offset)
                 for _ in scanner:
                     pass
-                self._finish_scan(scanner)
-            resume = self._recovered.end
+                recovered = self._finish_scan(scanner)
+            resume = recovered.end
             resume_block = None
             if resume % BLOCK:
                 buf = AlignedBuffer(BLOCK)
@@ -484,8 +486,10 @@ class WriteAheadLog:
         with self._lock:
             if self._closed:
                 return False
+            ring = self._ring
+            assert ring is not None, "the filler starts after the ring"
             self._write_header(fill_end=fill_end)
-            self._ring.set_fill_end(fill_end)
+            ring.set_fill_end(fill_end)
             if fill_end is None:
                 log.info("WAL %s: first fill complete", self._path)
             return True

@@ -50,7 +50,6 @@ silent" holds here too; times come from the injected clock, never from the serve
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
 import threading
 import time
@@ -191,14 +190,14 @@ class PostgresMetadataStore(MetadataStore):
                 with conn.transaction():
                     conn.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK_KEY,))
                     version = None
-                    if conn.execute("SELECT to_regclass('schema_info') IS NOT NULL").fetchone()[0]:
+                    if _one(conn.execute("SELECT to_regclass('schema_info') IS NOT NULL"))[0]:
                         row = conn.execute(
                             "SELECT value FROM schema_info WHERE name = 'schema_version'").fetchone()
                         version = None if row is None else row[0]
                     if version is None:
-                        foreign = conn.execute(
+                        foreign = _one(conn.execute(
                             "SELECT count(*) FROM pg_catalog.pg_tables WHERE schemaname = current_schema() "
-                            "AND tablename <> 'schema_info'").fetchone()[0]
+                            "AND tablename <> 'schema_info'"))[0]
                         if foreign:
                             raise ConfigError(
                                 f"metadata database {self.display_url} is a database of something else (it "
@@ -244,7 +243,8 @@ class PostgresMetadataStore(MetadataStore):
     def _begin(self, pool: ConnectionPool, begin: str) -> psycopg.Connection:
         """A connection from the pool with a transaction begun; a connection the server closed
         while it was idle is given back (the pool discards it) and another one tried."""
-        for attempt in itertools.count():
+        attempt = 0
+        while True:
             try:
                 conn = pool.getconn()
             except psycopg.OperationalError as e:   # PoolTimeout, or PoolClosed by a concurrent close()
@@ -259,6 +259,7 @@ class PostgresMetadataStore(MetadataStore):
                 pool.putconn(conn)
                 if not conn.closed or attempt >= self._pool_max:
                     raise self._busy(e, "beginning a transaction") from e
+            attempt += 1
 
     @contextlib.contextmanager
     def _transaction(self, write: bool) -> Iterator["_Db"]:
@@ -321,11 +322,11 @@ class PostgresMetadataStore(MetadataStore):
 
     def register_node(self, node_id: int, wal_path: str) -> NodeMeta:
         with self._transaction(write=True) as db:
-            row = db.execute(
+            row = _one(db.execute(
                 f"INSERT INTO nodes VALUES (?, 0, FALSE, ?, ?) ON CONFLICT (node_id) DO UPDATE SET "
                 f"node_epoch = nodes.node_epoch + 1, failover = FALSE, wal_path = EXCLUDED.wal_path, "
                 f"heartbeat_ns = EXCLUDED.heartbeat_ns RETURNING {_NODE_COLUMNS}",
-                (node_id, wal_path, self._clock())).fetchone()
+                (node_id, wal_path, self._clock())))
             return _node_meta(row)
 
     def get_node(self, node_id: int) -> NodeMeta:
@@ -347,9 +348,9 @@ class PostgresMetadataStore(MetadataStore):
         with self._transaction(write=True) as db:
             _lock_node(db, node_id, "NO KEY UPDATE")
             _node_row(db, node_id)
-            return _node_meta(db.execute(
+            return _node_meta(_one(db.execute(
                 f"UPDATE nodes SET node_epoch = node_epoch + 1, failover = ? WHERE node_id = ? "
-                f"RETURNING {_NODE_COLUMNS}", (bool(failover), node_id)).fetchone())
+                f"RETURNING {_NODE_COLUMNS}", (bool(failover), node_id))))
 
     # ---- streams ---------------------------------------------------------------------------
 
@@ -357,10 +358,10 @@ class PostgresMetadataStore(MetadataStore):
         with self._transaction(write=True) as db:
             _lock_node(db, node_id, "SHARE")
             _check_node_epoch(db, node_id, node_epoch)
-            stream_id = db.execute(
+            stream_id = _one(db.execute(
                 "INSERT INTO streams (epoch, state, owner_node_id, start_offset, end_offset) "
                 "VALUES (0, ?, ?, 0, 0) RETURNING stream_id",
-                (StreamState.OPENED.value, node_id)).fetchone()[0]
+                (StreamState.OPENED.value, node_id)))[0]
             db.execute("INSERT INTO ranges VALUES (?, 0, ?, 0, 0, 0)", (stream_id, node_id))
             return _load_stream(db, stream_id)
 
@@ -444,6 +445,7 @@ class PostgresMetadataStore(MetadataStore):
 
     def list_streams(self, include_deleted: bool = False,
                      owner_node_id: int | None = None) -> list[StreamMeta]:
+        params: tuple[object, ...]
         if owner_node_id is not None:       # the owner is set only while OPENED
             where, params = "WHERE owner_node_id = ? AND state = ?", (owner_node_id, StreamState.OPENED.value)
         elif include_deleted:
@@ -616,7 +618,7 @@ class PostgresMetadataStore(MetadataStore):
                                   (key, bytes(value))).fetchone()
             if inserted:
                 _notify(db, key)
-            return bytes(db.execute("SELECT value FROM kv WHERE key = ?", (key,)).fetchone()[0])
+            return bytes(_one(db.execute("SELECT value FROM kv WHERE key = ?", (key,)))[0])
 
     def replace_kv(self, key: str, expected: bytes | None, value: bytes,
                    guard: tuple[str, bytes] | None = None) -> bool:
@@ -766,6 +768,15 @@ class _Db:
                 cursor.executemany(self._sql(sql), params_seq)
 
 
+def _one(cursor: psycopg.Cursor) -> tuple[Any, ...]:
+    """The row of a statement that returns exactly one: an aggregate, or INSERT/UPDATE ...
+    RETURNING of a row the transaction knows exists."""
+    row = cursor.fetchone()
+    if row is None:
+        raise MetadataError("the metadata database returned no row where one was expected")
+    return row
+
+
 def _lock_node(db: _Db, node_id: int, mode: str) -> None:
     """Lock the node row (if it exists) FOR `mode`: the first lock of any operation."""
     db.execute(f"SELECT 1 FROM nodes WHERE node_id = ? FOR {mode}", (node_id,))
@@ -781,7 +792,8 @@ def _lock_rows(db: _Db, table: str, key: str, ids) -> None:
 
 def _password(url: str) -> str | None:
     try:
-        return psycopg.conninfo.conninfo_to_dict(url).get("password") or None
+        password = psycopg.conninfo.conninfo_to_dict(url).get("password")
+        return str(password) if password else None
     except psycopg.Error:
         return None
 

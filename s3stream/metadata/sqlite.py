@@ -60,7 +60,7 @@ import os
 import sqlite3
 import threading
 import time
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import tenacity
 
@@ -280,9 +280,9 @@ class SqliteMetadataStore(MetadataStore):
     def create_stream(self, node_id: int, node_epoch: int) -> StreamMeta:
         with self._transaction(write=True) as db:
             _check_node_epoch(db, node_id, node_epoch)
-            stream_id = db.execute(
+            stream_id = _inserted_id(db.execute(
                 "INSERT INTO streams (epoch, state, owner_node_id, start_offset, end_offset) "
-                "VALUES (0, ?, ?, 0, 0)", (StreamState.OPENED.value, node_id)).lastrowid
+                "VALUES (0, ?, ?, 0, 0)", (StreamState.OPENED.value, node_id)))
             db.execute("INSERT INTO ranges VALUES (?, 0, ?, 0, 0, 0)", (stream_id, node_id))
             return _load_stream(db, stream_id)
 
@@ -359,6 +359,7 @@ class SqliteMetadataStore(MetadataStore):
 
     def list_streams(self, include_deleted: bool = False,
                      owner_node_id: int | None = None) -> list[StreamMeta]:
+        params: tuple[object, ...]
         if owner_node_id is not None:       # the owner is set only while OPENED
             where, params = "WHERE owner_node_id = ? AND state = ?", (owner_node_id, StreamState.OPENED.value)
         elif include_deleted:
@@ -378,8 +379,8 @@ class SqliteMetadataStore(MetadataStore):
         with self._transaction(write=True) as db:
             now = self._clock()
             # The key derives from the id, which exists only once the row is inserted.
-            ids = [db.execute("INSERT INTO objects (key, size, state, prepared_ns, expire_ns) "
-                              "VALUES ('', 0, ?, ?, ?)", (_PREPARED, now, now + ttl_ns)).lastrowid
+            ids = [_inserted_id(db.execute("INSERT INTO objects (key, size, state, prepared_ns, expire_ns) "
+                                           "VALUES ('', 0, ?, ?, ?)", (_PREPARED, now, now + ttl_ns)))
                    for _ in range(count)]
             db.executemany("UPDATE objects SET key = ? WHERE object_id = ?",
                            [(object_key(object_id), object_id) for object_id in ids])
@@ -531,7 +532,21 @@ class SqliteMetadataStore(MetadataStore):
 
 # ---- helpers (all run inside a transaction) ----------------------------------------------------
 
-def _apply_commit(db, request: CommitRequest, now: int, rows: dict[int, tuple],
+class _Cursor(Protocol):
+    """What the helpers use of a statement's result: sqlite3's cursor, or psycopg's."""
+    def fetchone(self) -> Any: ...
+    def fetchall(self) -> list[Any]: ...
+    def __iter__(self) -> Iterator[Any]: ...
+
+
+class _Connection(Protocol):
+    """What the helpers shared with the PostgreSQL store use of a connection: statements with
+    qmark placeholders (sqlite3.Connection, or postgres._Db around a psycopg connection)."""
+    def execute(self, sql: str, params: Sequence[Any] = ..., /) -> _Cursor: ...
+    def executemany(self, sql: str, params_seq: Sequence[Sequence[Any]], /) -> object: ...
+
+
+def _apply_commit(db: _Connection, request: CommitRequest, now: int, rows: dict[int, tuple],
                   streams: dict[int, StreamMeta], set_ends) -> CommitResult:
     """The part of a commit both stores share, once the node epoch is checked and the objects'
     (state, expire_ns) `rows` and the request's `streams` are loaded (under the store's locks):
@@ -599,24 +614,37 @@ def _apply_commit(db, request: CommitRequest, now: int, rows: dict[int, tuple],
     return CommitResult(end_offsets)
 
 
-def _set_stream_ends(db: sqlite3.Connection, ends: list[tuple[int, int, int]]) -> None:
+def _set_stream_ends(db: _Connection, ends: list[tuple[int, int, int]]) -> None:
     db.executemany("UPDATE streams SET end_offset = ? WHERE stream_id = ?", [(end, sid) for sid, end, _ in ends])
     db.executemany("UPDATE ranges SET end_offset = ? WHERE stream_id = ? AND range_index = ?",
                    [(end, sid, index) for sid, end, index in ends])
 
 
-def _ids(cursor: sqlite3.Cursor) -> list[int]:
+def _ids(cursor: _Cursor) -> list[int]:
     return [row[0] for row in cursor]
+
+
+def _inserted_id(cursor: sqlite3.Cursor) -> int:
+    """The rowid of the row an INSERT on `cursor` just made."""
+    row_id = cursor.lastrowid
+    assert row_id is not None, "lastrowid is set after a successful INSERT"
+    return row_id
+
+
+# SQLite's primary result codes (sqlite3 exports them only from Python 3.11 on, with
+# sqlite_errorcode; on 3.10 _busy goes by the message).
+_SQLITE_BUSY = 5
+_SQLITE_LOCKED = 6
 
 
 def _busy(e: sqlite3.Error) -> bool:
     """SQLite's "database is locked" / "database table is locked" / SQLITE_BUSY: transient."""
     code = getattr(e, "sqlite_errorcode", None)
-    return (code is not None and (code & 0xFF) in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)) or (
+    return (code is not None and (code & 0xFF) in (_SQLITE_BUSY, _SQLITE_LOCKED)) or (
         isinstance(e, sqlite3.OperationalError) and ("locked" in str(e) or "busy" in str(e)))
 
 
-def _node_row(db: sqlite3.Connection, node_id: int) -> tuple:
+def _node_row(db: _Connection, node_id: int) -> tuple:
     row = db.execute(f"SELECT {_NODE_COLUMNS} FROM nodes WHERE node_id = ?",
                      (node_id,)).fetchone()
     if row is None:
@@ -629,14 +657,14 @@ def _node_meta(row: tuple) -> NodeMeta:
     return NodeMeta(node_id, epoch, bool(failover), wal_path, heartbeat_ns)
 
 
-def _check_node_epoch(db: sqlite3.Connection, node_id: int, node_epoch: int) -> None:
+def _check_node_epoch(db: _Connection, node_id: int, node_epoch: int) -> None:
     current = _node_row(db, node_id)[1]
     if node_epoch != current:
         raise StreamFencedError(f"node {node_id} epoch {node_epoch} is fenced (current "
                                 f"{current}): this node instance was replaced; stop it")
 
 
-def _load_streams(db: sqlite3.Connection, where: str, params: Sequence) -> list[StreamMeta]:
+def _load_streams(db: _Connection, where: str, params: Sequence) -> list[StreamMeta]:
     ranges: dict[int, list[Range]] = {}
     for stream_id, *fields in db.execute(
             f"SELECT stream_id, range_index, node_id, epoch, start_offset, end_offset "
@@ -649,14 +677,14 @@ def _load_streams(db: sqlite3.Connection, where: str, params: Sequence) -> list[
                 f"SELECT {_STREAM_COLUMNS} FROM streams {where} ORDER BY stream_id", params)]
 
 
-def _load_stream(db: sqlite3.Connection, stream_id: int) -> StreamMeta:
+def _load_stream(db: _Connection, stream_id: int) -> StreamMeta:
     found = _load_streams(db, "WHERE stream_id = ?", (stream_id,))
     if not found:
         raise StreamNotFoundError(f"stream {stream_id} does not exist")
     return found[0]
 
 
-def _live_stream(db: sqlite3.Connection, stream_id: int) -> StreamMeta:
+def _live_stream(db: _Connection, stream_id: int) -> StreamMeta:
     stream = _load_stream(db, stream_id)
     if stream.state == StreamState.DELETED:
         raise StreamNotFoundError(f"stream {stream_id} was deleted")
@@ -669,7 +697,7 @@ def _check_stream_epoch(stream: StreamMeta, epoch: int) -> None:
                                 f"epoch {stream.epoch}); reopen the stream to continue")
 
 
-def _load_objects(db: sqlite3.Connection, where: str, params: Sequence,
+def _load_objects(db: _Connection, where: str, params: Sequence,
                   order: str = "o.object_id") -> list[ObjectMeta]:
     ranges: dict[int, list[StreamRange]] = {}
     for object_id, *fields in db.execute(
@@ -690,7 +718,7 @@ def _load_objects(db: sqlite3.Connection, where: str, params: Sequence,
     return objects
 
 
-def _mark_destroyed(db: sqlite3.Connection, now: int, object_ids: Sequence[int]) -> None:
+def _mark_destroyed(db: _Connection, now: int, object_ids: Sequence[int]) -> None:
     db.executemany("UPDATE objects SET state = ?, mark_destroyed_ns = ? "
                    "WHERE object_id = ? AND state = ?",
                    [(_MARK_DESTROYED, now, object_id, _COMMITTED) for object_id in object_ids])
@@ -737,7 +765,7 @@ def _check_append(node_id: int, stream: StreamMeta, ranges: list[CommitRange]) -
                             f"opened by node {node_id} at epoch {stream.epoch}")
 
 
-def _check_compaction(db: sqlite3.Connection, request: CommitRequest,
+def _check_compaction(db: _Connection, request: CommitRequest,
                       streams: dict[int, StreamMeta]) -> None:
     """A compaction: the compacted objects are COMMITTED; per live stream, the new ranges lie
     within the compacted ones and cover them above the stream's start offset."""
@@ -782,7 +810,7 @@ def _check_compaction(db: sqlite3.Connection, request: CommitRequest,
                                 f"held by the compacted objects {list(request.compacted_ids)}")
 
 
-def _check_retry(db: sqlite3.Connection, request: CommitRequest,
+def _check_retry(db: _Connection, request: CommitRequest,
                  streams: dict[int, StreamMeta]) -> None:
     """All objects are past PREPARED: accept only a repeat of the commit that put them there."""
     deleted = {stream_id for stream_id, stream in streams.items()
@@ -854,7 +882,7 @@ def _uncovered(needed: list[tuple[int, int]],
     return gaps
 
 
-def _kv_holds(db, key: str, expected: bytes | None, guard: tuple[str, bytes] | None,
+def _kv_holds(db: _Connection, key: str, expected: bytes | None, guard: tuple[str, bytes] | None,
               lock: str = "") -> bool:
     """True if `key` holds `expected` (None: absent) and the guard key (if any) its value.
     `lock` is appended to each SELECT (PostgreSQL: FOR UPDATE, to hold the rows until commit)."""

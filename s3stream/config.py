@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import wal
+from wal import WALConfig
 
 from .errors import ConfigError
 
@@ -80,10 +81,10 @@ class Config:
     close_timeout: float = 120.0
     reclaim_interval: float | None = 60.0
     destroy_delay: float = 60.0
-    wal: wal.WALConfig = field(default_factory=lambda: wal.WALConfig(capacity=2 * GiB, full_timeout=60.0))
+    wal: WALConfig = field(default_factory=lambda: WALConfig(capacity=2 * GiB, full_timeout=60.0))
 
     def __post_init__(self) -> None:
-        if not isinstance(self.wal, wal.WALConfig):
+        if not isinstance(self.wal, WALConfig):
             raise ConfigError(f"wal must be a wal.WALConfig, got {self.wal!r} ({type(self.wal).__name__}); "
                               "e.g. Config(wal=wal.WALConfig(capacity=4 << 30))")
         for name in ("prepared_ttl", "append_timeout", "close_timeout", "destroy_delay", "read_timeout",
@@ -110,6 +111,7 @@ class Config:
             raise ConfigError(
                 f"cache_size ({self.cache_size}) must hold at least two blocks of upload_threshold "
                 f"({self.upload_threshold}): one filling while one uploads")
+        assert self.read_fetch_size is not None     # set above, and checked positive
         if self.read_fetch_size > self.block_cache_size // 4:
             raise ConfigError(
                 f"read_fetch_size ({self.read_fetch_size}) exceeds a quarter of block_cache_size "
@@ -140,7 +142,7 @@ class Config:
                 f"({self.max_batch_bytes}) plus the record header")
 
     @property
-    def wal_config(self) -> wal.WALConfig:
+    def wal_config(self) -> WALConfig:
         """The WAL config, with a record limit that fits max_batch_bytes."""
         if self.wal.max_record_bytes is None:
             from dataclasses import replace

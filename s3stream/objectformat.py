@@ -32,10 +32,11 @@ class IndexEntry(NamedTuple):
 
 class EncodedObject(NamedTuple):
     data: bytes
-    index: list[IndexEntry]
+    # The field shadows tuple.index (mypy flags any such field); obj.index is the object's index.
+    index: list[IndexEntry]  # type: ignore[assignment]
 
 
-def encode_object(streams: Sequence[tuple[int, Sequence[tuple[int, int, bytes]]]],
+def encode_object(streams: Sequence[tuple[int, Sequence[tuple[int, int, bytes | memoryview]]]],
                   block_size: int) -> EncodedObject:
     """Encode (stream_id, [(base, count, payload)]) pairs, stream ids ascending."""
     data, entries = objcodec.encode_object(streams, block_size)
@@ -50,7 +51,8 @@ def read_index(store: ObjectStore, key: str, size: int) -> list[IndexEntry]:
     return index_from_tail(store, key, size, store.get(key, tail_start, size), tail_start)
 
 
-def index_from_tail(store: ObjectStore | None, key: str, size: int, tail, tail_start: int) -> list[IndexEntry]:
+def index_from_tail(store: ObjectStore | None, key: str, size: int, tail: bytes | memoryview,
+                    tail_start: int) -> list[IndexEntry]:
     """The index of the `size`-byte object whose bytes from `tail_start` on are `tail`; the
     index is fetched from `store` if it begins before `tail_start` (never when tail_start is 0)."""
     try:
@@ -59,9 +61,11 @@ def index_from_tail(store: ObjectStore | None, key: str, size: int, tail, tail_s
         if len(tail) != size - tail_start:
             raise objcodec.ObjectFormatError(f"short read of the object tail ({len(tail)} bytes)")
         pos, length, crc, _ = objcodec.parse_footer(tail, size)
+        raw: bytes | memoryview
         if pos >= tail_start:
             raw = memoryview(tail)[pos - tail_start:pos - tail_start + length]
         else:
+            assert store is not None, "index_from_tail needs a store unless the tail starts at 0"
             raw = store.get(key, pos, pos + length)
         return [IndexEntry(*e) for e in objcodec.parse_index(raw, crc)]
     except objcodec.ObjectFormatError as e:
@@ -86,10 +90,11 @@ def read_blocks(store: ObjectStore, key: str, entries: Sequence[IndexEntry]) -> 
     return decode_blocks(key, raw, first, entries)
 
 
-def decode_blocks(key: str, raw, raw_start: int, entries: Sequence[IndexEntry]) -> list[list[Batch]]:
+def decode_blocks(key: str, raw: bytes | memoryview, raw_start: int,
+                  entries: Sequence[IndexEntry]) -> list[list[Batch]]:
     """Each entry's batches, decoded (and checked) from `raw`, the object's bytes from
     `raw_start` on; payloads are memoryview slices of `raw`."""
-    out = []
+    out: list[list[Batch]] = []
     try:
         for e in entries:
             if e.block_position < raw_start or e.block_position + e.block_size > raw_start + len(raw):

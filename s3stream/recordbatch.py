@@ -26,7 +26,8 @@ class FetchedBatch(NamedTuple):
     of the buffer the fetch read, no copy. It keeps that buffer (one GET or one log-cache read)
     alive; copy it with bytes(payload) to keep a small payload for long."""
     base_offset: int
-    count: int
+    # The field shadows tuple.count (mypy flags any such field); batch.count is the record count.
+    count: int  # type: ignore[assignment]
     payload: memoryview
 
     @property

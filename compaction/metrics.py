@@ -2,18 +2,19 @@
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
 from s3stream.metadata import MetadataStore, ObjectState, ObjectType
 
 
-def object_stats(metadata: MetadataStore) -> dict:
+def object_stats(metadata: MetadataStore) -> dict[str, Any]:
     """Counts and bytes of objects by kind: committed StreamSetObjects and StreamObjects, objects
     waiting for deletion (MARK_DESTROYED) and uploads or compactions in flight or abandoned
     (PREPARED); the most SSOs of one node and the most StreamObjects of one stream."""
-    out = {kind: {"count": 0, "bytes": 0} for kind in
-           ("stream_set_objects", "stream_objects", "mark_destroyed", "prepared")}
-    per_node: Counter = Counter()
-    per_stream: Counter = Counter()
+    out: dict[str, Any] = {kind: {"count": 0, "bytes": 0} for kind in
+                           ("stream_set_objects", "stream_objects", "mark_destroyed", "prepared")}
+    per_node: Counter[int | None] = Counter()     # an SSO's node id (None: never in a committed SSO)
+    per_stream: Counter[int] = Counter()
     for o in metadata.list_objects():
         if o.state == ObjectState.COMMITTED:
             kind = "stream_set_objects" if o.type == ObjectType.STREAM_SET_OBJECT else "stream_objects"

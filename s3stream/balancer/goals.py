@@ -224,7 +224,7 @@ class PartitionCountCap(_Cap):
         if not sources:
             return []
         dests = _unique(self._dests(model, n_dest, PARTITIONS) + self._dests(model, n_dest, BYTES_IN))
-        out = []
+        out: list[Action] = []
         for src in sources:
             picks = _unique(_smallest(model.sorted_partitions(src, BYTES_IN), frozen, n_part)
                             + _smallest(model.sorted_partitions(src, BYTES_OUT), frozen, n_part))
@@ -241,7 +241,7 @@ class _TrafficCap(_Cap):
         if not sources:
             return []
         dests = self._dests(model, n_dest, self.resource)
-        out = []
+        out: list[Action] = []
         for src in sources:
             entries = model.sorted_partitions(src, self.resource)
             excess = model.node_value(src, self.resource) - self.cap
@@ -373,7 +373,7 @@ class _Distribution(Goal):
         sources = (over or [n.node_id for n in by_load])[:n_src]
         dests = [n.node_id for n in reversed(by_load) if n.can_receive][:n_dest]
         floor = self.min_action_load_ratio * band.mean
-        out = []
+        out: list[Action] = []
         for src in sources:
             entries = model.sorted_partitions(src, self.resource)
             for dest in dests:

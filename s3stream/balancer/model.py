@@ -298,12 +298,12 @@ class ClusterModel:
 
         model = cls()
         for node_id in sorted(live | slow | excluded | set(assignment.values())):
-            report = newest_by_node.get(node_id)
-            is_slow = node_id in slow or (report is not None and (
-                _latency(report, "append_p99_ms") > config.slow_append_p99_ms
-                or _latency(report, "fetch_p99_ms") > config.slow_fetch_p99_ms))
+            newest = newest_by_node.get(node_id)
+            is_slow = node_id in slow or (newest is not None and (
+                _latency(newest, "append_p99_ms") > config.slow_append_p99_ms
+                or _latency(newest, "fetch_p99_ms") > config.slow_fetch_p99_ms))
             model.add_node(NodeState(node_id, alive=node_id in live, slow=is_slow, excluded=node_id in excluded,
-                                     metrics_stale=node_id in live and report is None))
+                                     metrics_stale=node_id in live and newest is None))
         for name in sorted(assignment):
             bytes_in, bytes_out = loads.get(name, (0.0, 0.0))
             model.add_partition(PartitionLoad(name, assignment[name], bytes_in, bytes_out))

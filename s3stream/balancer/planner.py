@@ -25,7 +25,7 @@ O(goals). Nothing is O(partitions x nodes).
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Sequence
+from typing import Callable, Sequence
 
 from ..errors import ConfigError
 from .action import NEUTRAL, Action
@@ -87,10 +87,11 @@ def _best_action(model: ClusterModel, goal: Goal, goals: Sequence[Goal], optimiz
     hard = [g for g in goals if g.hard]
     soft = [g for g in goals if not g.hard]
     optimized_names = [g.name for g in optimized]
-    proposals = (lambda: goal.candidate_actions(model, frozen=moved, wide=False),
-                 lambda: goal.candidate_actions(model, frozen=moved, wide=True),
-                 # Last, where the goal has them: swaps, when no single move is acceptable.
-                 lambda: getattr(goal, "swap_candidates", lambda *a, **k: [])(model, frozen=moved))
+    proposals: tuple[Callable[[], list[Action]], ...] = (
+        lambda: goal.candidate_actions(model, frozen=moved, wide=False),
+        lambda: goal.candidate_actions(model, frozen=moved, wide=True),
+        # Last, where the goal has them: swaps, when no single move is acceptable.
+        lambda: getattr(goal, "swap_candidates", lambda *a, **k: [])(model, frozen=moved))
     for propose in proposals:
         best: Action | None = None
         best_key = None

@@ -127,7 +127,7 @@ class ConsumerGroups:
         for _ in range(MAX_ATTEMPTS):
             generation_raw = self.meta.get_kv(generation_key)
             current = None if generation_raw is None else json.loads(generation_raw)["generation"]
-            if current != generation:
+            if generation_raw is None or current != generation:
                 raise StaleGenerationError(group, generation, current)
             raw = self.meta.get_kv(key)
             stored = None if raw is None else json.loads(raw)["offset"]

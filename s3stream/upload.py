@@ -294,9 +294,10 @@ class Uploader:
             try:
                 return commit(self._meta.commit, request)
             except StreamFencedError:
-                request = self._without_fenced(request)
-                if request is None:
+                remaining = self._without_fenced(request)
+                if remaining is None:
                     return CommitResult()
+                request = remaining
 
     def _without_fenced(self, request: CommitRequest) -> CommitRequest | None:
         """Drop the ranges of streams that moved away; raise if this whole node is fenced."""

@@ -17,9 +17,10 @@ class MirrorNameError(MirrorError, InvalidArgumentError):
 class OffsetNotMirroredError(MirrorError, OffsetOutOfRangeError):
     """An upstream offset outside what the flow has mirrored (before its first segment, beyond the
     mirrored end, or in a gap the source's retention made): it has no downstream counterpart.
-    `offset` is the offset asked for; `mirrored` the upstream range [start, end] that translates."""
+    `offset` is the offset asked for; `mirrored` the upstream range [start, end] that translates
+    (end None: unbounded)."""
 
-    def __init__(self, message: str, offset: int, mirrored: tuple[int, int] | None) -> None:
+    def __init__(self, message: str, offset: int, mirrored: tuple[int, int | None] | None) -> None:
         super().__init__(message)
         self.offset = offset
         self.mirrored = mirrored

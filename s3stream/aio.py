@@ -194,13 +194,15 @@ class AsyncStreamClient:
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a blocking call on the executor (cancelling drops it if still queued)."""
+        # Binds the loop on first use: a wrapped client has its StreamClient without start().
+        loop = self._bind_loop()
         if self._client is None:
             await self.start()
         if self._closing is not None and self._closing.done():
             # The client is closed and its executor gone: every call only raises why (a closed
             # stream, a closed client), at once, as the sync API does.
             return fn(*args)
-        return await self._loop.run_in_executor(self._executor, fn, *args)
+        return await loop.run_in_executor(self._executor, fn, *args)
 
     def _run_shielded(self, fn: Callable[..., T], *args: Any) -> "asyncio.Future[T]":
         """Start a blocking call on the executor that runs to its end even if its caller is

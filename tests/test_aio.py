@@ -265,6 +265,19 @@ async def test_async_with_closes_streams_and_client(tmp_path):
     assert_quiet(client)
 
 
+async def test_wrapped_client_needs_no_start(tmp_path):
+    # wrap() takes a running StreamClient: its calls bind the loop themselves (they used to
+    # reach an unbound loop: AttributeError).
+    sync_client = StreamClient(1, tmp_path / "node1.wal", f"file://{tmp_path}/objects", f"sqlite:///{tmp_path}/meta.db",
+                               small_config())
+    client = AsyncStreamClient.wrap(sync_client, executor_threads=2)
+    stream = await client.create_stream()
+    assert (await stream.append(RecordBatch(b"a"))).base_offset == 0
+    await stream.close()
+    await client.close()
+    assert_quiet(client)
+
+
 async def test_wrap_and_appends_from_another_loop(tmp_path):
     sync_client = StreamClient(1, tmp_path / "node1.wal", f"file://{tmp_path}/objects", f"sqlite:///{tmp_path}/meta.db",
                                small_config())

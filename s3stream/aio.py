@@ -179,6 +179,14 @@ class AsyncStreamClient:
             raise RuntimeError("this AsyncStreamClient belongs to another event loop")
         return loop
 
+    def _settler_here(self, what: str) -> _Settler:
+        """The settler of appends, if the running loop is this client's (`what` is refused
+        elsewhere)."""
+        settler = self._settler
+        if settler is None or asyncio.get_running_loop() is not self._loop:
+            raise RuntimeError(f"{what} must be called on the AsyncStreamClient's event loop")
+        return settler
+
     async def start(self) -> "AsyncStreamClient":
         """Build the StreamClient (WAL recovery, registration) on the executor; once."""
         loop = self._bind_loop()
@@ -186,8 +194,10 @@ class AsyncStreamClient:
             if self._closing is not None:
                 raise RuntimeError("this AsyncStreamClient was closed before it started")
             if self._starting is None:
+                make = self._make
+                assert make is not None, "only a wrapped client has no factory, and it has its client"
                 # Shielded: a cancelled start still finishes, and close() then closes it.
-                self._starting = loop.run_in_executor(self._executor, self._make)
+                self._starting = loop.run_in_executor(self._executor, make)
                 self._starting.add_done_callback(_retrieve)
             self._client = await asyncio.shield(self._starting)
         return self
@@ -207,14 +217,16 @@ class AsyncStreamClient:
     def _run_shielded(self, fn: Callable[..., T], *args: Any) -> "asyncio.Future[T]":
         """Start a blocking call on the executor that runs to its end even if its caller is
         cancelled (closes); the caller awaits it through asyncio.shield."""
+        loop = self._bind_loop()
+        future: asyncio.Future[T]
         if self._closing is not None and self._closing.done():
-            future = self._loop.create_future()
+            future = loop.create_future()
             try:
                 future.set_result(fn(*args))
             except Exception as e:
                 future.set_exception(e)
         else:
-            future = self._loop.run_in_executor(self._executor, fn, *args)
+            future = loop.run_in_executor(self._executor, fn, *args)
         future.add_done_callback(_retrieve)
         return future
 
@@ -253,7 +265,9 @@ class AsyncStreamClient:
                     return {}          # it never started: start() raised why
             if client is None:
                 return {}
-            return await self._loop.run_in_executor(self._executor, functools.partial(client.close, timeout, retire))
+            # This task runs on the client's loop (close() bound it).
+            return await asyncio.get_running_loop().run_in_executor(
+                self._executor, functools.partial(client.close, timeout, retire))
         finally:
             # Cancelled fetches may still run: they finish, then the threads exit.
             self._executor.shutdown(wait=False)
@@ -286,10 +300,8 @@ class AsyncStream:
         """Append now (one native call); the Future completes on this loop once the batch is
         durable, or with the error why it never will be. Raises at once for an invalid batch or
         a closed or fenced stream. Call it from the client's loop."""
-        client = self._client
-        if asyncio.get_running_loop() is not client._loop:
-            raise RuntimeError("append_nowait must be called on the AsyncStreamClient's event loop")
-        return client._settler.watch(self.sync.append(batch))
+        settler = self._client._settler_here("append_nowait")
+        return settler.watch(self.sync.append(batch))
 
     async def append(self, batch: RecordBatch) -> AppendResult:
         """Append and wait until durable. Cancelling the wait does not undo the append (see the
@@ -338,10 +350,8 @@ class AsyncPartition:
 
     def append_nowait(self, batch: RecordBatch) -> "asyncio.Future[AppendResult]":
         """As AsyncStream.append_nowait; PartitionMovedError at once if it moved away."""
-        client = self._client
-        if asyncio.get_running_loop() is not client._loop:
-            raise RuntimeError("append_nowait must be called on the AsyncStreamClient's event loop")
-        return client._settler.watch(self.sync.append(batch))
+        settler = self._client._settler_here("append_nowait")
+        return settler.watch(self.sync.append(batch))
 
     async def append(self, batch: RecordBatch) -> AppendResult:
         return await self.append_nowait(batch)

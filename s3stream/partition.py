@@ -13,13 +13,12 @@ from __future__ import annotations
 import json
 import threading
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .errors import S3StreamError, StreamClosedError, StreamFencedError, StreamNotFoundError
 from .loadreport import SAMPLE_EVERY, TrafficMeter
-from .recordbatch import AppendResult, FetchResult, RecordBatch
+from .recordbatch import AppendFuture, FetchResult, RecordBatch
 
 if TYPE_CHECKING:
     from .client import StreamClient
@@ -51,7 +50,7 @@ class Checkpoint:
                                start_offsets=self.start_offsets), sort_keys=True).encode()
 
     @classmethod
-    def decode(cls, raw: bytes) -> "Checkpoint":
+    def decode(cls, raw: bytes | memoryview) -> "Checkpoint":
         d = json.loads(bytes(raw))
         return cls(streams={k: int(v) for k, v in d["streams"].items()}, leader_epoch=d["leader_epoch"],
                    clean=d["clean"], start_offsets={k: int(v) for k, v in d.get("start_offsets", {}).items()})
@@ -94,7 +93,7 @@ class Partition:
     def is_open(self) -> bool:
         return not self._closing
 
-    def append(self, batch: RecordBatch) -> "Future[AppendResult]":
+    def append(self, batch: RecordBatch) -> AppendFuture:
         if self._closing:
             raise PartitionMovedError(self.name, f"partition {self.name!r} is closing on node "
                                                  f"{self._client.node_id}: retry on its new owner")

@@ -35,8 +35,6 @@ import click
 import wal
 from _native import objcodec
 from wal.benchkit import parse_size
-from wal.header import Header, pick_header
-from wal.log import HEADER_AREA, HEADER_SLOT
 
 from .balancer import (BYTES_IN, BYTES_OUT, NEUTRAL, Action, BalancerConfig, ClusterModel, NodeState, action_to_dict,
                        explain_action, plan)
@@ -192,14 +190,9 @@ def inspect() -> None:
 
 # ---- inspect wal ----------------------------------------------------------------------------------
 
-def read_wal_header(path: str) -> tuple[Header, tuple[str, str]]:
+def read_wal_header(path: str) -> tuple[wal.Header, tuple[str, str]]:
     """The newest valid header slot of the WAL at `path`, and both slots' states."""
-    with open(path, "rb") as f:
-        raw = f.read(HEADER_AREA)
-    if len(raw) < HEADER_AREA:
-        raise click.ClickException(f"{path} is {len(raw)} bytes, too small to be a WAL (its header alone takes "
-                                   f"{HEADER_AREA})")
-    header, states = pick_header(raw[:HEADER_SLOT], raw[HEADER_SLOT:HEADER_AREA])
+    header, states = wal.read_header(path)
     if header is None:
         what = ("never formatted (all zero)" if states == ("empty", "empty") else
                 "a corrupt WAL header" if "corrupt" in states else "not an s3stream WAL")
@@ -218,7 +211,7 @@ def describe_record(record: wal.Record) -> dict:
     return row
 
 
-def scan_wal(path: str, header: Header, keep_records: bool) -> dict:
+def scan_wal(path: str, header: wal.Header, keep_records: bool) -> dict:
     """Recover the WAL read-only (recovery=True opens the file O_RDONLY: nothing is written)."""
     records: list[dict] = []
     streams: dict[int, dict] = {}
@@ -250,7 +243,7 @@ def scan_wal(path: str, header: Header, keep_records: bool) -> dict:
     return dict(info=info, recovery=recovery, streams=stream_rows, records=records if keep_records else None)
 
 
-def header_dict(header: Header, states: tuple[str, str]) -> dict:
+def header_dict(header: wal.Header, states: tuple[str, str]) -> dict:
     return dict(node_id=header.node_id, node_epoch=header.node_epoch, generation=header.generation,
                 capacity=header.capacity, trim_offset=header.trim_offset, clean_shutdown=header.clean_shutdown,
                 clean_end=header.clean_end, write_seq=header.write_seq, write_time_ns=header.write_time_ns,

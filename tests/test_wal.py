@@ -290,6 +290,27 @@ def test_header_slots_alternate_and_one_corrupt_slot_still_opens(wal_target):
         wal_target.open()
 
 
+def test_read_header_reads_without_opening(tmp_path):
+    p = tmp_path / "w"
+    with wal.WriteAheadLog.open(p, node_id=3, node_epoch=2, config=wal.WALConfig(capacity=1 * MiB)) as w:
+        w.append(b"x").result()
+        running = w.header
+        header, states = wal.read_header(p)     # while in use: a snapshot, no lock taken
+        assert header == running and not header.clean_shutdown
+    header, states = wal.read_header(str(p))
+    assert isinstance(header, wal.Header) and header == w.header
+    assert (header.node_id, header.node_epoch, header.capacity, header.clean_shutdown) == (3, 2, 1 * MiB, True)
+    assert states == (wal.SlotState.VALID, wal.SlotState.VALID)
+    damage(str(p), (header.write_seq % 2) * 4096 + 20, b"\xff\xff\xff\xff")
+    older, states = wal.read_header(p)
+    assert older.write_seq == header.write_seq - 1 and wal.SlotState.CORRUPT in states
+    (tmp_path / "zero").write_bytes(bytes(8192))
+    assert wal.read_header(tmp_path / "zero") == (None, (wal.SlotState.EMPTY, wal.SlotState.EMPTY))
+    (tmp_path / "tiny").write_bytes(b"S3STRWAL")
+    with pytest.raises(wal.WALCorruptError, match="too small to be a WAL"):
+        wal.read_header(tmp_path / "tiny")
+
+
 def test_clean_shutdown_that_lost_data_is_reported(tmp_path):
     p = tmp_path / "w"
     with wal.WriteAheadLog.open(p, node_id=1, config=wal.WALConfig(capacity=1 * MiB)) as w:

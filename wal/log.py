@@ -86,6 +86,21 @@ def find_gap(fd: int, header: Header, data_capacity: int, scanner: Scanner) -> t
     return bad, resync, end, after.records
 
 
+def read_header(path: str | os.PathLike) -> tuple[Header | None, tuple[str, str]]:
+    """The newest valid header of the WAL at `path` (None if neither slot is valid) and the
+    states of both header slots (SlotState values: empty, valid, corrupt, other version,
+    foreign). Reads only the header area, read-only and without the WAL's lock, so it works on
+    any node's WAL, in use or not (on a WAL being written it is a snapshot). Raises
+    WALCorruptError if the file is too small to hold a header."""
+    path = os.fspath(path)
+    with open(path, "rb") as f:
+        raw = f.read(HEADER_AREA)
+    if len(raw) < HEADER_AREA:
+        raise WALCorruptError(f"{path} is {len(raw)} bytes, too small to be a WAL (its header alone takes "
+                              f"{HEADER_AREA})")
+    return pick_header(raw[:HEADER_SLOT], raw[HEADER_SLOT:HEADER_AREA])
+
+
 def salvage(path: str | os.PathLike, *, apply: bool = False) -> dict:
     """Look for damage in the middle of the WAL at `path` (what open refuses with
     WALMidLogCorruptError) and, with `apply=True`, cover the damaged span with padding records so

@@ -38,6 +38,7 @@ Rules:
 """
 from __future__ import annotations
 
+import functools
 import json
 import time
 from dataclasses import dataclass, field
@@ -116,6 +117,7 @@ def sync_checkpoints(source_meta: MetadataStore, target_meta: MetadataStore, flo
     if state.source_alias is None:
         raise MirrorError(f"flow {flow_id!r} has no records in the target's metadata (KV mirror/{flow_id}/): it never "
                           f"started there; start its MirrorFlows first, or check the flow id and the target metadata")
+    source_alias = state.source_alias
     member = MEMBER_PREFIX + flow_id
     by_source: dict[str, PartitionRecord] = {r.source_partition: r for r in state.partitions.values()}
     maps: dict[str, OffsetMap | None] = {}
@@ -139,17 +141,17 @@ def sync_checkpoints(source_meta: MetadataStore, target_meta: MetadataStore, flo
         """Translate and commit one partition's offset; the entry, and the generation used
         (joined here if the group had none on the target)."""
         record = by_source.get(source_partition)
-        entry = dict(group=group, source_partition=source_partition, upstream=upstream)
+        entry = functools.partial(CheckpointEntry, group=group, source_partition=source_partition, upstream=upstream)
         if record is None:
-            return CheckpointEntry(**entry, target_partition=None, downstream=None, committed=False,
+            return entry(target_partition=None, downstream=None, committed=False,
                                    status=NOT_MIRRORED), generation
         target = record.target_partition
-        if policy is not None and policy.target_name(state.source_alias, source_partition) != target:
-            return CheckpointEntry(**entry, target_partition=target, downstream=None, committed=False,
+        if policy is not None and policy.target_name(source_alias, source_partition) != target:
+            return entry(target_partition=target, downstream=None, committed=False,
                                    status=POLICY_MISMATCH), generation
         offsets_map = offset_map(record)
         if offsets_map is None:
-            return CheckpointEntry(**entry, target_partition=target, downstream=None, committed=False,
+            return entry(target_partition=target, downstream=None, committed=False,
                                    status=NOT_MIRRORED), generation
         downstream, status = offsets_map.position(upstream)
         if generation is None:
@@ -157,12 +159,12 @@ def sync_checkpoints(source_meta: MetadataStore, target_meta: MetadataStore, flo
         stored = target_groups.committed(group, target)
         rewind = stored is not None and downstream < stored
         if rewind and not follow_rewinds:
-            return CheckpointEntry(**entry, target_partition=target, downstream=stored, committed=False,
+            return entry(target_partition=target, downstream=stored, committed=False,
                                    status=REWIND_KEPT), generation
         metadata = json.dumps({"mirror": flow_id, "source_partition": source_partition, "upstream": upstream,
                                "status": status}, sort_keys=True)
         changed = target_groups.commit(group, target, downstream, generation, metadata, allow_rewind=rewind)
-        return CheckpointEntry(**entry, target_partition=target, downstream=downstream, committed=changed,
+        return entry(target_partition=target, downstream=downstream, committed=changed,
                                status=status), generation
 
     report = CheckpointReport(flow_id)

@@ -47,7 +47,7 @@ from ..errors import (InvalidArgumentError, OffsetOutOfRangeError, S3StreamError
                       StreamFencedError, StreamNotFoundError, check_int)
 from ..metadata import MetadataStore
 from ..partition import PartitionMovedError
-from ..recordbatch import RecordBatch
+from ..recordbatch import AppendFuture, FetchedBatch, RecordBatch
 from .errors import MirrorConflictError, MirrorError, MirrorNameError, SourceTrimmedError
 from .offsets import OffsetMap, Segment
 from .policy import DefaultReplicationPolicy, ReplicationPolicy, check_name
@@ -100,8 +100,9 @@ class FlowMetrics:
 
 
 class _InFlight(NamedTuple):
-    future: object
-    count: int
+    future: AppendFuture
+    # The field shadows tuple.count (mypy flags any such field); entry.count is the record count.
+    count: int  # type: ignore[assignment]
     nbytes: int
     upstream_end: int
     downstream_end: int
@@ -165,9 +166,11 @@ class MirrorFlow:
         self._segments: list[Segment] = []
         self.state = NEW
         self.error: BaseException | None = None
-        # Positions: next to append (upstream, downstream) and acknowledged (the mirrored end).
-        self._next_up = self._next_down = None
-        self._acked_up = self._acked_down = None
+        # Positions: next to append (upstream, downstream; set by start, read by the copy loop
+        # only) and acknowledged (the mirrored end; None before start).
+        self._next_up = self._next_down = 0
+        self._acked_up: int | None = None
+        self._acked_down: int | None = None
         self._source_end: int | None = None
         self._records = self._bytes = self._batches = 0
         self._last_latency: float | None = None
@@ -262,6 +265,13 @@ class MirrorFlow:
                 return None
         return self._reader
 
+    def _target(self) -> "Partition":
+        """The target partition, open from start() on."""
+        partition = self._partition
+        if partition is None:
+            raise MirrorError(f"flow {self.flow_id!r} has no open target partition (not started)")
+        return partition
+
     def _batch_base(self, reader: "PartitionReader", offset: int) -> int:
         """The base offset of the source batch holding `offset` (a batch boundary stays itself)."""
         batches = reader.fetch(offset, None, 1).batches
@@ -276,7 +286,7 @@ class MirrorFlow:
                 f"flow {self.flow_id!r}: start_offset {first} is outside source partition {self.source_partition!r}'s "
                 f"committed range [{start}, {end}]; pick an offset in it, or leave start_offset None to begin at "
                 f"its start")
-        return self._batch_base(reader, first) if first < end else first
+        return self._batch_base(reader, first) if reader is not None and first < end else first
 
     def _check_trimmed(self, up: int) -> int:
         """`up`, or where to continue if the source's retention removed [up, ...) already:
@@ -315,7 +325,7 @@ class MirrorFlow:
         if down <= offsets.downstream_start:
             return                          # nothing mirrored yet: the tail predates the flow
         try:
-            tail = self._partition.fetch(down - 1, down, 1).batches[-1]
+            tail = self._target().fetch(down - 1, down, 1).batches[-1]
         except OffsetOutOfRangeError:
             return                          # the target's retention trimmed it
         if tail.base_offset < offsets.downstream_start:
@@ -379,7 +389,8 @@ class MirrorFlow:
         # The source's committed range is read again (two metadata reads) only once the flow has
         # copied up to the end it knows, a fetch finds the range moved, or poll_interval passed
         # (for lag and watermarks); a catch-up costs one metadata read per fetch, not three.
-        start = end = None
+        start = 0
+        end: int | None = None
         refreshed = 0.0
         while not self._stop.is_set():
             self._reap(block=False)
@@ -431,7 +442,7 @@ class MirrorFlow:
                     self.flow_id, self.source_partition, self._next_up, first)
         self._begin_segment(first, self._next_down)
 
-    def _append(self, batch) -> None:
+    def _append(self, batch: FetchedBatch) -> None:
         if batch.base_offset != self._next_up:
             raise MirrorConflictError(
                 f"flow {self.flow_id!r}: the source batch read at upstream {self._next_up} of "
@@ -441,7 +452,7 @@ class MirrorFlow:
         nbytes = len(batch.payload)
         while self._inflight and self._inflight_bytes + nbytes > self.max_in_flight_bytes:
             self._reap(block=True)
-        future = self._partition.append(RecordBatch(batch.payload, batch.count))
+        future = self._target().append(RecordBatch(batch.payload, batch.count))
         if future.base_offset != self._next_down:
             raise MirrorConflictError(
                 f"flow {self.flow_id!r}: target partition {self.target_partition!r} placed the batch of upstream "
@@ -478,7 +489,10 @@ class MirrorFlow:
                 block = False
 
     def _advance_watermark(self) -> None:
-        while self._watermarks and self._acked_up >= self._watermarks[0][0]:
+        acked = self._acked_up
+        if acked is None:
+            return
+        while self._watermarks and acked >= self._watermarks[0][0]:
             self._mirrored_as_of = self._watermarks.popleft()[1]
 
     # ---- control and observation ----------------------------------------------------------------
@@ -513,7 +527,7 @@ class MirrorFlow:
         with self._lock:
             while self._acked_up is None or self._acked_up < upstream:
                 if self.state == FAILED:
-                    raise self.error
+                    raise self.error if self.error is not None else MirrorError(f"flow {self.flow_id!r} failed")
                 if self.state == STOPPED:
                     raise MirrorError(f"flow {self.flow_id!r} stopped at upstream {self._acked_up}, before {upstream}")
                 left = None if deadline is None else deadline - time.monotonic()

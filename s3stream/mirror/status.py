@@ -12,6 +12,7 @@ the target's object store to read.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from ..errors import S3StreamError, StreamNotFoundError
 from ..metadata import MetadataStore
@@ -39,7 +40,7 @@ def flow_status(meta: MetadataStore, flow_id: str, now: float | None = None) -> 
     leases_at = leases_prefix(flow_id)
     leases = {key[len(leases_at):]: _lease(decode_json(raw), now) for key, raw in meta.list_kv(leases_at).items()}
     workers_at = workers_prefix(flow_id)
-    workers = []
+    workers: list[dict[str, Any]] = []
     for key, raw in meta.list_kv(workers_at).items():
         if not key[len(workers_at):].isdigit():
             continue
@@ -49,7 +50,8 @@ def flow_status(meta: MetadataStore, flow_id: str, now: float | None = None) -> 
         age = round(now - at, 3) if isinstance(at, (int, float)) else None
         timeout = record.get("timeout")
         live = age is not None and isinstance(timeout, (int, float)) and age < timeout
-        flows = record.get("flows") if isinstance(record.get("flows"), dict) else {}
+        flows = record.get("flows")
+        flows = flows if isinstance(flows, dict) else {}
         workers.append({"worker": int(key[len(workers_at):]), "live": live, "age_s": age,
                         "leader": bool(record.get("leader")), "flows": sorted(flows), "pending": record.get("pending") or {},
                         "waiting": record.get("waiting") or {}, "wal_path": record.get("wal_path")})

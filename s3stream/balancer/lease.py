@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Callable
+from typing import Callable, TypeGuard
 
 from ..metadata import MetadataStore
 
@@ -35,7 +35,7 @@ def read_lease(raw: bytes | None) -> dict | None:
     return record
 
 
-def is_held(record: dict | None, now_ns: int) -> bool:
+def is_held(record: dict | None, now_ns: int) -> TypeGuard[dict]:
     """True if the record's lease has not expired at `now_ns` (released ones have expired)."""
     return record is not None and now_ns < record["expires_ns"]
 

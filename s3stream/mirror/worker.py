@@ -60,7 +60,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import wal
 
@@ -78,6 +78,8 @@ from .policy import DefaultReplicationPolicy, ReplicationPolicy, check_name
 from .records import flow_key, flow_prefix
 
 if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
     from ..client import StreamClient
 
 log = logging.getLogger("s3stream.mirror")
@@ -172,7 +174,7 @@ class WorkerConfig:
     poll_interval: float = 0.05
     skip_trimmed: bool = False
     engine: Config | None = None
-    metrics: object = False
+    metrics: "bool | CollectorRegistry" = False
 
     def __post_init__(self) -> None:
         for name in ("interval", "lease_ttl", "worker_timeout", "checkpoint_interval", "heartbeat_interval",
@@ -210,6 +212,14 @@ def quotas(partitions: int, held: dict[int, int]) -> dict[int, int]:
     base, extra = divmod(partitions, len(held))
     order = sorted(held, key=lambda w: (-held[w], w))
     return {w: base + (1 if i < extra else 0) for i, w in enumerate(order)}
+
+
+class _Stores(NamedTuple):
+    """A worker's stores and metadata, as given (URLs or ready-made objects)."""
+    source_store: str | ObjectStore
+    source_meta: str | MetadataStore
+    target_store: str | ObjectStore
+    target_meta: str | MetadataStore
 
 
 @dataclass(frozen=True)
@@ -263,8 +273,7 @@ class MirrorWorker:
         if wal_dir is None or not os.fspath(wal_dir):
             raise InvalidArgumentError("wal_dir must name a directory for the worker's WALs, e.g. /var/lib/mirror/1")
         self.wal_dir = os.path.abspath(os.fspath(wal_dir))
-        self._stores = dict(source_store=source_store, source_meta=source_meta, target_store=target_store,
-                            target_meta=target_meta)
+        self._stores = _Stores(source_store, source_meta, target_store, target_meta)
         self.on_event = on_event
         self.clock = clock
         self._ns = lambda: int(self.clock() * 1e9)
@@ -317,39 +326,47 @@ class MirrorWorker:
                                      wal=wal.WALConfig(capacity=SOURCE_WAL_CAPACITY,
                                                        max_record_bytes=SOURCE_MAX_BATCH + 64))
         s = self._stores
-        self._target = StreamClient(self.worker_id, os.path.join(self.wal_dir, f"target-{self.worker_id}.wal"),
-                                    s["target_store"], s["target_meta"], engine, metrics=self.config.metrics)
+        target = StreamClient(self.worker_id, os.path.join(self.wal_dir, f"target-{self.worker_id}.wal"),
+                              s.target_store, s.target_meta, engine, metrics=self.config.metrics)
         try:
-            self._source = StreamClient(self.source_node_id,
-                                        os.path.join(self.wal_dir, f"source-{self.source_node_id}.wal"),
-                                        s["source_store"], s["source_meta"], reader)
+            source = StreamClient(self.source_node_id, os.path.join(self.wal_dir, f"source-{self.source_node_id}.wal"),
+                                  s.source_store, s.source_meta, reader)
         except BaseException:
-            self._target.close(retire=True)
+            target.close(retire=True)
             raise
+        self._source, self._target = source, target
         try:
             self._adopt_previous_leases()
             self._publish()
         except BaseException:
-            for client in (self._source, self._target):
+            for client in (source, target):
                 client.close(retire=True)
+            self._source = self._target = None
             raise
-        replayed = self._target.recovered.get("replayed", 0)
+        replayed = target.recovered.get("replayed", 0)
         self._event("joined", detail=f"node {self.worker_id} of the target, WAL records replayed: {replayed}")
         self._thread = threading.Thread(target=self._run, name=f"mirror-worker-{self.worker_id}", daemon=True)
         self._thread.start()
         return self
 
+    def _clients(self) -> tuple["StreamClient", "StreamClient"]:
+        """(source reader, target node): the clients start() opened."""
+        source, target = self._source, self._target
+        if source is None or target is None:
+            raise MirrorError(f"mirror worker {self.worker_id} is not started: call start() first")
+        return source, target
+
     @property
     def target_meta(self) -> MetadataStore:
-        return self._target.metadata
+        return self._clients()[1].metadata
 
     @property
     def source_meta(self) -> MetadataStore:
-        return self._source.metadata
+        return self._clients()[0].metadata
 
     @property
     def target_client(self) -> "StreamClient":
-        return self._target
+        return self._clients()[1]
 
     @property
     def running(self) -> bool:
@@ -405,7 +422,7 @@ class MirrorWorker:
             self._drop(target, "worker stopping", timeout=min(self.config.flow_stop_timeout, left()))
         self._step_down()
         final = self.status()
-        if self._target is not None:
+        if self._source is not None and self._target is not None:
             try:
                 self.target_meta.delete_kv(worker_key(self.flow_id, self.worker_id))
             except S3StreamError as e:
@@ -460,13 +477,14 @@ class MirrorWorker:
         if not force and now - self._last_keepalive < self.config.interval:
             return
         self._last_keepalive = now
+        source_client, target_client = self._clients()
         # StreamFencedError from the target: a peer failed this node over; the loop stops.
-        self.target_meta.heartbeat(self._target.node_id, self._target.node_epoch)
+        target_client.metadata.heartbeat(target_client.node_id, target_client.node_epoch)
         try:
-            self.source_meta.heartbeat(self._source.node_id, self._source.node_epoch)
+            source_client.metadata.heartbeat(source_client.node_id, source_client.node_epoch)
         except S3StreamError as e:      # reads need no epoch; the source's agents may log our silence
             log.warning("mirror worker %d: heartbeat of source reader node %d: %s", self.worker_id,
-                        self._source.node_id, e)
+                        source_client.node_id, e)
         self._publish()
         for target in self.leases():
             lease = self._leases.get(target)
@@ -600,7 +618,7 @@ class MirrorWorker:
 
     def _start_flow(self, target: str, source: str) -> None:
         try:
-            flow = MirrorFlow.for_source(self._source, self._target, source, self.flow_id,
+            flow = MirrorFlow.for_source(*self._clients(), source, self.flow_id,
                                          source_alias=self.source_alias, target_alias=self.target_alias,
                                          policy=self.policy, **self.config.flow_options())
             if flow.target_partition != target:
@@ -709,7 +727,7 @@ class MirrorWorker:
         return None
 
     def _cluster(self) -> Cluster:
-        store = self._stores["target_store"]
+        store = self._stores.target_store
         if isinstance(store, str):
             if self._failover_store is None:
                 self._failover_store = open_object_store(store)
@@ -782,7 +800,7 @@ class MirrorWorker:
 
     def _beat(self) -> None:
         if self._heartbeater is None:
-            self._heartbeater = Heartbeater(self._target, self._published_flows, target_alias=self.target_alias,
+            self._heartbeater = Heartbeater(self.target_client, self._published_flows, target_alias=self.target_alias,
                                             interval=self.config.heartbeat_interval,
                                             append_timeout=max(1.0, self.config.lease_ttl / 3), clock=self.clock)
         try:
@@ -803,9 +821,12 @@ class MirrorWorker:
         summary = {"leader": self.worker_id, "at": self.clock(),
                    "heartbeats": {hb.source: dataclasses.asdict(hb) for hb in beats}}
         key = heartbeat_summary_key(self.flow_id)
+        # Only the leader writes the summary: without a lease token (stepped down since the pass
+        # began) it is not written, rather than written unguarded.
+        token = None if self._leader is None else self._leader.token
         current = self.target_meta.get_kv(key)
-        if not self.target_meta.replace_kv(key, current, json.dumps(summary, sort_keys=True).encode(),
-                                           guard=self._leader.token):
+        if token is None or not self.target_meta.replace_kv(key, current, json.dumps(summary, sort_keys=True).encode(),
+                                                            guard=token):
             log.info("mirror worker %d: heartbeat summary not recorded (leadership or record changed)",
                      self.worker_id)
 
@@ -845,7 +866,7 @@ class MirrorWorker:
         with self._lock:
             pending, waiting = dict(self._pending), dict(self._waiting)
         record = {"worker": self.worker_id, "at": self.clock(), "timeout": self.config.worker_timeout,
-                  "node": self._target.node_id, "wal_path": os.path.join(self.wal_dir, f"target-{self.worker_id}.wal"),
+                  "node": self.target_client.node_id, "wal_path": os.path.join(self.wal_dir, f"target-{self.worker_id}.wal"),
                   "leader": self.is_leader, "flows": self._flow_entries(), "pending": pending, "waiting": waiting}
         self.target_meta.put_kv(worker_key(self.flow_id, self.worker_id), json.dumps(record, sort_keys=True).encode())
 

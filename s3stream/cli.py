@@ -21,13 +21,14 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import importlib.metadata
 import json
 import logging
 import os
 import threading
 import time
 from collections import Counter, defaultdict
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 from urllib.parse import unquote, urlsplit
 
 import click
@@ -1256,16 +1257,52 @@ def mirror_status_command(target_meta_url: str, flow_id: str | None, as_json: bo
 
 # ---- bench ----------------------------------------------------------------------------------------
 
-BENCH_KINDS = ("engine", "wal", "metadata", "spark-throughput", "spark-migration", "spark-balance",
-               "spark-mirror")
-#: spark_bench has no --quick: these small settings stand for it (options given after them win).
-SPARK_QUICK = {
-    "throughput": ["--nodes", "1,2", "--partitions", "1", "--duration", "1.5", "--wal-capacity", "64M"],
-    "migration": ["--histories", "4M,16M", "--migrations", "3", "--tail", "4M", "--pause", "0.1",
-                  "--wal-capacity", "64M"],
-    "balance": ["--quick", "--wal-capacity", "128M"],
-    "mirror": ["--quick"],
-}
+#: The entry point group of the benchmarks `bench --kind` runs (pyproject.toml): each is a callable taking
+#: the benchmark's argv, where a leading --quick asks for a short smoke run, and returning its report.
+BENCH_GROUP = "s3stream.benchmarks"
+INSTALL_FIX = 'install s3stream from its source checkout: pip install -e ".[bench]"'
+
+
+def benchmark_entry_points() -> dict[str, importlib.metadata.EntryPoint]:
+    """The installed benchmarks by name (nothing is imported until one is loaded)."""
+    found = importlib.metadata.entry_points(group=BENCH_GROUP)
+    return {ep.name: ep for ep in sorted(found, key=lambda ep: ep.name)}
+
+
+class BenchmarkKind(click.Choice):
+    """--kind: one of the benchmarks registered as entry points, looked up when --kind is parsed
+    or shown rather than when the CLI is imported."""
+
+    def __init__(self) -> None:
+        super().__init__(())
+
+    @property
+    def choices(self) -> Sequence[str]:
+        return tuple(benchmark_entry_points())
+
+    @choices.setter
+    def choices(self, value: Sequence[str]) -> None:
+        """Choice.__init__ sets fixed choices; these come from the entry points instead."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if not self.choices:
+            raise click.ClickException(f"no benchmarks are registered (entry point group {BENCH_GROUP}): "
+                                       f"{INSTALL_FIX}")
+        return super().convert(value, param, ctx)
+
+
+def load_benchmark(kind: str) -> Callable[[list[str]], Any]:
+    """The callable registered for benchmark `kind`; a one-line error if it cannot be imported."""
+    entry_point = benchmark_entry_points()[kind]
+    try:
+        entry = entry_point.load()
+    except (ImportError, AttributeError) as e:
+        raise click.ClickException(f"the {kind} benchmark is not available: {entry_point.value} cannot be loaded "
+                                   f"({e}); {INSTALL_FIX}") from None
+    if not callable(entry):
+        raise click.ClickException(f"the {kind} benchmark is not available: {entry_point.value} is not callable; "
+                                   f"{INSTALL_FIX}")
+    return entry
 
 
 def run_benchmark(run: Callable[[list[str]], Any], argv: list[str]) -> None:
@@ -1282,29 +1319,9 @@ def run_benchmark(run: Callable[[list[str]], Any], argv: list[str]) -> None:
         raise click.exceptions.Exit(result)
 
 
-def spark_main() -> Callable[[list[str]], Any]:
-    try:
-        import spark_bench
-    except ImportError as e:
-        raise click.ClickException(f"the Spark load test is not available: the spark_bench package cannot be "
-                                   f"imported ({e}); install s3stream from a source checkout") from None
-    entry = getattr(spark_bench, "main", None)
-    if not callable(entry):
-        raise click.ClickException("the Spark load test is not available in this version: spark_bench has no "
-                                   "main() yet (run `python -m spark_bench` from a newer checkout)")
-
-    def run(argv: list[str]) -> Any:
-        try:
-            return entry(argv)
-        except ImportError as e:
-            raise click.ClickException(f"the Spark load test is not available: install pyspark "
-                                       f"(pip install pyspark): {e}") from None
-    return run
-
-
 @main.command(context_settings=dict(ignore_unknown_options=True),
               short_help="Run the engine, WAL or Spark benchmarks.")
-@click.option("--kind", type=click.Choice(BENCH_KINDS), default="spark-throughput", show_default=True,
+@click.option("--kind", type=BenchmarkKind(), default="spark-throughput", show_default=True,
               help="Which benchmark (see above).")
 @click.option("--quick", is_flag=True, help="A short smoke run (seconds; the Spark tests: small sizes) instead "
                                             "of the full benchmark.")
@@ -1317,7 +1334,8 @@ def bench(kind: str, quick: bool, out: str | None, bench_args: tuple[str, ...]) 
     """Run a benchmark on embedded defaults; print its results and write its report.
 
     The default is the main job: the Spark load test, Spark tasks acting as nodes (each its own
-    WAL file) over a local object store and SQLite metadata, for 1, 2 and 4 nodes.
+    WAL file) over a local object store and SQLite metadata, for 1, 2 and 4 nodes. The kinds are
+    the entry points of the group s3stream.benchmarks; those installed with s3stream:
 
     \b
     spark-throughput  spark_bench: aggregate and per-node MB/s, latency, scaling (needs pyspark, Java)
@@ -1336,19 +1354,8 @@ def bench(kind: str, quick: bool, out: str | None, bench_args: tuple[str, ...]) 
     Other options go to the benchmark itself: `s3stream bench --kind wal --quick --capacity 256M`;
     list them with `s3stream bench --kind wal -- --help`.
     """
-    argv = (["--out", out] if out else []) + list(bench_args)
-    if kind == "engine":
-        from . import bench as engine_bench
-        run_benchmark(engine_bench.run, (["--quick"] if quick else []) + argv)
-    elif kind == "wal":
-        from wal import bench as wal_bench
-        run_benchmark(wal_bench.run, (["--quick"] if quick else []) + argv)
-    elif kind == "metadata":
-        from . import bench_metadata
-        run_benchmark(bench_metadata.run, (["--quick"] if quick else []) + argv)
-    else:
-        test = kind.removeprefix("spark-")
-        run_benchmark(spark_main(), [test] + (SPARK_QUICK[test] if quick else []) + argv)
+    argv = (["--quick"] if quick else []) + (["--out", out] if out else []) + list(bench_args)
+    run_benchmark(load_benchmark(kind), argv)
 
 
 if __name__ == "__main__":

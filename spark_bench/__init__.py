@@ -15,6 +15,10 @@ Where they run (options of both):
     --standalone N                   start a standalone cluster of N workers on 127.0.0.1 for the run
 
 Each run writes a JSON report and PNG plots, and shows progress on stderr.
+
+`s3stream bench --kind spark-throughput` (and spark-migration, spark-balance, spark-mirror) runs
+them through `bench_throughput` and its siblings, registered as entry points of the group
+`s3stream.benchmarks` (pyproject.toml): s3stream finds them there and never imports this package.
 """
 from __future__ import annotations
 
@@ -41,3 +45,44 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"unknown load test {kind!r}: choose throughput, migration, balance or mirror\n\n{USAGE}", file=sys.stderr)
         raise SystemExit(2)
     return run(rest)
+
+
+#: spark_bench has no --quick of its own for every test: these small settings stand for it (options
+#: given after them win).
+QUICK = {
+    "throughput": ["--nodes", "1,2", "--partitions", "1", "--duration", "1.5", "--wal-capacity", "64M"],
+    "migration": ["--histories", "4M,16M", "--migrations", "3", "--tail", "4M", "--pause", "0.1",
+                  "--wal-capacity", "64M"],
+    "balance": ["--quick", "--wal-capacity", "128M"],
+    "mirror": ["--quick"],
+}
+
+
+def _bench(test: str, argv: list[str]) -> dict:
+    """Run load test `test` for `s3stream bench`: a leading --quick stands for QUICK[test]."""
+    if argv[:1] == ["--quick"]:
+        argv = QUICK[test] + argv[1:]
+    try:
+        return main([test] + argv)
+    except ImportError as e:
+        raise SystemExit(f"the Spark load test is not available: install pyspark (pip install pyspark): {e}") from None
+
+
+def bench_throughput(argv: list[str]) -> dict:
+    """`s3stream bench --kind spark-throughput`: the throughput load test (--quick: 1 and 2 nodes, 1.5 s)."""
+    return _bench("throughput", argv)
+
+
+def bench_migration(argv: list[str]) -> dict:
+    """`s3stream bench --kind spark-migration`: partition migration under load (--quick: small histories)."""
+    return _bench("migration", argv)
+
+
+def bench_balance(argv: list[str]) -> dict:
+    """`s3stream bench --kind spark-balance`: the balancer on a skewed cluster (--quick: its own quick run)."""
+    return _bench("balance", argv)
+
+
+def bench_mirror(argv: list[str]) -> dict:
+    """`s3stream bench --kind spark-mirror`: mirroring under load with a worker killed (--quick: its own)."""
+    return _bench("mirror", argv)

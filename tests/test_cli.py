@@ -378,20 +378,62 @@ def test_bench_errors_of_the_benchmark(tmp_path):
     assert result.exit_code == 0 and "--capacity" in result.stdout
 
 
+BENCH_KINDS = {"engine", "wal", "metadata", "spark-throughput", "spark-migration", "spark-balance", "spark-mirror"}
+
+
+def test_bench_kinds_come_from_entry_points(monkeypatch):
+    import importlib.metadata
+    registered = {ep.name: ep.value for ep in importlib.metadata.entry_points(group="s3stream.benchmarks")}
+    assert set(registered) == BENCH_KINDS, "entry points missing or stale: pip install -e ."
+    assert registered["spark-throughput"].startswith("spark_bench:")
+    listed = run("bench", "--kind", "nosuch").stderr
+    assert all(repr(kind) in listed for kind in BENCH_KINDS), listed
+    help_text = run("bench", "--help").stdout
+    assert f"--kind [{'|'.join(sorted(BENCH_KINDS))}]" in help_text and "[default:" in help_text
+
+    extra = importlib.metadata.EntryPoint("fake", "json:dumps", "s3stream.benchmarks")
+    everything = importlib.metadata.entry_points
+
+    def with_fake(**selection):
+        found = everything(**selection)
+        return importlib.metadata.EntryPoints([*found, extra]) if selection.get("group") == "s3stream.benchmarks" \
+            else found
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", with_fake)
+    assert "'fake'" in run("bench", "--kind", "nosuch").stderr
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda **selection: importlib.metadata.EntryPoints([]))
+    fails(run("bench"), 1, "no benchmarks are registered", "pip install -e")
+
+
+def test_cli_does_not_import_spark_bench():
+    code = "import s3stream.cli, sys; assert 'spark_bench' not in sys.modules, 'imported'"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    code = ("import sys; from s3stream.cli import main; main(['bench', '--help'], standalone_mode=False); "
+            "assert 'spark_bench' not in sys.modules, 'imported'")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+
+
 def test_bench_spark(monkeypatch, tmp_path):
+    import spark_bench
     calls = []
-    monkeypatch.setitem(sys.modules, "spark_bench", types.SimpleNamespace(main=lambda argv: calls.append(argv)))
+    monkeypatch.setattr(spark_bench, "main", lambda argv: calls.append(argv))
     assert run("bench", "--kind", "spark-migration", "--out", tmp_path, "--migrations", "2").exit_code == 0
     assert calls[-1] == ["migration", "--out", str(tmp_path), "--migrations", "2"]
     assert run("bench", "--kind", "spark-throughput", "--quick").exit_code == 0
-    assert calls[-1][0] == "throughput" and "--duration" in calls[-1]
+    assert calls[-1][0] == "throughput" and "--duration" in calls[-1] and "--quick" not in calls[-1]
+    assert run("bench", "--kind", "spark-balance", "--quick", "--out", tmp_path).exit_code == 0
+    assert calls[-1] == ["balance", "--quick", "--wal-capacity", "128M", "--out", str(tmp_path)]
 
     def needs_pyspark(argv):
         raise ModuleNotFoundError("No module named 'pyspark'", name="pyspark")
 
-    monkeypatch.setitem(sys.modules, "spark_bench", types.SimpleNamespace(main=needs_pyspark))
+    monkeypatch.setattr(spark_bench, "main", needs_pyspark)
     fails(run("bench", "--kind", "spark-throughput"), 1, "install pyspark")
-    monkeypatch.setitem(sys.modules, "spark_bench", types.SimpleNamespace())
-    fails(run("bench", "--kind", "spark-migration"), 1, "the Spark load test is not available")
+    monkeypatch.setitem(sys.modules, "spark_bench", types.SimpleNamespace())     # no entry function
+    fails(run("bench", "--kind", "spark-migration"), 1, "the spark-migration benchmark is not available",
+          "spark_bench:bench_migration")
     monkeypatch.setitem(sys.modules, "spark_bench", None)      # import fails
-    fails(run("bench", "--kind", "spark-migration"), 1, "the Spark load test is not available")
+    fails(run("bench", "--kind", "spark-migration"), 1, "the spark-migration benchmark is not available",
+          'pip install -e ".[bench]"')

@@ -341,7 +341,9 @@ def test_resume_after_stop_and_handover_to_another_node(clusters):
     second = MirrorFlow(source, target2, "orders", "A.orders", FLOW, source_alias="A",
                         start_offset=0).start()          # start_offset is ignored on resume
     assert second.offset_map().segments == ((source_batches[3][0], 0),)
-    assert second.metrics().upstream_position == stopped.upstream_position
+    # It resumed where the first stopped (one segment, copied exactly once below); its thread
+    # may already have moved on by the time metrics() reads the position.
+    assert second.metrics().upstream_position >= stopped.upstream_position
     assert second.wait_caught_up(30)
     target_batches = read_batches(held(target2, "A.orders"))
     assert_mirrored_exactly(read_batches(reader, start=source_batches[3][0]), target_batches, second.offset_map())

@@ -7,6 +7,7 @@ bounded by `max_concurrency` across all threads and puts.
 """
 from __future__ import annotations
 
+import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Callable, Iterable, Iterator, TypeVar
@@ -18,6 +19,8 @@ from botocore.exceptions import BotoCoreError, ClientError
 from ..errors import ConfigError, ObjectNotFoundError, ObjectStoreError, ObjectStorePermanentError
 from .base import ObjectInfo, default_multipart_threshold, write_requests
 from .local import check_range
+
+log = logging.getLogger("s3stream.objectstore")
 
 #: S3 error codes that no retry can fix: the request is refused as made.
 PERMANENT_CODES = frozenset({
@@ -193,8 +196,12 @@ class S3ObjectStore:
                               Bucket=self.bucket, Key=full_key, UploadId=upload_id))
         except (ClientError, ObjectStoreError) as e:
             # The original failure is what the caller needs; a bucket lifecycle rule for
-            # incomplete uploads cleans up what this could not.
-            cause.add_note(f"aborting multipart upload {upload_id} also failed: {e}")
+            # incomplete uploads cleans up what this could not. (add_note is Python 3.11+.)
+            note = f"aborting multipart upload {upload_id} also failed: {e}"
+            if hasattr(cause, "add_note"):
+                cause.add_note(note)
+            else:
+                log.warning("%s: %s", key, note)
 
     def get(self, key: str, start: int = 0, end: int | None = None) -> bytes:
         """Bytes [start, end) of the object, clipped to its size (start past it: b"")."""

@@ -106,8 +106,17 @@ class ConsumerGroups:
 
     def generation(self, group: str) -> int | None:
         """The group's current generation (None: no member ever joined, or it was deleted)."""
+        owner = self.generation_owner(group)
+        return None if owner is None else owner[0]
+
+    def generation_owner(self, group: str) -> tuple[int, str | None] | None:
+        """(current generation, the member that started it by joining) of `group`; None if no
+        member ever joined, or it was deleted."""
         raw = self.meta.get_kv(self._generation_key(_check_name("group", group)))
-        return None if raw is None else json.loads(raw)["generation"]
+        if raw is None:
+            return None
+        record = json.loads(raw)
+        return record["generation"], record.get("member")
 
     def commit(self, group: str, partition: str, offset: int, generation: int, metadata: str = "",
                allow_rewind: bool = False) -> bool:

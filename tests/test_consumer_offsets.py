@@ -67,6 +67,14 @@ def test_commit_and_read_round_trip(groups, meta):
     assert groups.commit("g", "orders-0", 0, generation, allow_rewind=True) and groups.committed("g", "orders-0") == 0
 
 
+def test_generation_owner_names_the_member_that_joined(groups):
+    assert groups.generation_owner("g") is None
+    groups.join("g", "alpha")
+    assert groups.generation_owner("g") == (1, "alpha")
+    groups.join("g", "beta")
+    assert groups.generation_owner("g") == (2, "beta") and groups.generation("g") == 2
+
+
 def test_offsets_of_a_group(groups):
     gen_a, gen_b = groups.join("a", "m"), groups.join("b", "m")
     for partition, offset in (("p2", 7), ("p0", 3), ("p1", 0)):

@@ -44,7 +44,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from ..consumer import PREFIX as CONSUMER_PREFIX
 from ..consumer import ConsumerGroups, StaleGenerationError
 from ..errors import StreamNotFoundError
 from ..metadata import MetadataStore
@@ -90,17 +89,6 @@ class CheckpointReport:
 
     def entry(self, group: str, source_partition: str) -> CheckpointEntry | None:
         return next((e for e in self.entries if e.group == group and e.source_partition == source_partition), None)
-
-
-def _generation_owner(meta: MetadataStore, group: str) -> tuple[int | None, str | None]:
-    """(generation, member that started it) of the target group; (None, None) if it has none.
-    Read from the KV record s3stream.consumer documents (`consumer/<group>/generation`), since
-    ConsumerGroups.generation() gives the number but not the member."""
-    raw = meta.get_kv(f"{CONSUMER_PREFIX}{group}/generation")
-    if raw is None:
-        return None, None
-    record = json.loads(raw)
-    return record["generation"], record.get("member")
 
 
 def sync_checkpoints(source_meta: MetadataStore, target_meta: MetadataStore, flow_id: str,
@@ -172,7 +160,7 @@ def sync_checkpoints(source_meta: MetadataStore, target_meta: MetadataStore, flo
     for group in names:
         offsets = source_groups.offsets(group)
         for _ in range(MAX_ATTEMPTS):
-            generation, owner = _generation_owner(target_meta, group)
+            generation, owner = target_groups.generation_owner(group) or (None, None)
             if owner is not None and not owner.startswith(MEMBER_PREFIX):
                 report.skipped_groups[group] = (f"active on the target: generation {generation} was started by "
                                                 f"member {owner!r}, the group's consumers commit there now")

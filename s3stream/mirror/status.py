@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from ..balancer.lease import read_lease
 from ..errors import S3StreamError, StreamNotFoundError
 from ..metadata import MetadataStore
 from .errors import MirrorError
@@ -23,13 +24,12 @@ from .records import list_flows, load_flow
 from .worker import decode_json, heartbeat_summary_key, leader_key, leases_prefix, workers_prefix
 
 
-def _lease(record, now: float) -> dict | None:
-    if not isinstance(record, dict):
+def _lease(record: dict | None, now: float) -> dict | None:
+    if record is None:
         return None
-    expires = record.get("expires_ns")
-    expires_in = None if not isinstance(expires, (int, float)) else round(expires / 1e9 - now, 3)
+    expires_in = round(record["expires_ns"] / 1e9 - now, 3)
     return {"holder": record.get("holder"), "epoch": record.get("epoch"), "expires_in_s": expires_in,
-            "valid": expires_in is not None and expires_in > 0}
+            "valid": expires_in > 0}
 
 
 def flow_status(meta: MetadataStore, flow_id: str, now: float | None = None) -> dict:
@@ -38,7 +38,7 @@ def flow_status(meta: MetadataStore, flow_id: str, now: float | None = None) -> 
     now = time.time() if now is None else now
     state = load_flow(meta, flow_id)
     leases_at = leases_prefix(flow_id)
-    leases = {key[len(leases_at):]: _lease(decode_json(raw), now) for key, raw in meta.list_kv(leases_at).items()}
+    leases = {key[len(leases_at):]: _lease(read_lease(raw), now) for key, raw in meta.list_kv(leases_at).items()}
     workers_at = workers_prefix(flow_id)
     workers: list[dict[str, Any]] = []
     for key, raw in meta.list_kv(workers_at).items():
@@ -99,7 +99,7 @@ def flow_status(meta: MetadataStore, flow_id: str, now: float | None = None) -> 
                 "replication_latency_s": round(max(0.0, now - mark), 3) if isinstance(mark, (int, float)) else None,
                 "leader": summary.get("leader")}
     return {"flow_id": flow_id, "source_alias": state.source_alias,
-            "leader": _lease(decode_json(meta.get_kv(leader_key(flow_id))), now),
+            "leader": _lease(read_lease(meta.get_kv(leader_key(flow_id))), now),
             "live_workers": sorted(w["worker"] for w in workers if w["live"]),
             "workers": sorted(workers, key=lambda w: w["worker"]),
             "partitions": partitions, "heartbeats": heartbeats}

@@ -76,17 +76,16 @@ class CompactionRunner:
     def _run(self) -> None:
         config = self.compactor.config
         now = time.monotonic()
-        due = {"sso": now + config.sso_interval, "so": now + config.so_interval,
-               "reclaim": now + self._reclaim_interval}
-        actions = {"sso": self.compactor.compact_stream_sets,
-                   "so": self.compactor.compact_stream_objects,
-                   "reclaim": self._reclaim}
-        intervals = {"sso": config.sso_interval, "so": config.so_interval,
-                     "reclaim": self._reclaim_interval}
-        if self.reclaimer is None:
-            del due["reclaim"]
+        due = {"sso": now + config.sso_interval, "so": now + config.so_interval}
+        actions: dict[str, Callable[[], object]] = {"sso": self.compactor.compact_stream_sets,
+                                                    "so": self.compactor.compact_stream_objects}
+        intervals = {"sso": config.sso_interval, "so": config.so_interval}
+        if self.reclaimer is not None:
+            due["reclaim"] = now + self._reclaim_interval
+            actions["reclaim"] = self.reclaimer.run_once
+            intervals["reclaim"] = self._reclaim_interval
         while True:
-            name = min(due, key=due.get)
+            name = min(due, key=due.__getitem__)
             if self.gate.wait(max(0.0, due[name] - time.monotonic())):
                 return
             try:
@@ -108,9 +107,6 @@ class CompactionRunner:
                 self.errors += 1
                 self.last_error = e
             due[name] = time.monotonic() + intervals[name]
-
-    def _reclaim(self) -> None:
-        self.reclaimer.run_once()
 
     def metrics(self, uploaded_bytes: int | None = None) -> dict:
         """Cumulative compaction figures, the store's objects by kind, and when the uploaded bytes

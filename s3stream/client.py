@@ -202,7 +202,8 @@ class StreamClient:
         self._stats_sources: dict[str, Callable[[dict], dict]] = {}
         self._ticker = None
         if self.config.upload_interval is not None:
-            self._ticker = threading.Thread(target=self._tick, name="s3stream-interval", daemon=True)
+            self._ticker = threading.Thread(target=self._tick, args=(self.config.upload_interval,),
+                                            name="s3stream-interval", daemon=True)
             self._ticker.start()
         if metrics is not False and metrics is not None:
             from .metrics import instrument
@@ -296,7 +297,7 @@ class StreamClient:
         later call. For a metrics scraper: sampling costs an append a counter test."""
         with self._lock:
             pending = self._latency_pending
-            pending.extend(self._append_path.take_latency_samples())
+            pending.extend(self._appends().take_latency_samples())
             durable = self._wal.durable_end
             out = []
             while pending and pending[0][1] <= durable:
@@ -355,10 +356,17 @@ class StreamClient:
 
     # ---- write path (called by Stream) -----------------------------------------------------------
 
+    def _appends(self) -> AppendPath:
+        """The append path. It is None only while the constructor recovers the WAL, when no
+        append, close or stats can reach it; the upload hooks recovery runs check for None."""
+        if self._append_path is None:
+            raise RuntimeError(f"the client of node {self.node_id} is still recovering its WAL")
+        return self._append_path
+
     def _admit(self, nbytes: int) -> None:
         """Backpressure (called by the append path when admission is full): wait while
         uncommitted data would exceed the cache size; WALFullError after append_timeout."""
-        path = self._append_path
+        path = self._appends()
         deadline = time.monotonic() + self.config.append_timeout
         with self._admit_cond:
             while path.uncommitted + nbytes > path.admit_limit and path.uncommitted > 0:
@@ -373,14 +381,14 @@ class StreamClient:
 
     def _release(self, nbytes: int) -> None:
         if nbytes:
-            self._append_path.released(nbytes)
+            self._appends().released(nbytes)
             with self._admit_cond:
                 self._admit_cond.notify_all()
 
     def _on_wal_pressure(self) -> None:
         """The WAL's untrimmed bytes passed Config.wal_pressure (called by an append): seal the
         active block if it holds at least half of them, so its upload and commit free the WAL."""
-        path = self._append_path
+        path = self._appends()
         try:
             untrimmed = path.untrimmed_bytes()
             sealed = self._cache.seal_if_span(untrimmed // 2, self._wal.start().appended_end)
@@ -478,10 +486,10 @@ class StreamClient:
         if path is not None and path.untrimmed_bytes() > path.pressure_bytes:
             self._on_wal_pressure()
 
-    def _tick(self) -> None:
-        age = int(self.config.upload_interval * 1e9)
+    def _tick(self, interval: float) -> None:
+        age = int(interval * 1e9)
         while not self._closed:
-            time.sleep(min(self.config.upload_interval / 4, 0.5))
+            time.sleep(min(interval / 4, 0.5))
             sealed = self._cache.seal_if_older(age)
             if sealed is not None:
                 self._uploader.submit(sealed)
@@ -602,7 +610,7 @@ class StreamClient:
                 errors.append(e)
                 left.append(stream.stream_id)
         self._closed = True
-        self._append_path.refuse(StreamClosedError, f"the client of node {self.node_id} is closed")
+        self._appends().refuse(StreamClosedError, f"the client of node {self.node_id} is closed")
         if self._reclaim_thread is not None:
             self._reclaim_thread.stop()
         sealed = self._cache.seal()
@@ -611,7 +619,7 @@ class StreamClient:
         self._uploader.close(remaining())
         self._reader.close()
         self._wal.close()
-        self._append_path.stop_callbacks()
+        self._appends().stop_callbacks()
         self._callbacks.join()
         retired = False
         if retire and not left and not errors:
@@ -642,9 +650,10 @@ class StreamClient:
         self.close()
 
     def stats(self) -> dict:
+        path = self._appends()
         engine = dict(node_id=self.node_id, node_epoch=self.node_epoch, open_streams=len(self._streams),
-                      uncommitted_bytes=self._append_path.uncommitted, cache=self._cache.stats(),
-                      append=self._append_path.stats(), upload=dict(self._uploader.stats),
+                      uncommitted_bytes=path.uncommitted, cache=self._cache.stats(),
+                      append=path.stats(), upload=dict(self._uploader.stats),
                       read=self._reader.snapshot(), wal=self._wal.stats())
         return dict(engine, **{name: source(engine) for name, source in list(self._stats_sources.items())})
 

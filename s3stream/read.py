@@ -184,12 +184,14 @@ class Reader:
         self._store = store
         self._meta = metadata
         self._cache = cache
-        self._fetch_size = config.read_fetch_size
+        fetch_size = config.read_fetch_size
+        assert fetch_size is not None       # Config.__post_init__ resolves None
+        self._fetch_size = fetch_size
         self._max_window = config.readahead_bytes
-        self._min_window = min(config.readahead_bytes, 2 * config.read_fetch_size)
+        self._min_window = min(config.readahead_bytes, 2 * fetch_size)
         self._timeout = config.read_timeout
         self._inflight_cap = config.block_cache_size // 2      # Config: read_fetch_size <= a quarter of it
-        self._whole_object = WHOLE_OBJECT_FETCHES * config.read_fetch_size
+        self._whole_object = WHOLE_OBJECT_FETCHES * fetch_size
         self.blocks = BlockCache(config.block_cache_size, on_evict=self._evicted)
         self.indexes = LRUCache(INDEX_CACHE_BYTES)
         self._refs = LRUCache(REF_CACHE_ENTRIES)
@@ -286,16 +288,16 @@ class Reader:
                 f"stream {stream_id}: object for offset {pos} is missing from the store: {last_error}")
         return []
 
-    def _read_from(self, stream_id: int, ref: ObjectRef, pos: int, end: int, budget: int,
+    def _read_from(self, stream_id: int, first_ref: ObjectRef, pos: int, end: int, budget: int,
                    first: bool) -> list[Batch]:
-        """Read from `ref` (and the objects after it) up to `budget` bytes; read ahead past it.
+        """Read from `first_ref` (and the objects after it) up to `budget` bytes; read ahead past it.
         A `first` read returns at least one batch; a later part of the same fetch claims only
         blocks whose payloads all fit its budget (it never waits for a block it would drop), and
         may return nothing."""
         wanted: list[tuple[ObjectRef, IndexEntry]] = []
         total = 0
         at = pos
-        first_ref = ref
+        ref: ObjectRef | None = first_ref
         while ref is not None and total < budget and at < end:
             for e in entries_for(self._index(ref, budget), stream_id, at, min(end, ref.end_offset)):
                 if wanted and total >= budget:
@@ -349,12 +351,12 @@ class Reader:
     # ---- blocks: cached, in flight, or fetched ----------------------------------------------------
 
     def _claim(self, stream_id: int, wanted: list[tuple[ObjectRef, IndexEntry]],
-               demand: bool) -> tuple[list[Future | None], bool]:
+               demand: bool) -> tuple[list[Future], bool]:
         """A future per wanted block: done if cached, the in-flight GET's if one is running, else
         a new GET's (grouped into units). Read-ahead (demand=False) skips what is cached or in
-        flight and stops at the in-flight byte cap. Returns (futures, whether any block was not
-        cached yet)."""
-        futures: list[Future | None] = []
+        flight and stops at the in-flight byte cap; it gets futures for the GETs it started only.
+        Returns (futures, whether any block was not cached yet)."""
+        futures: list[Future] = []
         units: list[tuple[_Unit, list[Future]]] = []
         waited = False
         with self._lock:
@@ -368,7 +370,7 @@ class Reader:
                     if demand:
                         self.stats["block_waits"] += 1
                         self._demanded.add(key)
-                    futures.append(fut if demand else None)
+                        futures.append(fut)
                     continue
                 block = self.blocks.get(key)
                 if block is not None:
@@ -379,7 +381,7 @@ class Reader:
                             self.stats["readahead_used_bytes"] += e.block_size
                         fut = Future()
                         fut.set_result(block.batches)
-                    futures.append(fut)
+                        futures.append(fut)
                     continue
                 if not demand and self._inflight_bytes + e.block_size > self._inflight_cap:
                     self.stats["readahead_skipped"] += 1
@@ -574,7 +576,8 @@ class Reader:
         with self._lock:
             loading = self._index_loads.get(ref.object_id)
             if loading is None:
-                self._index_loads[ref.object_id] = mine = Future()
+                mine: Future[list[IndexEntry]] = Future()
+                self._index_loads[ref.object_id] = mine
         if loading is not None:
             return self._wait(loading, f"reading the index of object {ref.key}")
         try:

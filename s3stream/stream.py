@@ -34,7 +34,7 @@ class Stream(StreamWriter):
     OPEN, CLOSING, CLOSED, FENCED = "open", "closing", "closed", "fenced"
 
     def __init__(self, client: "StreamClient", meta: StreamMeta) -> None:
-        self._init_writer(client._append_path, meta.stream_id, meta.epoch, meta.end_offset)
+        self._init_writer(client._appends(), meta.stream_id, meta.epoch, meta.end_offset)
         self._client = client
         self._start_offset = meta.start_offset
         self._committed_offset = meta.end_offset

@@ -2,7 +2,7 @@
 instrumenting and fault-injecting wrappers, and `open_object_store(url)` to pick one by URL."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from ..errors import ConfigError
@@ -75,7 +75,7 @@ def open_object_store(url: str, **kw: Any) -> ObjectStore:
         f"file:///absolute/path, a plain directory path, s3://bucket[/prefix]")
 
 
-def _parse_query(url: str, query: str, params: dict[str, tuple[str, type]],
+def _parse_query(url: str, query: str, params: Mapping[str, tuple[str, type]],
                  allowed_flags: tuple[str, ...]) -> dict[str, Any]:
     values = parse_qs(query, keep_blank_values=True, strict_parsing=False)
     unknown = sorted(set(values) - set(params) - set(allowed_flags))

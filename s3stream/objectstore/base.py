@@ -39,8 +39,11 @@ class ObjectInfo(NamedTuple):
 
 @runtime_checkable
 class ObjectStore(Protocol):
-    #: human-readable location, e.g. "file:///data/objects" or "s3://bucket/prefix"
-    url: str
+    @property
+    def url(self) -> str:
+        """Human-readable location, e.g. "file:///data/objects" or "s3://bucket/prefix" (a
+        wrapper's is its inner store's)."""
+        ...
 
     def put(self, key: str, data: bytes | memoryview) -> None: ...
 

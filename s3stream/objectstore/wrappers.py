@@ -166,6 +166,11 @@ class FaultInjectingObjectStore(_Wrapper):
     the corrupted byte positions reproducible; `sleep` is injectable for hang_puts.
     """
 
+    # The armed faults: set by clear(), changed by the arming methods (under _lock).
+    _put_exc: BaseException | type[BaseException] | None
+    _put_fail_predicates: list[KeyPredicate]
+    _corrupt_predicates: list[KeyPredicate]
+
     def __init__(self, inner: ObjectStore, *, seed: int = 0,
                  sleep: Callable[[float], None] = time.sleep) -> None:
         super().__init__(inner)
@@ -214,12 +219,12 @@ class FaultInjectingObjectStore(_Wrapper):
         """Disarm every fault (the event log is kept)."""
         with self._lock:
             self._put_failures = 0
-            self._put_exc: BaseException | type[BaseException] | None = None
-            self._put_fail_predicates: list[KeyPredicate] = []
+            self._put_exc = None
+            self._put_fail_predicates = []
             self._put_timeouts = 0
             self._put_delay = 0.0
             self._get_failures = 0
-            self._corrupt_predicates: list[KeyPredicate] = []
+            self._corrupt_predicates = []
 
     def _log(self, op: str, key: str, outcome: str) -> None:
         with self._lock:

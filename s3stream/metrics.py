@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from typing import TYPE_CHECKING, Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator, TypeVar
 
 from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -198,16 +198,21 @@ def _compaction_metrics(f: "_Families", node: str, c: dict) -> None:
                     objects[kind]["bytes"], type=name)
 
 
+_Family = TypeVar("_Family", CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily)
+
+
 class _Families:
     """Metric families of one scrape, by name; samples added in any order."""
 
     def __init__(self) -> None:
         self._families: dict[str, Metric] = {}
 
-    def _family(self, kind, name: str, doc: str, labels: Iterable[str]) -> Metric:
+    def _family(self, kind: type[_Family], name: str, doc: str, labels: Iterable[str]) -> _Family:
         family = self._families.get(name)
         if family is None:
             family = self._families[name] = kind(PREFIX + name, doc, labels=list(labels))
+        elif not isinstance(family, kind):
+            raise TypeError(f"metric family {name} is a {type(family).__name__}, not a {kind.__name__}")
         return family
 
     def counter(self, name: str, doc: str, node: str, value: float, **labels: str) -> None:

@@ -3,6 +3,7 @@ uploads through a client on a local store and SQLite, its values checked against
 and against the store's own counters."""
 from __future__ import annotations
 
+import inspect
 import os
 import signal
 import socket
@@ -17,7 +18,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from s3stream import RecordBatch, StreamClient, metrics
+from s3stream.errors import StreamNotFoundError
 from s3stream.failover import FAILOVER_SECONDS, fail_over
+from s3stream.metadata import MetadataStore, open_metadata
+from s3stream.metadata.wrappers import TIMED_OPERATIONS, InstrumentedMetadataStore
 from s3stream.objectstore import open_object_store
 from s3stream.objectstore.wrappers import InstrumentedObjectStore
 from conftest import small_config
@@ -121,6 +125,30 @@ def test_scrape_after_appends_fetches_and_uploads(tmp_path, local):
     finally:
         client.close()
     assert not any(dict(labels).get("node") == "1" for _, labels in scrape(registry))
+
+
+def test_instrumented_metadata_store_times_the_whole_contract(local):
+    """Every operation of the MetadataStore contract is a method of the wrapper with the
+    contract's signature, timed under its name; a call that raises is counted as an error."""
+    contract = {name for name, member in vars(MetadataStore).items()
+                if callable(member) and not name.startswith("_")} - {"kv_changes", "close"}
+    assert set(TIMED_OPERATIONS) == contract
+    for operation in TIMED_OPERATIONS:
+        assert operation in vars(InstrumentedMetadataStore)
+        assert (inspect.signature(getattr(InstrumentedMetadataStore, operation))
+                == inspect.signature(getattr(MetadataStore, operation)))
+    meta = InstrumentedMetadataStore(open_metadata(local[1]))
+    try:
+        meta.register_node(1, "/wal")
+        stream = meta.create_stream(1, meta.get_node(1).node_epoch)
+        assert meta.get_streams([stream.stream_id]) == {stream.stream_id: stream}
+        with pytest.raises(StreamNotFoundError):
+            meta.get_stream(stream.stream_id + 1)
+        assert {op: snap["count"] for op, snap in meta.latencies().items()} == dict(
+            create_stream=1, get_node=1, get_stream=1, get_streams=1, register_node=1)
+        assert meta.errors() == {"get_stream": 1}
+    finally:
+        meta.close()
 
 
 def test_two_clients_on_one_registry_and_unregister(tmp_path, local):

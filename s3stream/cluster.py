@@ -103,9 +103,10 @@ def _put(meta: MetadataStore, key: str, value: dict) -> None:
 class Cluster:
     """An admin view of the cluster: any process with the shared metadata and store may use it."""
 
-    def __init__(self, metadata: MetadataStore, store: ObjectStore, config: ClusterConfig | None = None,
+    def __init__(self, metadata: MetadataStore, store: ObjectStore | None, config: ClusterConfig | None = None,
                  engine_config: Config | None = None, clock: Callable[[], int] = time.time_ns) -> None:
-        """`clock` gives the time in ns that heartbeats are judged by: the clock the metadata
+        """`store` may be None for a view that only reads and assigns (fail_over needs it).
+        `clock` gives the time in ns that heartbeats are judged by: the clock the metadata
         store stamps them with (inject the same fake one into both in tests)."""
         self.meta = metadata
         self.store = store
@@ -235,6 +236,9 @@ class Cluster:
     def fail_over(self, node_id: int, reassign: bool = True) -> FailoverReport:
         """Fence `node_id`, commit its WAL on its behalf, close its streams; then (if `reassign`)
         spread its partitions over the live nodes."""
+        if self.store is None:
+            raise S3StreamError(f"cannot fail node {node_id} over: this Cluster view has no object store to "
+                                "commit its WAL to; make it with one")
         report = fail_over(node_id, store=self.store, metadata=self.meta, config=self.engine_config)
         if reassign:
             live = [n for n in self.live_nodes() if n != node_id]

@@ -218,6 +218,23 @@ def collect(proc: subprocess.Popen, acks: dict, ready: threading.Event) -> threa
     return t
 
 
+def test_a_view_without_a_store_reads_and_assigns_but_does_not_fail_over(tmp_path):
+    """Cluster(meta, None) (what the CLI's metadata-only commands make): assignments and live
+    nodes work; fail_over says it needs the object store instead of failing inside."""
+    meta = open_metadata(f"sqlite:///{tmp_path}/meta.db")
+    try:
+        view = Cluster(meta, None, FAST)
+        meta.register_node(1, "/wal")
+        assert view.assign("p0", 1) == 1
+        assert view.assignments() == {"p0": {"node": 1, "version": 1}}
+        assert view.live_nodes() == [1]
+        with pytest.raises(s3stream.S3StreamError, match="no object store"):
+            view.fail_over(1)
+        assert not meta.get_node(1).failover      # nothing was fenced
+    finally:
+        meta.close()
+
+
 @pytest.mark.parametrize("round_", range(int(os.environ.get("FAILOVER_ROUNDS", "1"))))
 @pytest.mark.parametrize("how", ["kill", "zombie"])
 def test_failover_of_a_dead_node_process(tmp_path, metadata_url, how, round_):

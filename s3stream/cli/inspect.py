@@ -71,6 +71,7 @@ def scan_wal(path: str, header: wal.Header, keep_records: bool) -> dict:
         except wal.WALCorruptError as e:    # a clean WAL that cannot be read to its end
             error = str(e)
         result = w.recovery_result
+        assert result is not None       # set when the scan ends, before any WALCorruptError it raises
         info = dict(path=path, direct_io=w.direct_io, block_device=w.is_block_device, data_capacity=w.capacity)
     recovery = dict(records=result.records, bytes=result.record_bytes, first_offset=first, end_offset=last_end,
                     end=result.end, stop_reason=result.stop_reason, error=error)

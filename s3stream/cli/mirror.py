@@ -129,17 +129,19 @@ def mirror_run(source_meta_url: str, source_store_url: str, target_meta_url: str
         engine = dataclasses.replace(engine, wal=dataclasses.replace(engine.wal, capacity=wal_capacity),
                                      upload_threshold=block, split_size=min(engine.split_size, block),
                                      max_batch_bytes=min(engine.max_batch_bytes, block))
-    defaults = WorkerConfig()
-    timing = {} if interval is None else dict(interval=interval, lease_ttl=max(defaults.lease_ttl, 3 * interval),
-                                              worker_timeout=max(defaults.worker_timeout, 3 * interval))
-    config = WorkerConfig(engine=engine, metrics=bool(metrics_port), **timing)
+    config = WorkerConfig(engine=engine, metrics=bool(metrics_port))
+    if interval is not None:
+        config = dataclasses.replace(config, interval=interval, lease_ttl=max(config.lease_ttl, 3 * interval),
+                                     worker_timeout=max(config.worker_timeout, 3 * interval))
     serve_metrics(metrics_port)
     with contextlib.ExitStack() as stack:
-        stores = {name: stack.enter_context(contextlib.closing(opener(url))) for name, url, opener in (
-            ("source_meta", source_meta_url, open_meta), ("source_store", source_store_url, open_store),
-            ("target_meta", target_meta_url, open_meta), ("target_store", target_store_url, open_store))}
+        source_meta = stack.enter_context(contextlib.closing(open_meta(source_meta_url)))
+        source_store = stack.enter_context(contextlib.closing(open_store(source_store_url)))
+        target_meta = stack.enter_context(contextlib.closing(open_meta(target_meta_url)))
+        target_store = stack.enter_context(contextlib.closing(open_store(target_store_url)))
         worker = MirrorWorker(worker_id, source_alias=source_alias, flow_id=flow_id, wal_dir=wal_dir, config=config,
-                              on_event=lambda e: click.echo(mirror_event_line(e)), **stores)
+                              on_event=lambda e: click.echo(mirror_event_line(e)), source_meta=source_meta,
+                              source_store=source_store, target_meta=target_meta, target_store=target_store)
         worker.start()
         click.echo(f"mirror worker {worker_id} running flow {worker.flow_id}: {source_alias}.NAME for every source "
                    f"partition NAME, passes every {config.interval:g} s; Ctrl-C to stop")

@@ -72,8 +72,10 @@ cdef class Ring:
     cdef uint64_t stat_full_waits
     cdef uint64_t stat_buffer_waits     # placements that waited for a free batch buffer
     cdef uint64_t stat_lock_waits       # engine placements that found the mutex taken
-    cdef uint64_t write_hist[18]        # batch write + fdatasync latencies by WRITE_BOUNDS_NS bucket
+    cdef uint64_t write_hist[18]        # batch pwrite latencies by WRITE_BOUNDS_NS bucket
     cdef int64_t write_ns_sum
+    cdef uint64_t sync_hist[18]         # its fdatasync's
+    cdef int64_t sync_ns_sum
     cdef bint initialized
     cdef object full_error
     cdef object closed_error

@@ -575,8 +575,7 @@ cdef class Ring:
             self._writer_loop()
 
     cdef void _writer_loop(self) noexcept nogil:
-        cdef int64_t took
-        cdef int bucket
+        cdef int64_t took, synced
         cdef uint64_t seq
         cdef Batch* b
         cdef int err
@@ -600,21 +599,19 @@ cdef class Ring:
             b.state = SLOT_WRITING
             err = self.io_errno
             pthread_mutex_unlock(&self.mutex)
-            took = -1
+            took = synced = -1
             if err == 0:
                 took = monotonic_ns()
                 err = pwrite_full(self.fd, b.buf, b.write_len,
                                   <long long>(self.header_area + b.start % self.capacity))
+                synced = monotonic_ns()
                 if err == 0 and fdatasync(self.fd) != 0:
                     err = errno
-                took = monotonic_ns() - took
+                took, synced = synced - took, monotonic_ns() - synced
             pthread_mutex_lock(&self.mutex)
             if err == 0 and took >= 0:
-                bucket = 0
-                while bucket < 17 and took > WRITE_BOUNDS_NS[bucket]:
-                    bucket += 1
-                self.write_hist[bucket] += 1
-                self.write_ns_sum += took
+                _count_latency(self.write_hist, &self.write_ns_sum, took)
+                _count_latency(self.sync_hist, &self.sync_ns_sum, synced)
             b.state = SLOT_WRITTEN
             b.error = err
             if err:
@@ -866,21 +863,36 @@ cdef class Ring:
     def stats(self) -> dict:
         cdef uint64_t records, record_bytes, batches, written, waits, buffer_waits
         cdef uint64_t hist[18]
-        cdef int64_t write_ns
+        cdef uint64_t sync_hist[18]
+        cdef int64_t write_ns, sync_ns
         self._lock_with_gil()
         records, record_bytes = self.stat_records, self.stat_record_bytes
         batches, written, waits = self.stat_batches, self.stat_bytes_written, self.stat_full_waits
         buffer_waits = self.stat_buffer_waits
         memcpy(hist, self.write_hist, sizeof(hist))     # no Python object while the mutex is held
-        write_ns = self.write_ns_sum
+        memcpy(sync_hist, self.sync_hist, sizeof(sync_hist))
+        write_ns, sync_ns = self.write_ns_sum, self.sync_ns_sum
         pthread_mutex_unlock(&self.mutex)
-        counts = [hist[i] for i in range(18)]
-        write_sum = write_ns / 1e9
         return dict(records=records, record_bytes=record_bytes, batches=batches,
                     bytes_written=written, full_waits=waits, buffer_waits=buffer_waits,
                     lock_waits=self.stat_lock_waits,
-                    write_latency=dict(bounds=[WRITE_BOUNDS_NS[i] / 1e9 for i in range(17)], counts=counts,
-                                       sum=write_sum, count=sum(counts)))
+                    write_latency=_histogram(hist, write_ns), fsync_latency=_histogram(sync_hist, sync_ns))
+
+
+cdef void _count_latency(uint64_t* hist, int64_t* total, int64_t ns) noexcept nogil:
+    """Count `ns` in its WRITE_BOUNDS_NS bucket of `hist` (18 slots: the last is +Inf)."""
+    cdef int bucket = 0
+    while bucket < 17 and ns > WRITE_BOUNDS_NS[bucket]:
+        bucket += 1
+    hist[bucket] += 1
+    total[0] += ns
+
+
+cdef dict _histogram(const uint64_t* hist, int64_t total_ns):
+    """s3stream.latency's snapshot shape: bounds (s), per-bucket counts, sum (s), count."""
+    counts = [hist[i] for i in range(18)]
+    return dict(bounds=[WRITE_BOUNDS_NS[i] / 1e9 for i in range(17)], counts=counts,
+                sum=total_ns / 1e9, count=sum(counts))
 
 
 cdef void _call(fn, handle) noexcept:

@@ -19,8 +19,8 @@ histograms come from:
 - appends, sampled: the native append path keeps the submission time and WAL end of one append
   in 64 (every stream; a counter test per append) and the WAL logs when its durable end moved;
   a scrape observes the samples durable since the previous one (`StreamClient.append_latencies`);
-- WAL batch writes (pwrite + fdatasync): the WAL's writer threads count them in fixed buckets,
-  once per batch, without the GIL;
+- WAL batch writes and their fdatasync: the WAL's writer threads time both and count them in
+  fixed buckets, once per batch, without the GIL;
 - migrations, failovers (process-wide) and compaction rounds (per node, when compaction is attached).
 """
 from __future__ import annotations
@@ -122,8 +122,10 @@ class ClientMetrics:
             f.gauge("wal_used_bytes", "WAL bytes from the trim offset to the last record placed", node, w["used_bytes"])
             f.gauge("wal_capacity_bytes", "WAL data area size", node, w["capacity"])
         if "write_latency" in w:
-            f.histogram("wal_write_seconds", "WAL batch writes, pwrite + fdatasync, as timed by the WAL's writer",
-                        node, w["write_latency"])
+            f.histogram("wal_write_seconds", "WAL batch writes (pwrite), as timed by the WAL's writer", node,
+                        w["write_latency"])
+            f.histogram("wal_fsync_seconds", "WAL fdatasync after each batch write, as timed by the WAL's writer",
+                        node, w["fsync_latency"])
         cache = stats["cache"]
         f.gauge("log_cache_bytes", "Bytes in the log cache (active and sealed blocks)", node, cache["bytes"])
         f.gauge("upload_queue_blocks", "Sealed log cache blocks waiting for upload or commit", node,

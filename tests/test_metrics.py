@@ -216,6 +216,8 @@ def test_wal_write_latency_counts_every_batch(tmp_path, local):
         assert value(samples, "s3stream_wal_write_seconds_count", node="1") == batches
         assert 0 < value(samples, "s3stream_wal_write_seconds_sum", node="1") < batches * 30
         assert value(samples, "s3stream_wal_write_seconds_bucket", node="1", le="+Inf") == batches
+        assert value(samples, "s3stream_wal_fsync_seconds_count", node="1") == batches
+        assert 0 < value(samples, "s3stream_wal_fsync_seconds_sum", node="1") < batches * 30
     finally:
         client.close()
 

@@ -32,6 +32,8 @@ def crash(client: StreamClient) -> None:
     client._uploader.abort()
     client._uploader.close()
     w = client._wal
+    if w._filler is not None:       # a kill -9 stops every thread, the first fill's included
+        w._filler.stop()
     if w._ring is not None:
         w._ring.stop()
         for t in w._writers:

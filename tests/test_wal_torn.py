@@ -37,6 +37,8 @@ def _abandon(w: wal.WriteAheadLog) -> None:
     """Stop writers and release the file without a clean-shutdown header (a crash, as the
     on-disk state goes: everything acknowledged is already durable)."""
     import os
+    if w._filler is not None:       # a crash stops every thread, the first fill's included
+        w._filler.stop()
     w._ring.stop()
     for t in w._writers:
         t.join()

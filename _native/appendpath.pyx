@@ -32,7 +32,7 @@ from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
 cimport cython
 
 from _native.sysdeps cimport (
-    monotonic_ns, lock_releasing_gil, pthread_mutex_init, pthread_mutex_destroy, pthread_mutex_unlock,
+    monotonic_ns, pthread_mutex_init, pthread_mutex_destroy, pthread_mutex_unlock,
     pthread_mutex_trylock, pthread_mutex_lock, trylock_spinning,
 )
 from _native.endian cimport store32, store64

@@ -202,6 +202,21 @@ def test_append_latency_samples_each_observed_once(tmp_path, local):
         client.close()
 
 
+def test_wal_histograms_use_the_latency_buckets(tmp_path, local):
+    """The WAL writer's native buckets (walring.pyx WRITE_BOUNDS_NS) are a copy of
+    s3stream.latency.LATENCY_BUCKETS: the exported histograms must share one set of bounds."""
+    from s3stream.latency import LATENCY_BUCKETS
+    store_url, meta_url = local
+    client = StreamClient(1, tmp_path / "n1.wal", store_url, meta_url, small_config())
+    try:
+        w = client.stats()["wal"]
+        for name in ("write_latency", "fsync_latency"):
+            assert w[name]["bounds"] == list(LATENCY_BUCKETS)
+            assert len(w[name]["counts"]) == len(LATENCY_BUCKETS) + 1
+    finally:
+        client.close()
+
+
 def test_wal_write_latency_counts_every_batch(tmp_path, local):
     store_url, meta_url = local
     registry = CollectorRegistry()

@@ -84,6 +84,7 @@ cdef class Ring:
 
     cdef void _lock_with_gil(self) noexcept
     cdef void _wake_waiters(self) noexcept nogil
+    cdef void _wake_durability_waiters(self, bint dispatcher) noexcept nogil
     cdef int _reserve_pending(self) noexcept nogil
     cdef void _release_pending(self, int slot) noexcept nogil
     cdef uint64_t _dispatchable_end(self) noexcept nogil

@@ -20,8 +20,10 @@ Locking rules (they keep this deadlock-free and keep the GIL out of the writers'
 - Nothing that can allocate a GC-tracked Python object runs while `mutex` is held.
 - Threads waiting for durability (`_wait`) sleep on `done_cv` under their own `wait_mutex`,
   never under `mutex`: waking after each batch, they would otherwise all retake `mutex` just
-  when appenders want it. Writers take `wait_mutex` (inside `mutex`) only to broadcast; waiters
-  read the watermark and failure state, which only writers change, under `wait_mutex` alone.
+  when appenders want it. Writers take `wait_mutex` only to broadcast, after each batch once
+  they have released `mutex` (a broadcast to sleepers is a system call, and appenders spin for
+  `mutex`); waiters read the watermark and failure state, which only writers change, under
+  `wait_mutex` alone, and every change is followed by a broadcast, so none is missed.
 - The dispatcher sleeps on its own `dispatch_cv`, signalled only when callbacks are queued, so a
   WAL without callbacks never wakes it.
 - An append whose placement had to wait registers its callback after releasing `mutex`; until
@@ -236,10 +238,14 @@ cdef class Ring:
 
     cdef void _wake_waiters(self) noexcept nogil:
         """Wake durability waiters and, if callbacks are queued, the dispatcher (mutex held)."""
+        self._wake_durability_waiters(self.ncallbacks or self.dispatch_stop)
+
+    cdef void _wake_durability_waiters(self, bint dispatcher) noexcept nogil:
+        """Wake durability waiters, and the dispatcher if `dispatcher` (mutex held or not)."""
         pthread_mutex_lock(&self.wait_mutex)
         pthread_cond_broadcast(&self.done_cv)
         pthread_mutex_unlock(&self.wait_mutex)
-        if self.ncallbacks or self.dispatch_stop:
+        if dispatcher:
             pthread_cond_signal(&self.dispatch_cv)
 
     cdef int _reserve_pending(self) noexcept nogil:
@@ -580,6 +586,7 @@ cdef class Ring:
         cdef Batch* b
         cdef int err
         cdef Batch* ob
+        cdef bint wake_dispatcher
         pthread_mutex_lock(&self.mutex)
         while True:
             if self.write_seq < self.open_seq:
@@ -623,8 +630,14 @@ cdef class Ring:
                 self.stat_batches += 1
                 self.stat_bytes_written += b.write_len
             self._advance()
-            self._wake_waiters()
+            # Wake outside the mutex: a broadcast with sleepers is a system call, and appenders
+            # spin for this mutex with the GIL (a state change made under the mutex and woken
+            # for after it loses no wake-up: a sleeper checked before the change, under it).
+            wake_dispatcher = self.ncallbacks or self.dispatch_stop
+            pthread_mutex_unlock(&self.mutex)
+            self._wake_durability_waiters(wake_dispatcher)
             pthread_cond_broadcast(&self.space_cv)
+            pthread_mutex_lock(&self.mutex)
         self._wake_waiters()
         pthread_cond_signal(&self.dispatch_cv)
         pthread_mutex_unlock(&self.mutex)

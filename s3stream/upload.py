@@ -25,7 +25,9 @@ end) and commits the rest; a fenced node stops uploading altogether.
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import sys
 import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -78,6 +80,18 @@ class UploadAborted(S3StreamError):
     """The client was closed or failed while a block was still being uploaded."""
 
 
+def lower_thread_priority(nice: int) -> None:
+    """Raise the calling thread's nice value by `nice` (Linux, where each thread has its own;
+    elsewhere, or if refused, the thread keeps the process's priority)."""
+    if nice <= 0 or not sys.platform.startswith("linux"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError:
+        log.debug("could not lower the priority of upload thread %s", threading.current_thread().name)
+
+
 class Uploader:
     """Uploads sealed blocks (see the module docstring). `wait_durable(wal_end)` blocks until
     the WAL holds everything before `wal_end` durably (raising if it never will); `trim_wal`,
@@ -107,7 +121,8 @@ class Uploader:
         self._failure: BaseException | None = None
         self._stopping = False
         self._aborted = False
-        self._pool = ThreadPoolExecutor(max_workers=config.upload_concurrency, thread_name_prefix="s3stream-put")
+        self._pool = ThreadPoolExecutor(max_workers=config.upload_concurrency, thread_name_prefix="s3stream-put",
+                                        initializer=lower_thread_priority, initargs=(config.upload_nice,))
         # One encode buffer per pool thread, reused: fresh memory per object would be faulted in
         # page by page, which costs more here than the copy into it.
         self._buffers: queue.SimpleQueue[bytearray] = queue.SimpleQueue()

@@ -3,6 +3,8 @@ path, WAL pressure, pipelined uploads, and the planner and encoder against their
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 import threading
 import time
 
@@ -272,6 +274,33 @@ def test_slow_puts_keep_several_blocks_in_flight_and_commit_in_order(tmp_path):
             assert read_all(c2.open_stream(sid)) == want
     finally:
         c2.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
+@pytest.mark.parametrize("nice", [0, 7])
+def test_upload_threads_run_at_the_configured_lower_priority(tmp_path, nice):
+    """The encode-and-PUT threads run `upload_nice` below the process, and only they do."""
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    cfg = small_config(upload_threshold=64 * KiB, split_size=16 * KiB, cache_size=1 * MiB, upload_nice=nice)
+    c = client(tmp_path, config=cfg)
+    try:
+        s = c.create_stream()
+        for i in range(40):
+            s.append(RecordBatch(bytes([i]) * 4000, 1))
+        s.close(timeout=30)
+        puts = [t for t in threading.enumerate() if t.name.startswith("s3stream-put")]
+        assert puts, "no upload thread ran"
+        assert {os.getpriority(os.PRIO_PROCESS, t.native_id) for t in puts} == {min(19, base + nice)}
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base
+        assert c._uploader.stats["objects"] > 0
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("nice", [-1, 20, 1.5, True, "10"])
+def test_bad_upload_nice_is_refused(nice):
+    with pytest.raises(s3stream.ConfigError, match="upload_nice"):
+        s3stream.Config(upload_nice=nice)
 
 
 # ---- the twins ----------------------------------------------------------------------------------

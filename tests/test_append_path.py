@@ -281,7 +281,7 @@ def test_slow_puts_keep_several_blocks_in_flight_and_commit_in_order(tmp_path):
 def test_upload_threads_run_at_the_configured_lower_priority(tmp_path, nice):
     """The encode-and-PUT threads run `upload_nice` below the process, and only they do."""
     base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    cfg = small_config(upload_threshold=64 * KiB, split_size=16 * KiB, cache_size=1 * MiB, upload_nice=nice)
+    cfg = small_config(upload_threshold=128 * KiB, split_size=32 * KiB, cache_size=1 * MiB, upload_nice=nice)
     c = client(tmp_path, config=cfg)
     try:
         s = c.create_stream()

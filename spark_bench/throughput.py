@@ -175,6 +175,13 @@ def format_report(report: dict) -> str:
                 parts.append(f"node {node}: {st['first_mb_s']:.0f} -> {st['steady_mb_s']:.0f} MB/s = "
                              f"{st['ratio']:.2f} {verdict(st['ratio'] >= STEADY_TARGET)}")
         lines.append(f"{r['nodes']:>5} node(s): " + "; ".join(parts))
+    missed = any(st["ratio"] is not None and st["ratio"] < STEADY_TARGET
+                 for r in report["runs"] for st in r["steady_state"].values())
+    if missed and str(report.get("store", "")).startswith("file://"):
+        lines.append("  The store is a local directory standing in for S3: once its new bytes outgrow the memory "
+                     "the host still backs, it takes them at the first-touch speed of fresh pages "
+                     "(python3 tests/bench/store_first_touch.py measures it; docs/write-path.md, "
+                     "'What bounds the main job's steady state').")
     if report.get("plots"):
         lines.append("plots: " + ", ".join(report["plots"]))
     return "\n".join(lines)

@@ -125,6 +125,10 @@ class StreamClient:
         self._closed = False
         self._fenced = False
         self._admit_cond = threading.Condition()
+        # Appends that waited for admission (backpressure: the cache full of uncommitted data),
+        # and the seconds they waited in all: a stall of appends with a cause to name.
+        self._admit_waits = 0
+        self._admit_wait_ns = 0
         self._recovering = True
         try:
             # Refuse a second instance on the same WAL before bumping the node epoch, which would
@@ -368,16 +372,21 @@ class StreamClient:
         uncommitted data would exceed the cache size; WALFullError after append_timeout."""
         path = self._appends()
         deadline = time.monotonic() + self.config.append_timeout
+        started = time.monotonic_ns()
         with self._admit_cond:
-            while path.uncommitted + nbytes > path.admit_limit and path.uncommitted > 0:
-                self._check_usable()
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise WALFullError(
-                        f"backpressure: {path.uncommitted} bytes not yet uploaded (cache_size "
-                        f"{self.config.cache_size}) for {self.config.append_timeout} s; "
-                        + self._why_uploads_lag())
-                self._admit_cond.wait(min(left, 0.5))
+            try:
+                while path.uncommitted + nbytes > path.admit_limit and path.uncommitted > 0:
+                    self._check_usable()
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise WALFullError(
+                            f"backpressure: {path.uncommitted} bytes not yet uploaded (cache_size "
+                            f"{self.config.cache_size}) for {self.config.append_timeout} s; "
+                            + self._why_uploads_lag())
+                    self._admit_cond.wait(min(left, 0.5))
+            finally:
+                self._admit_waits += 1
+                self._admit_wait_ns += time.monotonic_ns() - started
 
     def _release(self, nbytes: int) -> None:
         if nbytes:
@@ -653,7 +662,9 @@ class StreamClient:
         path = self._appends()
         engine = dict(node_id=self.node_id, node_epoch=self.node_epoch, open_streams=len(self._streams),
                       uncommitted_bytes=path.uncommitted, cache=self._cache.stats(),
-                      append=path.stats(), upload=dict(self._uploader.stats),
+                      append=dict(path.stats(), admission_waits=self._admit_waits,
+                                  admission_wait_seconds=self._admit_wait_ns / 1e9),
+                      upload=dict(self._uploader.stats),
                       read=self._reader.snapshot(), wal=self._wal.stats())
         return dict(engine, **{name: source(engine) for name, source in list(self._stats_sources.items())})
 

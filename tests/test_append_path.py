@@ -303,6 +303,27 @@ def test_bad_upload_nice_is_refused(nice):
         s3stream.Config(upload_nice=nice)
 
 
+def test_admission_waits_are_counted(tmp_path):
+    """Appends that meet a full cache (slow PUTs) are counted with the time they waited."""
+    store = FaultInjectingObjectStore(LocalObjectStore(str(tmp_path / "objects")))
+    cfg = small_config(upload_threshold=128 * KiB, split_size=32 * KiB, cache_size=256 * KiB)
+    c = client(tmp_path, config=cfg, store=store)
+    try:
+        s = c.create_stream()
+        s.append(RecordBatch(b"x" * 4000, 1)).result(10)
+        assert c.stats()["append"]["admission_waits"] == 0
+        store.hang_puts(0.2)
+        futs = [s.append(RecordBatch(bytes([i % 256]) * 8000, 1)) for i in range(100)]   # ~3 caches
+        for f in futs:
+            f.result(30)
+        st = c.stats()["append"]
+        assert st["admission_waits"] > 0
+        assert st["admission_wait_seconds"] >= 0.1
+        s.close(timeout=30)
+    finally:
+        c.close()
+
+
 # ---- the twins ----------------------------------------------------------------------------------
 
 blocks = st.lists(st.tuples(st.integers(1, 6), st.binary(max_size=300), st.integers(1, 5)), min_size=1,

@@ -11,9 +11,10 @@ On a VM whose host takes back memory the guest has freed (free page reporting, b
 the first pass runs fast only as far as memory the guest touched recently reaches; past it,
 every new RAM-disk page is first faulted in by the host, several times slower. The second
 pass reuses the pages the first one freed a moment before. On the 2-core development VM
-(2026-11-23): 3.6-3.7 GB/s for the first ~5 GiB, then 370-550 MB/s; the main job's node
-acknowledged 1,300-1,450 MB/s for 3 s, then ~570 MB/s, the step falling where the store's
-bytes reached that mark (later when the same memory had been touched just before the run).
+(2026-11-23, `--gib 12`): 3,627-3,923 MB/s for the first 4 GiB, then 386-673 MB/s; the
+second pass 3,837-4,034 MB/s (two GiB near 2,100). A node of the main job run alone
+acknowledged 1,022-1,491 MB/s for 3 s, then 562-587 MB/s, the step falling where the store's
+bytes left that memory (5 s later when 11 GiB had been touched and freed just before the run).
 """
 from __future__ import annotations
 

@@ -277,13 +277,40 @@ def test_trim_marks_stream_objects_below_start(store, clock):
     assert [o.state for o in states] == [ObjectState.MARK_DESTROYED] * 2 + [ObjectState.COMMITTED]
     assert states[0].mark_destroyed_ns == clock.now
     assert states[0].ranges == (StreamRange(s.stream_id, 5, 10),)  # history kept
-    # The SSO is untouched (compaction drops trimmed ranges); lower trims are no-ops.
-    assert store.get_object(request.sso.object_id).state == ObjectState.COMMITTED
+    # The SSO held nothing else: it went with its last live range. Lower trims are no-ops.
+    assert store.get_object(request.sso.object_id).state == ObjectState.MARK_DESTROYED
     assert store.trim_stream(s.stream_id, 0, 15).start_offset == 20
-    assert refs(store, s.stream_id) == [(request.sso.object_id, ObjectType.STREAM_SET_OBJECT, 0, 5),
-                                        (so_ids[2], ObjectType.STREAM_OBJECT, 20, 30)]
+    assert refs(store, s.stream_id) == [(so_ids[2], ObjectType.STREAM_OBJECT, 20, 30)]
     # No upper bound here: the engine checks trims against its confirm offset.
     assert store.trim_stream(s.stream_id, 0, 1000).start_offset == 1000
+
+
+def test_stream_set_object_is_destroyed_with_its_last_live_range(store, clock):
+    n1 = store.register_node(1, "w1")
+    a, b, c = (store.create_stream(1, n1.node_epoch) for _ in range(3))
+    first = upload(store, n1, [rng(a, 0, 10), rng(b, 0, 10), rng(c, 0, 10)])
+    second = upload(store, n1, [rng(a, 10, 20), rng(b, 10, 20)])
+    store.commit(first)
+    store.commit(second)
+
+    def state(request):
+        return store.get_object(request.sso.object_id).state
+
+    store.trim_stream(a.stream_id, 0, 20)           # a's ranges die in both; b and c hold them
+    store.trim_stream(b.stream_id, 0, 5)            # cuts into b's first range: still live
+    assert (state(first), state(second)) == (ObjectState.COMMITTED, ObjectState.COMMITTED)
+    clock.advance(SECOND)
+    store.trim_stream(b.stream_id, 0, 10)           # second still holds b's [10, 20)
+    assert (state(first), state(second)) == (ObjectState.COMMITTED, ObjectState.COMMITTED)
+    store.delete_stream(c.stream_id, 0)             # c's range was first's last live one
+    assert (state(first), state(second)) == (ObjectState.MARK_DESTROYED, ObjectState.COMMITTED)
+    assert store.get_object(first.sso.object_id).mark_destroyed_ns == clock.now
+    store.trim_stream(b.stream_id, 0, 20)
+    assert state(second) == ObjectState.MARK_DESTROYED
+    assert [o.object_id for o in store.objects_to_delete(0)] == [first.sso.object_id, second.sso.object_id]
+    # A retried commit of an object a trim destroyed meanwhile is recognised, not refused.
+    assert store.commit(second).already_committed
+    assert refs(store, b.stream_id) == []
 
 
 def test_delete_stream(store):
@@ -534,10 +561,12 @@ def test_compaction_may_drop_trimmed_and_deleted_data(store):
     compaction = upload(store, n1, [], sos=[rng(a, 5, 10)], compacted=[old.sso.object_id])
     store.commit(compaction)
     assert [r[2:] for r in refs(store, a.stream_id)] == [(5, 10), (10, 20)]
-    # Everything of the object was dead: a compaction with no new object just drops it.
+    # Everything of the object was dead from its commit on (a trim with no upper bound came
+    # first; a trim destroys only what it kills): a compaction with no new object drops it.
+    store.trim_stream(a.stream_id, 0, 30)
     third = upload(store, n1, [rng(a, 20, 30)])
     store.commit(third)
-    store.trim_stream(a.stream_id, 0, 30)
+    assert store.get_object(third.sso.object_id).state == ObjectState.COMMITTED
     store.commit(CommitRequest(1, n1.node_epoch, compacted_ids=(third.sso.object_id,)))
     assert store.get_object(third.sso.object_id).state == ObjectState.MARK_DESTROYED
 

@@ -272,13 +272,17 @@ class MetadataStore(abc.ABC):
     @abc.abstractmethod
     def trim_stream(self, stream_id: int, epoch: int, new_start_offset: int) -> StreamMeta:
         """Raise the start offset (lower values are a no-op). StreamObjects wholly below it are
-        marked for destruction, and ranges wholly below it are dropped (the last range always
-        stays), so a stream's ranges grow with its moves since its start, not with its history.
-        StreamFencedError if the epoch is stale."""
+        marked for destruction, and so are StreamSetObjects whose last live range this trim ended
+        (every range they hold is below its stream's start, or of a DELETED stream): with
+        retention, a node's store shrinks as it trims, without waiting for compaction. Ranges
+        wholly below the start are dropped (the last range always stays), so a stream's ranges
+        grow with its moves since its start, not with its history. StreamFencedError if the
+        epoch is stale."""
 
     @abc.abstractmethod
     def delete_stream(self, stream_id: int, epoch: int) -> StreamMeta:
-        """-> DELETED; its StreamObjects are marked for destruction. StreamFencedError if the
+        """-> DELETED; its StreamObjects are marked for destruction, and the StreamSetObjects
+        whose last live range was this stream's (see trim_stream). StreamFencedError if the
         epoch is stale; StreamNotFoundError if missing."""
 
     @abc.abstractmethod

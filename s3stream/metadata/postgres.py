@@ -65,8 +65,8 @@ from .base import (ChangeFeed, redact_url, CommitRequest, CommitResult, Metadata
                    ObjectType, StreamMeta, StreamState, object_key)
 # The checks and loaders are the SQLite store's own: both stores must decide alike. They take any
 # connection-like object whose execute() takes qmark SQL; _Db adapts a psycopg connection.
-from .sqlite import (_COMMITTED, _MARK_DESTROYED, _NODE_COLUMNS, _PREPARED, _SSO, _apply_commit, _check_node_epoch,
-                     _check_request_shape, _check_stream_epoch, _ids, _kv_holds, _live_stream, _load_objects,
+from .sqlite import (_COMMITTED, _DEAD_SSOS, _MARK_DESTROYED, _NO_OFFSET, _NODE_COLUMNS, _PREPARED, _SSO,
+                     _apply_commit, _check_node_epoch, _check_request_shape, _check_stream_epoch, _ids, _kv_holds, _live_stream, _load_objects,
                      _load_stream, _load_streams, _mark_destroyed, _node_meta, _node_row)
 
 SCHEMA_VERSION = 1
@@ -415,6 +415,7 @@ class PostgresMetadataStore(MetadataStore):
                        (stream_id, new_start_offset, stream.ranges[-1].index))
             below = _ids(db.execute("SELECT object_id FROM stream_objects WHERE stream_id = ? AND end_offset <= ?",
                                     (stream_id, new_start_offset)))
+            below += _ids(db.execute(_DEAD_SSOS, (stream_id, stream.start_offset, new_start_offset)))
             _lock_rows(db, "objects", "object_id", below)
             _mark_destroyed(db, self._clock(), below)
             return _load_stream(db, stream_id)
@@ -429,6 +430,7 @@ class PostgresMetadataStore(MetadataStore):
             db.execute("UPDATE streams SET state = ?, owner_node_id = NULL WHERE stream_id = ?",
                        (StreamState.DELETED.value, stream_id))
             held = _ids(db.execute("SELECT object_id FROM stream_objects WHERE stream_id = ?", (stream_id,)))
+            held += _ids(db.execute(_DEAD_SSOS, (stream_id, stream.start_offset, _NO_OFFSET)))
             _lock_rows(db, "objects", "object_id", held)
             _mark_destroyed(db, self._clock(), held)
             return _load_stream(db, stream_id)

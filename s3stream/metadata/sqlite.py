@@ -42,7 +42,11 @@ Where the MetadataStore contract is silent, this store decides:
   offset change) but must lie within the ranges of the compacted objects and, above each stream's
   start offset, cover them completely, so COMMITTED ranges of a stream never overlap and no data
   is lost. A StreamObject of a DELETED stream is committed and at once marked for destruction (no
-  stream holds it any more). The retry check ignores ranges of DELETED streams.
+  stream holds it any more). The retry check ignores ranges of DELETED streams, and accepts
+  objects MARK_DESTROYED since the first attempt when all their ranges are dead (trimmed or
+  deleted meanwhile).
+- trim_stream and delete_stream mark for destruction an SSO only when the range they killed was
+  its last live one; an SSO committed with its ranges already dead waits for compaction.
 - SSO order ids are 1 + the largest order id of the node's SSO rows in any state (commit order).
 - trim_stream has no upper bound (the engine checks against its confirm offset) and works on
   OPENED and CLOSED streams alike at the current epoch.
@@ -122,6 +126,19 @@ _COMMITTED = ObjectState.COMMITTED.value
 _MARK_DESTROYED = ObjectState.MARK_DESTROYED.value
 _SO = ObjectType.STREAM_OBJECT.value
 _SSO = ObjectType.STREAM_SET_OBJECT.value
+_NO_OFFSET = (1 << 63) - 1
+#: The COMMITTED SSOs holding a range of stream ? that ends in (?, ?] and no live range of any
+#: stream (a range is live while its stream is not DELETED and it ends above the stream's start
+#: offset). Run after a trim or a delete moved the stream's start from the first bound to the
+#: second: an SSO dies with its last live range, so only the ranges that died just now are looked
+#: at, whatever the stream's history. Nothing can read these SSOs any more.
+_DEAD_SSOS = f"""
+    SELECT DISTINCT d.object_id FROM sso_ranges d JOIN objects o ON o.object_id = d.object_id
+    WHERE d.stream_id = ? AND d.end_offset > ? AND d.end_offset <= ? AND o.state = '{_COMMITTED}'
+      AND NOT EXISTS (SELECT 1 FROM sso_ranges r JOIN streams s ON s.stream_id = r.stream_id
+                      WHERE r.object_id = d.object_id AND s.state != '{StreamState.DELETED.value}'
+                        AND r.end_offset > s.start_offset)
+    ORDER BY d.object_id"""
 
 
 class SqliteMetadataStore(MetadataStore):
@@ -332,7 +349,8 @@ class SqliteMetadataStore(MetadataStore):
                        (stream_id, new_start_offset, stream.ranges[-1].index))
             _mark_destroyed(db, self._clock(), _ids(db.execute(
                 "SELECT object_id FROM stream_objects WHERE stream_id = ? AND end_offset <= ?",
-                (stream_id, new_start_offset))))
+                (stream_id, new_start_offset)))
+                + _ids(db.execute(_DEAD_SSOS, (stream_id, stream.start_offset, new_start_offset))))
             return _load_stream(db, stream_id)
 
     def delete_stream(self, stream_id: int, epoch: int) -> StreamMeta:
@@ -344,7 +362,8 @@ class SqliteMetadataStore(MetadataStore):
             db.execute("UPDATE streams SET state = ?, owner_node_id = NULL WHERE stream_id = ?",
                        (StreamState.DELETED.value, stream_id))
             _mark_destroyed(db, self._clock(), _ids(db.execute(
-                "SELECT object_id FROM stream_objects WHERE stream_id = ?", (stream_id,))))
+                "SELECT object_id FROM stream_objects WHERE stream_id = ?", (stream_id,)))
+                + _ids(db.execute(_DEAD_SSOS, (stream_id, stream.start_offset, _NO_OFFSET))))
             return _load_stream(db, stream_id)
 
     def get_stream(self, stream_id: int) -> StreamMeta:
@@ -843,12 +862,15 @@ def _check_retry(db: _Connection, request: CommitRequest,
         if recorded(object_id, table) != wanted:
             raise mismatch(object_id, "ranges")
 
+    def dead(r: CommitRange) -> bool:
+        """A trim or a delete since the first commit may have destroyed what holds only such ranges."""
+        return r.stream_id in deleted or r.end_offset <= streams[r.stream_id].start_offset
+
     if request.sso is not None:
         check(request.sso.object_id, _SSO, request.sso.size, "sso_ranges", request.sso.ranges,
-              may_be_destroyed=False)
+              may_be_destroyed=all(map(dead, request.sso.ranges)))
     for so in request.stream_objects:
-        check(so.object_id, _SO, so.size, "stream_objects", (so.range,),
-              may_be_destroyed=so.range.stream_id in deleted)
+        check(so.object_id, _SO, so.size, "stream_objects", (so.range,), may_be_destroyed=dead(so.range))
 
 
 def _merge(intervals: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -48,6 +48,7 @@ from .metadata import (
     object_key,
 )
 from .objectstore import ObjectStore
+from .objectstore.base import write_requests
 
 log = logging.getLogger("s3stream.upload")
 
@@ -131,8 +132,10 @@ class Uploader:
         # The latest error a retry loop met, (what, error), for messages about a full cache/WAL.
         self.last_retry_error: tuple[str, BaseException | None] | None = None
         self._thread = threading.Thread(target=self._run, name="s3stream-upload", daemon=True)
+        # write_requests: what S3 bills for the committed objects' PUTs (multipart parts counted),
+        # kept here because retention may delete the objects before anyone lists them.
         self.stats = dict(blocks=0, objects=0, stream_objects=0, stream_set_objects=0, bytes=0,
-                          put_retries=0, prepare_retries=0, commit_retries=0, max_inflight=0)
+                          write_requests=0, put_retries=0, prepare_retries=0, commit_retries=0, max_inflight=0)
         self._thread.start()
 
     # ---- queueing and waiting ------------------------------------------------------------------
@@ -272,6 +275,8 @@ class Uploader:
         self.stats["stream_objects"] += len(sos)
         self.stats["stream_set_objects"] += 1 if sso else 0
         self.stats["bytes"] += sum(e.size for e in entries)
+        part, threshold = getattr(self._store, "part_size", None), getattr(self._store, "multipart_threshold", None)
+        self.stats["write_requests"] += sum(write_requests(e.size, part, threshold) for e in entries)
         self._cache.mark_committed(block)
         self._on_committed(block, result)
         try:

@@ -324,6 +324,27 @@ def test_admission_waits_are_counted(tmp_path):
         c.close()
 
 
+def test_upload_stats_count_the_write_requests_s3_would_bill(tmp_path):
+    """stats()['upload']['write_requests'] counts multipart parts as the store's settings imply,
+    the same figure as the committed objects' sizes give (and it stays once they are deleted)."""
+    from s3stream.objectstore.base import write_requests
+    cfg = small_config(upload_threshold=256 * KiB, split_size=64 * KiB, cache_size=1 * MiB)
+    url = f"file://{tmp_path}/objects?part_size={32 * KiB}&multipart_threshold={64 * KiB}"
+    c = client(tmp_path, config=cfg, store=url)
+    try:
+        streams = [c.create_stream() for _ in range(3)]
+        for i in range(120):
+            streams[i % 3].append(RecordBatch(bytes([i]) * (2000 if i % 3 else 9000), 1))
+        for s in streams:
+            s.close(timeout=30)
+        objects = c._meta.list_objects()
+        expected = sum(write_requests(o.size, 32 * KiB, 64 * KiB) for o in objects)
+        assert expected > len(objects)                  # some were multipart
+        assert c.stats()["upload"]["write_requests"] == expected
+    finally:
+        c.close()
+
+
 # ---- the twins ----------------------------------------------------------------------------------
 
 blocks = st.lists(st.tuples(st.integers(1, 6), st.binary(max_size=300), st.integers(1, 5)), min_size=1,

@@ -20,7 +20,7 @@ def _part_size(inner: ObjectStore) -> int | None:
 
 
 class _Wrapper:
-    """Forwards url, part_size and close() to the wrapped store."""
+    """Forwards url, part_size, multipart_threshold and close() to the wrapped store."""
 
     def __init__(self, inner: ObjectStore) -> None:
         self.inner = inner
@@ -32,6 +32,10 @@ class _Wrapper:
     @property
     def part_size(self) -> int | None:
         return _part_size(self.inner)
+
+    @property
+    def multipart_threshold(self) -> int | None:
+        return getattr(self.inner, "multipart_threshold", None)
 
     def close(self) -> None:
         """Close the wrapped store."""

@@ -297,9 +297,11 @@ def verify_acks(store: str, meta: str, results: list[dict], batch: int) -> dict:
     acknowledged is then committed to objects, and no node's files are read.
 
     Returns acknowledged, lost (not read back, or different), mismatched (read back different),
-    by_partition (lost per partition) and unreadable (partition -> error: it could not be read,
-    e.g. it was never uploaded; all its records count as lost). Partitions are read with
-    read_partition, which opens nothing: the verifier changes no epoch and writes no checkpoint."""
+    trimmed (below the partition's start offset: retention trimmed them, so they are not read
+    and not lost), by_partition (lost per partition) and unreadable (partition -> error: it could
+    not be read, e.g. it was never uploaded; all its records count as lost). Partitions are read
+    with read_partition, which opens nothing: the verifier changes no epoch and writes no
+    checkpoint."""
     import s3stream
     import wal
     from .node import digest, payload_for
@@ -311,7 +313,7 @@ def verify_acks(store: str, meta: str, results: list[dict], batch: int) -> dict:
     cfg = s3stream.Config(upload_threshold=16 * MiB, cache_size=256 * MiB,
                           wal=wal.WALConfig(capacity=64 * MiB, full_timeout=60))
     lost: dict[str, int] = {}
-    mismatched = 0
+    mismatched = trimmed = 0
     unreadable: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="s3stream-verifier-") as wal_dir:
         client = s3stream.StreamClient(VERIFIER_NODE_ID, os.path.join(wal_dir, "verifier.wal"), store, meta, cfg)
@@ -319,13 +321,16 @@ def verify_acks(store: str, meta: str, results: list[dict], batch: int) -> dict:
             for name, expected in acks.items():
                 try:
                     p = client.read_partition(name)      # read-only: the partition is not opened
-                    pos = max(min(expected), p.start_offset)
+                    start = p.start_offset
+                    pos = max(min(expected), start)
                     end = min(max(expected) + 1, p.end_offset)
                 except s3stream.S3StreamError as e:
                     unreadable[name] = str(e)
                     lost[name] = len(expected)
                     continue
                 good = bad = 0
+                gone = sum(1 for base in expected if base < start)
+                trimmed += gone
                 while pos < end:
                     res = p.fetch(pos, end, max_bytes=8 * MiB)
                     if not res.batches:
@@ -340,11 +345,11 @@ def verify_acks(store: str, meta: str, results: list[dict], batch: int) -> dict:
                             bad += 1
                     pos = res.end_offset
                 mismatched += bad
-                lost[name] = len(expected) - good
+                lost[name] = len(expected) - gone - good
         finally:
             client.close(retire=True)
     return dict(acknowledged=sum(len(v) for v in acks.values()), lost=sum(lost.values()), mismatched=mismatched,
-                by_partition=lost, unreadable=unreadable)
+                trimmed=trimmed, by_partition=lost, unreadable=unreadable)
 
 
 def latency_summary(latencies_ns: list[int]) -> dict:

@@ -10,7 +10,11 @@ each 1-second interval since the node started, by the time each append completed
 every acknowledgement as (partition, base offset, node, sequence number, digest), so the driver
 can read each back and compare it with `payload_for`, and where it ran (host, pids, WAL path).
 
-Optional, for the balancer's load test: `rates` ({partition: bytes/s}) paces each producer
+Optional: `start_together` (the number of nodes in the job) holds the producers until every
+node's partitions are open, so that the nodes' timelines start together. `retention` (bytes per partition) trims each partition to its last `retention`
+bytes of committed records every 0.2 s, and the node deletes what it trimmed within a second
+(the throughput job's default on its RAM-disk store, whose footprint would otherwise grow with
+the run). For the balancer's load test: `rates` ({partition: bytes/s}) paces each producer
 instead of letting it run flat out, `rates_after` and `change_at` (seconds after `origin`)
 change the rates mid-run; `origin` (unix seconds, the driver's) aligns every node's timeline on
 one clock; `balancer` (BalancerConfig keywords) runs a balancer candidate on the node, from
@@ -74,6 +78,31 @@ def run_nodes_of_partition(specs) -> list[dict]:
     return [run_node(spec) for spec in specs]
 
 
+#: How long a node waits for its partitions to open and for the other nodes at the start.
+START_TIMEOUT = 60.0
+
+
+def _start_together(client, meta, keys: str, node_id: int, partitions: list[str], nodes: int,
+                    errors: list[str]) -> None:
+    """Wait until this node's partitions are open, say so (KV `<keys>/ready/<node>`), then
+    until all `nodes` nodes have: their producers start within a poll of each other, so each
+    node's first seconds are measured with the others running too (Spark starts tasks a few
+    hundred ms apart, and a node alone on the machine would read faster at first). Bounded by
+    START_TIMEOUT; past it the node starts anyway and says so in its errors."""
+    deadline = time.monotonic() + START_TIMEOUT
+    while not all((p := client.partition(n)) is not None and p.is_open for n in partitions):
+        if time.monotonic() > deadline:
+            errors.append(f"node {node_id}: its partitions were not all open after {START_TIMEOUT:g} s; started anyway")
+            break
+        time.sleep(0.005)
+    meta.put_kv(f"{keys}/ready/{node_id}", b"1")
+    while len(meta.list_kv(f"{keys}/ready/")) < nodes:
+        if time.monotonic() > deadline:
+            errors.append(f"node {node_id}: not all {nodes} nodes were ready after {START_TIMEOUT:g} s; started anyway")
+            break
+        time.sleep(0.005)
+
+
 def run_node(spec: dict) -> dict:
     """Run one node as described by `spec` (see spark_bench.common.node_spec); returns its stats."""
     import s3stream
@@ -87,10 +116,15 @@ def run_node(spec: dict) -> dict:
     from .common import serve_task_metrics, stop_task_metrics
 
     node_id = spec["node_id"]
+    retention = spec.get("retention")
+    # With retention, what the node trims leaves the store within a second (nothing reads it
+    # meanwhile: the job's readers, if any, come after the run), so the store's footprint stays
+    # near retention x partitions instead of growing with the run.
+    reclaim = dict(reclaim_interval=0.25, destroy_delay=0.5) if retention else {}
     cfg = s3stream.Config(upload_threshold=spec["upload_threshold"], split_size=min(spec["split_size"], spec["upload_threshold"]),
                           cache_size=max(4 * spec["upload_threshold"], 256 * MiB), max_batch_bytes=max(spec["batch"], 1 * MiB),
                           upload_interval=spec.get("upload_interval"),
-                          wal=wal.WALConfig(capacity=spec["wal_capacity"], full_timeout=60))
+                          wal=wal.WALConfig(capacity=spec["wal_capacity"], full_timeout=60), **reclaim)
     ccfg = ClusterConfig(**spec["cluster"])
     own_dir = spec.get("wal_dir") is None
     wal_dir = (tempfile.mkdtemp(prefix=f"s3stream-node{node_id}-", dir=spec.get("node_dir")) if own_dir
@@ -102,15 +136,19 @@ def run_node(spec: dict) -> dict:
     meta = open_metadata(spec["meta_url"])
     store = open_object_store(spec["store_url"])
     agent = NodeAgent(client, Cluster(meta, store, ccfg, cfg))
+    errors_at_start: list[str] = []
     keys = f"bench/{spec.get('run_id', 'bench')}"
-    meta.put_kv(f"{keys}/ready/{node_id}", b"1")
+    if spec.get("start_together"):
+        _start_together(client, meta, keys, node_id, spec["partitions"], spec["start_together"], errors_at_start)
+    else:
+        meta.put_kv(f"{keys}/ready/{node_id}", b"1")
     stop = threading.Event()
     lock = threading.Lock()
     latencies: list[int] = []
     acks: list[tuple[str, int, str]] = []
     timeline: collections.Counter = collections.Counter()
     sent = [0]
-    errors: list[str] = []
+    errors: list[str] = errors_at_start
     start_ns = time.monotonic_ns()
     start = start_ns / 1e9                  # the same clock as time.monotonic()
     # The timeline's second 0: the driver's origin when given (every node on one clock), else now.
@@ -180,15 +218,42 @@ def run_node(spec: dict) -> dict:
             if keep_acks:
                 acks.append((name, base, node_id, seq, digest(data)))
 
+    trimmed = [0]
+
+    def retain() -> None:
+        """Size-based retention (Kafka's retention.bytes): trim each partition open here to
+        its last `retention` bytes of committed records (one record per offset)."""
+        keep = max(1, retention // spec["batch"])
+        for name in spec["partitions"]:
+            p = client.partition(name)
+            if p is None or not p.is_open:
+                continue
+            log = p.log
+            target = log.committed_offset - keep
+            if target <= log.start_offset:
+                continue
+            try:
+                log.trim(target)
+            except (s3stream.StreamClosedError, s3stream.StreamFencedError):
+                continue                    # it moved away meanwhile; its new owner trims it
+            except s3stream.S3StreamError as e:
+                errors.append(repr(e))
+                continue
+            trimmed[0] += 1
+
     threads = [threading.Thread(target=produce, args=(n,), daemon=True) for n in spec["partitions"]]
     for t in threads:
         t.start()
     balancer = None
     balancer_at = origin_ns + int(spec.get("balancer_start", 0) * 1e9)
     deadline = start + spec["duration"]
+    next_trim = start
     while time.monotonic() < deadline:
         if meta.get_kv(f"{keys}/stop") is not None or agent.fenced:
             break
+        if retention and time.monotonic() >= next_trim:
+            retain()
+            next_trim = time.monotonic() + 0.2
         if balancer is None and spec.get("balancer") is not None and time.monotonic_ns() >= balancer_at:
             from s3stream.balancer import BalancerConfig
             from s3stream.balancer.loop import Balancer
@@ -213,6 +278,6 @@ def run_node(spec: dict) -> dict:
     store.close()
     return dict(node_id=node_id, bytes=sent[0], seconds=elapsed, latencies=latencies, acks=acks,
                 timeline=sorted(timeline.items()), errors=errors + list(agent.errors)[:20],
-                upload=stats["upload"], wal=stats["wal"], wal_path=wal_path, executor=where_am_i(),
+                upload=stats["upload"], wal=stats["wal"], wal_path=wal_path, executor=where_am_i(), trims=trimmed[0],
                 balancer=None if balancer is None else dict(history=list(balancer.history), rounds=balancer.rounds,
                                                             moves=balancer.moves, errors=list(balancer.errors)))

@@ -109,6 +109,10 @@ class ClientMetrics:
         f.counter("appends", "Appends accepted (one per RecordBatch)", node, append["appends"])
         f.counter("append_bytes", "Payload bytes of accepted appends", node, append["bytes"])
         f.counter("append_lock_waits", "Appends that found the append lock taken", node, append["lock_waits"])
+        f.counter("append_admission_waits", "Appends that waited for cache_size to free (uploads behind)", node,
+                  append["admission_waits"])
+        f.counter("append_admission_wait_seconds", "Seconds appends waited for cache_size to free", node,
+                  append["admission_wait_seconds"])
         f.histogram("append_latency_seconds", "Append latency, submission to durable in the WAL, of one append "
                     "in 64 (sampled; _count counts samples, not appends)", node, self.append_latency.snapshot())
         w = stats["wal"]

@@ -305,9 +305,12 @@ def test_bad_upload_nice_is_refused(nice):
 
 def test_admission_waits_are_counted(tmp_path):
     """Appends that meet a full cache (slow PUTs) are counted with the time they waited."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
     store = FaultInjectingObjectStore(LocalObjectStore(str(tmp_path / "objects")))
     cfg = small_config(upload_threshold=128 * KiB, split_size=32 * KiB, cache_size=256 * KiB)
-    c = client(tmp_path, config=cfg, store=store)
+    registry = CollectorRegistry()
+    c = StreamClient(1, tmp_path / "node1.wal", store, f"sqlite:///{tmp_path}/meta.db", cfg, metrics=registry)
     try:
         s = c.create_stream()
         s.append(RecordBatch(b"x" * 4000, 1)).result(10)
@@ -319,6 +322,10 @@ def test_admission_waits_are_counted(tmp_path):
         st = c.stats()["append"]
         assert st["admission_waits"] > 0
         assert st["admission_wait_seconds"] >= 0.1
+        exported = {s.name: s.value for f in text_string_to_metric_families(generate_latest(registry).decode())
+                    for s in f.samples if s.name.startswith("s3stream_append_admission")}
+        assert exported["s3stream_append_admission_waits_total"] == st["admission_waits"]
+        assert exported["s3stream_append_admission_wait_seconds_total"] == pytest.approx(st["admission_wait_seconds"])
         s.close(timeout=30)
     finally:
         c.close()

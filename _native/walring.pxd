@@ -71,6 +71,8 @@ cdef class Ring:
     cdef uint64_t stat_bytes_written
     cdef uint64_t stat_full_waits
     cdef uint64_t stat_buffer_waits     # placements that waited for a free batch buffer
+    cdef int64_t stat_wait_ns           # time placements spent waiting for space or a buffer
+    cdef int64_t stat_wait_max_ns       # the longest such wait of one placement
     cdef uint64_t stat_lock_waits       # engine placements that found the mutex taken
     cdef uint64_t write_hist[18]        # batch pwrite latencies by WRITE_BOUNDS_NS bucket
     cdef int64_t write_ns_sum

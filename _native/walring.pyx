@@ -367,6 +367,7 @@ cdef class Ring:
         cdef unsigned char* dst
         cdef timespec deadline
         cdef bint have_deadline = False
+        cdef int64_t waited_from = 0, waited
         while True:
             rc = self._place(plen + n, out_pos)
             if rc != PLACE_WAIT_SPACE and rc != PLACE_WAIT_BUFFER:
@@ -374,6 +375,7 @@ cdef class Ring:
             if not may_wait:
                 return rc
             if not have_deadline:
+                waited_from = monotonic_ns()
                 deadline_after(&deadline, self.full_timeout_ns)
                 have_deadline = True
             if rc == PLACE_WAIT_SPACE:
@@ -384,6 +386,11 @@ cdef class Ring:
             if w == ETIMEDOUT:
                 rc = self._place(plen + n, out_pos)
                 break
+        if have_deadline:
+            waited = monotonic_ns() - waited_from
+            self.stat_wait_ns += waited
+            if waited > self.stat_wait_max_ns:
+                self.stat_wait_max_ns = waited
         if rc != PLACE_OK:
             return rc
         b = self._slot(self.open_seq)
@@ -877,17 +884,19 @@ cdef class Ring:
         cdef uint64_t records, record_bytes, batches, written, waits, buffer_waits
         cdef uint64_t hist[18]
         cdef uint64_t sync_hist[18]
-        cdef int64_t write_ns, sync_ns
+        cdef int64_t write_ns, sync_ns, wait_ns, wait_max_ns
         self._lock_with_gil()
         records, record_bytes = self.stat_records, self.stat_record_bytes
         batches, written, waits = self.stat_batches, self.stat_bytes_written, self.stat_full_waits
         buffer_waits = self.stat_buffer_waits
+        wait_ns, wait_max_ns = self.stat_wait_ns, self.stat_wait_max_ns
         memcpy(hist, self.write_hist, sizeof(hist))     # no Python object while the mutex is held
         memcpy(sync_hist, self.sync_hist, sizeof(sync_hist))
         write_ns, sync_ns = self.write_ns_sum, self.sync_ns_sum
         pthread_mutex_unlock(&self.mutex)
         return dict(records=records, record_bytes=record_bytes, batches=batches,
                     bytes_written=written, full_waits=waits, buffer_waits=buffer_waits,
+                    wait_seconds=wait_ns / 1e9, wait_max_seconds=wait_max_ns / 1e9,
                     lock_waits=self.stat_lock_waits,
                     write_latency=_histogram(hist, write_ns), fsync_latency=_histogram(sync_hist, sync_ns))
 

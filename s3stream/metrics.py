@@ -122,6 +122,9 @@ class ClientMetrics:
             f.counter("wal_batches", "WAL batch writes (one pwrite + fdatasync each)", node, w["batches"])
             f.counter("wal_written_bytes", "Bytes written to the WAL device (aligned batches)", node, w["bytes_written"])
             f.counter("wal_full_waits", "Appends that waited for WAL space", node, w["full_waits"])
+            f.counter("wal_buffer_waits", "Appends that waited for a free WAL batch buffer", node, w["buffer_waits"])
+            f.counter("wal_wait_seconds", "Seconds appends waited for WAL space or a batch buffer", node,
+                      w["wait_seconds"])
         if "used_bytes" in w:
             f.gauge("wal_used_bytes", "WAL bytes from the trim offset to the last record placed", node, w["used_bytes"])
             f.gauge("wal_capacity_bytes", "WAL data area size", node, w["capacity"])

@@ -144,6 +144,9 @@ def test_appends_catching_up_with_the_filler_wait_rather_than_overtake(tmp_path,
         th.join(5)
         assert blocked and blocked[0] >= mark_before - 3100
         assert w.stats()["full_waits"] >= 2
+        # It waited at least the 0.3 s it was held, and the counters say so.
+        assert w.stats()["wait_max_seconds"] >= 0.25
+        assert w.stats()["wait_seconds"] >= w.stats()["wait_max_seconds"]
     finally:
         open_gate.set()
         w.close()

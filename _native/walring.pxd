@@ -74,7 +74,8 @@ cdef class Ring:
     cdef int64_t stat_wait_ns           # time placements spent waiting for space or a buffer
     cdef int64_t stat_wait_max_ns       # the longest such wait of one placement
     cdef uint64_t stat_lock_waits       # engine placements that found the mutex taken
-    cdef uint64_t write_hist[18]        # batch pwrite latencies by WRITE_BOUNDS_NS bucket
+    cdef uint64_t stat_syncs            # fdatasyncs: one per group of batches written together
+    cdef uint64_t write_hist[18]        # pwrite latencies of each group by WRITE_BOUNDS_NS bucket
     cdef int64_t write_ns_sum
     cdef uint64_t sync_hist[18]         # its fdatasync's
     cdef int64_t sync_ns_sum

@@ -3,8 +3,9 @@
 
 Appenders encode records straight into the open batch, a 4 KiB-aligned buffer that covers a
 contiguous span of logical offsets. Writer threads take sealed batches, or seal the open one
-the moment they are idle, and write each with one pwrite + fdatasync; appends that arrive while
-a write is in flight gather in the next batch (group commit). Writers run entirely without the
+the moment they are idle, and write each with one pwrite, followed by one fdatasync for it and
+any sealed batches queued behind it that follow it on the device; appends that arrive while a
+write is in flight gather in the next batch (group commit). Writers run entirely without the
 GIL and never touch Python objects, so durability never waits for the interpreter.
 
 A record is acknowledged when every batch up to and including its own is durable: the durable
@@ -77,7 +78,7 @@ cdef enum:
     # the interpreter's switch interval (5 ms).
     NOGIL_BYTES = 1048576
 
-# Upper bounds (ns) of the batch write latency buckets (pwrite + fdatasync, timed by the writer):
+# Upper bounds (ns) of the write latency buckets (a group's pwrites, then its fdatasync, timed by the writer):
 # s3stream.latency.LATENCY_BUCKETS in nanoseconds, plus +Inf (write_hist has one more slot).
 cdef int64_t WRITE_BOUNDS_NS[17]
 WRITE_BOUNDS_NS[:] = [100_000, 250_000, 500_000, 1_000_000, 2_500_000, 5_000_000, 10_000_000,
@@ -589,8 +590,9 @@ cdef class Ring:
 
     cdef void _writer_loop(self) noexcept nogil:
         cdef int64_t took, synced
-        cdef uint64_t seq
+        cdef uint64_t seq, i, group
         cdef Batch* b
+        cdef Batch* nb
         cdef int err
         cdef Batch* ob
         cdef bint wake_dispatcher
@@ -607,17 +609,34 @@ cdef class Ring:
                 pthread_cond_wait(&self.work_cv, &self.mutex)
                 self.idle_writers -= 1
                 continue
+            # This batch, and the sealed ones queued behind it that follow it on the device
+            # (not across the end of the ring), in one group: their pwrites, then one fdatasync.
+            # A device whose syncs slow down then costs one sync per backlog, not per batch, so
+            # the buffers free as fast as it writes (group commit across batches).
             seq = self.write_seq
-            self.write_seq += 1
             b = self._slot(seq)
-            b.state = SLOT_WRITING
+            group = 1
+            while self.write_seq + group < self.open_seq:
+                nb = self._slot(self.write_seq + group)
+                if (nb.state != SLOT_SEALED or b.start % self.capacity + b.write_len
+                        != nb.start % self.capacity):
+                    break
+                b = nb
+                group += 1
+            for i in range(group):
+                self._slot(seq + i).state = SLOT_WRITING
+            self.write_seq += group
             err = self.io_errno
             pthread_mutex_unlock(&self.mutex)
             took = synced = -1
             if err == 0:
                 took = monotonic_ns()
-                err = pwrite_full(self.fd, b.buf, b.write_len,
-                                  <long long>(self.header_area + b.start % self.capacity))
+                for i in range(group):
+                    b = self._slot(seq + i)
+                    err = pwrite_full(self.fd, b.buf, b.write_len,
+                                      <long long>(self.header_area + b.start % self.capacity))
+                    if err:
+                        break
                 synced = monotonic_ns()
                 if err == 0 and fdatasync(self.fd) != 0:
                     err = errno
@@ -626,16 +645,19 @@ cdef class Ring:
             if err == 0 and took >= 0:
                 _count_latency(self.write_hist, &self.write_ns_sum, took)
                 _count_latency(self.sync_hist, &self.sync_ns_sum, synced)
-            b.state = SLOT_WRITTEN
-            b.error = err
-            if err:
-                if seq < self.failed_seq:
-                    self.failed_seq = seq
-                if self.io_errno == 0:
-                    self.io_errno = err
-            else:
-                self.stat_batches += 1
-                self.stat_bytes_written += b.write_len
+                self.stat_syncs += 1
+            for i in range(group):
+                b = self._slot(seq + i)
+                b.state = SLOT_WRITTEN
+                b.error = err
+                if err:
+                    if seq + i < self.failed_seq:
+                        self.failed_seq = seq + i
+                    if self.io_errno == 0:
+                        self.io_errno = err
+                else:
+                    self.stat_batches += 1
+                    self.stat_bytes_written += b.write_len
             self._advance()
             # Wake outside the mutex: a broadcast with sleepers is a system call, and appenders
             # spin for this mutex with the GIL (a state change made under the mutex and woken
@@ -881,7 +903,7 @@ cdef class Ring:
         return self.io_errno != 0
 
     def stats(self) -> dict:
-        cdef uint64_t records, record_bytes, batches, written, waits, buffer_waits
+        cdef uint64_t records, record_bytes, batches, written, waits, buffer_waits, syncs
         cdef uint64_t hist[18]
         cdef uint64_t sync_hist[18]
         cdef int64_t write_ns, sync_ns, wait_ns, wait_max_ns
@@ -890,13 +912,14 @@ cdef class Ring:
         batches, written, waits = self.stat_batches, self.stat_bytes_written, self.stat_full_waits
         buffer_waits = self.stat_buffer_waits
         wait_ns, wait_max_ns = self.stat_wait_ns, self.stat_wait_max_ns
+        syncs = self.stat_syncs
         memcpy(hist, self.write_hist, sizeof(hist))     # no Python object while the mutex is held
         memcpy(sync_hist, self.sync_hist, sizeof(sync_hist))
         write_ns, sync_ns = self.write_ns_sum, self.sync_ns_sum
         pthread_mutex_unlock(&self.mutex)
         return dict(records=records, record_bytes=record_bytes, batches=batches,
                     bytes_written=written, full_waits=waits, buffer_waits=buffer_waits,
-                    wait_seconds=wait_ns / 1e9, wait_max_seconds=wait_max_ns / 1e9,
+                    syncs=syncs, wait_seconds=wait_ns / 1e9, wait_max_seconds=wait_max_ns / 1e9,
                     lock_waits=self.stat_lock_waits,
                     write_latency=_histogram(hist, write_ns), fsync_latency=_histogram(sync_hist, sync_ns))
 

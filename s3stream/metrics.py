@@ -19,8 +19,8 @@ histograms come from:
 - appends, sampled: the native append path keeps the submission time and WAL end of one append
   in 64 (every stream; a counter test per append) and the WAL logs when its durable end moved;
   a scrape observes the samples durable since the previous one (`StreamClient.append_latencies`);
-- WAL batch writes and their fdatasync: the WAL's writer threads time both and count them in
-  fixed buckets, once per batch, without the GIL;
+- WAL writes and their fdatasync: the WAL's writer threads time both and count them in fixed
+  buckets, once per group of batches written together (one fdatasync), without the GIL;
 - migrations, failovers (process-wide) and compaction rounds (per node, when compaction is attached).
 """
 from __future__ import annotations
@@ -119,7 +119,9 @@ class ClientMetrics:
         if "records" in w:
             f.counter("wal_records", "Records written to the WAL", node, w["records"])
             f.counter("wal_record_bytes", "Bytes of WAL records (headers included)", node, w["record_bytes"])
-            f.counter("wal_batches", "WAL batch writes (one pwrite + fdatasync each)", node, w["batches"])
+            f.counter("wal_batches", "WAL batch writes (one pwrite each; an fdatasync covers a group)", node,
+                      w["batches"])
+            f.counter("wal_syncs", "WAL fdatasyncs (one per group of batches written together)", node, w["syncs"])
             f.counter("wal_written_bytes", "Bytes written to the WAL device (aligned batches)", node, w["bytes_written"])
             f.counter("wal_full_waits", "Appends that waited for WAL space", node, w["full_waits"])
             f.counter("wal_buffer_waits", "Appends that waited for a free WAL batch buffer", node, w["buffer_waits"])

@@ -46,7 +46,7 @@ import time
 
 import wal
 from wal.bench import Trimmer
-from wal.benchkit import fmt_size, log_line, parse_size, percentiles, progress, pyplot, save_figure
+from wal.benchkit import fmt_size, log_line, parse_size, percentiles, periodic, progress, pyplot, save_figure
 
 from . import Config, RecordBatch, StreamClient
 from .lifecycle import ObjectReclaimer
@@ -402,23 +402,17 @@ class SmallRecordBench:
         the RAM disk, past the pages freed before it, and on this VM the host's work of backing
         fresh pages slowed the WAL's own disk: `perf sched` showed the WAL writer blocked in
         I/O for 10-31 ms per write during a 160 ms stall, while the PUT threads ran."""
-        stop, done = threading.Event(), dict(objects_deleted=0, errors=0)
+        done = dict(objects_deleted=0, errors=0)
 
         def run() -> None:
-            while not stop.wait(every):
-                try:
-                    self.trim_history(streams)
-                    done["objects_deleted"] += self.reclaimer.run_once()
-                except Exception:   # noqa: BLE001 - counted; the loop's figures stand without it
-                    done["errors"] += 1
+            try:
+                self.trim_history(streams)
+                done["objects_deleted"] += self.reclaimer.run_once()
+            except Exception:   # noqa: BLE001 - counted; the loop's figures stand without it
+                done["errors"] += 1
 
-        thread = threading.Thread(target=run, name="bench-retention", daemon=True)
-        thread.start()
-        try:
+        with periodic(run, every, "bench-retention"):
             yield done
-        finally:
-            stop.set()
-            thread.join()
 
     def close(self) -> None:
         try:

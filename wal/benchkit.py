@@ -149,22 +149,36 @@ def progress_over(seconds: float, desc: str | None = None, *, file: TextIO | Non
         with bar:
             yield bar
         return
-    stop = threading.Event()
     start = clock()
 
     def tick() -> None:
-        while not stop.wait(1 / TICKS_PER_SECOND):
-            bar.n = min(total, clock() - start)
-            bar.refresh()
+        bar.n = min(total, clock() - start)
+        bar.refresh()
 
-    ticker = threading.Thread(target=tick, name="progress-ticker", daemon=True)
-    ticker.start()
     try:
-        yield bar
+        with periodic(tick, 1 / TICKS_PER_SECOND, "progress-ticker"):
+            yield bar
+    finally:
+        bar.close()
+
+
+@contextlib.contextmanager
+def periodic(fn: Callable[[], None], every: float, name: str) -> Iterator[None]:
+    """Call `fn()` every `every` seconds on a daemon thread named `name` while the block runs;
+    the thread is stopped and joined when the block ends."""
+    stop = threading.Event()
+
+    def run() -> None:
+        while not stop.wait(every):
+            fn()
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    try:
+        yield
     finally:
         stop.set()
-        ticker.join()
-        bar.close()
+        thread.join()
 
 
 def log_line(text: str, file: TextIO | None = None) -> None:

@@ -11,12 +11,12 @@ every acknowledgement as (partition, base offset, node, sequence number, digest)
 can read each back and compare it with `payload_for`, and where it ran (host, pids, WAL path).
 
 Optional: `start_together` (the number of nodes in the job) holds the producers until every
-node's partitions are open, so that the nodes' timelines start together. `retention` (bytes per partition) trims each partition to its last `retention`
-bytes of committed records every 0.2 s, and the node deletes what it trimmed within a second
-(the throughput job's default on its RAM-disk store, whose footprint would otherwise grow with
-the run). For the balancer's load test: `rates` ({partition: bytes/s}) paces each producer
-instead of letting it run flat out, `rates_after` and `change_at` (seconds after `origin`)
-change the rates mid-run; `origin` (unix seconds, the driver's) aligns every node's timeline on
+node's partitions are open, so that the nodes' timelines start together. `retention` (bytes
+per partition) trims each partition to its last `retention` bytes of committed records every
+0.2 s, and the node deletes what it trimmed within a second (the throughput job's default on
+its RAM-disk store, whose footprint would otherwise grow with the run). For the balancer's
+load test: `rates` ({partition: bytes/s}) paces each producer instead of letting it run flat
+out, `rates_after` and `change_at` (seconds after `origin`) change the rates mid-run; `origin` (unix seconds, the driver's) aligns every node's timeline on
 one clock; `balancer` (BalancerConfig keywords) runs a balancer candidate on the node, from
 `balancer_start` seconds after `origin` (the nodes elect one leader through the lease).
 
@@ -136,10 +136,10 @@ def run_node(spec: dict) -> dict:
     meta = open_metadata(spec["meta_url"])
     store = open_object_store(spec["store_url"])
     agent = NodeAgent(client, Cluster(meta, store, ccfg, cfg))
-    errors_at_start: list[str] = []
+    errors: list[str] = []
     keys = f"bench/{spec.get('run_id', 'bench')}"
     if spec.get("start_together"):
-        _start_together(client, meta, keys, node_id, spec["partitions"], spec["start_together"], errors_at_start)
+        _start_together(client, meta, keys, node_id, spec["partitions"], spec["start_together"], errors)
     else:
         meta.put_kv(f"{keys}/ready/{node_id}", b"1")
     stop = threading.Event()
@@ -148,7 +148,6 @@ def run_node(spec: dict) -> dict:
     acks: list[tuple[str, int, str]] = []
     timeline: collections.Counter = collections.Counter()
     sent = [0]
-    errors: list[str] = errors_at_start
     start_ns = time.monotonic_ns()
     start = start_ns / 1e9                  # the same clock as time.monotonic()
     # The timeline's second 0: the driver's origin when given (every node on one clock), else now.

@@ -107,6 +107,8 @@ class Uploader:
         self._node_id = node_id
         self._node_epoch = node_epoch
         self._store = store
+        # The store's multipart settings, for the write requests S3 would bill (fixed per store).
+        self._parts = (getattr(store, "part_size", None), getattr(store, "multipart_threshold", None))
         self._meta = metadata
         self._cache = cache
         self._trim_wal = trim_wal
@@ -275,8 +277,7 @@ class Uploader:
         self.stats["stream_objects"] += len(sos)
         self.stats["stream_set_objects"] += 1 if sso else 0
         self.stats["bytes"] += sum(e.size for e in entries)
-        part, threshold = getattr(self._store, "part_size", None), getattr(self._store, "multipart_threshold", None)
-        self.stats["write_requests"] += sum(write_requests(e.size, part, threshold) for e in entries)
+        self.stats["write_requests"] += sum(write_requests(e.size, *self._parts) for e in entries)
         self._cache.mark_committed(block)
         self._on_committed(block, result)
         try:

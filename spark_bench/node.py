@@ -16,9 +16,10 @@ per partition) trims each partition to its last `retention` bytes of committed r
 0.2 s, and the node deletes what it trimmed within a second (the throughput job's default on
 its RAM-disk store, whose footprint would otherwise grow with the run). For the balancer's
 load test: `rates` ({partition: bytes/s}) paces each producer instead of letting it run flat
-out, `rates_after` and `change_at` (seconds after `origin`) change the rates mid-run; `origin` (unix seconds, the driver's) aligns every node's timeline on
-one clock; `balancer` (BalancerConfig keywords) runs a balancer candidate on the node, from
-`balancer_start` seconds after `origin` (the nodes elect one leader through the lease).
+out, `rates_after` and `change_at` (seconds after `origin`) change the rates mid-run;
+`origin` (unix seconds, the driver's) aligns every node's timeline on one clock; `balancer`
+(BalancerConfig keywords) runs a balancer candidate on the node, from `balancer_start` seconds
+after `origin` (the nodes elect one leader through the lease).
 
 Its WAL goes in `spec["wal_dir"]` when given (local mode: the driver's work dir), else in a new
 directory under `spec["node_dir"]` (default: the temp dir) on the host it runs on, removed

@@ -21,7 +21,8 @@ import os
 from wal.benchkit import fmt_size, parse_size, progress as progress_bar, pyplot, save_figure
 
 from .common import (
-    GiB, MiB, add_common_args, assign_metrics_ports, deployment, format_placement, latency_summary, new_run_id, node_spec,
+    GiB, MiB, add_common_args, assign_metrics_ports, deployment, format_placement, latency_summary, new_run_id,
+    node_spec,
     placement, progress, run_nodes, verdict, verify_acks, write_json,
 )
 

@@ -66,8 +66,8 @@ from .base import (ChangeFeed, redact_url, CommitRequest, CommitResult, Metadata
 # The checks and loaders are the SQLite store's own: both stores must decide alike. They take any
 # connection-like object whose execute() takes qmark SQL; _Db adapts a psycopg connection.
 from .sqlite import (_COMMITTED, _DEAD_SSOS, _MARK_DESTROYED, _NO_OFFSET, _NODE_COLUMNS, _PREPARED, _SSO,
-                     _apply_commit, _check_node_epoch, _check_request_shape, _check_stream_epoch, _ids, _kv_holds, _live_stream, _load_objects,
-                     _load_stream, _load_streams, _mark_destroyed, _node_meta, _node_row)
+                     _apply_commit, _check_node_epoch, _check_request_shape, _check_stream_epoch, _ids, _kv_holds,
+                     _live_stream, _load_objects, _load_stream, _load_streams, _mark_destroyed, _node_meta, _node_row)
 
 SCHEMA_VERSION = 1
 

@@ -356,10 +356,13 @@ class SmallRecordBench:
     same disk, in alternating rounds. Then appends on a fixed schedule (open loop) for latency."""
 
     def __init__(self, workdir: str, store_dir: str, config: Config, threads: int = SMALL_THREADS,
-                 inflight: int = SMALL_INFLIGHT) -> None:
+                 inflight: int = SMALL_INFLIGHT, recycle_bytes: int = 0) -> None:
         self.threads, self.inflight = threads, inflight
         self.meta = SqliteMetadataStore(os.path.join(workdir, "meta.db"))
-        self.store = store = DiscardingStore(LocalObjectStore(store_dir))
+        # Nothing reads the objects these rounds delete (the streams are trimmed past them and
+        # the reclaimer runs with no destroy delay), so pooled files are reusable at once.
+        self.store = store = DiscardingStore(LocalObjectStore(store_dir, recycle_bytes=recycle_bytes,
+                                                              recycle_delay=0))
         self.client = StreamClient(1, os.path.join(workdir, "node1.wal"), store, self.meta, config)
         self.walonly = WalOnly(os.path.join(workdir, "walonly.wal"), config.wal)
         self.reclaimer = ObjectReclaimer(store, self.meta, destroy_delay=0)
@@ -574,11 +577,11 @@ class SmallRecordBench:
 
 
 def small_records(workdir: str, store_dir: str, config: Config, sizes, rounds: int, round_seconds: float,
-                  open_loop_sizes, open_loop_seconds: float) -> tuple[dict, list[dict]]:
+                  open_loop_sizes, open_loop_seconds: float, recycle_bytes: int = 0) -> tuple[dict, list[dict]]:
     """The small-record throughput and CPU at each size, then the open-loop latency at the sizes
     asked (at OPEN_LOOP_LOAD of the engine's records/s just measured at that size), with the WAL
     alone on the same schedule as a reference: the floor these producers reach."""
-    bench = SmallRecordBench(workdir, store_dir, config)
+    bench = SmallRecordBench(workdir, store_dir, config, recycle_bytes=recycle_bytes)
     sizes_out, open_loop = [], []
     try:
         for size in sizes:
@@ -605,7 +608,8 @@ def small_records(workdir: str, store_dir: str, config: Config, sizes, rounds: i
     finally:
         bench.close()
     return dict(threads=bench.threads, inflight=bench.inflight, streams=bench.threads, batch_records=1,
-                round_seconds=round_seconds, sizes=sizes_out, page_reporting_order=page_reporting_order()), open_loop
+                round_seconds=round_seconds, sizes=sizes_out, page_reporting_order=page_reporting_order(),
+                store_recycle_bytes=recycle_bytes, store_recycled_puts=bench.store.inner.recycled), open_loop
 
 
 def _size_list(text: str) -> tuple[int, ...]:
@@ -633,6 +637,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="record sizes of the open-loop latency run, among --record-sizes (default 1K,64K)")
     ap.add_argument("--open-loop-seconds", type=float, default=None,
                     help="length of each open-loop latency run (default 3; --quick 0.4)")
+    ap.add_argument("--store-recycle", type=parse_size, default=2 * GiB,
+                    help="small records: the local store keeps this much of deleted objects' files and "
+                    "overwrites them for later puts (LocalObjectStore recycle_bytes; default 2G, 0: off)")
     ap.add_argument("--only", choices=("all", "reads"), default="all",
                     help="reads: only the read cases (data sets built without the WAL-only comparison)")
     ap.add_argument("--no-s3", action="store_true", help="skip the catch-up reads on S3 through a moto server")
@@ -705,7 +712,7 @@ def run(argv: list[str] | None = None) -> dict:
                 os.makedirs(d)
             report["small_records"], report["open_loop"] = small_records(
                 work, store, config, args.record_sizes, args.rounds, args.round_seconds,
-                set(args.open_loop_sizes), args.open_loop_seconds)
+                set(args.open_loop_sizes), args.open_loop_seconds, args.store_recycle)
             phases.update()
     finally:
         phases.close()

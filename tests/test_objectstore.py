@@ -23,6 +23,7 @@ from s3stream.objectstore import (
     FaultInjectingObjectStore, InstrumentedObjectStore, LocalObjectStore, ObjectInfo, ObjectStore,
     S3ObjectStore, open_object_store,
 )
+from s3stream.objectstore.local import POOL_DIR
 
 MiB = 1024 * 1024
 # moto enforces S3's 5 MiB minimum for every part but the last, so parts are 5 MiB and the
@@ -319,6 +320,63 @@ def test_local_failed_put_leaves_nothing(tmp_path):
     assert list(store.list()) == []
     assert list((tmp_path / "s").iterdir()) == []
 
+
+
+def test_local_recycling_reuses_deleted_files(tmp_path):
+    """With recycle_bytes, a delete pools the object's file (up to the bound) and a later put
+    overwrites a pooled file in place, best fit by size; the pool is never listed, and every
+    object reads back exactly what was put."""
+    store = LocalObjectStore(str(tmp_path), recycle_bytes=3000, recycle_delay=0)
+    store.put("a/x", b"1" * 1000)
+    store.put("a/y", b"2" * 1500)
+    store.put("b", b"3" * 800)
+    inode_y = (tmp_path / "a" / "y").stat().st_ino
+    store.delete(["a/x", "a/y", "b"])           # b does not fit: 1000 + 1500 + 800 > 3000
+    pool = tmp_path / POOL_DIR
+    assert sorted(p.stat().st_size for p in pool.iterdir()) == [1000, 1500]
+    assert list(store.list()) == [] and not (tmp_path / "b").exists()
+    store.put("c", b"4" * 1200)                 # the smallest pooled file that fits: y's
+    assert (tmp_path / "c").stat().st_ino == inode_y and store.recycled == 1
+    assert store.get("c") == b"4" * 1200 and store.size("c") == 1200
+    store.put("d", b"5" * 2000)                 # none fits: the largest, extended
+    assert store.get("d") == b"5" * 2000 and store.recycled == 2
+    assert list(pool.iterdir()) == []
+    store.put("e", b"6" * 10)                   # pool empty: a new file
+    assert store.recycled == 2
+    assert [i.key for i in store.list()] == ["c", "d", "e"]
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".s3stream-tmp.")] == [POOL_DIR]
+
+
+def test_local_recycling_waits_out_the_delay_and_survives_a_restart(tmp_path):
+    """A pooled file is not reused before recycle_delay (a get that opened it may still be
+    reading); a store opened later adopts what an earlier one pooled, up to its own bound."""
+    store = LocalObjectStore(str(tmp_path), recycle_bytes=1 << 20, recycle_delay=30)
+    store.put("k", b"a" * 4096)
+    with open(tmp_path / "k", "rb") as reader:  # a get in progress while the object is deleted
+        store.delete(["k"])
+        store.put("j", b"b" * 4096)             # too soon: a fresh file
+        assert store.recycled == 0
+        assert reader.read() == b"a" * 4096
+    later = LocalObjectStore(str(tmp_path), recycle_bytes=1 << 20, recycle_delay=0)
+    later.put("m", b"c" * 100)
+    assert later.recycled == 1 and later.get("m") == b"c" * 100
+    assert list((tmp_path / POOL_DIR).iterdir()) == []
+    store.put("x", b"y"); store.delete(["x", "j"])
+    assert len(list((tmp_path / POOL_DIR).iterdir())) == 2
+    LocalObjectStore(str(tmp_path), recycle_bytes=1000)       # only x's 1 byte fits: j's file goes
+    assert [p.stat().st_size for p in (tmp_path / POOL_DIR).iterdir()] == [1]
+
+
+@pytest.mark.parametrize("kw, message", [(dict(recycle_bytes=-1), "recycle_bytes"),
+                                         (dict(recycle_bytes=True), "recycle_bytes"),
+                                         (dict(recycle_bytes=1.5), "recycle_bytes"),
+                                         (dict(recycle_delay=-1), "recycle_delay"),
+                                         (dict(recycle_delay="1"), "recycle_delay")])
+def test_local_recycling_settings_are_checked(tmp_path, kw, message):
+    with pytest.raises(ConfigError, match=message):
+        LocalObjectStore(str(tmp_path), **kw)
+    store = open_object_store(f"file://{tmp_path}?recycle_bytes=4096&recycle_delay=0.5")
+    assert (store.recycle_bytes, store.recycle_delay) == (4096, 0.5)
 
 # -- S3 specifics --------------------------------------------------------------------------------
 

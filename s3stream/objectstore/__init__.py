@@ -22,7 +22,8 @@ _S3_PARAMS = {
     "connect_timeout": ("connect_timeout", float),
     "read_timeout": ("read_timeout", float),
 }
-_FILE_PARAMS = {"part_size": ("part_size", int), "multipart_threshold": ("multipart_threshold", int)}
+_FILE_PARAMS = {"part_size": ("part_size", int), "multipart_threshold": ("multipart_threshold", int),
+                "recycle_bytes": ("recycle_bytes", int), "recycle_delay": ("recycle_delay", float)}
 _TRUE = {"1", "true", "yes"}
 _FALSE = {"0", "false", "no"}
 
@@ -30,7 +31,8 @@ _FALSE = {"0", "false", "no"}
 def open_object_store(url: str, **kw: Any) -> ObjectStore:
     """Open the object store at `url`:
 
-    - "file:///abs/path" or a plain directory path: a LocalObjectStore (the directory is created);
+    - "file:///abs/path[?part_size=...&multipart_threshold=...&recycle_bytes=...&recycle_delay=...]"
+      or a plain directory path: a LocalObjectStore (the directory is created);
     - "s3://bucket[/prefix][?endpoint_url=...&region=...&part_size=...&max_concurrency=...
       &max_attempts=...&connect_timeout=...&read_timeout=...&create_bucket=1]": an S3ObjectStore.
       The bucket must exist unless create_bucket=1, which creates it if missing.

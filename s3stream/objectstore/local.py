@@ -4,6 +4,11 @@ Keys map to relative paths under the root ("a/b/c" -> root/a/b/c), so unlike S3 
 cannot hold both a key "a" and keys under "a/". A put writes a temporary file
 in the target's directory, fsyncs it, renames it over the target and fsyncs the directory, so a
 reader sees no object or the whole of it, and a returned put survives a crash.
+
+With `recycle_bytes`, a delete moves the object's file into a pool (a reserved directory under
+the root) instead of unlinking it, up to that many bytes, and a later put overwrites a pooled
+file in place rather than creating one. A store with retention then reuses the pages or blocks
+it freed instead of returning and allocating them again (see LocalObjectStore).
 """
 from __future__ import annotations
 
@@ -11,7 +16,9 @@ import errno
 import os
 import stat
 import threading
+import time
 import uuid
+from collections import deque
 from typing import Iterable, Iterator
 
 from ..errors import ConfigError, ObjectNotFoundError, ObjectStoreError, ObjectStorePermanentError
@@ -21,6 +28,8 @@ MiB = 1024 * 1024
 
 #: Temporary files start with this; list() skips them and keys may not use it.
 TEMP_PREFIX = ".s3stream-tmp."
+#: The pool of deleted objects' files kept for reuse (recycle_bytes), under the root.
+POOL_DIR = TEMP_PREFIX + "pool"
 
 
 def check_key(key: str) -> None:
@@ -50,11 +59,27 @@ def _fsync_dir(path: str) -> None:
 
 class LocalObjectStore:
     """ObjectStore on a directory (created if missing). `part_size` is only reported: local puts
-    are single writes. Thread-safe: puts of one key race benignly (last rename wins)."""
+    are single writes. Thread-safe: puts of one key race benignly (last rename wins).
 
-    def __init__(self, root: str, part_size: int = 16 * MiB, multipart_threshold: int | None = None) -> None:
+    `recycle_bytes` (default 0: off) keeps up to that many bytes of deleted objects' files in a
+    pool and overwrites them in place for later puts, best fit by size. On a RAM disk this turns
+    a put into a copy into pages already owned, instead of allocating and zeroing fresh ones
+    (and, on a VM that hands freed memory back to its host, instead of the host faulting them
+    in again: 3.6-3.9 GB/s against 390-670 MB/s here, `tests/bench/store_first_touch.py`); on
+    a disk it saves the block allocation. The pool costs its bytes of storage while it is
+    full. A pooled file is reused only `recycle_delay` seconds after its delete, so a get that
+    opened the object just before the delete still reads it whole. The bound counts this
+    process's deletes; files pooled by a process that exited are reused or removed by the next
+    store opened on the root."""
+
+    def __init__(self, root: str, part_size: int = 16 * MiB, multipart_threshold: int | None = None,
+                 recycle_bytes: int = 0, recycle_delay: float = 1.0) -> None:
         if part_size <= 0:
             raise ConfigError(f"part_size must be positive, got {part_size}")
+        if isinstance(recycle_bytes, bool) or not isinstance(recycle_bytes, int) or recycle_bytes < 0:
+            raise ConfigError(f"recycle_bytes must be an int >= 0 (0 turns recycling off), got {recycle_bytes!r}")
+        if isinstance(recycle_delay, bool) or not isinstance(recycle_delay, (int, float)) or not recycle_delay >= 0:
+            raise ConfigError(f"recycle_delay must be a number of seconds >= 0, got {recycle_delay!r}")
         # Reported like part_size, so request counts match what an S3 store would do.
         self.multipart_threshold = multipart_threshold or default_multipart_threshold(part_size)
         self.root = os.path.abspath(root)
@@ -68,6 +93,90 @@ class LocalObjectStore:
         # Directories whose entries are known durable; each new one is fsynced once, with its
         # parents, so the directory itself survives a crash.
         self._durable_dirs: set[str] = {self.root}
+        self.recycle_bytes = recycle_bytes
+        self.recycle_delay = float(recycle_delay)
+        self._pool_dir = os.path.join(self.root, POOL_DIR)
+        # (usable from, monotonic; path; size), in the order they were pooled.
+        self._pool: deque[tuple[float, str, int]] = deque()
+        self._pool_bytes = 0
+        self.recycled = 0       # puts that overwrote a pooled file
+        if recycle_bytes:
+            self._adopt_pool()
+
+    def _adopt_pool(self) -> None:
+        """Take over the files a previous store left in the pool (up to the bound; the rest are
+        removed), each usable `recycle_delay` after it was pooled (its ctime: the rename)."""
+        try:
+            os.makedirs(self._pool_dir, exist_ok=True)
+            names = sorted(os.listdir(self._pool_dir))
+        except OSError as e:
+            raise ConfigError(f"cannot use {self._pool_dir!r} as the store's recycling pool: {e}") from e
+        offset = time.monotonic() - time.time()
+        for name in names:
+            path = os.path.join(self._pool_dir, name)
+            try:
+                st = os.lstat(path)
+                if not stat.S_ISREG(st.st_mode):
+                    continue
+                if self._pool_bytes + st.st_size > self.recycle_bytes:
+                    os.unlink(path)
+                    continue
+            except OSError:
+                continue    # taken or removed by another store on the same root
+            self._pool.append((st.st_ctime + offset + self.recycle_delay, path, st.st_size))
+            self._pool_bytes += st.st_size
+
+    def _pool_take(self, size: int, into: str):
+        """A pooled file renamed to `into` and opened for overwrite, or None."""
+        while True:
+            now = time.monotonic()
+            with self._lock:
+                best, best_key = None, None
+                for i, (ready, path, length) in enumerate(self._pool):
+                    if ready > now:
+                        break   # pooled in order: the rest are younger
+                    key = (0, length) if length >= size else (1, -length)  # smallest that fits, else largest
+                    if best_key is None or key < best_key:
+                        best, best_key = i, key
+                if best is None:
+                    return None
+                _, path, length = self._pool[best]
+                del self._pool[best]
+                self._pool_bytes -= length
+            try:
+                os.rename(path, into)
+                f = open(into, "r+b")
+            except OSError:
+                try:
+                    os.unlink(into)
+                except OSError:
+                    pass
+                continue    # another store on the root took it, or it is gone: try the next
+            self.recycled += 1
+            return f
+
+    def _pool_give(self, path: str) -> bool:
+        """Move the object file at `path` into the pool if it fits; False if it was not."""
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return False
+        if not stat.S_ISREG(st.st_mode):
+            return False
+        with self._lock:
+            if self._pool_bytes + st.st_size > self.recycle_bytes:
+                return False
+            self._pool_bytes += st.st_size     # reserved before the rename: concurrent deletes
+        dst = os.path.join(self._pool_dir, uuid.uuid4().hex)
+        try:
+            os.rename(path, dst)
+        except OSError:
+            with self._lock:
+                self._pool_bytes -= st.st_size
+            return False
+        with self._lock:
+            self._pool.append((time.monotonic() + self.recycle_delay, dst, st.st_size))
+        return True
 
     def _path(self, key: str) -> str:
         check_key(key)
@@ -97,7 +206,7 @@ class LocalObjectStore:
         try:
             try:
                 self._ensure_dir(directory)
-                f = open(tmp, "xb")
+                f = (self._pool and self._pool_take(len(data), tmp)) or open(tmp, "xb")
             except FileNotFoundError:
                 # The directory vanished behind our back (removed externally): forget and retry.
                 with self._lock:
@@ -107,6 +216,7 @@ class LocalObjectStore:
             try:
                 with f:
                     f.write(data)
+                    f.truncate()        # a recycled file may be longer
                     f.flush()
                     os.fsync(f.fileno())
                 os.replace(tmp, path)
@@ -165,6 +275,8 @@ class LocalObjectStore:
         (removing them would race with a concurrent put into them)."""
         for key in keys:
             path = self._path(key)
+            if self.recycle_bytes and self._pool_give(path):
+                continue
             try:
                 os.unlink(path)
             except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
@@ -188,7 +300,7 @@ class LocalObjectStore:
             key_dir = "" if rel == "." else rel.replace(os.sep, "/") + "/"
             # Prune subtrees that cannot hold a matching key.
             dirnames[:] = [d for d in dirnames
-                           if _may_match(key_dir + d + "/", prefix)]
+                           if not d.startswith(TEMP_PREFIX) and _may_match(key_dir + d + "/", prefix)]
             for name in filenames:
                 key = key_dir + name
                 if name.startswith(TEMP_PREFIX) or not key.startswith(prefix):

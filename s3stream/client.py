@@ -175,7 +175,8 @@ class StreamClient:
         self._uploader = Uploader(node_id=node_id, node_epoch=self.node_epoch, store=self._store,
                                   metadata=self._meta, cache=self._cache, trim_wal=self._trim_wal,
                                   config=self.config, on_committed=self._on_committed, on_fenced=self._on_fenced,
-                                  wait_durable=self._wait_wal_durable, on_failure=self._on_upload_failure)
+                                  wait_durable=self._wait_wal_durable, on_failure=self._on_upload_failure,
+                                  behind=self._uploads_behind)
         self._append_path: AppendPath | None = None
         try:
             self.recovered = self._recover()
@@ -405,6 +406,14 @@ class StreamClient:
                 self._uploader.submit(sealed)
         finally:
             path.pressure_handled()
+
+    def _uploads_behind(self) -> bool:
+        """Uploader hook: half of cache_size is uncommitted, or the WAL's untrimmed bytes passed
+        wal_pressure (also while recovering, with no append path yet): uploads must not wait
+        for idle cores then."""
+        path = getattr(self, "_append_path", None)      # the uploader starts before it exists
+        return (path is None or 2 * path.uncommitted > path.admit_limit
+                or path.untrimmed_bytes() > self._wal.capacity * self.config.wal_pressure)
 
     def _wait_wal_durable(self, wal_end: int) -> None:
         """Uploader hook: block until the WAL holds everything before `wal_end` durably."""

@@ -15,6 +15,11 @@ Steps 1-3 of up to `Config.upload_pipeline` blocks run at once (a slow PUT slows
 once the cache bound is reached); commits (4-5) stay strictly in block order, so the WAL is
 trimmed only below what is committed.
 
+The encode-and-PUT threads run below the appenders: at `upload_nice`, and with `upload_idle`
+under SCHED_IDLE while uploads keep up (`behind()` false), so an appender or the WAL writer that
+wakes takes the core at once; behind, they return to `upload_nice` so a busy host cannot starve
+them (see Config).
+
 Failure rules: an object is committed only after its PUT returned; a failed PUT is retried, never
 skipped; acknowledged data stays in the WAL until its commit, so a crash at any step loses
 nothing (restart recovery uploads it again under fresh ids; the orphans of the first attempt stay
@@ -93,6 +98,34 @@ def lower_thread_priority(nice: int) -> None:
         log.debug("could not lower the priority of upload thread %s", threading.current_thread().name)
 
 
+def set_thread_idle(idle: bool, tid: int = 0) -> bool:
+    """Move thread `tid` of this process (0: the caller) into SCHED_IDLE (`idle`) or back to
+    SCHED_OTHER, keeping its nice value. False if refused or not Linux: leaving SCHED_IDLE needs
+    root, CAP_SYS_NICE or an RLIMIT_NICE that allows the thread's nice value (sched(7))."""
+    if not hasattr(os, "SCHED_IDLE"):
+        return False
+    try:
+        os.sched_setscheduler(tid, os.SCHED_IDLE if idle else os.SCHED_OTHER, os.sched_param(0))
+    except OSError:
+        return False
+    return True
+
+
+def may_switch_idle(nice: int) -> bool:
+    """Whether a thread at `nice` below the process may enter SCHED_IDLE and leave it again:
+    probed by a round trip on a throwaway thread, so no thread is left stuck in SCHED_IDLE."""
+    result = [False]
+
+    def probe() -> None:
+        lower_thread_priority(nice)
+        result[0] = set_thread_idle(True) and set_thread_idle(False)
+
+    thread = threading.Thread(target=probe, name="s3stream-sched-probe")
+    thread.start()
+    thread.join()
+    return result[0]
+
+
 class Uploader:
     """Uploads sealed blocks (see the module docstring). `wait_durable(wal_end)` blocks until
     the WAL holds everything before `wal_end` durably (raising if it never will); `trim_wal`,
@@ -103,7 +136,8 @@ class Uploader:
                  on_committed: Callable[[CacheBlock, CommitResult], None],
                  on_fenced: Callable[[list[int] | None], None],
                  wait_durable: Callable[[int], None] = lambda end: None,
-                 on_failure: Callable[[BaseException], None] = lambda e: None) -> None:
+                 on_failure: Callable[[BaseException], None] = lambda e: None,
+                 behind: Callable[[], bool] = lambda: True) -> None:
         self._node_id = node_id
         self._node_epoch = node_epoch
         self._store = store
@@ -124,8 +158,15 @@ class Uploader:
         self._failure: BaseException | None = None
         self._stopping = False
         self._aborted = False
+        self._behind = behind
+        self._tids: list[int] = []       # the pool's threads; guarded by _cond, as _idle
+        self._idle = False
+        self.idle_ok = config.upload_idle and may_switch_idle(config.upload_nice)
+        if config.upload_idle and not self.idle_ok:
+            log.info("upload threads stay at upload_nice: this process may not move a thread out of SCHED_IDLE "
+                     "(that needs CAP_SYS_NICE or an RLIMIT_NICE allowing it)")
         self._pool = ThreadPoolExecutor(max_workers=config.upload_concurrency, thread_name_prefix="s3stream-put",
-                                        initializer=lower_thread_priority, initargs=(config.upload_nice,))
+                                        initializer=self._init_thread)
         # One encode buffer per pool thread, reused: fresh memory per object would be faulted in
         # page by page, which costs more here than the copy into it.
         self._buffers: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
@@ -137,7 +178,8 @@ class Uploader:
         # write_requests: what S3 bills for the committed objects' PUTs (multipart parts counted),
         # kept here because retention may delete the objects before anyone lists them.
         self.stats = dict(blocks=0, objects=0, stream_objects=0, stream_set_objects=0, bytes=0,
-                          write_requests=0, put_retries=0, prepare_retries=0, commit_retries=0, max_inflight=0)
+                          write_requests=0, put_retries=0, prepare_retries=0, commit_retries=0, max_inflight=0,
+                          priority_switches=0)
         self._thread.start()
 
     # ---- queueing and waiting ------------------------------------------------------------------
@@ -205,9 +247,11 @@ class Uploader:
 
     def _run(self) -> None:
         while True:
+            self._pace()
             with self._cond:
-                while (step := self._next_step()) == "wait":
+                if (step := self._next_step()) == "wait":
                     self._cond.wait()
+                    continue
                 if step == "stop":
                     return
                 block = self._queue.popleft() if step == "start" else self._inflight[0].block
@@ -249,6 +293,34 @@ class Uploader:
             self.stats["max_inflight"] = max(self.stats["max_inflight"], len(self._inflight))
         for f in job.puts:
             f.add_done_callback(self._notify)
+
+    def _init_thread(self) -> None:
+        """Pool thread start: run `upload_nice` below the process, in the pool's current mode."""
+        lower_thread_priority(self._config.upload_nice)
+        with self._cond:
+            self._tids.append(threading.get_native_id())
+            if self._idle:
+                set_thread_idle(True)
+
+    def _pace(self) -> None:
+        """Uploader thread, at every step: the pool's threads go into SCHED_IDLE while uploads
+        keep up, and back to upload_nice at once when a sealed block waits for a pipeline slot,
+        half of cache_size is uncommitted or the WAL is past wal_pressure (`behind`), even in
+        the middle of a PUT."""
+        if not self.idle_ok:
+            return
+        try:
+            behind = bool(self._queue) or self._behind()
+        except Exception:   # noqa: BLE001 - a hook's failure must not stop uploads: run at upload_nice
+            log.debug("uploads_behind hook failed; upload threads leave SCHED_IDLE", exc_info=True)
+            behind = True
+        with self._cond:
+            if behind != self._idle:
+                return
+            self._idle = not behind
+            for tid in self._tids:
+                set_thread_idle(self._idle, tid)
+            self.stats["priority_switches"] += 1
 
     def _encode_and_put(self, object_id: int, slices: list, entry):
         """Pool task: encode `slices` into one object (in a reused buffer), PUT it; returns its

@@ -297,6 +297,97 @@ def test_upload_threads_run_at_the_configured_lower_priority(tmp_path, nice):
         c.close()
 
 
+def _policies(threads) -> set:
+    return {os.sched_getscheduler(t.native_id) for t in threads}
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
+def test_upload_threads_idle_while_uploads_keep_up(tmp_path):
+    """With upload_idle (and the right to leave SCHED_IDLE, which root has), the encode-and-PUT
+    threads run under SCHED_IDLE while uploads keep up and return to SCHED_OTHER at upload_nice
+    once the client reports them behind; nothing else changes policy. Switches are counted for
+    the pool as a whole (odd: idle now)."""
+    from s3stream.upload import may_switch_idle
+    if not may_switch_idle(7):
+        pytest.skip("this process may not leave SCHED_IDLE (needs CAP_SYS_NICE)")
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    cfg = small_config(upload_threshold=128 * KiB, split_size=32 * KiB, cache_size=8 * MiB, upload_nice=7,
+                       upload_concurrency=1)
+    c = client(tmp_path, config=cfg)
+    try:
+        assert c._uploader.idle_ok
+        s = c.create_stream()
+        for i in range(40):
+            s.append(RecordBatch(bytes([i]) * 4000, 1)).result()
+        s.close(timeout=30)
+        puts = list(c._uploader._pool._threads)
+        assert puts and _policies(puts) == {os.SCHED_IDLE}
+        assert c._uploader._idle and c._uploader.stats["priority_switches"] % 2 == 1
+        assert os.sched_getscheduler(threading.get_native_id()) == os.SCHED_OTHER
+        assert os.sched_getscheduler(c._uploader._thread.native_id) == os.SCHED_OTHER
+
+        c._uploader._behind = lambda: True          # as when half of cache_size is uncommitted
+        s2 = c.create_stream()
+        for i in range(200):
+            s2.append(RecordBatch(bytes([i]) * 4000, 1))
+        s2.close(timeout=30)
+        assert _policies(puts) == {os.SCHED_OTHER}
+        assert {os.getpriority(os.PRIO_PROCESS, t.native_id) for t in puts} == {min(19, base + 7)}
+        assert not c._uploader._idle and c._uploader.stats["priority_switches"] % 2 == 0
+    finally:
+        c.close()
+
+
+def test_uploads_behind_follows_the_cache(tmp_path):
+    """The hook that takes upload threads out of SCHED_IDLE: false on an idle client, true once
+    half of cache_size is uncommitted (here with the PUTs held), false again once committed."""
+    cfg = small_config(upload_threshold=1 * MiB, split_size=1 * MiB, cache_size=4 * MiB, max_batch_bytes=1 * MiB)
+    c = client(tmp_path, config=cfg)
+    release = threading.Event()
+    put = c._uploader._put
+    c._uploader._put = lambda key, data: release.wait(30) and put(key, data)
+    try:
+        assert not c._uploads_behind()
+        s = c.create_stream()
+        futures = [s.append(RecordBatch(b"x" * (700 * KiB), 1)) for _ in range(3)]
+        for f in futures:
+            f.result(timeout=30)
+        assert c._append_path.uncommitted > cfg.cache_size // 2
+        assert c._uploads_behind()
+        release.set()
+        s.close(timeout=30)
+        assert c._append_path.uncommitted == 0 and not c._uploads_behind()
+    finally:
+        release.set()
+        c.close()
+
+
+def test_upload_threads_stay_at_nice_without_the_right_to_leave_idle(tmp_path, monkeypatch):
+    """Where a thread could enter SCHED_IDLE but not leave it (no CAP_SYS_NICE, RLIMIT_NICE 0),
+    the probe says so and no upload thread is ever put into SCHED_IDLE."""
+    import s3stream.upload as upload
+    real = upload.set_thread_idle
+    monkeypatch.setattr(upload, "set_thread_idle", lambda idle: real(idle) if idle else False)
+    c = client(tmp_path, config=small_config(upload_threshold=128 * KiB, split_size=32 * KiB, cache_size=8 * MiB))
+    try:
+        assert not c._uploader.idle_ok
+        s = c.create_stream()
+        for i in range(40):
+            s.append(RecordBatch(bytes([i]) * 4000, 1))
+        s.close(timeout=30)
+        puts = list(c._uploader._pool._threads)
+        assert puts and _policies(puts) <= {os.SCHED_OTHER}
+        assert c._uploader.stats["priority_switches"] == 0
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("value", [1, "yes", None])
+def test_bad_upload_idle_is_refused(value):
+    with pytest.raises(s3stream.ConfigError, match="upload_idle"):
+        s3stream.Config(upload_idle=value)
+
+
 @pytest.mark.parametrize("nice", [-1, 20, 1.5, True, "10"])
 def test_bad_upload_nice_is_refused(nice):
     with pytest.raises(s3stream.ConfigError, match="upload_nice"):

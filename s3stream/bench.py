@@ -846,6 +846,10 @@ def _format_small_records(report: dict) -> list[str]:
                      "to the node (docs/write-path.md, 'Measuring against the WAL alone'). So the earlier rounds' "
                      "objects are deleted (untimed) right before each engine round and open loop, whose writes then "
                      "reuse their pages as a store whose deletions keep pace with its writes would.")
+    if small.get("store_recycle_bytes"):
+        lines.append(f"  The store keeps up to {fmt_size(small['store_recycle_bytes'])} of deleted objects' files and "
+                     f"overwrites them (LocalObjectStore recycle_bytes, --store-recycle): "
+                     f"{small.get('store_recycled_puts', 0):,} puts reused one.")
     tiny = [r for r in small["sizes"] if r["size"] == 128]
     if tiny:
         rate, floor = tiny[0]["wal"]["records_s"], TARGETS["wal_records_s_128"]

@@ -172,12 +172,12 @@ class StreamClient:
                            f"(errno {e.errno}); free space or fix the path and its permissions") from e
         self._cache = new_log_cache(self.config, clock)
         self._reader = Reader(self._store, self._meta, self._cache, self.config)
+        self._append_path: AppendPath | None = None      # made once recovery is done
         self._uploader = Uploader(node_id=node_id, node_epoch=self.node_epoch, store=self._store,
                                   metadata=self._meta, cache=self._cache, trim_wal=self._trim_wal,
                                   config=self.config, on_committed=self._on_committed, on_fenced=self._on_fenced,
                                   wait_durable=self._wait_wal_durable, on_failure=self._on_upload_failure,
                                   behind=self._uploads_behind)
-        self._append_path: AppendPath | None = None
         try:
             self.recovered = self._recover()
             # A long replay is silence too: tell the peers this node is alive before its agent
@@ -411,9 +411,8 @@ class StreamClient:
         """Uploader hook: half of cache_size is uncommitted, or the WAL's untrimmed bytes passed
         wal_pressure (also while recovering, with no append path yet): uploads must not wait
         for idle cores then."""
-        path = getattr(self, "_append_path", None)      # the uploader starts before it exists
-        return (path is None or 2 * path.uncommitted > path.admit_limit
-                or path.untrimmed_bytes() > self._wal.capacity * self.config.wal_pressure)
+        path = self._append_path
+        return path is None or 2 * path.uncommitted > path.admit_limit or path.untrimmed_bytes() > path.pressure_bytes
 
     def _wait_wal_durable(self, wal_end: int) -> None:
         """Uploader hook: block until the WAL holds everything before `wal_end` durably."""

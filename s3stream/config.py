@@ -62,11 +62,12 @@ class Config:
     upload_idle: run those threads under SCHED_IDLE (Linux) while uploads keep up, so that an
         appender or the WAL writer that wakes takes the core at once instead of waiting for the
         upload thread's time slice to end (a nice value only shares the core). Once uploads fall
-        behind (half of cache_size uncommitted, or the WAL past wal_pressure) the threads return
-        to upload_nice, so a busy host cannot starve them. Leaving SCHED_IDLE needs root,
-        CAP_SYS_NICE or an RLIMIT_NICE allowing upload_nice; without it (probed at start) the
-        threads stay at upload_nice. On 2 cores, 1 KiB records at 500,000/s: open-loop p99
-        3.8-5.3 ms against 6.1-8.1 ms at nice 10 alone (nice 19: 5.5-6.5 ms).
+        behind (a sealed block waits for a pipeline slot, half of cache_size is uncommitted, or
+        the WAL is past wal_pressure) the threads return to upload_nice at once, so a busy host
+        cannot starve them. Leaving SCHED_IDLE needs root, CAP_SYS_NICE or an RLIMIT_NICE
+        allowing upload_nice; without it (probed at start) the threads stay at upload_nice. On
+        2 cores, 1 KiB records at 500,000/s, alternating processes: open-loop p99 3.7-4.8 ms
+        against 6.2-9.7 ms with upload_idle=False (nice 19 instead of 10 gave 5.5-6.5 ms).
     upload_pipeline: sealed blocks uploading at once (plan, prepare, encode, PUT); their commits
         stay in block order. With a 150 ms PUT latency and 4 upload threads, 1 gave 210 MB/s and
         2-4 about 300 MB/s here; 3 leaves room for slower stores.

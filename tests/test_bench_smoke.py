@@ -38,6 +38,10 @@ def test_engine_bench_quick(tmp_path):
     assert [s["size"] for s in small["sizes"]] == [128, 1024, 16384, 65536]
     for s in small["sizes"]:
         assert len(s["per_round"]) == 2
+        first = s["unsettled_round"]        # run before the counted rounds, counted in no total
+        assert first["ratio"] == pytest.approx(first["engine_records_s"] / first["wal_records_s"])
+        assert s["wal"]["records_s"] == pytest.approx(
+            s["wal"]["records"] / s["wal"]["seconds"]) and first not in s["per_round"]
         for side in ("wal", "engine", "engine_no_store"):
             assert s[side]["records"] > 0 and s[side]["records_s"] > 0 and s[side]["cpu_s_per_gib"] > 0
         assert s["ratio"] == pytest.approx(s["engine"]["records_s"] / s["wal"]["records_s"])

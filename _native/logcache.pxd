@@ -3,6 +3,11 @@
 from libc.stdint cimport uint32_t, uint64_t, int64_t
 from _native.sysdeps cimport pthread_mutex_t
 
+cdef enum:
+    # A bytes payload of at least this many bytes enters the cache by reference, not copied
+    # (CacheSlice.add). Below it the copy is cheap and packs small payloads densely in chunks.
+    HOLD_MIN_BYTES = 8192
+
 
 cdef class ChunkPool:
     cdef void** free_chunks[4]       # per size class, a stack of free chunks
@@ -33,11 +38,14 @@ cdef class CacheSlice:
     cdef uint32_t* counts            # records in each batch
     cdef const unsigned char** data  # where each payload is
     cdef size_t* lengths             # its length
+    cdef void** owners               # per batch: the bytes object holding it (a reference), or
+                                     # NULL if copied into a chunk; NULL until a batch is held
     cdef size_t n                    # batches
     cdef size_t cap                  # capacity of the four arrays
 
     cdef unsigned char* _reserve(self, size_t length) except NULL
-    cdef int add(self, uint64_t base, uint32_t count, const unsigned char* data, size_t length) except -1
+    cdef int add(self, uint64_t base, uint32_t count, const unsigned char* data, size_t length,
+                 object owner=*) except -1
     cdef size_t find(self, uint64_t offset) noexcept
 
 
@@ -70,5 +78,6 @@ cdef class LogCache:
     cdef CacheBlock _new_block(self)
     cdef CacheSlice _slice_for(self, uint64_t stream_id, uint64_t epoch)
     cdef int insert(self, CacheSlice s, uint64_t base, uint32_t count, const unsigned char* data,
-                    size_t length, uint64_t wal_start, uint64_t wal_end, bint admitted) except -1
+                    size_t length, uint64_t wal_start, uint64_t wal_end, bint admitted,
+                    object owner=*) except -1
     cdef CacheBlock _seal_locked(self)

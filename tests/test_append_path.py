@@ -445,8 +445,8 @@ def test_upload_stats_count_the_write_requests_s3_would_bill(tmp_path):
 
 # ---- the twins ----------------------------------------------------------------------------------
 
-blocks = st.lists(st.tuples(st.integers(1, 6), st.binary(max_size=300), st.integers(1, 5)), min_size=1,
-                  max_size=60)
+blocks = st.lists(st.tuples(st.integers(1, 6), st.binary(max_size=300), st.integers(1, 5), st.booleans()),
+                  min_size=1, max_size=60)
 
 
 @settings(max_examples=150, deadline=None)
@@ -456,10 +456,11 @@ def test_native_planner_and_encoder_match_their_twins(records, split_size, block
     offsets: dict[int, int] = {}
     batches: dict[int, list] = {}
     wal_end = 0
-    for stream_id, payload, count in records:
+    for stream_id, payload, count, hold in records:
         base = offsets.get(stream_id, 0)
         wal_end += 64 + len(payload)
-        assert cache.put(stream_id, 1, (base, count, payload), wal_end) is None
+        # held by reference or copied into chunks, in any mix: the same object either way
+        assert cache.put(stream_id, 1, (base, count, payload), wal_end, hold=hold) is None
         offsets[stream_id] = base + count
         batches.setdefault(stream_id, []).append((base, count, payload))
     block = cache.seal()
@@ -485,6 +486,59 @@ def test_cache_reads_only_what_it_holds(tmp_path):
     assert [b.block_id for b in cache.pending_blocks_with(5)] == [cache.seal().block_id]
 
 
+def test_large_bytes_payloads_are_held_not_copied_and_released_on_eviction():
+    """A bytes payload from HOLD_MIN_BYTES (8 KiB) on is kept by reference: the cache takes no
+    chunk for it, reads and encodes it like a copied one, and lets it go when the block is
+    evicted. A smaller one, or any other buffer type, is copied (a bytearray may change later)."""
+    cache = LogCache(64 * KiB, 128 * KiB, time.monotonic_ns, s3stream.FetchedBatch)
+    big, small, mutable = os.urandom(8 * KiB), os.urandom(8 * KiB - 1), bytearray(os.urandom(8 * KiB))
+    before = sys.getrefcount(big)
+    cache.put(1, 1, (0, 1, big), 100)
+    cache.put(1, 1, (1, 1, small), 200)
+    cache.put(1, 1, (2, 1, mutable), 300)
+    assert sys.getrefcount(big) == before + 1
+    assert cache.stats()["pool"]["allocated"] == 1          # one chunk, for the two copied payloads
+    original = bytes(mutable)
+    mutable[:] = bytes(len(mutable))                        # copied when put: the change is not seen
+    got = cache.read(1, 0, 3, 1 << 20)
+    assert [bytes(b.payload) for b in got] == [big, small, original]
+    block = cache.seal()
+    data, _ = encode_slices([block.streams[1]], 1 << 20)
+    assert big in data and small in data
+    cache.mark_committed(block)
+    for i in range(3, 40):                                  # evict the block: the reference goes
+        sealed = cache.put(2, 1, (i, 1, os.urandom(8 * KiB)), 100 * i)
+        if sealed is not None:
+            cache.mark_committed(sealed)
+    assert cache.read(1, 0, 3, 1 << 20) == []
+    del block, got, data
+    assert sys.getrefcount(big) == before
+
+
+def test_appends_hold_large_bytes_and_copy_other_buffers(tmp_path):
+    """Through the engine: a large bytes payload is held by the cache (one more reference while
+    cached), a bytearray is copied, so changing it after the append changes nothing stored."""
+    c = client(tmp_path)
+    try:
+        s = c.create_stream()
+        big, buf = os.urandom(16 * KiB), bytearray(os.urandom(16 * KiB))
+        original, before = bytes(buf), sys.getrefcount(big)
+        batch = RecordBatch(big, 1)
+        s.append(batch).result(10)
+        s.append(RecordBatch(buf, 1)).result(10)
+        del batch
+        assert sys.getrefcount(big) == before + 1
+        buf[:] = bytes(len(buf))
+        assert read_all(s) == [(0, big), (1, original)]
+        s.close()                                           # uploaded: the objects hold the same bytes
+        reopened = c.open_stream(s.stream_id)
+        c._cache.drop_stream(s.stream_id)                  # read back from the object store
+        assert read_all(reopened) == [(0, big), (1, original)]
+        assert c.stats()["read"]["object_reads"] > 0
+    finally:
+        c.close()
+
+
 def test_cache_memory_is_recycled_and_bounded():
     """Evicted blocks give their chunks back; new blocks take them instead of fresh memory, and
     the pool keeps at most half the cache size free."""
@@ -495,7 +549,7 @@ def test_cache_memory_is_recycled_and_bounded():
         sealed = None
         while sealed is None:
             wal_end += len(payload) + 64
-            sealed = cache.put(1, 1, (offset, 1, payload), wal_end)
+            sealed = cache.put(1, 1, (offset, 1, payload), wal_end, hold=False)     # copied into chunks
             offset += 1
         cache.mark_committed(sealed)
     pool = cache.stats()["pool"]

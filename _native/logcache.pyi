@@ -1,4 +1,5 @@
 from typing import Any, Callable, overload
+from _native.objcodec import GatheredObject
 
 ACTIVE: str
 SEALED: str
@@ -50,13 +51,14 @@ class CacheBlock:
     def plan(self, split_size: int) -> tuple[list[CacheSlice], list[CacheSlice]]: ...
 
 # (object bytes, index entries as objcodec.encode_object returns them); with `into`, a memoryview
-# of that bytearray instead of new bytes.
+# of that bytearray instead of new bytes, or with `gather_min` too a GatheredObject.
 @overload
 def encode_slices(slices: list[CacheSlice], block_size: int,
-                  into: None = None) -> tuple[bytes, list[tuple[int, int, int, int, int, int, int]]]: ...
+                  into: None = None, gather_min: int = 0) -> tuple[bytes, list[tuple[int, int, int, int, int, int, int]]]: ...
 @overload
-def encode_slices(slices: list[CacheSlice], block_size: int,
-                  into: bytearray) -> tuple[memoryview, list[tuple[int, int, int, int, int, int, int]]]: ...
+def encode_slices(slices: list[CacheSlice], block_size: int, into: bytearray,
+                  gather_min: int = 0) -> tuple[memoryview | GatheredObject,
+                                                list[tuple[int, int, int, int, int, int, int]]]: ...
 
 class LogCache:
     @property

@@ -283,12 +283,13 @@ cdef class CacheBlock:
         return f"<CacheBlock {self.block_id} {self.state} {len(self.streams)} streams {self.size} bytes>"
 
 
-def encode_slices(list slices, size_t block_size, bytearray into=None) -> tuple:
+def encode_slices(list slices, size_t block_size, bytearray into=None, size_t gather_min=0) -> tuple:
     """Encode one object straight from sealed slices (stream ids strictly ascending): (bytes,
     index entries), byte for byte what objcodec.encode_object makes of the same batches; with
     `into`, a memoryview of that reused bytearray instead of new bytes (release it before the
-    next use). The copy runs without the GIL; sealed slices never change, and the list keeps
-    them alive."""
+    next use); with `into` and `gather_min`, a GatheredObject if any payload has at least
+    `gather_min` bytes: those are written from the slices, not copied (it holds the slices).
+    The copy runs without the GIL; sealed slices never change, and the list keeps them alive."""
     cdef size_t npieces = 0, k = 0, i
     cdef Piece* pieces
     cdef CacheSlice s
@@ -314,7 +315,7 @@ def encode_slices(list slices, size_t block_size, bytearray into=None) -> tuple:
                 pieces[k].count = s.counts[i]
                 pieces[k].stream_id = s.stream_id
                 k += 1
-        return encode_pieces(pieces, npieces, block_size, into)
+        return encode_pieces(pieces, npieces, block_size, into, gather_min, slices)
     finally:
         free(pieces)
 

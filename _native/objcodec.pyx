@@ -22,7 +22,10 @@ from libc.stdlib cimport malloc, free
 from libc.string cimport memcpy
 from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE, PyByteArray_Resize
-from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE
+from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE, PyBuffer_FillInfo
+from libc.errno cimport errno, EINTR
+from libc.string cimport strerror
+cimport cython
 
 from _native.checksum cimport crc32c_update
 from _native.endian cimport store16, store32, store64, load16, load32, load64
@@ -70,19 +73,143 @@ cdef struct BlockPlan:
     size_t pieces
 
 
-cdef tuple encode_pieces(const Piece* pieces, size_t npieces, size_t block_size, bytearray into=None):
+cdef extern from "<sys/uio.h>" nogil:
+    struct iovec:
+        void* iov_base
+        size_t iov_len
+    ssize_t writev(int fd, const iovec* iov, int iovcnt)
+
+cdef enum:
+    WRITEV_MAX = 1024             # IOV_MAX on Linux
+
+
+@cython.final
+cdef class GatheredObject:
+    """An encoded object whose large payloads were not copied: a list of segments, in order,
+    that point into a frame (headers, small payloads, index, footer) and into the memory that
+    holds the large payloads (the sealed cache slices in `keep`). `write_to(fd)` writes it with
+    writev and no copy; `read(start, end)` copies a range (an S3 part); the buffer protocol joins
+    it once, for any other consumer. `release()` (or leaving a `with` block) lets go of the frame
+    and the slices; the object is unusable afterwards."""
+
+    def __dealloc__(self):
+        free(self.segs)
+
+    def __len__(self):
+        return self.size
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+    def release(self) -> None:
+        if self.frame is not None and isinstance(self.frame, memoryview):
+            self.frame.release()
+        self.frame = None
+        self.keep = None
+        self.nsegs = 0
+
+    cdef int _check(self) except -1:
+        if self.frame is None:
+            raise ValueError("operation on a released GatheredObject")
+        return 0
+
+    def write_to(self, int fd) -> int:
+        """Write the whole object at the descriptor's current position (GIL released); returns
+        the byte count. OSError as write(2) reports it; short writes are resumed."""
+        cdef iovec iov[WRITEV_MAX]
+        cdef size_t seg = 0, skip = 0, k, left
+        cdef ssize_t n
+        cdef int err = 0
+        self._check()
+        with nogil:
+            while seg < self.nsegs:
+                k = 0
+                while k < WRITEV_MAX and seg + k < self.nsegs:
+                    iov[k].iov_base = <void*>(self.segs[seg + k].ptr + (skip if k == 0 else 0))
+                    iov[k].iov_len = self.segs[seg + k].length - (skip if k == 0 else 0)
+                    k += 1
+                n = writev(fd, iov, <int>k)
+                if n < 0:
+                    if errno == EINTR:
+                        continue
+                    err = errno
+                    break
+                left = <size_t>n
+                while left and seg < self.nsegs:         # advance past what was written
+                    if left >= self.segs[seg].length - skip:
+                        left -= self.segs[seg].length - skip
+                        seg += 1
+                        skip = 0
+                    else:
+                        skip += left
+                        left = 0
+        if err:
+            raise OSError(err, strerror(err))
+        return self.size
+
+    def read(self, size_t start, size_t end) -> bytes:
+        """Bytes [start, end) of the object (clipped to its size), copied."""
+        cdef size_t seg, at = 0, a, b, pos = 0
+        cdef unsigned char* out
+        self._check()
+        if end > self.size:
+            end = self.size
+        if start >= end:
+            return b""
+        result = PyBytes_FromStringAndSize(NULL, <Py_ssize_t>(end - start))
+        out = <unsigned char*>PyBytes_AS_STRING(result)
+        with nogil:
+            for seg in range(self.nsegs):
+                a = pos if pos > start else start
+                b = pos + self.segs[seg].length
+                if b > end:
+                    b = end
+                if a < b:
+                    memcpy(out + at, self.segs[seg].ptr + (a - pos), b - a)
+                    at += b - a
+                pos += self.segs[seg].length
+                if pos >= end:
+                    break
+        return result
+
+    def tobytes(self) -> bytes:
+        return self.read(0, self.size)
+
+    def __getbuffer__(self, Py_buffer* buffer, int flags):
+        if self.joined is None:
+            self.joined = self.tobytes()
+        PyBuffer_FillInfo(buffer, self, PyBytes_AS_STRING(self.joined), <Py_ssize_t>self.size, 1, flags)
+
+    def __releasebuffer__(self, Py_buffer* buffer):
+        pass
+
+
+cdef tuple encode_pieces(const Piece* pieces, size_t npieces, size_t block_size, bytearray into=None,
+                         size_t gather_min=0, object keep=None):
     """Encode an object from `npieces` batches, grouped by stream (stream ids ascending, offsets
     contiguous within a stream: the caller checks). Each stream's batches are cut into blocks of
-    at most `block_size` bytes; a batch larger than that gets a block of its own. Returns (object
-    bytes, index entries as tuples); with `into`, the object is written into that bytearray
+    at most `block_size` bytes; a batch larger than that gets a block of its own. Returns (object,
+    index entries as tuples). The object is bytes; with `into`, it is written into that bytearray
     (grown if needed, never shrunk: memory reused across objects is not faulted in again) and
-    returned as a memoryview of its first bytes. Planning is O(batches); the copy and checksums
-    run with the GIL released, so the payload memory must stay alive and unchanged for the call."""
+    returned as a memoryview of its first bytes. With `into` and `gather_min`, payloads of at
+    least `gather_min` bytes are not copied: the object is a GatheredObject over `into` and the
+    payloads' own memory, which `keep` must hold (same bytes once joined). Planning is
+    O(batches); the copy and checksums run with the GIL released, so the payload memory must
+    stay alive and unchanged for the call (and, gathered, until the object is released)."""
     cdef BlockPlan* blocks
-    cdef size_t nblocks = 0, i, j, pos = 0, total, body, index_pos, index_len
+    cdef size_t nblocks = 0, i, j, pos = 0, total, body, index_pos, index_len, frame_size, nseg = 0
+    cdef size_t nref = 0, ref_bytes = 0
     cdef unsigned char* out
     cdef unsigned char* p
     cdef unsigned char* bp
+    cdef unsigned char* seg_start
+    cdef unsigned char* crc_from
+    cdef uint32_t crc
+    cdef Segment* segs = NULL
+    cdef GatheredObject gathered
     if npieces == 0:
         raise ValueError("an object needs at least one batch")
     if block_size < BLOCK_HEADER + BATCH_HEADER:
@@ -108,56 +235,95 @@ cdef tuple encode_pieces(const Piece* pieces, size_t npieces, size_t block_size,
             blocks[nblocks - 1].records += pieces[i].count
             blocks[nblocks - 1].pieces += 1
             pos += BATCH_HEADER + pieces[i].length
+            if gather_min and into is not None and pieces[i].length >= gather_min:
+                nref += 1
+                ref_bytes += pieces[i].length
         index_pos = pos
         index_len = nblocks * INDEX_ENTRY
         total = index_pos + index_len + FOOTER
+        frame_size = total - ref_bytes
         if into is None:
             result = PyBytes_FromStringAndSize(NULL, <Py_ssize_t>total)
             out = <unsigned char*>PyBytes_AS_STRING(result)
         else:
-            if <size_t>PyByteArray_GET_SIZE(into) < total:
-                PyByteArray_Resize(into, <Py_ssize_t>total)
+            if <size_t>PyByteArray_GET_SIZE(into) < frame_size:
+                PyByteArray_Resize(into, <Py_ssize_t>frame_size)
             out = <unsigned char*>PyByteArray_AS_STRING(into)
             # A slice of a view keeps the bytearray exported (not resizable) while it lives.
-            result = memoryview(into)[:total]
+            result = memoryview(into)[:frame_size]
+        if nref:
+            segs = <Segment*>malloc((2 * nref + 1) * sizeof(Segment))
+            if segs == NULL:
+                raise MemoryError()
         with nogil:
+            p = out
+            seg_start = out
             for i in range(nblocks):
-                bp = out + blocks[i].position
-                p = bp + BLOCK_HEADER
+                bp = p
+                p += BLOCK_HEADER
+                crc = 0
+                crc_from = p
                 for j in range(blocks[i].first_piece, blocks[i].first_piece + blocks[i].pieces):
                     store64(p, pieces[j].base)
                     store32(p + 8, pieces[j].count)
                     store32(p + 12, <uint32_t>pieces[j].length)
-                    memcpy(p + BATCH_HEADER, pieces[j].data, pieces[j].length)
-                    p += BATCH_HEADER + pieces[j].length
+                    if nref and pieces[j].length >= gather_min:
+                        p += BATCH_HEADER
+                        crc = crc32c_update(crc, crc_from, <size_t>(p - crc_from))
+                        crc = crc32c_update(crc, pieces[j].data, pieces[j].length)
+                        crc_from = p
+                        segs[nseg].ptr = seg_start
+                        segs[nseg].length = <size_t>(p - seg_start)
+                        segs[nseg + 1].ptr = pieces[j].data
+                        segs[nseg + 1].length = pieces[j].length
+                        nseg += 2
+                        seg_start = p
+                    else:
+                        memcpy(p + BATCH_HEADER, pieces[j].data, pieces[j].length)
+                        p += BATCH_HEADER + pieces[j].length
                 body = blocks[i].size - BLOCK_HEADER
                 store32(bp, BLOCK_MAGIC)
                 store32(bp + 4, FORMAT_VERSION)
                 store64(bp + 8, blocks[i].stream_id)
                 store64(bp + 16, blocks[i].start)
                 store32(bp + 24, <uint32_t>blocks[i].pieces)
-                store32(bp + 28, crc32c_update(0, bp + BLOCK_HEADER, body))
-                p = out + index_pos + i * INDEX_ENTRY
-                store64(p, blocks[i].stream_id)
-                store64(p + 8, blocks[i].start)
-                store64(p + 16, blocks[i].end)
-                store32(p + 24, <uint32_t>blocks[i].records)
-                store32(p + 28, <uint32_t>blocks[i].size)
-                store64(p + 32, blocks[i].position)
-                store32(p + 40, <uint32_t>blocks[i].pieces)
-                store32(p + 44, 0)
-            p = out + index_pos + index_len
-            store64(p, index_pos)
-            store32(p + 8, <uint32_t>index_len)
-            store32(p + 12, crc32c_update(0, out + index_pos, index_len))
-            store32(p + 16, <uint32_t>nblocks)
-            store16(p + 20, FORMAT_VERSION)
-            store16(p + 22, 0)
-            store64(p + 24, FOOTER_MAGIC)
+                store32(bp + 28, crc32c_update(crc, crc_from, <size_t>(p - crc_from)))
+            # p is now where the index goes in the frame (index_pos in the object)
+            for i in range(nblocks):
+                bp = p + i * INDEX_ENTRY
+                store64(bp, blocks[i].stream_id)
+                store64(bp + 8, blocks[i].start)
+                store64(bp + 16, blocks[i].end)
+                store32(bp + 24, <uint32_t>blocks[i].records)
+                store32(bp + 28, <uint32_t>blocks[i].size)
+                store64(bp + 32, blocks[i].position)
+                store32(bp + 40, <uint32_t>blocks[i].pieces)
+                store32(bp + 44, 0)
+            bp = p + index_len
+            store64(bp, index_pos)
+            store32(bp + 8, <uint32_t>index_len)
+            store32(bp + 12, crc32c_update(0, p, index_len))
+            store32(bp + 16, <uint32_t>nblocks)
+            store16(bp + 20, FORMAT_VERSION)
+            store16(bp + 22, 0)
+            store64(bp + 24, FOOTER_MAGIC)
+            if nref:
+                segs[nseg].ptr = seg_start
+                segs[nseg].length = <size_t>(bp + FOOTER - seg_start)
+                nseg += 1
         entries = [(blocks[i].stream_id, blocks[i].start, blocks[i].end, blocks[i].records,
                     blocks[i].size, blocks[i].position, blocks[i].pieces) for i in range(nblocks)]
+        if nref:
+            gathered = GatheredObject.__new__(GatheredObject)
+            gathered.segs, segs = segs, NULL
+            gathered.nsegs = nseg
+            gathered.size = total
+            gathered.frame = result
+            gathered.keep = keep
+            result = gathered
     finally:
         free(blocks)
+        free(segs)
     return result, entries
 
 

@@ -12,10 +12,40 @@ Contract (every implementation, every wrapper):
 - `list(prefix)` yields ObjectInfo(key, size) of every object under the prefix, keys ascending.
 - All methods are thread-safe. Implementations bound their own concurrency and retry transient
   failures with backoff before raising ObjectStoreError.
+- `data` is bytes-like, or a Gathered object (the uploader's objects whose large payloads were
+  not copied into one buffer). A store that knows Gathered writes it from its pieces
+  (`write_to(fd)`, `read(start, end)` per part); any other may use it as a buffer
+  (`memoryview(data)`), which joins it once. Use `data_size(data)` for its length.
 """
 from __future__ import annotations
 
-from typing import Iterable, Iterator, NamedTuple, Protocol, runtime_checkable
+from typing import Iterable, Iterator, NamedTuple, Protocol, Union, runtime_checkable
+
+
+@runtime_checkable
+class Gathered(Protocol):
+    """An object in pieces (_native.objcodec.GatheredObject): its bytes in order, written or
+    copied from the pieces; it is also a read-only buffer, joined on first use."""
+
+    def __len__(self) -> int: ...
+
+    def write_to(self, fd: int) -> int:
+        """Write every byte at the descriptor's position (short writes resumed)."""
+        ...
+
+    def read(self, start: int, end: int) -> bytes:
+        """A copy of bytes [start, end)."""
+        ...
+
+    def tobytes(self) -> bytes: ...
+
+
+PutData = Union[bytes, bytearray, memoryview, Gathered]
+
+
+def data_size(data: PutData) -> int:
+    """Bytes in `data` (a memoryview's nbytes whatever its format)."""
+    return data.nbytes if isinstance(data, memoryview) else len(data)
 
 
 def write_requests(size: int, part_size: int | None, multipart_threshold: int | None) -> int:
@@ -45,7 +75,7 @@ class ObjectStore(Protocol):
         wrapper's is its inner store's)."""
         ...
 
-    def put(self, key: str, data: bytes | memoryview) -> None: ...
+    def put(self, key: str, data: PutData) -> None: ...
 
     def get(self, key: str, start: int = 0, end: int | None = None) -> bytes: ...
 

@@ -22,7 +22,7 @@ from collections import deque
 from typing import Iterable, Iterator
 
 from ..errors import ConfigError, ObjectNotFoundError, ObjectStoreError, ObjectStorePermanentError
-from .base import ObjectInfo, default_multipart_threshold
+from .base import Gathered, ObjectInfo, PutData, data_size, default_multipart_threshold
 
 MiB = 1024 * 1024
 
@@ -198,15 +198,17 @@ class LocalObjectStore:
         with self._lock:
             self._durable_dirs.update(chain)
 
-    def put(self, key: str, data: bytes | memoryview) -> None:
-        """Store `data` under `key` atomically and durably."""
+    def put(self, key: str, data: PutData) -> None:
+        """Store `data` under `key` atomically and durably (a Gathered object from its pieces,
+        with writev: no join)."""
         path = self._path(key)
         directory = os.path.dirname(path)
         tmp = os.path.join(directory, TEMP_PREFIX + uuid.uuid4().hex)
+        size = data_size(data)
         try:
             try:
                 self._ensure_dir(directory)
-                f = (self._pool and self._pool_take(len(data), tmp)) or open(tmp, "xb")
+                f = (self._pool and self._pool_take(size, tmp)) or open(tmp, "xb")
             except FileNotFoundError:
                 # The directory vanished behind our back (removed externally): forget and retry.
                 with self._lock:
@@ -215,9 +217,12 @@ class LocalObjectStore:
                 f = open(tmp, "xb")
             try:
                 with f:
-                    f.write(data)
-                    f.truncate()        # a recycled file may be longer
-                    f.flush()
+                    if isinstance(data, Gathered):
+                        data.write_to(f.fileno())      # nothing buffered in f: it is at 0
+                    else:
+                        f.write(data)
+                        f.flush()
+                    os.ftruncate(f.fileno(), size)     # a recycled file may be longer
                     os.fsync(f.fileno())
                 os.replace(tmp, path)
             except BaseException:

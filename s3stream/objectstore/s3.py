@@ -17,7 +17,7 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
 from ..errors import ConfigError, ObjectNotFoundError, ObjectStoreError, ObjectStorePermanentError
-from .base import ObjectInfo, default_multipart_threshold, write_requests
+from .base import Gathered, ObjectInfo, PutData, data_size, default_multipart_threshold, write_requests
 from .local import check_range
 
 log = logging.getLogger("s3stream.objectstore")
@@ -134,21 +134,28 @@ class S3ObjectStore:
 
     # -- ObjectStore ---------------------------------------------------------------------------
 
-    def put(self, key: str, data: bytes | memoryview) -> None:
-        """Store `data` under `key`: one PutObject, or a multipart upload above the threshold."""
+    def put(self, key: str, data: PutData) -> None:
+        """Store `data` under `key`: one PutObject, or a multipart upload above the threshold.
+        Each request's body is one copy of its bytes (botocore takes bytes), a Gathered object's
+        included."""
         full_key = self._full_key(key)
-        view = memoryview(data).cast("B")
-        if write_requests(len(view), self.part_size, self.multipart_threshold) == 1:
-            body = data if isinstance(data, bytes) else view.tobytes()
+        size = data_size(data)
+        if isinstance(data, Gathered):
+            piece: Callable[[int, int], bytes] = data.read
+        else:
+            view = memoryview(data).cast("B")
+            piece = lambda start, end: view[start:end].tobytes()      # noqa: E731
+        if write_requests(size, self.part_size, self.multipart_threshold) == 1:
+            body = data if isinstance(data, bytes) else piece(0, size)
             try:
                 self._request("put", "put", key, lambda: self._client.put_object(
                     Bucket=self.bucket, Key=full_key, Body=body))
             except ClientError as e:
                 raise self._error("put", key, e) from e
             return
-        self._put_multipart(key, full_key, view)
+        self._put_multipart(key, full_key, size, piece)
 
-    def _put_multipart(self, key: str, full_key: str, view: memoryview) -> None:
+    def _put_multipart(self, key: str, full_key: str, size: int, piece: Callable[[int, int], bytes]) -> None:
         try:
             upload_id = self._request("create_multipart", "create multipart upload", key,
                                       lambda: self._client.create_multipart_upload(
@@ -157,14 +164,13 @@ class S3ObjectStore:
             raise self._error("create multipart upload", key, e) from e
         # The last part takes the remainder (S3 parts may be up to 5 GiB): an object a little over
         # n parts is n requests, not n + 1 with a tiny last one.
-        count = max(1, len(view) // self.part_size)
+        count = max(1, size // self.part_size)
         futures: list[Future] = []
         try:
             for index in range(count):
-                end = (index + 1) * self.part_size if index < count - 1 else len(view)
-                part = view[index * self.part_size:end]
+                end = (index + 1) * self.part_size if index < count - 1 else size
                 futures.append(self._executor.submit(
-                    self._upload_part, key, full_key, upload_id, index + 1, part))
+                    self._upload_part, key, full_key, upload_id, index + 1, piece, index * self.part_size, end))
             parts = [f.result() for f in futures]
             self._request("complete_multipart", "complete multipart upload", key,
                           lambda: self._client.complete_multipart_upload(
@@ -181,8 +187,8 @@ class S3ObjectStore:
             raise
 
     def _upload_part(self, key: str, full_key: str, upload_id: str, number: int,
-                     part: memoryview) -> dict:
-        body = part.tobytes()  # botocore wants bytes or a file, not a memoryview
+                     piece: Callable[[int, int], bytes], start: int, end: int) -> dict:
+        body = piece(start, end)  # botocore wants bytes or a file, not a memoryview; copied here, in the worker
         response = self._request("upload_part", f"upload part {number}", key,
                                  lambda: self._client.upload_part(
                                      Bucket=self.bucket, Key=full_key, UploadId=upload_id,

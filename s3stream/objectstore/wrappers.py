@@ -9,7 +9,7 @@ from typing import Callable, Iterable, Iterator
 
 from ..errors import ObjectStoreError
 from ..latency import LatencyHistogram
-from .base import ObjectInfo, ObjectStore, write_requests
+from .base import ObjectInfo, ObjectStore, PutData, data_size, write_requests
 
 KeyPredicate = Callable[[str], bool]
 
@@ -70,9 +70,9 @@ class InstrumentedObjectStore(_Wrapper):
             for name, amount in amounts.items():
                 self._counts[name] += amount
 
-    def put(self, key: str, data: bytes | memoryview) -> None:
+    def put(self, key: str, data: PutData) -> None:
         """Delegate, counting the write requests the put implies."""
-        size = len(memoryview(data).cast("B"))
+        size = data_size(data)
         requests = write_requests(size, _part_size(self.inner), getattr(self.inner, "multipart_threshold", None))
         self._add(put=1, put_requests=requests)
         t0 = self._begin("put")
@@ -244,7 +244,7 @@ class FaultInjectingObjectStore(_Wrapper):
 
     # -- ObjectStore ---------------------------------------------------------------------------
 
-    def put(self, key: str, data: bytes | memoryview) -> None:
+    def put(self, key: str, data: PutData) -> None:
         """Delegate unless a put fault is armed."""
         with self._lock:
             delay = self._put_delay

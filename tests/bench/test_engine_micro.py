@@ -107,3 +107,52 @@ def test_log_cache_put_128(benchmark):
     tail = cache.read(7, n - 1, n, 1 * MiB)
     assert [(b.base_offset, b.payload) for b in tail] == [(n - 1, payload)]
     assert sealed_blocks[0] == n * len(payload) // (1 * MiB)
+
+
+@pytest.mark.parametrize("hold", [True, False], ids=["held", "copied"])
+def test_log_cache_put_64k(benchmark, hold):
+    """One durable 64 KiB batch into the log cache: held by reference (what appends of bytes do
+    from 8 KiB on) or copied into the cache's chunks (any other buffer, or below 8 KiB)."""
+    cache = _standalone_log_cache()
+    payload = os.urandom(64 * KiB)
+    next_offset = [0]
+
+    def one():
+        base = next_offset[0]
+        next_offset[0] = base + 1
+        sealed = cache.put(7, 1, FetchedBatch(base, 1, payload), (base + 1) * 70000, hold=hold)
+        if sealed is not None:
+            cache.mark_committed(sealed)
+        return sealed
+
+    benchmark(one)
+    n = next_offset[0]
+    assert [(b.base_offset, b.payload) for b in cache.read(7, n - 1, n, 1 * MiB)] == [(n - 1, payload)]
+
+
+@pytest.mark.parametrize("gather_min", [8 * KiB, 0], ids=["gathered", "copied"])
+def test_encode_object_from_the_cache_16m(benchmark, tmp_path, gather_min):
+    """Encoding a 16 MiB block of 64 KiB batches (1,000 streams' worth of slices) and writing it
+    to a file, as the uploader does for the local store: payloads left in the cache (writev) or
+    copied into the reused buffer first."""
+    cache = logcache.LogCache(64 * MiB, 128 * MiB, time.monotonic_ns, FetchedBatch)
+    payload = os.urandom(64 * KiB)
+    for i in range(256):
+        cache.put(i % 250, 1, (i // 250, 1, payload), (i + 1) * 70000)
+    block = cache.seal()
+    slices = [block.streams[sid] for sid in sorted(block.streams)]
+    buffer = bytearray()
+    whole, _ = logcache.encode_slices(slices, 512 * KiB)
+    path = tmp_path / "object"
+
+    def one():
+        data, _ = logcache.encode_slices(slices, 512 * KiB, buffer, gather_min)
+        with data, open(path, "wb") as f:
+            if gather_min:
+                data.write_to(f.fileno())
+            else:
+                f.write(data)
+        return data
+
+    benchmark(one)
+    assert path.read_bytes() == whole

@@ -105,8 +105,8 @@ cdef class GatheredObject:
         self.release()
 
     def release(self) -> None:
-        if self.frame is not None and isinstance(self.frame, memoryview):
-            self.frame.release()
+        if self.frame is not None:
+            self.frame.release()        # the reused bytearray may be resized again
         self.frame = None
         self.keep = None
         self.nsegs = 0
@@ -183,9 +183,6 @@ cdef class GatheredObject:
             self.joined = self.tobytes()
         PyBuffer_FillInfo(buffer, self, PyBytes_AS_STRING(self.joined), <Py_ssize_t>self.size, 1, flags)
 
-    def __releasebuffer__(self, Py_buffer* buffer):
-        pass
-
 
 cdef tuple encode_pieces(const Piece* pieces, size_t npieces, size_t block_size, bytearray into=None,
                          size_t gather_min=0, object keep=None):
@@ -200,7 +197,7 @@ cdef tuple encode_pieces(const Piece* pieces, size_t npieces, size_t block_size,
     O(batches); the copy and checksums run with the GIL released, so the payload memory must
     stay alive and unchanged for the call (and, gathered, until the object is released)."""
     cdef BlockPlan* blocks
-    cdef size_t nblocks = 0, i, j, pos = 0, total, body, index_pos, index_len, frame_size, nseg = 0
+    cdef size_t nblocks = 0, i, j, pos = 0, total, index_pos, index_len, frame_size, nseg = 0
     cdef size_t nref = 0, ref_bytes = 0
     cdef unsigned char* out
     cdef unsigned char* p
@@ -281,7 +278,6 @@ cdef tuple encode_pieces(const Piece* pieces, size_t npieces, size_t block_size,
                     else:
                         memcpy(p + BATCH_HEADER, pieces[j].data, pieces[j].length)
                         p += BATCH_HEADER + pieces[j].length
-                body = blocks[i].size - BLOCK_HEADER
                 store32(bp, BLOCK_MAGIC)
                 store32(bp + 4, FORMAT_VERSION)
                 store64(bp + 8, blocks[i].stream_id)

@@ -241,6 +241,9 @@ def gathered(size: int, seed: int):
     whole, _ = encode_slices(slices, 1 << 20)
     obj, _ = encode_slices(slices, 1 << 20, bytearray(), 8192)
     assert len(obj) == len(whole) and not isinstance(obj, (bytes, memoryview))
+    middle = (len(whole) // 3, 2 * len(whole) // 3)
+    assert obj.read(*middle) == whole[middle[0]:middle[1]]
+    assert bytes(memoryview(obj)) == whole          # what a store that does not know it sees
     return obj, whole
 
 

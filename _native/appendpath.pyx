@@ -38,7 +38,7 @@ from _native.sysdeps cimport (
 from _native.endian cimport store32, store64
 from _native.walrecord cimport RECORD_HEADER_SIZE
 from _native.walring cimport Ring
-from _native.logcache cimport LogCache, CacheSlice, CacheBlock, HOLD_MIN_BYTES
+from _native.logcache cimport LogCache, CacheSlice, CacheBlock, held_owner
 
 log = logging.getLogger("s3stream.append")
 
@@ -435,12 +435,9 @@ cdef class AppendPath:
         cdef const unsigned char* data
         cdef bint have_view = False
         cdef uint64_t i
-        cdef object owner = None
         if type(payload) is bytes:          # the common case: no buffer protocol round trip
             data = <const unsigned char*>PyBytes_AS_STRING(payload)
             n = <size_t>PyBytes_GET_SIZE(payload)
-            if n >= HOLD_MIN_BYTES:
-                owner = payload             # immutable: the cache may hold it instead of a copy
         else:
             PyObject_GetBuffer(payload, &view, PyBUF_SIMPLE)
             have_view = True
@@ -485,7 +482,7 @@ cdef class AppendPath:
                     if s is None or s.block_id != self.cache.active.block_id:
                         s = self.cache._slice_for(w.stream_id, w.epoch)
                         w.slice = s
-                    seal = self.cache.insert(s, base, count, data, n, pos, wal_end, True, owner) == 1
+                    seal = self.cache.insert(s, base, count, data, n, pos, wal_end, True, held_owner(payload, n)) == 1
                     self.uncommitted += n
                     w._push_pending(wal_end, base + count)
                     if seal:

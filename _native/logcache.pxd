@@ -9,6 +9,12 @@ cdef enum:
     HOLD_MIN_BYTES = 8192
 
 
+cdef inline object held_owner(object payload, size_t length):
+    """`payload` if the cache should hold it rather than copy its `length` bytes, else None:
+    only exact bytes (immutable; a bytearray or view may change after the append)."""
+    return payload if type(payload) is bytes and length >= HOLD_MIN_BYTES else None
+
+
 cdef class ChunkPool:
     cdef void** free_chunks[4]       # per size class, a stack of free chunks
     cdef size_t free_count[4]

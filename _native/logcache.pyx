@@ -399,12 +399,14 @@ cdef class LogCache:
         cdef CacheBlock sealed = None
         base, count, payload = batch
         PyObject_GetBuffer(payload, &view, PyBUF_SIMPLE)
-        if type(payload) is not bytes or not (view.len >= HOLD_MIN_BYTES if hold is None else hold):
-            payload = None
+        if hold is None:
+            owner = held_owner(payload, view.len)
+        else:
+            owner = payload if hold and type(payload) is bytes else None
         self.acquire()
         try:
             if self.insert(self._slice_for(stream_id, epoch), base, count,
-                           <const unsigned char*>view.buf, <size_t>view.len, wal_start, wal_end, False, payload):
+                           <const unsigned char*>view.buf, <size_t>view.len, wal_start, wal_end, False, owner):
                 sealed = self._seal_locked()
         finally:
             self.release()

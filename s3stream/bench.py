@@ -482,7 +482,8 @@ class SmallRecordBench:
                 # Untimed: the first full-length round of a size writes more into the stand-in store
                 # than the size before it did (3.9 GB in 2.9 s at 16 KiB after 2.6 GB rounds at 1 KiB),
                 # and this VM's host faults the extra pages of the RAM disk in: 4.8 s of system time in
-                # that round against 1.5 s in the next (0.63 against 0.92). Shown, never counted.
+                # that round against 1.5-1.7 s in each of the next three (0.63 against 0.86-0.92).
+                # Shown, never counted.
                 unsettled = result
         res = dict(size=size, rounds=rounds, warm_up_seconds=warm_up, unsettled_round=unsettled, per_round=per_round,
                    records_per_round=dict(wal=per_thread["wal"] * self.threads,

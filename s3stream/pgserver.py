@@ -1,12 +1,14 @@
 """A throwaway PostgreSQL server for tests, benchmarks and trying a cluster on one machine: initdb
 into a temporary directory, pg_ctl start on a free loopback port, databases created on demand,
-pg_ctl stop and remove the directory at the end.
+pg_ctl stop and remove the directory at the end. `throwaway_pgbouncer` puts a PgBouncer in front
+of a server, as deployments that pool connections do.
 
-PostgreSQL refuses to run as root: as root the server runs as the `postgres` user (runuser) in a
+PostgreSQL and PgBouncer refuse to run as root: as root they run as the `postgres` user in a
 directory that user owns. Also usable outside pytest:
 
-    with throwaway_postgres() as server:
-        url = server.create_database("example")
+    with throwaway_postgres() as server, throwaway_pgbouncer(server.url) as bouncer:
+        server.create_database("example")
+        url = bouncer.database_url("example") + "?pgbouncer=1"
 """
 from __future__ import annotations
 
@@ -18,8 +20,9 @@ import shutil
 import socket
 import subprocess
 import tempfile
-from typing import Iterator
-from urllib.parse import urlsplit, urlunsplit
+import time
+from typing import Callable, Iterator
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import psycopg
 from psycopg import sql
@@ -45,15 +48,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class PostgresServer:
-    """A server reachable at `url` (its `postgres` database, as superuser)."""
+def _database_url(url: str, name: str) -> str:
+    return urlunsplit(urlsplit(url)._replace(path="/" + name))
 
-    def __init__(self, url: str) -> None:
+
+class PostgresServer:
+    """A server reachable at `url` (its `postgres` database, as superuser). A server that
+    throwaway_postgres started can also be stopped and started again on the same port and data
+    (`stop`, `start`), to test what its clients do during an outage."""
+
+    def __init__(self, url: str, pg_ctl: Callable[..., None] | None = None) -> None:
         self.url = url
+        self._pg_ctl = pg_ctl
 
     def database_url(self, name: str) -> str:
-        parts = urlsplit(self.url)
-        return urlunsplit(parts._replace(path="/" + name))
+        return _database_url(self.url, name)
+
+    def stop(self, mode: str = "fast") -> None:
+        """pg_ctl stop -m `mode` (smart, fast, or immediate: no shutdown checkpoint, sessions cut
+        as by a crash) and wait until the server is gone."""
+        self._control("-m", mode, "-w", "stop")
+
+    def start(self) -> None:
+        """Start the stopped server again (same port and data); returns once it accepts connections."""
+        self._control("start")
+
+    def _control(self, *args: str) -> None:
+        if self._pg_ctl is None:
+            raise RuntimeError(f"the server at {self.url} was not started by throwaway_postgres: "
+                               "it cannot be stopped or started from here")
+        self._pg_ctl(*args)
 
     def _admin(self) -> psycopg.Connection:
         return psycopg.connect(self.url, autocommit=True, connect_timeout=10)
@@ -77,7 +101,19 @@ class PostgresServer:
 
 
 class MissingBinaries(RuntimeError):
-    """initdb / pg_ctl (or runuser and the postgres user, as root) are not installed."""
+    """initdb / pg_ctl / pgbouncer (or runuser and the postgres user, as root) are not installed."""
+
+
+def _server_user() -> pwd.struct_passwd | None:
+    """The user that PostgreSQL and PgBouncer run as: `postgres` when we are root (both refuse
+    to run as root), else None (ourselves)."""
+    if os.geteuid() != 0:
+        return None
+    try:
+        return pwd.getpwnam("postgres")
+    except KeyError:
+        raise MissingBinaries("running as root needs a 'postgres' user to start PostgreSQL or PgBouncer "
+                              "(apt-get install postgresql creates it)") from None
 
 
 @contextlib.contextmanager
@@ -89,16 +125,12 @@ def throwaway_postgres(directory: str | None = None) -> Iterator[PostgresServer]
         raise MissingBinaries("PostgreSQL's initdb and pg_ctl were found neither on PATH nor in "
                               "/usr/lib/postgresql/*/bin; install PostgreSQL (apt-get install postgresql)")
     as_user: list[str] = []
-    owner = None
-    if os.geteuid() == 0:          # the server refuses to run as root
+    owner = _server_user()
+    if owner is not None:
         runuser = shutil.which("runuser")
-        try:
-            owner = pwd.getpwnam("postgres")
-        except KeyError:
-            owner = None
-        if not runuser or owner is None:
-            raise MissingBinaries("running as root needs runuser and a 'postgres' user to start PostgreSQL")
-        as_user = [runuser, "-u", "postgres", "--"]
+        if not runuser:
+            raise MissingBinaries("running as root needs runuser to start PostgreSQL as the postgres user")
+        as_user = [runuser, "-u", owner.pw_name, "--"]
     base = tempfile.mkdtemp(prefix="s3stream-pg-") if directory is None else directory
     os.makedirs(base, exist_ok=True)
     if owner is not None:
@@ -116,17 +148,127 @@ def throwaway_postgres(directory: str | None = None) -> Iterator[PostgresServer]
                     tail = f.read()[-2000:]
             raise RuntimeError(f"{' '.join(args[:2])} failed ({done.returncode}): {done.stdout[-2000:]}{tail}")
 
+    def control(*args: str) -> None:
+        if args[-1] == "start":
+            args = ("-l", log, "-o", f"-p {port} -k {base} -c listen_addresses=127.0.0.1 -c fsync=on "
+                    f"-c max_connections=200", "-w", "-t", "60", *args)
+        run(pg_ctl, "-D", data, *args)
+
     started = False
     try:
         run(initdb, "-D", data, "-A", "trust", "-U", "postgres", "-E", "UTF8", "--no-locale", "--no-sync")
-        run(pg_ctl, "-D", data, "-l", log, "-o",
-            f"-p {port} -k {base} -c listen_addresses=127.0.0.1 -c fsync=on -c max_connections=200",
-            "-w", "-t", "60", "start")
+        control("start")
         started = True
-        yield PostgresServer(f"postgresql://postgres@127.0.0.1:{port}/postgres")
+        yield PostgresServer(f"postgresql://postgres@127.0.0.1:{port}/postgres", control)
     finally:
-        if started:
+        if started:     # stop is a no-op (an error, ignored) if the test left the server stopped
             subprocess.run(as_user + [pg_ctl, "-D", data, "-m", "fast", "-w", "stop"],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=base)
+        if directory is None:
+            shutil.rmtree(base, ignore_errors=True)
+
+
+def find_pgbouncer() -> str | None:
+    """pgbouncer on PATH, else Debian's /usr/sbin/pgbouncer (root's PATH only has /usr/sbin)."""
+    found = shutil.which("pgbouncer")
+    if found:
+        return found
+    return "/usr/sbin/pgbouncer" if os.access("/usr/sbin/pgbouncer", os.X_OK) else None
+
+
+class PgBouncer:
+    """A PgBouncer listening at `url` (the server URL's database, through it), passing every
+    database name on to the server's database of that name, with `pool_size` server connections
+    per database and user."""
+
+    def __init__(self, url: str, pool_mode: str, pool_size: int) -> None:
+        self.url = url
+        self.pool_mode = pool_mode
+        self.pool_size = pool_size
+
+    def database_url(self, name: str) -> str:
+        """The URL of the server's database `name` through this PgBouncer."""
+        return _database_url(self.url, name)
+
+
+@contextlib.contextmanager
+def throwaway_pgbouncer(server_url: str, pool_mode: str = "transaction", pool_size: int = 5,
+                        directory: str | None = None) -> Iterator[PgBouncer]:
+    """Start PgBouncer on a free loopback port in front of the PostgreSQL server at `server_url`
+    (any of its databases: a wildcard entry maps each name to the server's) and stop it on exit.
+
+    `pool_mode` is PgBouncer's: transaction (a server connection per transaction, as most
+    deployments run it), session or statement. Clients are trusted (auth_type trust) under the
+    user name of `server_url`, whose password (if any) PgBouncer uses to log in to the server.
+    `directory` holds the configuration and log (a new temporary one if None; removed afterwards).
+    MissingBinaries if PgBouncer is not installed; RuntimeError if it fails to start."""
+    binary = find_pgbouncer()
+    if not binary:
+        raise MissingBinaries("pgbouncer was found neither on PATH nor at /usr/sbin/pgbouncer; install it "
+                              "(apt-get install pgbouncer)")
+    if pool_mode not in ("session", "transaction", "statement"):
+        raise ValueError(f"pool_mode must be session, transaction or statement, got {pool_mode!r}")
+    server = urlsplit(server_url)
+    user = unquote(server.username or "postgres")
+    password = unquote(server.password or "")
+    owner = _server_user()
+    base = tempfile.mkdtemp(prefix="s3stream-pgbouncer-") if directory is None else directory
+    os.makedirs(base, exist_ok=True)
+    port = free_port()
+    config, users, log = (os.path.join(base, name) for name in ("pgbouncer.ini", "userlist.txt", "pgbouncer.log"))
+
+    def quoted(value: str) -> str:      # auth_file syntax: "user" "password", quotes doubled
+        return '"' + value.replace('"', '""') + '"'
+
+    with open(users, "w") as f:
+        f.write(f"{quoted(user)} {quoted(password)}\n")
+    with open(config, "w") as f:
+        f.write(f"""[databases]
+* = host={server.hostname or '127.0.0.1'} port={server.port or 5432}
+
+[pgbouncer]
+listen_addr = 127.0.0.1
+listen_port = {port}
+unix_socket_dir =
+auth_type = trust
+auth_file = {users}
+admin_users = {user}
+pool_mode = {pool_mode}
+default_pool_size = {pool_size}
+max_client_conn = 500
+logfile = {log}
+""")
+    if owner is not None:
+        for path in (base, config, users):
+            os.chown(path, owner.pw_uid, owner.pw_gid)
+    process = None
+    try:
+        # Not daemonised: the process is ours to wait for, and to stop by its pid.
+        process = subprocess.Popen(
+            [binary, "-q", config], cwd=base, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL, user=None if owner is None else owner.pw_uid,
+            group=None if owner is None else owner.pw_gid, extra_groups=None if owner is None else [])
+        deadline = time.monotonic() + 30
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+            if process.poll() is not None or time.monotonic() > deadline:
+                tail = ""
+                with contextlib.suppress(OSError), open(log) as logged:
+                    tail = logged.read()[-2000:]
+                raise RuntimeError(f"pgbouncer did not start listening on 127.0.0.1:{port} "
+                                   f"(exit status {process.poll()}): {tail}")
+            time.sleep(0.02)
+        userinfo = server.netloc.rpartition("@")[0]
+        netloc = f"{userinfo}@127.0.0.1:{port}" if userinfo else f"127.0.0.1:{port}"
+        yield PgBouncer(urlunsplit(server._replace(netloc=netloc)), pool_mode, pool_size)
+    finally:
+        if process is not None:
+            process.terminate()         # SIGTERM: PgBouncer's immediate shutdown
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
         if directory is None:
             shutil.rmtree(base, ignore_errors=True)

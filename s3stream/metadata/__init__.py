@@ -37,7 +37,8 @@ def open_metadata(url: str, **kw) -> MetadataStore:
     As in SQLAlchemy, `sqlite:///` is followed by the path: `sqlite:////var/lib/m.db` is
     absolute, `sqlite:///m.db` relative to the working directory. `postgresql://` and
     `postgres://` URLs (libpq's syntax) open a PostgresMetadataStore on that database; psycopg is
-    imported only then.
+    imported only then. Through PgBouncer in transaction mode add `?pgbouncer=1` (and optionally
+    `listen_url=`, a direct URL for pushed changes): see PostgresMetadataStore.
     """
     url = os.fspath(url)
     if url.startswith("sqlite:"):

@@ -34,11 +34,25 @@ Errors: precondition failures raise what the SQLite store raises (the checks are
 it). A connection failure at construction is a ConfigError naming the URL without its password.
 During an operation, a lock wait past `lock_timeout_s` (55P03), a deadlock, a lost connection, a
 server shutdown or no free pooled connection within `pool_timeout_s` raise MetadataBusyError
-naming the cause. A pooled connection found dead when its transaction begins (the server closed
-it while it was idle) is discarded and the operation starts again on another one, since nothing
-was sent; a connection lost later is discarded by the pool when it is returned (psycopg_pool
-replaces connections returned in a bad state), and the error is MetadataBusyError: if it happened
-during COMMIT the outcome is unknown, and a retried commit is recognised as such.
+naming the database and the cause. A pooled connection found dead when its transaction begins (the
+server closed it while it was idle) is discarded and the operation starts again on another one,
+since nothing was sent; a connection lost later is discarded by the pool when it is returned
+(psycopg_pool replaces connections returned in a bad state), and the error is MetadataBusyError: if
+it happened during COMMIT the outcome is unknown, and a retried commit is recognised as such.
+
+Outages: while the server is down, an operation waits up to `pool_timeout_s` for the pool to
+reconnect, then raises MetadataBusyError. The pool retries a lost connection every
+RECONNECT_DELAY_S (psycopg_pool's own schedule, 1, 2, 4, 8 ... s, would leave a store idle for up
+to 8-16 s after a few seconds' outage), so operations succeed again within about that delay of
+the server accepting connections; one waiting in the pool gets the new connection at once.
+
+Connection poolers (PgBouncer in transaction mode): every transaction may run on another server
+session, so the store keeps no state in a session. Its settings are SET LOCAL at the start of each
+transaction, schema creation takes a transaction-scoped advisory lock, and NOTIFY is sent inside
+the writing transaction. Two things do need a session: psycopg's server-side prepared statements
+(`prepare_threshold=none` in the URL turns them off) and LISTEN, which PgChangeFeed holds on a
+connection of its own (`listen_url=` names a direct connection for it; without one, a store told
+`pgbouncer=1` hands out polling change feeds). See PostgresMetadataStore.
 
 Fork safety: a forked child must not share the parent's sockets. On the first operation in a
 new process the store opens a new pool; the parent's pool is left untouched (never closed from
@@ -55,6 +69,7 @@ import threading
 import time
 import weakref
 from typing import Any, Callable, Iterator, Sequence
+from urllib.parse import unquote
 
 import psycopg
 import psycopg.conninfo
@@ -119,6 +134,14 @@ _SCHEMA_LOCK_KEY = int.from_bytes(b"s3stream", "big") - (1 << 63)
 _BEGIN_WRITE = "BEGIN ISOLATION LEVEL READ COMMITTED"
 _BEGIN_READ = "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY"
 
+#: Seconds between the pool's attempts to replace a lost connection (with +-20% jitter).
+RECONNECT_DELAY_S = 0.5
+
+#: s3stream's own parameters in a postgresql:// URL's query string, taken out before libpq sees
+#: the URL (libpq refuses parameters it does not know).
+URL_PARAMETERS = ("pgbouncer", "prepare_threshold", "listen_url")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
 # Every live store, so that a forked child can replace their locks (a thread of the parent may
 # have held one at the fork).
 _STORES: "weakref.WeakSet[PostgresMetadataStore]" = weakref.WeakSet()
@@ -140,9 +163,30 @@ class PostgresMetadataStore(MetadataStore):
 
     `clock` gives the time in nanoseconds (inject a fake one in tests). Each process keeps a
     pool of `pool_min` to `pool_max` connections, shared by its threads; an operation waits up
-    to `pool_timeout_s` for a free one. `connect_timeout_s` bounds each connection attempt;
-    `lock_timeout_s` bounds how long an operation waits for a row another transaction holds
-    (like SQLite's busy_timeout_s) before it raises MetadataBusyError.
+    to `pool_timeout_s` for a free one (also while the server is down: the default, 30 s like
+    `lock_timeout_s`, lets an operation ride out a short outage; lower it to fail sooner).
+    `connect_timeout_s` bounds each connection attempt; `lock_timeout_s` bounds how long an
+    operation waits for a row another transaction holds (like SQLite's busy_timeout_s) before
+    it raises MetadataBusyError.
+
+    A postgresql:// URL's query may hold, besides libpq's own parameters, these of s3stream's
+    (for a connection pooler in transaction mode, such as PgBouncer):
+
+    - `pgbouncer=1`: the URL reaches the server through a pooler in transaction mode. Implies
+      `prepare_threshold=none`, and `kv_changes` feeds poll (`pushes` False) unless `listen_url`
+      is given: a LISTEN through the pooler would hold no session, and hear nothing.
+    - `prepare_threshold=none` turns psycopg's server-side prepared statements off (through
+      PgBouncer 1.18 in transaction mode they fail with DuplicatePreparedStatement, since clients
+      share server sessions); `prepare_threshold=N` prepares a query after N runs on a
+      connection (psycopg's default, 5, when the parameter is absent and pgbouncer is not 1;
+      PgBouncer 1.21+ with max_prepared_statements can take them).
+    - `listen_url=` a URL-encoded postgresql:// URL of the same database reached directly (not
+      through the pooler): change feeds LISTEN there, so KV changes are pushed.
+
+    For example (one line): `postgresql://s3stream@pgbouncer:6432/meta?pgbouncer=1&listen_url=
+    postgresql%3A%2F%2Fs3stream%40db%3A5432%2Fmeta`. A malformed value is a ConfigError naming it;
+    so is a parameter neither libpq nor s3stream knows. `pgbouncer` (attribute) says whether the
+    URL had pgbouncer=1.
     """
 
     def __init__(self, url: str, *, clock: Callable[[], int] = time.time_ns, pool_min: int = 1,
@@ -150,7 +194,22 @@ class PostgresMetadataStore(MetadataStore):
                  pool_timeout_s: float = 30.0) -> None:
         url = os.fspath(url)
         self.url = url
-        self.display_url = redact_url(url)
+        # libpq gets the URL without s3stream's parameters; messages show it with them, every
+        # password hidden (the listen URL's too).
+        self._conninfo, own = _split_url(url)
+        shown = [f"{name}={redact_url(value) if name == 'listen_url' else value}" for name, value in own.items()]
+        self.display_url = redact_url(self._conninfo) + (("&" if "?" in self._conninfo else "?") + "&".join(shown)
+                                                         if shown else "")
+        self.pgbouncer = _flag(own.get("pgbouncer", "0"), "pgbouncer", self.display_url)
+        self._prepare: dict[str, int | None] = {}    # absent: psycopg's default
+        if "prepare_threshold" in own:
+            self._prepare["prepare_threshold"] = _prepare_threshold(own["prepare_threshold"], self.display_url)
+        elif self.pgbouncer:
+            self._prepare["prepare_threshold"] = None
+        self._listen_conninfo: str | None = own.get("listen_url") or (None if self.pgbouncer else self._conninfo)
+        self._check_conninfo(self._conninfo, "metadata URL")
+        if "listen_url" in own:
+            self._check_conninfo(own["listen_url"], "listen_url of metadata URL")
         if not 0 <= pool_min <= pool_max or pool_max < 1:
             raise ConfigError(f"pool sizes must satisfy 0 <= pool_min <= pool_max and pool_max >= 1, got "
                               f"pool_min={pool_min}, pool_max={pool_max}")
@@ -164,6 +223,10 @@ class PostgresMetadataStore(MetadataStore):
         self._connect_timeout = max(2, int(-(-connect_timeout_s // 1)))
         self._lock_timeout_s = lock_timeout_s
         self._pool_timeout_s = pool_timeout_s
+        # SET LOCAL, sent with BEGIN in one round trip: a session setting would not follow the
+        # transactions through a pooler in transaction mode (and would leak into others' sessions).
+        lock_timeout = f"; SET LOCAL lock_timeout = {max(1, int(lock_timeout_s * 1000))}"
+        self._begin_write, self._begin_read = _BEGIN_WRITE + lock_timeout, _BEGIN_READ + lock_timeout
         self._lock = threading.Lock()
         self._closed = False
         self._init_schema()
@@ -174,12 +237,23 @@ class PostgresMetadataStore(MetadataStore):
 
     # ---- connections and transactions ------------------------------------------------------
 
+    def _check_conninfo(self, conninfo: str, what: str) -> None:
+        try:
+            psycopg.conninfo.conninfo_to_dict(conninfo)
+        except psycopg.Error as e:
+            raise ConfigError(
+                f"{what} {self.display_url} is not a valid PostgreSQL URL: {self._scrub(e)}; besides "
+                f"libpq's parameters a metadata URL takes {', '.join(URL_PARAMETERS)} (listen_url URL-encoded, "
+                f"e.g. urllib.parse.quote(url, safe=''))") from None
+
     def _connect_kwargs(self) -> dict[str, Any]:
-        return dict(autocommit=True, connect_timeout=self._connect_timeout, client_encoding="UTF8")
+        # client_encoding is one of the few startup parameters PgBouncer passes on; anything
+        # else (options=-c ...) it refuses, or ignores if told to: settings are SET LOCAL instead.
+        return dict(autocommit=True, connect_timeout=self._connect_timeout, client_encoding="UTF8", **self._prepare)
 
     def _init_schema(self) -> None:
         try:
-            conn = psycopg.connect(self.url, **self._connect_kwargs())
+            conn = psycopg.connect(self._conninfo, **self._connect_kwargs())
         except psycopg.Error as e:
             raise ConfigError(
                 f"cannot connect to metadata database {self.display_url}: {self._scrub(e)}; check that the "
@@ -217,14 +291,9 @@ class PostgresMetadataStore(MetadataStore):
                               f"{self._scrub(e)}; check that the user may create tables there") from None
 
     def _new_pool(self) -> ConnectionPool:
-        lock_timeout_ms = max(1, int(self._lock_timeout_s * 1000))
-
-        def configure(conn: psycopg.Connection) -> None:
-            conn.execute(f"SET lock_timeout = {lock_timeout_ms}")
-
-        pool = ConnectionPool(self.url, min_size=self._pool_min, max_size=self._pool_max,
-                              kwargs=self._connect_kwargs(), configure=configure, open=False,
-                              timeout=self._pool_timeout_s, name=f"s3stream-metadata-{os.getpid()}")
+        pool = _ReconnectingPool(self._conninfo, min_size=self._pool_min, max_size=self._pool_max,
+                                 kwargs=self._connect_kwargs(), open=False, timeout=self._pool_timeout_s,
+                                 name=f"s3stream-metadata-{os.getpid()}")
         pool.open(wait=False)
         return pool
 
@@ -253,7 +322,8 @@ class PostgresMetadataStore(MetadataStore):
                     f"({self._pool_timeout_s:g} s; {self._pool_max} connections, all busy or the server "
                     f"unreachable): {self._scrub(e)}") from e
             try:
-                conn.execute(begin)
+                # Never prepared (a prepared statement holds one command): simple protocol, one round trip.
+                conn.execute(begin, prepare=False)
                 return conn
             except psycopg.Error as e:
                 pool.putconn(conn)
@@ -266,7 +336,7 @@ class PostgresMetadataStore(MetadataStore):
         """One transaction on a pooled connection: commits if the body returns, rolls back if it
         raises; transient PostgreSQL errors become MetadataBusyError, others MetadataError."""
         pool = self._pool_here()
-        conn = self._begin(pool, _BEGIN_WRITE if write else _BEGIN_READ)
+        conn = self._begin(pool, self._begin_write if write else self._begin_read)
         committing = False
         try:
             # A write runs in pipeline mode: statements whose results nobody reads (locks, updates,
@@ -304,10 +374,13 @@ class PostgresMetadataStore(MetadataStore):
         return MetadataBusyError(f"metadata database {self.display_url} {when}: {cause}: {self._scrub(e)}{outcome}")
 
     def _scrub(self, e: BaseException) -> str:
-        """The error's text without the URL's password, should libpq ever quote it."""
+        """The error's text without the URLs' passwords, should libpq ever quote them."""
         text = str(e).strip()
-        password = _password(self.url)
-        return text.replace(password, "***") if password else text
+        for conninfo in (self._conninfo, self._listen_conninfo):
+            password = _password(conninfo) if conninfo else None
+            if password:
+                text = text.replace(password, "***")
+        return text
 
     def close(self) -> None:
         with self._lock:
@@ -645,7 +718,11 @@ class PostgresMetadataStore(MetadataStore):
                 _notify(db, key)
 
     def kv_changes(self, prefixes: Sequence[str]) -> ChangeFeed:
-        """Pushed KV changes: LISTEN on a connection of the feed's own (see PgChangeFeed)."""
+        """Pushed KV changes: LISTEN on a connection of the feed's own (see PgChangeFeed), to
+        `listen_url` if given. Through a transaction-mode pooler without one (`pgbouncer=1`), a
+        feed that does not push: callers poll."""
+        if self._listen_conninfo is None:
+            return ChangeFeed(prefixes)
         return PgChangeFeed(self, prefixes)
 
     def list_kv(self, prefix: str) -> dict[str, bytes]:
@@ -679,8 +756,9 @@ def _notify(db: "_Db", key: str) -> None:
 
 class PgChangeFeed(ChangeFeed):
     """KV changes pushed by PostgreSQL: a connection of its own (not from the pool: it holds a
-    LISTEN for its whole life) receives the notification of every committed KV write, and `wait`
-    returns True as soon as one names a key under the feed's prefixes.
+    LISTEN for its whole life; to the store's `listen_url` if it has one) receives the
+    notification of every committed KV write, and `wait` returns True as soon as one names a key
+    under the feed's prefixes.
 
     Notifications that arrive while nobody waits are queued by libpq and seen by the next
     `wait`. If the connection is lost, `wait` reconnects, LISTENs again and returns True: what
@@ -699,8 +777,10 @@ class PgChangeFeed(ChangeFeed):
         self._connect()
 
     def _connect(self) -> None:
+        conninfo = self._store._listen_conninfo
+        assert conninfo is not None      # kv_changes hands out polling feeds without one
         try:
-            conn = psycopg.connect(self._store.url, **self._store._connect_kwargs())
+            conn = psycopg.connect(conninfo, **self._store._connect_kwargs())
         except psycopg.Error as e:
             raise self._store._busy(e, "opening a change feed") from e
         try:
@@ -790,6 +870,79 @@ def _lock_rows(db: _Db, table: str, key: str, ids) -> None:
     ids = sorted(set(ids))
     if ids:
         db.execute(f"SELECT 1 FROM {table} WHERE {key} = ANY(?) ORDER BY {key} FOR UPDATE", (ids,))
+
+
+def _split_url(url: str) -> tuple[str, dict[str, str]]:
+    """`url` without s3stream's own query parameters (URL_PARAMETERS), and their decoded values.
+    libpq's parameters are kept as they were written; a key=value connection string has none of
+    s3stream's (libpq reports them as unknown)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme.lower() not in ("postgresql", "postgres"):
+        return url, {}
+    base, _, query = rest.partition("?")
+    kept, own = [], {}
+    for piece in query.split("&") if query else ():
+        name, _, value = piece.partition("=")
+        name = unquote(name)
+        if name not in URL_PARAMETERS:
+            kept.append(piece)
+        elif name in own:
+            raise ConfigError(f"metadata URL {redact_url(f'{scheme}://{base}')}?... gives {name} twice; "
+                              f"give it once")
+        else:
+            own[name] = unquote(value)
+    return f"{scheme}://{base}" + ("?" + "&".join(kept) if kept else ""), own
+
+
+def _flag(value: str, name: str, display_url: str) -> bool:
+    if value.lower() not in _TRUE + _FALSE:
+        raise ConfigError(f"{name}={value!r} in metadata URL {display_url} must be 1 or 0 "
+                          f"(1: the URL goes through PgBouncer or another pooler in transaction mode)")
+    return value.lower() in _TRUE
+
+
+def _prepare_threshold(value: str, display_url: str) -> int | None:
+    if value.lower() == "none":
+        return None
+    if value.isdigit():
+        return int(value)
+    raise ConfigError(
+        f"prepare_threshold={value!r} in metadata URL {display_url} must be none (no server-side prepared "
+        f"statements: use it through PgBouncer in transaction mode) or a whole number N >= 0 (prepare a query "
+        f"after N runs on a connection; psycopg's default is 5)")
+
+
+class _ReconnectingPool(ConnectionPool):
+    """A ConnectionPool that replaces a lost connection every RECONNECT_DELAY_S until
+    reconnect_timeout, instead of after 1, 2, 4, 8 ... s.
+
+    This leans on two names psycopg_pool does not document (checked against 3.3.3; see its
+    pool.py): `_add_connection(attempt, growing)`, which a maintenance task calls with attempt None
+    for a new connection and again with the same attempt object for each retry, and the class
+    constants of `psycopg_pool.base.AttemptWithBackoff` (so named since 3.2.7), which set the
+    retry schedule. Were either to change, the pool would fall back to its own schedule (slower
+    recovery, nothing wrong); tests/test_metadata_outage.py would notice."""
+
+    def _add_connection(self, attempt: Any, growing: bool = False) -> None:
+        if attempt is None and _QuickAttempt is not None:
+            attempt = _QuickAttempt(timeout=self.reconnect_timeout)
+        super()._add_connection(attempt, growing=growing)
+
+
+def _quick_attempt_class() -> type | None:
+    try:
+        from psycopg_pool.base import AttemptWithBackoff
+    except ImportError:         # psycopg_pool before 3.2.7: its own schedule
+        return None
+
+    class QuickAttempt(AttemptWithBackoff):
+        INITIAL_DELAY = RECONNECT_DELAY_S
+        DELAY_BACKOFF = 1.0     # the same delay every time
+        DELAY_JITTER = 0.2      # processes that lost the server together do not retry in step
+    return QuickAttempt
+
+
+_QuickAttempt = _quick_attempt_class()
 
 
 def _password(url: str) -> str | None:

@@ -162,7 +162,8 @@ def new_run_id() -> str:
 
 def spark_session(master: str, name: str, cores: int, cluster: bool = False):
     """A session on `master`. In cluster mode each node gets an executor of one core (so nodes
-    run in distinct processes) and the driver waits until `cores` of them registered."""
+    run in distinct processes) and the driver waits until `cores` of them registered. A run on
+    this host alone (local mode, or a master on loopback) listens on 127.0.0.1 only."""
     try:
         from pyspark.sql import SparkSession
     except ImportError as e:
@@ -172,31 +173,46 @@ def spark_session(master: str, name: str, cores: int, cluster: bool = False):
                .config("spark.task.maxFailures", "1")
                .config("spark.python.worker.reuse", "false")
                .config("spark.driver.memory", "2g"))
+    environ: dict[str, str] = {}
+    if not cluster or master.split("://", 1)[-1].rsplit(":", 1)[0] in ("127.0.0.1", "localhost"):
+        # The driver's RPC and block manager on loopback (where executors on this host reach it),
+        # not on the address this host's name resolves to; SPARK_LOCAL_IP spares the JVM looking
+        # for that address (and warning that the name resolves to loopback).
+        builder = builder.config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
+        environ["SPARK_LOCAL_IP"] = "127.0.0.1"
     if not cluster:
-        return builder.config("spark.default.parallelism", str(cores)).getOrCreate()
+        with _environ(environ):
+            return builder.config("spark.default.parallelism", str(cores)).getOrCreate()
     builder = (builder.config("spark.executor.cores", "1")
                .config("spark.cores.max", str(cores))
                .config("spark.scheduler.minRegisteredResourcesRatio", "1.0")
                .config("spark.scheduler.maxRegisteredResourcesWaitingTime", f"{EXECUTOR_WAIT:g}s"))
-    host = master.split("://", 1)[-1].rsplit(":", 1)[0]
-    if host in ("127.0.0.1", "localhost"):
-        # Executors on loopback must reach the driver there, not at this host's public name.
-        builder = builder.config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
     # Executors start the interpreter the driver names (PYSPARK_PYTHON, read when the context is
     # made): this one unless told otherwise, so that they import the same s3stream.
-    saved = os.environ.get("PYSPARK_PYTHON")
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    try:
+    environ["PYSPARK_PYTHON"] = os.environ.get("PYSPARK_PYTHON", sys.executable)
+    with _environ(environ):
         spark = builder.getOrCreate()
-    finally:
-        if saved is None:
-            os.environ.pop("PYSPARK_PYTHON", None)
     try:
         wait_for_executors(spark, cores, master)
     except BaseException:
         spark.stop()
         raise
     return spark
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    """os.environ with `values` set (the JVM that getOrCreate starts inherits them), restored after."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def wait_for_executors(spark, count: int, master: str, timeout: float = 10.0) -> None:

@@ -16,6 +16,9 @@ Contract (every implementation, every wrapper):
   not copied into one buffer). A store that knows Gathered writes it from its pieces
   (`write_to(fd)`, `read(start, end)` per part); any other may use it as a buffer
   (`memoryview(data)`), which joins it once. Use `data_size(data)` for its length.
+- `put` keeps no view of `data` once it returns or raises, not even in the frames of the error it
+  raises (a traceback outlives the call for as long as anyone keeps the error): the caller reuses
+  its buffer, and a live view of a bytearray keeps it from being resized (BufferError).
 """
 from __future__ import annotations
 

@@ -4,6 +4,12 @@ Transient failures (throttling, 5xx, dropped connections, timeouts) are retried 
 "standard" retry mode with exponential backoff; what still fails is raised as ObjectStoreError
 naming the operation and key, with the botocore error as its cause. Requests in flight are
 bounded by `max_concurrency` across all threads and puts.
+
+Against a store that stopped answering, one call gives up after about `max_attempts` x
+`read_timeout` (8 x 30 s by default) plus botocore's waits between attempts (random, up to
+0.05 x 2^(attempt-1) s, throttling up to 20 s); the uploader then retries it (upload.py). A
+request in flight when the store answers again completes then: with a 40 s freeze of a moto
+server and the defaults, uploads resumed 0.04 s after it (tests/test_upload_faults.py).
 """
 from __future__ import annotations
 
@@ -140,20 +146,29 @@ class S3ObjectStore:
         included."""
         full_key = self._full_key(key)
         size = data_size(data)
+        view: memoryview | None = None
         if isinstance(data, Gathered):
             piece: Callable[[int, int], bytes] = data.read
         else:
             view = memoryview(data).cast("B")
             piece = lambda start, end: view[start:end].tobytes()      # noqa: E731
-        if write_requests(size, self.part_size, self.multipart_threshold) == 1:
-            body = data if isinstance(data, bytes) else piece(0, size)
-            try:
-                self._request("put", "put", key, lambda: self._client.put_object(
-                    Bucket=self.bucket, Key=full_key, Body=body))
-            except ClientError as e:
-                raise self._error("put", key, e) from e
-            return
-        self._put_multipart(key, full_key, size, piece)
+        try:
+            if write_requests(size, self.part_size, self.multipart_threshold) == 1:
+                body = data if isinstance(data, bytes) else piece(0, size)
+                try:
+                    self._request("put", "put", key, lambda: self._client.put_object(
+                        Bucket=self.bucket, Key=full_key, Body=body))
+                except ClientError as e:
+                    raise self._error("put", key, e) from e
+                return
+            self._put_multipart(key, full_key, size, piece)
+        finally:
+            # A failed put's traceback keeps this frame (and `piece`) alive for as long as
+            # anyone keeps the error; an unreleased view would keep the caller's buffer exported
+            # that long (a reused bytearray could not be resized: BufferError). Nothing reads it
+            # once put returns: the bodies were copies, and every part has finished.
+            if view is not None:
+                view.release()
 
     def _put_multipart(self, key: str, full_key: str, size: int, piece: Callable[[int, int], bytes]) -> None:
         try:

@@ -26,26 +26,40 @@ nothing (restart recovery uploads it again under fresh ids; the orphans of the f
 PREPARED and the lifecycle deletes them after expiry). A commit refused because a stream was
 fenced drops that stream's ranges (it moved away; its new owner continues from the committed
 end) and commits the rest; a fenced node stops uploading altogether.
+
+Every transient fault ends: only PERMANENT_ERRORS stop uploads. Any other error of a step (plan,
+prepare, encode, PUT, the wait for the WAL to be durable, commit) is retried with backoff (20 ms
+doubling to RETRY_BACKOFF_CAP, jittered) until it succeeds or the client closes, whatever its
+type: a store that timed out, a metadata store that was unreachable, but also an error nobody
+expected (a BufferError, a RuntimeError), which is counted apart (`unexpected_retries`). Each
+retry is counted per step in `stats` (`<step>_retries`); the failures of an episode (from the
+first failure while none is being retried until every failing step succeeded) are logged once:
+a WARNING at the first, an INFO with the retries and seconds once they recovered. Retrying is
+safe at every step: a PUT that failed after the object landed writes the same bytes under the
+same key again; a commit is idempotent; the PUTs of an object re-encode it only if the encoding
+(or something other than the store) failed, into the same bytes. A block whose object ids expired
+(prepared_ttl) while its steps were failing is uploaded again under fresh ids.
 """
 from __future__ import annotations
 
 import logging
 import os
 import queue
+import random
 import sys
 import threading
+import time
+import traceback
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
-
-import tenacity
+from typing import Callable, NamedTuple, TypeVar
 
 from _native.logcache import CacheBlock, CacheSlice, encode_slices
 
 from .config import Config
 from .errors import (
-    MetadataBusyError, ObjectStoreError, ObjectStorePermanentError, OperationTimeoutError, S3StreamError,
+    MetadataError, ObjectStoreError, ObjectStorePermanentError, OperationTimeoutError, S3StreamError,
     StreamFencedError,
 )
 from .metadata import (
@@ -68,28 +82,100 @@ def _commit_range(s: CacheSlice) -> CommitRange:
     return CommitRange(s.stream_id, s.epoch, s.start_offset, s.end_offset)
 
 
+T = TypeVar("T")
+
+#: The first wait between two attempts of a failing step; it doubles at each failure up to
+#: RETRY_BACKOFF_CAP and is jittered (half of it to all of it), so the steps that failed together
+#: do not retry in lockstep.
+RETRY_BACKOFF_FIRST = 0.02
+#: The longest wait between two attempts: a step that failed through an outage tries again within
+#: this once the store answers (plus the time its attempt in flight takes: for S3, the botocore
+#: client's own timeouts and retries, see S3ObjectStore).
+RETRY_BACKOFF_CAP = 0.5
+
+#: Steps whose failures are retried, each counted in `Uploader.stats` as "<step>_retries".
+RETRY_STEPS = ("plan", "prepare", "encode", "put", "durable", "commit")
+
+
 @dataclass
 class _InFlight:
-    """A block whose objects are being encoded and PUT; each task's result is its commit entry."""
+    """A block whose objects are being encoded and PUT; each task's result is its commit entry.
+    `prepared_at` (the uploader's clock): when its object ids were prepared."""
     block: CacheBlock
     puts: list[Future]
+    prepared_at: float = 0.0
 
     def ready(self) -> bool:
         return all(f.done() for f in self.puts)
 
 
-def _transient_store_error(e: BaseException) -> bool:
-    """Worth retrying: the store failed (down, throttling, a timeout), not refused for good."""
-    return isinstance(e, (ObjectStoreError, OSError)) and not isinstance(e, ObjectStorePermanentError)
-
-
-def _transient_metadata_error(e: BaseException) -> bool:
-    """Worth retrying: the metadata store was busy or unreachable (not a refusal: fenced, bad)."""
-    return isinstance(e, (MetadataBusyError, OSError))
-
-
 class UploadAborted(S3StreamError):
     """The client was closed or failed while a block was still being uploaded."""
+
+
+class _PreparedExpired(Exception):
+    """A block's commit was refused after its object ids' prepared_ttl had passed: upload it again."""
+
+
+#: The errors that stop uploads for good; every other error of an upload step is retried:
+#: - ObjectStorePermanentError: the store refused in a way no retry can fix (S3: AccessDenied,
+#:   NoSuchBucket, InvalidAccessKeyId, SignatureDoesNotMatch..., objectstore.s3.PERMANENT_CODES; a
+#:   local directory not writable or on a read-only file system);
+#: - StreamFencedError from a commit once the node itself is fenced (a stream that moved away only
+#:   drops its ranges: the rest is committed and uploads go on);
+#: - UploadAborted: the client closed past its timeout, or stopped (fenced).
+PERMANENT_ERRORS: tuple[type[BaseException], ...] = (ObjectStorePermanentError, StreamFencedError, UploadAborted)
+# What a retry loop lets through: the permanent errors, and an expiry the block's upload handles.
+_NOT_RETRIED = PERMANENT_ERRORS + (_PreparedExpired,)
+
+
+def _unexpected(error: BaseException) -> bool:
+    """An error the upload steps do not raise on purpose (not a store, metadata or WAL error, nor
+    an OSError): retried all the same, counted apart and logged with its traceback."""
+    return not isinstance(error, (S3StreamError, OSError))
+
+
+def _without_traceback(error: BaseException) -> BaseException:
+    """`error` (and its causes) without their tracebacks, to be kept for messages: a traceback
+    keeps every frame it passed through alive, with their locals (views of reused encode buffers
+    among them). Only for an error that is handled, never raised again."""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [error]
+    while pending:
+        e = pending.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        e.__traceback__ = None
+        pending += [e.__cause__, e.__context__]
+    return error
+
+
+def _release(data) -> None:
+    """Let go of an encoded object (a view of an encode buffer, or a GatheredObject)."""
+    try:
+        data.release()
+    except (AttributeError, BufferError, ValueError):
+        pass    # bytes; or a view still exported: the buffer is then replaced (_return_buffer)
+
+
+def _exported(buffer: bytearray) -> bool:
+    """Whether a view of `buffer` is alive somewhere: it cannot be resized then."""
+    try:
+        buffer.append(0)
+    except BufferError:
+        return True
+    del buffer[-1]
+    return False
+
+
+class RetryEpisode(NamedTuple):
+    """Upload steps failing now and being retried (`Uploader.retrying`): what failed last and
+    its error (without traceback), seconds since the episode's first failure, retries so far."""
+    what: str
+    error: BaseException
+    seconds: float
+    retries: int
 
 
 def lower_thread_priority(nice: int) -> None:
@@ -134,8 +220,15 @@ def may_switch_idle(nice: int) -> bool:
 
 class Uploader:
     """Uploads sealed blocks (see the module docstring). `wait_durable(wal_end)` blocks until
-    the WAL holds everything before `wal_end` durably (raising if it never will); `trim_wal`,
-    `on_committed` and `on_fenced` are the client's hooks, run on the uploader's thread."""
+    the WAL holds everything before `wal_end` durably (raising if it does not in time); `trim_wal`,
+    `on_committed` and `on_fenced` are the client's hooks, run on the uploader's thread. `clock`
+    (seconds) times retry episodes and the age of prepared object ids; `rng` jitters backoffs.
+
+    `stats` counts, besides what was uploaded: the retries of each step ("<step>_retries" for
+    RETRY_STEPS), those of unexpected errors ("unexpected_retries"), the episodes of failures
+    ("retry_episodes"), the steps failing now ("retrying"), blocks uploaded again because their
+    object ids expired ("expired_reuploads") and encode buffers replaced because a view of them
+    outlived its object ("encode_buffers_replaced")."""
 
     def __init__(self, *, node_id: int, node_epoch: int, store: ObjectStore, metadata: MetadataStore,
                  cache, trim_wal: Callable[[int], None], config: Config,
@@ -143,7 +236,9 @@ class Uploader:
                  on_fenced: Callable[[list[int] | None], None],
                  wait_durable: Callable[[int], None] = lambda end: None,
                  on_failure: Callable[[BaseException], None] = lambda e: None,
-                 behind: Callable[[], bool] = lambda: True) -> None:
+                 behind: Callable[[], bool] = lambda: True,
+                 clock: Callable[[], float] = time.monotonic,
+                 rng: random.Random | None = None) -> None:
         self._node_id = node_id
         self._node_epoch = node_epoch
         self._store = store
@@ -178,14 +273,25 @@ class Uploader:
         self._buffers: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
         for _ in range(config.upload_concurrency):
             self._buffers.put(bytearray())
-        # The latest error a retry loop met, (what, error), for messages about a full cache/WAL.
+        self._clock = clock
+        self._rng = rng or random.Random()
+        # Retry episodes (guarded by _retry_lock, as the retry counters of stats): the steps
+        # failing now, when the episode's first failure was, and its retries so far.
+        self._retry_lock = threading.Lock()
+        self._failing = 0
+        self._episode_start: float | None = None
+        self._episode_retries = 0
+        # The latest error a retry loop met in the current episode, (what, error without its
+        # traceback), for messages about a full cache/WAL; None once every step recovered.
         self.last_retry_error: tuple[str, BaseException | None] | None = None
         self._thread = threading.Thread(target=self._run, name="s3stream-upload", daemon=True)
         # write_requests: what S3 bills for the committed objects' PUTs (multipart parts counted),
         # kept here because retention may delete the objects before anyone lists them.
         self.stats = dict(blocks=0, objects=0, stream_objects=0, stream_set_objects=0, bytes=0,
-                          write_requests=0, put_retries=0, prepare_retries=0, commit_retries=0, max_inflight=0,
-                          priority_switches=0)
+                          write_requests=0, max_inflight=0, priority_switches=0,
+                          **{f"{step}_retries": 0 for step in RETRY_STEPS},
+                          unexpected_retries=0, retry_episodes=0, retrying=0, expired_reuploads=0,
+                          encode_buffers_replaced=0)
         self._thread.start()
 
     # ---- queueing and waiting ------------------------------------------------------------------
@@ -212,7 +318,18 @@ class Uploader:
 
     @property
     def failure(self) -> BaseException | None:
+        """The permanent error that stopped uploads (PERMANENT_ERRORS, or a failure outside the
+        retried steps), or None while they run."""
         return self._failure
+
+    @property
+    def retrying(self) -> RetryEpisode | None:
+        """The episode of failures being retried now, or None when no step is failing."""
+        with self._retry_lock:
+            last = self.last_retry_error
+            if self._episode_start is None or last is None or last[1] is None:
+                return None
+            return RetryEpisode(last[0], last[1], self._clock() - self._episode_start, self._episode_retries)
 
     @property
     def pending_blocks(self) -> int:
@@ -266,9 +383,10 @@ class Uploader:
                     self._start(block)
                 else:
                     self._finish(self._inflight[0])
-            except BaseException as e:   # noqa: BLE001 - any failure stops uploads; data stays in the WAL
+            except BaseException as e:   # noqa: BLE001 - a permanent error stops uploads; data stays in the WAL
                 if not isinstance(e, UploadAborted):
-                    log.exception("upload of block %d failed; uploads stop", block.block_id)
+                    log.exception("upload of block %d failed for good; uploads stop (the data stays in the WAL "
+                                  "and is uploaded at the next start)", block.block_id)
                 with self._cond:
                     self._failure = e
                     self._cond.notify_all()
@@ -280,24 +398,33 @@ class Uploader:
             self._cond.notify_all()
 
     def _start(self, block: CacheBlock) -> None:
-        """Plan, prepare ids (in block order) and hand encode + PUT of each object to the pool."""
-        stream_set, stream_objects = block.plan(self._config.split_size)
-        n = len(stream_objects) + (1 if stream_set else 0)
-        ttl_ns = int(self._config.prepared_ttl * 1e9)
-        ids = iter(self._retrying("prepare", _transient_metadata_error, "prepare_retries")(
-            self._meta.prepare_objects, n, ttl_ns))
+        """Start uploading `block` (behind the blocks in flight)."""
         job = _InFlight(block, [])
-        if stream_set:
-            ranges = tuple(_commit_range(s) for s in stream_set)
-            job.puts.append(self._pool.submit(self._encode_and_put, next(ids), stream_set,
-                                              lambda oid, size: CommitSSO(oid, size, ranges)))
-        for s in stream_objects:
-            job.puts.append(self._pool.submit(self._encode_and_put, next(ids), [s],
-                                              lambda oid, size, r=_commit_range(s): CommitStreamObject(oid, size, r)))
+        self._launch(job)
         with self._cond:
             self._inflight.append(job)
             self.stats["max_inflight"] = max(self.stats["max_inflight"], len(self._inflight))
-        for f in job.puts:
+
+    def _launch(self, job: _InFlight) -> None:
+        """Plan, prepare ids (in block order) and hand encode + PUT of each object to the pool."""
+        block = job.block
+        stream_set, stream_objects = self._retry(f"plan of block {block.block_id}",
+                                                 lambda: block.plan(self._config.split_size), "plan")
+        n = len(stream_objects) + (1 if stream_set else 0)
+        ttl_ns = int(self._config.prepared_ttl * 1e9)
+        ids = iter(self._retry(f"prepare of {n} object ids for block {block.block_id}",
+                               lambda: self._meta.prepare_objects(n, ttl_ns), "prepare"))
+        job.prepared_at = self._clock()
+        puts = []
+        if stream_set:
+            ranges = tuple(_commit_range(s) for s in stream_set)
+            puts.append(self._pool.submit(self._encode_and_put, next(ids), stream_set,
+                                          lambda oid, size: CommitSSO(oid, size, ranges)))
+        for s in stream_objects:
+            puts.append(self._pool.submit(self._encode_and_put, next(ids), [s],
+                                          lambda oid, size, r=_commit_range(s): CommitStreamObject(oid, size, r)))
+        job.puts = puts
+        for f in puts:
             f.add_done_callback(self._notify)
 
     def _init_thread(self) -> None:
@@ -331,15 +458,54 @@ class Uploader:
     def _encode_and_put(self, object_id: int, slices: list, entry):
         """Pool task: encode `slices` into one object (in a reused buffer, payloads of
         GATHER_MIN_BYTES or more left where the cache holds them), PUT it; returns its commit
-        entry."""
+        entry. Retried until it succeeds (or a permanent error): after a store error the same
+        encoded bytes go again; after any other error (the encoding's own, say) the object and
+        its buffer are let go and it is encoded again, into a buffer no view holds."""
+        key = object_key(object_id)
         buffer = self._buffers.get_nowait()        # never empty: one per pool thread
-        try:
-            data, _ = encode_slices(slices, self._config.object_block_size, buffer, GATHER_MIN_BYTES)
-            with data:
-                self._put(object_key(object_id), data)
+        data = None
+        step = "encode"
+
+        def attempt():
+            nonlocal buffer, data, step
+            try:
+                if data is None:
+                    step = "encode"
+                    data, _ = encode_slices(slices, self._config.object_block_size, buffer, GATHER_MIN_BYTES)
+                step = "put"
+                self._put(key, data)
                 return entry(object_id, data_size(data))
+            except (ObjectStoreError, OSError):
+                raise
+            except BaseException:
+                if data is not None:
+                    _release(data)
+                    data = None
+                self._return_buffer(buffer)
+                buffer = self._buffers.get_nowait()
+                raise
+
+        try:
+            return self._retry(f"PUT {key}", attempt, lambda: step)
         finally:
-            self._buffers.put(buffer)
+            if data is not None:
+                _release(data)
+                data = None
+            self._return_buffer(buffer)
+
+    def _put(self, key: str, data: PutData) -> None:
+        """One attempt to PUT an encoded object."""
+        self._store.put(key, data)
+
+    def _return_buffer(self, buffer: bytearray) -> None:
+        """Give an encode buffer back for reuse; one some view still holds (it could not be
+        resized) is replaced by a new one instead, left to be freed with its last view."""
+        if _exported(buffer):
+            log.debug("an encode buffer of %d bytes is still exported after its object; replaced", len(buffer))
+            with self._retry_lock:
+                self.stats["encode_buffers_replaced"] += 1
+            buffer = bytearray()
+        self._buffers.put(buffer)
 
     def _finish(self, job: _InFlight) -> None:
         """Commit the head block (its PUTs are done), then trim the WAL below it."""
@@ -347,10 +513,20 @@ class Uploader:
         if self._aborted:
             raise UploadAborted("aborted before commit")
         block = job.block
-        self._wait_durable(block.wal_end)
+        self._retry(f"wait for the WAL to be durable up to {block.wal_end}",
+                    lambda: self._wait_durable(block.wal_end), "durable")
         sso = next((e for e in entries if isinstance(e, CommitSSO)), None)
         sos = tuple(e for e in entries if isinstance(e, CommitStreamObject))
-        result = self._commit(CommitRequest(self._node_id, self._node_epoch, sso=sso, stream_objects=sos))
+        try:
+            result = self._commit(CommitRequest(self._node_id, self._node_epoch, sso=sso, stream_objects=sos), job)
+        except _PreparedExpired:
+            log.warning("block %d was not committed before its object ids expired (prepared_ttl %g s) while "
+                        "uploads were failing; uploading it again under new ids", block.block_id,
+                        self._config.prepared_ttl)
+            with self._retry_lock:
+                self.stats["expired_reuploads"] += 1
+            self._launch(job)
+            return
         self.stats["blocks"] += 1
         self.stats["objects"] += len(entries)
         self.stats["stream_objects"] += len(sos)
@@ -368,33 +544,101 @@ class Uploader:
             self._committed_id = block.block_id
             self._cond.notify_all()
 
-    def _retrying(self, what: str, retry_on: Callable[[BaseException], bool], counter: str) -> tenacity.Retrying:
-        """Retry while `retry_on(error)` (transient errors), with backoff, until aborted (close
-        past its timeout, or the client failing): never on a permanent error."""
-        def before_sleep(state: tenacity.RetryCallState) -> None:
-            self.stats[counter] += 1
-            self.last_retry_error = (what, state.outcome.exception() if state.outcome else None)
-            log.warning("%s failed (attempt %d), retrying: %s", what, state.attempt_number,
-                        state.outcome.exception() if state.outcome else None)
+    def _retry(self, what: str, call: Callable[[], T], step: str | Callable[[], str]) -> T:
+        """`call()` until it returns: every error but PERMANENT_ERRORS is retried with backoff
+        (UploadAborted once the client aborts). `step` names the step that failed (a callable:
+        read at each failure) for the counters; `what` names the operation in messages."""
+        failures = 0
+        recovered = False
+        try:
+            while True:
+                try:
+                    result = call()
+                    recovered = True
+                    return result
+                except _NOT_RETRIED:
+                    raise
+                except Exception as e:   # noqa: BLE001 - every other failure is transient: see the module docstring
+                    failures += 1
+                    if not self._aborted:
+                        self._failed(what, step if isinstance(step, str) else step(), e, failures == 1)
+                    last = str(e)
+                # Raised here, not in the except clause, so that it keeps no link to the error.
+                if self._aborted:
+                    raise UploadAborted(f"the client was closed while {what} was failing and being retried "
+                                        f"({last})")
+                delay = min(RETRY_BACKOFF_CAP, RETRY_BACKOFF_FIRST * 2 ** min(failures - 1, 16))
+                with self._cond:
+                    self._cond.wait_for(lambda: self._aborted, delay * (0.5 + 0.5 * self._rng.random()))
+        finally:
+            if failures:
+                self._step_ended(recovered)
 
-        return tenacity.Retrying(
-            retry=tenacity.retry_if_exception(retry_on),
-            wait=tenacity.wait_exponential(multiplier=0.02, max=2.0),
-            stop=lambda state: self._aborted,
-            before_sleep=before_sleep,
-            reraise=True,
-        )
+    def _failed(self, what: str, step: str, error: BaseException, first: bool) -> None:
+        """Count a failure to be retried; log it if it opens an episode."""
+        unexpected = _unexpected(error)
+        with self._retry_lock:
+            self.stats[f"{step}_retries"] += 1
+            self.stats["unexpected_retries"] += unexpected
+            if first:
+                self._failing += 1
+                self.stats["retrying"] = self._failing
+            opens = self._episode_start is None
+            if opens:
+                self._episode_start = self._clock()
+                self._episode_retries = 0
+                self.stats["retry_episodes"] += 1
+            self._episode_retries += 1
+        if opens:
+            # The traceback goes into the message, not into the record (exc_info): a handler that
+            # keeps records would keep the failed call's frames alive.
+            detail = "\n" + "".join(traceback.format_exception(error)).rstrip() if unexpected else ""
+            log.warning("uploads are failing and being retried every %g s at most until they recover (retries are "
+                        "counted in stats()['upload'] and s3stream_upload_retries_total): %s failed: %s: %s%s",
+                        RETRY_BACKOFF_CAP, what, type(error).__name__, error, detail)
+        else:
+            log.debug("%s failed, retrying: %s: %s", what, type(error).__name__, error)
+        kept = (what, _without_traceback(error))
+        with self._retry_lock:
+            self.last_retry_error = kept
 
-    def _put(self, key: str, data: PutData) -> None:
-        self._retrying(f"PUT {key}", _transient_store_error, "put_retries")(self._store.put, key, data)
+    def _step_ended(self, recovered: bool) -> None:
+        """A step that had failed ended (recovered, or gave up); the last one ends the episode."""
+        with self._retry_lock:
+            self._failing -= 1
+            self.stats["retrying"] = self._failing
+            if self._failing or self._episode_start is None:
+                return
+            seconds = self._clock() - self._episode_start
+            retries = self._episode_retries
+            last = self.last_retry_error
+            self._episode_start = None
+            self.last_retry_error = None
+        if recovered:
+            log.info("uploads recovered after %d retries in %.1f s (the last failure: %s: %s)", retries, seconds,
+                     *(last if last else ("?", None)))
 
-    def _commit(self, request: CommitRequest) -> CommitResult:
-        commit = self._retrying("commit", _transient_metadata_error, "commit_retries")
+    def _commit(self, request: CommitRequest, job: _InFlight) -> CommitResult:
+        """Commit `request`, retried; the ranges of streams found fenced are dropped. Raises
+        _PreparedExpired if metadata refuses the commit once the objects' ids may have expired."""
+        block_id = job.block.block_id
+
+        def commit() -> CommitResult:
+            try:
+                return self._meta.commit(request)
+            except MetadataError:
+                # An expired PREPARED object is refused atomically: nothing was committed, and
+                # the same request can never succeed. (Any other refusal goes on being retried.)
+                if self._clock() - job.prepared_at >= self._config.prepared_ttl:
+                    raise _PreparedExpired() from None
+                raise
+
         while True:
             try:
-                return commit(self._meta.commit, request)
+                return self._retry(f"commit of block {block_id}", commit, "commit")
             except StreamFencedError:
-                remaining = self._without_fenced(request)
+                remaining = self._retry(f"fence check of block {block_id}",
+                                        lambda: self._without_fenced(request), "commit")
                 if remaining is None:
                     return CommitResult()
                 request = remaining

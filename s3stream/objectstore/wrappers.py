@@ -9,7 +9,7 @@ from typing import Callable, Iterable, Iterator
 
 from ..errors import ObjectStoreError
 from ..latency import LatencyHistogram
-from .base import ObjectInfo, ObjectStore, PutData, data_size, write_requests
+from .base import Gathered, ObjectInfo, ObjectStore, PutData, data_size, write_requests
 
 KeyPredicate = Callable[[str], bool]
 
@@ -165,8 +165,8 @@ class FaultInjectingObjectStore(_Wrapper):
     """Fails, delays or corrupts operations of the wrapped store when armed; for tests.
 
     Every operation is logged in `events` as (op, key, outcome), outcome being "ok",
-    "injected_failure", "timeout_after_landing", "corrupted" or the name of an exception the
-    inner store raised. A delete logs one event per key; a list logs its prefix. `seed` makes
+    "injected_failure", "timeout_after_landing", "kept_view", "corrupted" or the name of an
+    exception the inner store raised. A delete logs one event per key; a list logs its prefix. `seed` makes
     the corrupted byte positions reproducible; `sleep` is injectable for hang_puts.
     """
 
@@ -182,6 +182,7 @@ class FaultInjectingObjectStore(_Wrapper):
         self._random = random.Random(seed)
         self._sleep = sleep
         self.events: list[tuple[str, str, str]] = []
+        self.kept_views: list[memoryview] = []
         self.clear()
 
     # -- arming --------------------------------------------------------------------------------
@@ -203,6 +204,21 @@ class FaultInjectingObjectStore(_Wrapper):
         was lost: the caller cannot tell whether the write happened."""
         with self._lock:
             self._put_timeouts = n
+
+    def put_keeps_view(self, n: int) -> None:
+        """The next `n` puts raise ObjectStoreError without writing, and keep a view of their
+        data afterwards (in `kept_views`), as a timed-out request still holding its body would:
+        the caller's buffer stays exported (a bytearray cannot be resized) until
+        `release_kept_views()`."""
+        with self._lock:
+            self._put_keep_views = n
+
+    def release_kept_views(self) -> None:
+        """Let go of the views kept by put_keeps_view."""
+        with self._lock:
+            views, self.kept_views = self.kept_views, []
+        for view in views:
+            view.release()
 
     def hang_puts(self, seconds: float) -> None:
         """Every put sleeps `seconds` before delegating (0 disarms)."""
@@ -226,6 +242,7 @@ class FaultInjectingObjectStore(_Wrapper):
             self._put_exc = None
             self._put_fail_predicates = []
             self._put_timeouts = 0
+            self._put_keep_views = 0
             self._put_delay = 0.0
             self._get_failures = 0
             self._corrupt_predicates = []
@@ -252,13 +269,19 @@ class FaultInjectingObjectStore(_Wrapper):
             self._sleep(delay)
         with self._lock:
             exc: BaseException | type[BaseException] | None = None
+            outcome = "injected_failure"
             if self._put_failures > 0:
                 self._put_failures -= 1
                 exc = self._put_exc or ObjectStoreError(f"injected failure of put {key!r}")
             elif any(p(key) for p in self._put_fail_predicates):
                 exc = ObjectStoreError(f"injected failure of put {key!r}")
+            elif self._put_keep_views > 0 and not isinstance(data, Gathered):
+                self._put_keep_views -= 1
+                self.kept_views.append(memoryview(data))
+                exc = ObjectStoreError(f"injected timeout of put {key!r} (its request still holds the data)")
+                outcome = "kept_view"
         if exc is not None:
-            self._log("put", key, "injected_failure")
+            self._log("put", key, outcome)
             raise exc
         self._delegate("put", key, lambda: self.inner.put(key, data))
         with self._lock:

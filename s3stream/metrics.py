@@ -39,6 +39,7 @@ from .metadata import MetadataStore
 from .metadata.wrappers import InstrumentedMetadataStore
 from .objectstore import ObjectStore
 from .objectstore.wrappers import InstrumentedObjectStore
+from .upload import RETRY_STEPS
 
 if TYPE_CHECKING:
     from .client import StreamClient
@@ -144,8 +145,19 @@ class ClientMetrics:
         f.counter("upload_objects", "Objects uploaded, by type", node, up["stream_set_objects"], type="stream_set")
         f.counter("upload_objects", "Objects uploaded, by type", node, up["stream_objects"], type="stream")
         f.counter("upload_bytes", "Bytes of objects uploaded", node, up["bytes"])
-        for step in ("put", "prepare", "commit"):
-            f.counter("upload_retries", "Upload steps retried, by step", node, up[f"{step}_retries"], step=step)
+        for step in RETRY_STEPS:
+            f.counter("upload_retries", "Upload steps that failed and were retried, by step", node,
+                      up.get(f"{step}_retries", 0), step=step)
+        f.counter("upload_unexpected_retries", "Upload steps retried after an error of no known kind (a bug's "
+                  "BufferError, RuntimeError...; also counted by step)", node, up.get("unexpected_retries", 0))
+        f.counter("upload_retry_episodes", "Episodes of upload failures: from a first failure until every failing "
+                  "step recovered", node, up.get("retry_episodes", 0))
+        f.gauge("upload_retrying_steps", "Upload steps failing now and being retried (0: uploads are not failing)",
+                node, up.get("retrying", 0))
+        f.counter("upload_expired_reuploads", "Blocks uploaded again under new ids: their object ids expired "
+                  "(prepared_ttl) while their steps were failing", node, up.get("expired_reuploads", 0))
+        f.counter("upload_encode_buffers_replaced", "Encode buffers replaced because a view of them outlived "
+                  "their object", node, up.get("encode_buffers_replaced", 0))
         read = stats["read"]
         f.counter("log_cache_hits", "Reads (fetch chunks) served by the log cache", node, read["cache_reads"])
         f.counter("block_cache_hits", "Object blocks a fetch found in the block cache (or in flight)", node,

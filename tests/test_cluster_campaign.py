@@ -1,0 +1,161 @@
+"""Issue 32's campaign in CI: a few short seeds of tests/cluster_campaign.py on both backends,
+held to the campaign's targets (0 lost, 0 overwritten, 0 duplicated, 0 offsets acknowledged
+twice, 0 false failovers, every node live at the end, no partition without acknowledgments for
+more than heartbeat_timeout + 5 s when no fault touches its owner); and the harness's own
+checks: a seed's schedule replays exactly, and the checker counts what it is shown.
+
+The seeds are chosen so that their schedules hold a lost host (the fault the current code
+cannot survive: there is no Cluster.forget), so their xfail marks stay reliable; once every
+fault is survived they XPASS and the marks must go.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import pytest
+
+import cluster_campaign
+import cluster_harness as H
+from cluster_harness import FaultRecord, RunConfig, check, plan_schedule
+
+
+# ---- the schedule -----------------------------------------------------------------------------
+
+def test_a_seed_plans_the_same_schedule_every_time():
+    config = RunConfig()
+    one = plan_schedule(7, 90, H.FAULT_KINDS, config)
+    assert one == plan_schedule(7, 90, H.FAULT_KINDS, config)
+    assert one != plan_schedule(8, 90, H.FAULT_KINDS, config)
+    # What a report stores is what a replay reads back.
+    assert [H.PlannedFault(**asdict(f)) for f in one] == one
+
+
+@pytest.mark.parametrize("seed", range(1, 21))
+def test_a_schedule_keeps_its_rules(seed):
+    """A fault every 2-5 s (some slots skipped), at most two planned to overlap, never two on one
+    node at once, at most one lost host, only the backend's kinds."""
+    config = RunConfig()
+    kinds = H.make_backend_faults("sqlite-local")
+    schedule = plan_schedule(seed, 90, kinds, config)
+    assert schedule and all(f.kind in kinds for f in schedule)
+    starts = [f.at for f in schedule]
+    assert starts == sorted(starts) and 2.0 <= starts[0] <= 5.0
+    assert all(b - a >= 2.0 for a, b in zip(starts, starts[1:]))
+    assert sum(f.kind == "lose-host" for f in schedule) <= 1
+    for f in schedule:
+        active = [g for g in schedule if g is not f and g.at <= f.at < g.at + H.planned_span(g, config)]
+        assert len(active) <= 1, (f, active)
+        if f.kind in ("pause", "kill", "lose-host"):
+            assert not [g for g in active if g.kind in ("pause", "kill", "lose-host") and g.slot == f.slot]
+        if f.kind == "pause":
+            assert 0.5 <= f.seconds <= 8.0
+    pg = plan_schedule(seed, 300, H.make_backend_faults("pg-s3"), config)
+    for f in pg:
+        if f.kind == "pg-outage":
+            assert 3.0 <= f.seconds <= 12.0
+        if f.kind == "s3-freeze":
+            assert 5.0 <= f.seconds <= 15.0
+
+
+# ---- the checker ----------------------------------------------------------------------------
+
+S = 1_000_000_000
+
+
+def ack(partition, offset, pid, t):
+    return (partition, offset, pid, t * S, t * S, H.payload_node(pid)[0])
+
+
+def fault(kind, target, start, end, nodes=(), partitions=(), is_global=False):
+    return FaultRecord(0, kind, target, start * S, start * S, list(nodes), list(partitions), is_global, end * S,
+                       end * S)
+
+
+def test_the_checker_counts_what_went_wrong():
+    config = RunConfig(heartbeat_timeout=1.5)
+    p = H.make_payload
+    acks = [
+        ack("a", 0, "n1-i1-a-1", 1),       # fine
+        ack("a", 1, "n1-i1-a-2", 2),       # overwritten: offset 1 holds n2-i1-a-9; and lost
+        ack("a", 1, "n2-i1-a-9", 30),      # the same offset acknowledged again: acked twice
+        ack("a", 2, "n1-i1-a-3", 31),      # lost: nowhere
+        ack("a", 3, "n1-i1-a-4", 32),      # misplaced: found at offset 4
+    ]
+    records = {"a": {0: p("n1-i1-a-1"), 1: p("n2-i1-a-9"), 4: p("n1-i1-a-4"), 5: p("n1-i1-a-4"),
+                     6: p("n3-i1-a-7")[:-1] + b"?"}}
+    faults = [fault("pause", "node 1", 3, 9, nodes=[1])]
+    failovers = [dict(node=1, at_ns=5 * S, kind="failover", judge=2),      # during node 1's pause
+                 dict(node=2, at_ns=20 * S, kind="failover", judge=1),     # node 2 was never stopped
+                 dict(node=3, at_ns=21 * S, kind="forget", judge=None)]    # a forget is no failover
+    r = check(acks, records, faults, failovers, config, window=(0, 40 * S), t0_ns=0, t0_wall_ns=0)
+    c = r["counts"]
+    assert (c["acknowledged"], c["lost"], c["overwritten"], c["misplaced"]) == (5, 2, 1, 1)
+    assert (c["duplicated"], c["acked_twice"], c["corrupt"]) == (1, 1, 1)
+    assert (c["failovers"], c["false_failovers"]) == (2, 1)
+    assert r["false_failover_records"][0]["node"] == 2
+    # Acknowledgments at 1-2 s and 30-32 s: 28 s without any, of which the pause covers 6 s
+    # (node 1 owned "a"): 21 s outside faults.
+    assert r["partitions"]["a"]["longest_gap"] == 28.0
+    assert r["partitions"]["a"]["longest_gap_outside_faults"] == 21.0
+    assert not H.targets(dict(r, config=asdict(config), settle=dict(all_live=True, unsettled=[])))["no_loss"]
+
+
+def test_the_checker_gives_up_only_what_a_forgotten_host_held_alone():
+    """A host lost with its WAL and forgotten: its acknowledgments at or above the committed end
+    when it was forgotten are given up (reported apart); below it they must be there."""
+    config = RunConfig()
+    p = H.make_payload
+    acks = [ack("a", 0, "n1-i1-a-1", 1), ack("a", 1, "n1-i1-a-2", 2), ack("a", 2, "n1-i1-a-3", 3)]
+    records = {"a": {0: p("n1-i1-a-1"), 2: p("n4-i1-a-1")}}
+    forgets = [dict(node=1, ok=True, committed_ends={"a": 2})]
+    r = check(acks, records, [fault("lose-host", "node 1", 3.5, 4, nodes=[1, 4])], [], config,
+              window=(0, 5 * S), t0_ns=0, t0_wall_ns=0, forgets=forgets)
+    c = r["counts"]
+    assert (c["lost"], c["given_up"], c["overwritten"], c["acked_twice"]) == (1, 1, 0, 0)
+    failed = check(acks, records, [], [], config, window=(0, 5 * S), t0_ns=0, t0_wall_ns=0,
+                   forgets=[dict(forgets[0], ok=False)])
+    assert (failed["counts"]["lost"], failed["counts"]["given_up"]) == (2, 0)
+
+
+def test_resuming_means_acknowledging_steadily_again():
+    ms = 1_000_000
+    steady = list(range(0, 3000 * ms, 10 * ms))
+    assert H.resumed_at(steady, 1000 * ms) == 1000 * ms                 # never stopped
+    stalled = [t for t in steady if not 500 * ms < t < 2000 * ms] + [2500 * ms + i * 10 * ms for i in range(200)]
+    stalled = sorted(set(stalled))
+    assert H.resumed_at(stalled, 600 * ms) == 2000 * ms
+    assert H.resumed_at([0, 10 * ms], 5 * ms) is None
+    assert H.longest_uncovered(0, 10, [(2, 3), (5, 9)]) == 2
+    assert H.longest_uncovered(0, 10, []) == 10
+    assert H.longest_uncovered(0, 10, [(-5, 20)]) == 0
+
+
+# ---- short seeds ----------------------------------------------------------------------------
+
+NO_FORGET = ("issue 26/32: a lost host cannot be forgotten (no Cluster.forget), so its partitions stay "
+             "unwritable and its node stays registered, dead")
+
+#: (backend, seed, seconds): each schedule holds a lost host; the pg-s3 one PostgreSQL outages and
+#: an S3 stall too. About 2.5 minutes in all on 2 cores.
+SEEDS = [
+    pytest.param("sqlite-local", 4, 20, marks=pytest.mark.xfail(strict=True, reason=NO_FORGET)),
+    pytest.param("sqlite-local", 15, 20, marks=pytest.mark.xfail(strict=True, reason=NO_FORGET)),
+    pytest.param("pg-s3", 12, 30, marks=pytest.mark.xfail(strict=True, reason=NO_FORGET)),
+]
+
+
+@pytest.mark.parametrize("backend,seed,seconds", SEEDS)
+def test_campaign_seed_meets_every_target(backend, seed, seconds, tmp_path, capsys):
+    if backend == "pg-s3":
+        from s3stream.pgserver import find_binary
+        if not find_binary("pg_ctl"):
+            pytest.skip("PostgreSQL is not installed")
+    config = cluster_campaign.campaign_config(settle_timeout=15.0)
+    schedule = plan_schedule(seed, seconds, H.make_backend_faults(backend), config)
+    assert any(f.kind == "lose-host" for f in schedule), "the seed no longer plans a lost host: pick another"
+    result = cluster_campaign.run_seed(backend, seed, seconds, config, tmp_path, progress=False)
+    with capsys.disabled():
+        print("\n" + cluster_campaign.summary_line(f"{backend}-seed{seed}", result))
+    missed = {k: v for k, v in result["targets"].items() if not v}
+    assert not missed, (f"targets missed: {sorted(missed)}; counts {result['counts']}; settle {result['settle']}; "
+                        f"report {tmp_path}/{backend}-seed{seed}.json")

@@ -722,7 +722,8 @@ class ClusterRun:
 
     def _supervise(self) -> None:
         """Restart a node process that exited on its own (fenced, crashed, failed to start), as
-        a supervisor such as systemd would, after restart_delay."""
+        a supervisor such as systemd would: after restart_delay, doubling (up to 8 s) while its
+        starts keep failing (the metadata store may be down for a while)."""
         while not self._stop.is_set():
             for node in list(self.nodes.values()):
                 with node.lock:
@@ -732,9 +733,18 @@ class ClusterRun:
                     if code is None:
                         continue
                     if node.restart_at is None:
-                        node.restart_at = time.monotonic() + self.config.restart_delay
                         why = {FENCED_EXIT: "fenced", START_FAILED_EXIT: "start-failed"}.get(code, "crashed")
-                        exit_ = dict(node=node.node_id, incarnation=node.incarnation, code=code, why=why)
+                        failed_starts = 0
+                        for e in reversed(node.exits):
+                            if e["why"] != "start-failed":
+                                break
+                            failed_starts += 1
+                        if why == "start-failed":
+                            failed_starts += 1
+                        delay = min(self.config.restart_delay * 2 ** max(failed_starts - 1, 0), 8.0)
+                        node.restart_at = time.monotonic() + delay
+                        exit_ = dict(node=node.node_id, incarnation=node.incarnation, code=code, why=why,
+                                     t=round(self.now_s(), 3))
                         node.exits.append(exit_)
                         self.timeline.event("exit", **exit_)
                     elif time.monotonic() >= node.restart_at:
@@ -1031,12 +1041,16 @@ class ClusterRun:
     # ---- the end of a run ----
 
     def settle(self) -> dict:
-        """Until every partition is open on a live node and acknowledges again (bounded)."""
+        """Until every slot's node is live and every partition is open on a live node and
+        acknowledges again (bounded by settle_timeout); then whether every node is live: every
+        slot's node, and no other registered node left neither live nor failed over/forgotten."""
         t_end = self.faults_end_ns or time.monotonic_ns()
         deadline = time.monotonic() + self.config.settle_timeout
-        waiting = list(self.partitions)
+        waiting: list[str] = list(self.partitions)
+        down: list[int] = list(self.slots)
         while time.monotonic() < deadline:
             live = set(self._live_nodes())
+            down = [n for n in self.slots if n not in live]
             waiting = []
             for name in self.partitions:
                 try:
@@ -1045,18 +1059,15 @@ class ClusterRun:
                     owner = None
                 if owner not in live or not self.tail.since(name, t_end):
                     waiting.append(name)
-            if not waiting:
+            if not waiting and not down:
                 break
             time.sleep(0.1)
-        settled = dict(seconds=(time.monotonic_ns() - t_end) / 1e9, unsettled=waiting)
-        # Liveness at the end: every slot's node live, and no other registered node left neither
-        # live nor marked failed over / forgotten (a dead node nobody dealt with).
+        settled = dict(seconds=round((time.monotonic_ns() - t_end) / 1e9, 3), unsettled=waiting, down=down)
         try:
             live = self.cluster.live_nodes()
             registered = self.meta.list_nodes()
             settled["live_nodes"] = live
-            settled["dead_nodes"] = sorted(n.node_id for n in registered
-                                           if n.node_id not in live and not n.failover)
+            settled["dead_nodes"] = sorted(n.node_id for n in registered if n.node_id not in live and not n.failover)
         except Exception as e:   # noqa: BLE001
             settled["live_nodes"], settled["dead_nodes"] = [], []
             settled["error"] = f"{type(e).__name__}: {e}"

@@ -156,11 +156,6 @@ def test_postgres_outage(request, tmp_path, backend, seconds):
     assert_safe(run_scenario(request, tmp_path, backend, script))
 
 
-STALL = ("issue 26: after an S3 stall past the read timeout, uploads stop for good ('Existing exports of data: "
-         "object cannot be re-sized') and the partitions never acknowledge again")
-
-
-@pytest.mark.xfail(strict=True, reason=STALL)
 @pytest.mark.parametrize("backend", PG, indirect=True)
 def test_object_store_stall(request, tmp_path, backend):
     """SIGSTOP the S3 server for 8 s (read timeout 2 s, two attempts): uploads fail and retry;

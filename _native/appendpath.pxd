@@ -35,6 +35,8 @@ cdef class StreamWriter:
     cdef int wstate
     cdef object failure
     cdef uint64_t failed_at          # base offset of the append that failed the stream
+    cdef uint64_t reserved_end       # offsets reserved for this node in metadata end here
+    cdef uint64_t reserve_soft       # past this, the reservation is extended ahead of need
     cdef AppendPath path
     cdef CacheSlice slice
     cdef uint64_t* q_wal             # confirm queue: WAL end of each pending append ...
@@ -64,6 +66,9 @@ cdef class AppendPath:
     cdef object admit_wait
     cdef object map_error
     cdef object errors               # dict of error types by role
+    cdef object lease_expired        # () -> the exception for an append past the lease
+    cdef object reserve              # (writer, end) -> extend the writer's offset reservation
+    cdef uint64_t stat_lease_refusals   # appends refused because the lease had run out
     cdef object cb_cond
     cdef list cb_heap
     cdef uint64_t cb_seq

@@ -7,8 +7,8 @@ payload) straight into the ring's open batch, and copy the payload into the stre
 log cache's active block. Holding one lock across both keeps the cache's blocks in WAL order (see
 logcache.pyx). No Python object is created per append beyond the returned AppendFuture.
 
-Durability is the ring's: an AppendFuture is done when the WAL's durable watermark passes its
-record. Each writer keeps a queue of (WAL end, stream end offset) of its pending appends; its
+Durability is the ring's: an AppendFuture is done when the WAL's acknowledged watermark passes
+its record (durable, and within the node's lease when the node holds one: walring.pyx). Each writer keeps a queue of (WAL end, stream end offset) of its pending appends; its
 confirm offset, the bound of every read, advances along that queue as the watermark moves. No
 thread runs per record to complete anything: waiting in `result()` sleeps on the ring's
 condition, and the only per-record work after the append call is a reader's or waiter's.
@@ -232,13 +232,29 @@ cdef class StreamWriter:
         free(self.q_wal)
         free(self.q_end)
 
-    def _init_writer(self, AppendPath path, uint64_t stream_id, uint64_t epoch, uint64_t next_offset):
+    def _init_writer(self, AppendPath path, uint64_t stream_id, uint64_t epoch, uint64_t next_offset,
+                     uint64_t reserved_end=0xFFFFFFFFFFFFFFFF, uint64_t reserve_soft=0xFFFFFFFFFFFFFFFF):
         self.path = path
         self.stream_id = stream_id
         self.epoch = epoch
         self.next_off = next_offset
         self.confirmed = next_offset
         self.wstate = W_OPEN
+        self.reserved_end = reserved_end
+        self.reserve_soft = reserve_soft
+
+    def _set_reservation(self, uint64_t reserved_end, uint64_t reserve_soft) -> None:
+        """Offsets below `reserved_end` are reserved for this writer in metadata (appends never
+        take one beyond); past `reserve_soft` an append asks the path's `reserve` hook to extend
+        the reservation ahead of need. Only ever raised."""
+        if reserved_end > self.reserved_end or self.reserved_end == 0xFFFFFFFFFFFFFFFF:
+            self.reserved_end = reserved_end
+            self.reserve_soft = reserve_soft
+
+    @property
+    def reserved_end(self) -> int:
+        """The end of this stream's offsets reserved for this node (appends stay below it)."""
+        return self.reserved_end
 
     cdef int _check_open(self) except -1:
         """Raise why this stream takes no appends (fenced, closed, failed); 0 if it does."""
@@ -294,7 +310,7 @@ cdef class StreamWriter:
 
     cdef void _advance_confirm(self) noexcept:
         """Move the confirm offset over the appends now durable (cache lock held)."""
-        cdef uint64_t durable = self.path.ring.durable_hint()
+        cdef uint64_t durable = self.path.ring.acked_hint()
         while self.q_tail < self.q_head and self.q_wal[self.q_tail] <= durable:
             self.confirmed = self.q_end[self.q_tail]
             self.q_tail += 1
@@ -388,10 +404,16 @@ cdef class AppendPath:
         timeout); called without any lock held.
     map_error(exc): the engine's exception for an error of the WAL.
     errors: exception types by role: invalid_batch, closed, fenced, append_failed.
+    lease_expired(): the exception for an append made after the ring's acknowledgment deadline
+        (the node's lease ran out): it is refused before it takes an offset.
+    reserve(writer, end): an append needs the stream's offsets up to `end` (past the writer's
+        soft mark): extend the writer's reservation in metadata, in the background while `end`
+        is still within the reservation, else before returning (raising if it cannot).
     """
 
     def __cinit__(self, Ring ring, LogCache cache, uint64_t max_batch_bytes, uint64_t admit_limit,
-                  uint64_t pressure_bytes, on_sealed, on_pressure, admit_wait, map_error, dict errors):
+                  uint64_t pressure_bytes, on_sealed, on_pressure, admit_wait, map_error, dict errors,
+                  lease_expired=None, reserve=None):
         pthread_mutex_init(&self.append_mutex, NULL)
         self.mutex_ready = True
         self.ring = ring
@@ -404,6 +426,8 @@ cdef class AppendPath:
         self.admit_wait = admit_wait
         self.map_error = map_error
         self.errors = errors
+        self.lease_expired = lease_expired
+        self.reserve = reserve
         self.cb_cond = threading.Condition()
         self.cb_heap = []
 
@@ -456,50 +480,67 @@ cdef class AppendPath:
             fut.path = self
             fut.count = count
             fut.submitted_ns = monotonic_ns()
-            self._lock_append()
-            try:
-                w._check_open()
-                base = w.next_off
-                store64(prefix, w.stream_id)
-                store64(prefix + 8, w.epoch)
-                store64(prefix + 16, base)
-                store32(prefix + 24, count)
+            if fut.submitted_ns >= self.ring.ack_deadline_ns:
+                # Past the lease it could never be acknowledged: refuse it before it takes an
+                # offset (a renewal lets the next one through).
+                self.stat_lease_refusals += 1
+                if self.lease_expired is not None:
+                    raise self.lease_expired()
+                raise self.errors["closed"]("appends are refused: the node's lease has expired")
+            while True:
+                # Offsets are taken only within the stream's reservation in metadata, so that a
+                # node whose WAL is lost never acknowledged an offset beyond what `forget` skips.
+                if w.next_off + count > w.reserve_soft and self.reserve is not None:
+                    self.reserve(w, w.next_off + count)
+                    if w.next_off + count > w.reserved_end:
+                        continue
+                self._lock_append()
                 try:
-                    self.ring.place_record(prefix, WAL_PREFIX, data, n, &pos, _lock_attempts)
-                except BaseException as e:
-                    raise self.map_error(e) from e
-                # The record is in the WAL from here on: its offsets are taken whatever happens.
-                w.next_off = base + count
-                wal_end = pos + RECORD_HEADER_SIZE + WAL_PREFIX + n
-                fut.base_offset = base
-                fut.wal_end = wal_end
-                if not trylock_spinning(&self.cache.mutex, _lock_attempts):
-                    self.cache.acquire()
-                try:
-                    if _fail_insert:
-                        raise MemoryError("failpoint cache_insert")
-                    s = w.slice
-                    if s is None or s.block_id != self.cache.active.block_id:
-                        s = self.cache._slice_for(w.stream_id, w.epoch)
-                        w.slice = s
-                    seal = self.cache.insert(s, base, count, data, n, pos, wal_end, True, held_owner(payload, n)) == 1
-                    self.uncommitted += n
-                    w._push_pending(wal_end, base + count)
-                    if seal:
-                        sealed = self.cache._seal_locked()
-                except BaseException as e:
-                    # Durable in the WAL but not in the cache: this stream can no longer be
-                    # served consistently here. Fail this append and every later one, clearly.
-                    fut.error = self.errors["append_failed"](
-                        f"stream {w.stream_id}: the append at offset {base} reached the WAL but not the log "
-                        f"cache ({e!r}); the stream stops taking appends here. Close it and open it again "
-                        "(what was acknowledged before it is kept).")
-                    w.failure = fut.error
-                    w.failed_at = base
+                    w._check_open()
+                    base = w.next_off
+                    if base + count > w.reserved_end and self.reserve is not None:
+                        continue        # appenders raced past the reservation: extend it first
+                    store64(prefix, w.stream_id)
+                    store64(prefix + 8, w.epoch)
+                    store64(prefix + 16, base)
+                    store32(prefix + 24, count)
+                    try:
+                        self.ring.place_record(prefix, WAL_PREFIX, data, n, &pos, _lock_attempts)
+                    except BaseException as e:
+                        raise self.map_error(e) from e
+                    # The record is in the WAL from here on: its offsets are taken whatever happens.
+                    w.next_off = base + count
+                    wal_end = pos + RECORD_HEADER_SIZE + WAL_PREFIX + n
+                    fut.base_offset = base
+                    fut.wal_end = wal_end
+                    if not trylock_spinning(&self.cache.mutex, _lock_attempts):
+                        self.cache.acquire()
+                    try:
+                        if _fail_insert:
+                            raise MemoryError("failpoint cache_insert")
+                        s = w.slice
+                        if s is None or s.block_id != self.cache.active.block_id:
+                            s = self.cache._slice_for(w.stream_id, w.epoch)
+                            w.slice = s
+                        seal = self.cache.insert(s, base, count, data, n, pos, wal_end, True, held_owner(payload, n)) == 1
+                        self.uncommitted += n
+                        w._push_pending(wal_end, base + count)
+                        if seal:
+                            sealed = self.cache._seal_locked()
+                    except BaseException as e:
+                        # Durable in the WAL but not in the cache: this stream can no longer be
+                        # served consistently here. Fail this append and every later one, clearly.
+                        fut.error = self.errors["append_failed"](
+                            f"stream {w.stream_id}: the append at offset {base} reached the WAL but not the log "
+                            f"cache ({e!r}); the stream stops taking appends here. Close it and open it again "
+                            "(what was acknowledged before it is kept).")
+                        w.failure = fut.error
+                        w.failed_at = base
+                    finally:
+                        self.cache.release()
                 finally:
-                    self.cache.release()
-            finally:
-                self._unlock_append()
+                    self._unlock_append()
+                break
         finally:
             if have_view:
                 PyBuffer_Release(&view)
@@ -537,7 +578,8 @@ cdef class AppendPath:
         self.refusal = (error_type, message)
 
     def stats(self) -> dict:
-        return dict(appends=self.stat_appends, bytes=self.stat_bytes, lock_waits=self.stat_lock_waits)
+        return dict(appends=self.stat_appends, bytes=self.stat_bytes, lock_waits=self.stat_lock_waits,
+                    lease_refusals=self.stat_lease_refusals)
 
     def take_latency_samples(self) -> list:
         """[(submitted_ns, wal_end)] of the appends sampled (one in LATENCY_SAMPLE_EVERY, all
@@ -579,8 +621,8 @@ cdef class AppendPath:
                 everything = self.cb_stop
             if head.error is None and not everything:
                 self.ring._wait(head.wal_end, 0.05)     # bounded: re-checks stop and new heads
-            durable = self.ring.durable_hint()
-            everything = everything or self.ring.io_errno != 0
+            durable = self.ring.acked_hint()
+            everything = everything or self.ring.acks_stopped()
             ready = []
             with self.cb_cond:
                 while self.cb_heap and (everything or self.cb_heap[0][0] <= durable

@@ -42,6 +42,11 @@ cdef class Ring:
     cdef uint64_t _trim_offset
     cdef uint64_t _fill_end             # records end at or before it (first zero-fill); max once filled
     cdef uint64_t _durable_end
+    cdef uint64_t _acked_end             # acknowledged: durable while the ack deadline held
+    cdef readonly int64_t ack_deadline_ns    # CLOCK_MONOTONIC; no acknowledgment at or after it
+    cdef bint revoked                    # acknowledgments revoked for good (set_ack_deadline never again)
+    cdef object revoked_error
+    cdef uint64_t stat_held_advances     # durable advances not acknowledged (the deadline had passed)
     cdef uint64_t _appended_end
     cdef unsigned char* resume_block
     cdef int io_errno
@@ -103,11 +108,14 @@ cdef class Ring:
     cdef object _failure(self)
     cdef void _writer_loop(self) noexcept nogil
     cdef void _advance(self) noexcept nogil
-    cdef int _settled_locked(self, uint64_t end) noexcept nogil
+    cdef int _settled_locked(self, uint64_t end, bint acked) noexcept nogil
     cdef int _settled(self, uint64_t end) noexcept
     cdef int _wait(self, uint64_t end, timeout) except -1
+    cdef int _wait_for(self, uint64_t end, timeout, bint acked) except -1
     cdef object failure(self)
     cdef uint64_t durable_hint(self) noexcept nogil
+    cdef uint64_t acked_hint(self) noexcept nogil
+    cdef bint acks_stopped(self) noexcept nogil
     cdef uint64_t untrimmed_hint(self) noexcept nogil
     cdef void _add_callback(self, AppendHandle handle, fn) except *
     cdef void _register(self, AppendHandle handle, fn, int slot) except *

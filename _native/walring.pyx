@@ -13,6 +13,15 @@ watermark advances strictly in offset order even when several writers finish out
 completions are in offset order. Space before the trim offset is the only space reused; a full
 ring makes appenders wait (bounded) instead of overwriting.
 
+Acknowledgment deadline (a node's lease, docs/migration.md): durable is not yet acknowledged.
+The acknowledged watermark follows the durable one only while CLOCK_MONOTONIC is before
+`ack_deadline_ns` (no deadline by default), checked by the writer when a batch becomes durable and
+by `set_ack_deadline` when the lease is renewed; records made durable after the deadline wait,
+unacknowledged, for a renewal, or fail once `revoke_acks` says the lease is gone for good (the
+node was fenced). Every record acknowledged was durable before the deadline. Waits, callbacks and
+`done()` follow the acknowledged watermark; `wait_durable`, `durable_end` and `trim` the durable
+one (uploads and trims need durability, not acknowledgment).
+
 Locking rules (they keep this deadlock-free and keep the GIL out of the writers' way):
 - `mutex` guards all ring state and is held only briefly.
 - A thread holding the GIL takes `mutex` only by trylock (`_lock_with_gil`); when that fails it
@@ -34,7 +43,7 @@ Locking rules (they keep this deadlock-free and keep the GIL out of the writers'
 import heapq
 import logging
 
-from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t
+from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t, INT64_MAX
 from libc.stdlib cimport free, malloc, calloc
 from libc.string cimport memcpy, memset
 from libc.errno cimport errno, ETIMEDOUT
@@ -166,6 +175,8 @@ cdef class Ring:
         self._trim_offset = trim_offset
         self._fill_end = NO_SEQ
         self._durable_end = resume_offset
+        self._acked_end = resume_offset
+        self.ack_deadline_ns = INT64_MAX
         self._appended_end = resume_offset
         self.dispatched_end = resume_offset
         self.failed_seq = NO_SEQ
@@ -268,7 +279,7 @@ cdef class Ring:
 
     cdef uint64_t _dispatchable_end(self) noexcept nogil:
         """Callbacks of records ending at or below this may run (mutex held)."""
-        cdef uint64_t upto = self._durable_end
+        cdef uint64_t upto = self._acked_end
         cdef int i
         if self.pending_count:
             for i in range(PENDING_SLOTS):
@@ -448,6 +459,14 @@ cdef class Ring:
         """The durable watermark read without the mutex: monotonic, possibly a moment old."""
         return self._durable_end
 
+    cdef uint64_t acked_hint(self) noexcept nogil:
+        """The acknowledged watermark read without the mutex: monotonic, possibly a moment old."""
+        return self._acked_end
+
+    cdef bint acks_stopped(self) noexcept nogil:
+        """No record not yet acknowledged ever will be: the WAL failed or acks were revoked."""
+        return self.revoked or self.io_errno != 0
+
     cdef uint64_t untrimmed_hint(self) noexcept nogil:
         """Bytes of the ring between the trim offset and the append position, read without the
         mutex (for pressure checks that tolerate a moment's staleness)."""
@@ -577,6 +596,8 @@ cdef class Ring:
 
     cdef object _failure(self):
         import os
+        if self.revoked:
+            return self.revoked_error
         return self.failed_error(
             f"WAL write failed ({os.strerror(self.io_errno)}); records not yet durable are lost "
             "to this session and the WAL accepts no more appends: reopen it to recover")
@@ -676,16 +697,23 @@ cdef class Ring:
         cdef Batch* b
         cdef void* p
         cdef uint64_t i
+        cdef int64_t now
         while self.done_seq < self.write_seq:
             b = self._slot(self.done_seq)
             if b.state != SLOT_WRITTEN:
                 break
             if self.done_seq < self.failed_seq and b.data_end > self._durable_end:
                 self._durable_end = b.data_end
+                now = monotonic_ns()
                 i = self.log_count % COMPLETION_LOG
                 self.log_end[i] = b.data_end
-                self.log_ns[i] = monotonic_ns()
+                self.log_ns[i] = now
                 self.log_count += 1
+                # Durable at `now` at the latest: acknowledged only if that is within the lease.
+                if now < self.ack_deadline_ns and not self.revoked:
+                    self._acked_end = self._durable_end
+                else:
+                    self.stat_held_advances += 1
             if b.buf_size != self.batch_size:
                 if posix_memalign(&p, BLOCK_SIZE, self.batch_size) == 0:
                     free(b.buf)
@@ -705,56 +733,108 @@ cdef class Ring:
 
     # ---- waiting and callbacks ----------------------------------------------------------------
 
-    cdef int _settled_locked(self, uint64_t end) noexcept nogil:
-        if self._durable_end >= end:
+    cdef int _settled_locked(self, uint64_t end, bint acked) noexcept nogil:
+        """1 if everything before `end` is acknowledged (`acked`) or durable, 2 if it never
+        will be, else 0."""
+        if (self._acked_end if acked else self._durable_end) >= end:
             return 1
+        if acked and self.revoked:
+            return 2
         if self.io_errno and self.done_seq > self.failed_seq:
             return 2
         return 0
 
     cdef int _settled(self, uint64_t end) noexcept:
         cdef int s
-        if self._durable_end >= end:    # the watermark only grows: no mutex to say yes
+        if self._acked_end >= end:      # the watermark only grows: no mutex to say yes
             return 1
         self._lock_with_gil()
-        s = self._settled_locked(end)
+        s = self._settled_locked(end, True)
         pthread_mutex_unlock(&self.mutex)
         return s
 
     cdef int _wait(self, uint64_t end, timeout) except -1:
-        """1 durable, 2 failed, 0 timed out."""
+        """Wait for the acknowledgment of everything before `end`: 1 acknowledged, 2 failed (or
+        revoked), 0 timed out."""
+        return self._wait_for(end, timeout, True)
+
+    cdef int _wait_for(self, uint64_t end, timeout, bint acked) except -1:
+        """1 acknowledged (`acked`) or durable, 2 failed, 0 timed out."""
         cdef int s
         cdef timespec deadline
         cdef bint forever = timeout is None
         cdef int64_t delay = 0
-        if self._durable_end >= end:    # most waits find the record durable: no mutex
+        if (self._acked_end if acked else self._durable_end) >= end:    # most waits: no mutex
             return 1
         if not forever:
             delay = <int64_t>(float(timeout) * 1e9)
-        s = self._settled_locked(end)       # what only writers change, read without a lock
+        s = self._settled_locked(end, acked)    # what only writers change, read without a lock
         if s == 0 and (forever or delay > 0):
             with nogil:
                 deadline_after(&deadline, delay)
                 pthread_mutex_lock(&self.wait_mutex)
                 while True:
-                    s = self._settled_locked(end)
+                    s = self._settled_locked(end, acked)
                     if s != 0:
                         break
                     if forever:
                         pthread_cond_wait(&self.done_cv, &self.wait_mutex)
                     elif pthread_cond_timedwait(&self.done_cv, &self.wait_mutex, &deadline) == ETIMEDOUT:
-                        s = self._settled_locked(end)
+                        s = self._settled_locked(end, acked)
                         break
                 pthread_mutex_unlock(&self.wait_mutex)
         return s
 
     def wait_durable(self, uint64_t end, timeout=None) -> bool:
-        """Block until everything before logical offset `end` is durable; False on timeout.
-        Raises the WAL's failure if that can never happen."""
-        cdef int s = self._wait(end, timeout)
+        """Block until everything before logical offset `end` is durable (acknowledged or not);
+        False on timeout. Raises the WAL's failure if that can never happen."""
+        cdef int s = self._wait_for(end, timeout, False)
         if s == 2:
             raise self._failure()
         return s == 1
+
+    # ---- the acknowledgment deadline (a lease) ------------------------------------------------
+
+    def set_ack_deadline(self, int64_t deadline_ns) -> None:
+        """Acknowledge durable records only before CLOCK_MONOTONIC `deadline_ns` (a lease renewed
+        until then; INT64_MAX: no deadline). If it lies ahead, everything durable now is
+        acknowledged at once (records held while the lease had run out). Ignored once revoked."""
+        cdef bint wake = False
+        self._lock_with_gil()
+        if not self.revoked:
+            self.ack_deadline_ns = deadline_ns
+            if monotonic_ns() < deadline_ns and self._acked_end < self._durable_end:
+                self._acked_end = self._durable_end
+                wake = True
+        pthread_mutex_unlock(&self.mutex)
+        if wake:
+            with nogil:
+                pthread_mutex_lock(&self.mutex)
+                self._wake_waiters()
+                pthread_mutex_unlock(&self.mutex)
+
+    def revoke_acks(self, error) -> None:
+        """Acknowledge nothing more, ever: records not acknowledged yet fail with `error` (the
+        node was fenced: its lease is gone for good). Durable records stay in the WAL."""
+        self._lock_with_gil()
+        self.revoked_error = error
+        self.revoked = True
+        self.ack_deadline_ns = 0
+        pthread_mutex_unlock(&self.mutex)
+        with nogil:
+            pthread_mutex_lock(&self.mutex)
+            self._wake_waiters()
+            pthread_cond_signal(&self.dispatch_cv)
+            pthread_mutex_unlock(&self.mutex)
+
+    @property
+    def acked_end(self) -> int:
+        """Everything before this WAL offset is acknowledged (durable within the deadline)."""
+        return self._acked_end
+
+    @property
+    def acks_revoked(self) -> bool:
+        return self.revoked
 
     cdef void _add_callback(self, AppendHandle handle, fn) except *:
         self._register(handle, fn, -1)
@@ -779,7 +859,7 @@ cdef class Ring:
             _call(fn, handle)
 
     cdef bint _dispatch_all_locked(self) noexcept nogil:
-        return self.dispatch_stop or (self.io_errno != 0 and self.done_seq > self.failed_seq)
+        return self.dispatch_stop or self.revoked or (self.io_errno != 0 and self.done_seq > self.failed_seq)
 
     def run_dispatcher(self) -> None:
         """Body of the callback thread: runs append callbacks in offset order as records become
@@ -902,8 +982,13 @@ cdef class Ring:
     def failed(self) -> bool:
         return self.io_errno != 0
 
+    @property
+    def error(self):
+        """Why the WAL takes no more appends (its write failed), or None while it works."""
+        return self._failure() if self.io_errno else None
+
     def stats(self) -> dict:
-        cdef uint64_t records, record_bytes, batches, written, waits, buffer_waits, syncs
+        cdef uint64_t records, record_bytes, batches, written, waits, buffer_waits, syncs, held
         cdef uint64_t hist[18]
         cdef uint64_t sync_hist[18]
         cdef int64_t write_ns, sync_ns, wait_ns, wait_max_ns
@@ -913,6 +998,7 @@ cdef class Ring:
         buffer_waits = self.stat_buffer_waits
         wait_ns, wait_max_ns = self.stat_wait_ns, self.stat_wait_max_ns
         syncs = self.stat_syncs
+        held = self.stat_held_advances
         memcpy(hist, self.write_hist, sizeof(hist))     # no Python object while the mutex is held
         memcpy(sync_hist, self.sync_hist, sizeof(sync_hist))
         write_ns, sync_ns = self.write_ns_sum, self.sync_ns_sum
@@ -920,7 +1006,7 @@ cdef class Ring:
         return dict(records=records, record_bytes=record_bytes, batches=batches,
                     bytes_written=written, full_waits=waits, buffer_waits=buffer_waits,
                     syncs=syncs, wait_seconds=wait_ns / 1e9, wait_max_seconds=wait_max_ns / 1e9,
-                    lock_waits=self.stat_lock_waits,
+                    lock_waits=self.stat_lock_waits, held_advances=held,
                     write_latency=_histogram(hist, write_ns), fsync_latency=_histogram(sync_hist, sync_ns))
 
 

@@ -5,11 +5,11 @@ S3StreamError.
 """
 from .client import StreamClient
 from .config import Config
-from .consumer import ConsumerGroups, StaleGenerationError
+from .cluster.consumer import ConsumerGroups, StaleGenerationError
 from .errors import (
-    AppendFailedError, ConfigError, CorruptDataError, FencedLeaderError, InvalidArgumentError, InvalidBatchError, MetadataBusyError,
-    MetadataError, NodeConflictError, ObjectNotFoundError, ObjectStoreError, ObjectStorePermanentError,
-    OffsetOutOfRangeError, OperationTimeoutError, S3StreamError, StreamClosedError, StreamFencedError, StreamNotClosedError,
+    AppendFailedError, ConfigError, CorruptDataError, FencedLeaderError, InvalidArgumentError, InvalidBatchError, LeaseExpiredError,
+    MetadataBusyError, MetadataError, NodeConflictError, ObjectNotFoundError, ObjectStoreError, ObjectStorePermanentError,
+    OffsetOutOfRangeError, OffsetsLostError, OperationTimeoutError, S3StreamError, StreamClosedError, StreamFencedError, StreamNotClosedError,
     StreamNotFoundError, UnsupportedFormatError, WALCorruptError, WALError, WALFullError,
 )
 from .recordbatch import AppendFuture, AppendResult, FetchedBatch, FetchResult, RecordBatch
@@ -17,9 +17,9 @@ from .stream import Stream
 
 __all__ = [
     "AppendFailedError", "AppendFuture", "AppendResult", "Config", "ConfigError", "ConsumerGroups", "CorruptDataError",
-    "FencedLeaderError", "FetchResult", "FetchedBatch", "InvalidArgumentError", "InvalidBatchError", "MetadataBusyError",
+    "FencedLeaderError", "FetchResult", "FetchedBatch", "InvalidArgumentError", "InvalidBatchError", "LeaseExpiredError", "MetadataBusyError",
     "MetadataError", "NodeConflictError", "ObjectNotFoundError", "ObjectStoreError",
-    "ObjectStorePermanentError", "OffsetOutOfRangeError", "OperationTimeoutError", "RecordBatch",
+    "ObjectStorePermanentError", "OffsetOutOfRangeError", "OffsetsLostError", "OperationTimeoutError", "RecordBatch",
     "S3StreamError", "StaleGenerationError", "Stream", "StreamClient", "StreamClosedError", "StreamFencedError", "StreamNotClosedError",
     "StreamNotFoundError", "UnsupportedFormatError", "WALCorruptError", "WALError", "WALFullError",
 ]

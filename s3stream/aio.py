@@ -66,7 +66,7 @@ from .client import StreamClient
 from .config import Config
 from .metadata import MetadataStore
 from .objectstore import ObjectStore
-from .partition import CloseReport, Partition
+from .cluster.partition import CloseReport, Partition
 from .recordbatch import AppendFuture, AppendResult, FetchResult, RecordBatch
 from .stream import Stream
 
@@ -338,7 +338,7 @@ class AsyncStream:
 
 
 class AsyncPartition:
-    """A Partition (see s3stream.partition) for asyncio code; `sync` is the Partition."""
+    """A Partition (see s3stream.cluster.partition) for asyncio code; `sync` is the Partition."""
 
     def __init__(self, client: AsyncStreamClient, partition: Partition) -> None:
         self._client = client

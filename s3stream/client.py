@@ -12,17 +12,18 @@ from __future__ import annotations
 
 import collections
 import logging
+from concurrent.futures import ThreadPoolExecutor
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, TypeVar
 
 import wal
 from _native.appendpath import AppendPath
 
 from .config import Config
 from .errors import (
-    AppendFailedError, ConfigError, InvalidBatchError, NodeConflictError, OffsetOutOfRangeError,
+    AppendFailedError, ConfigError, InvalidBatchError, LeaseExpiredError, NodeConflictError, OffsetOutOfRangeError,
     OperationTimeoutError, S3StreamError, StreamClosedError, StreamFencedError, StreamNotClosedError, StreamNotFoundError, WALCorruptError,
     WALError, WALFullError, check_int,
 )
@@ -31,7 +32,6 @@ from .logcache import CacheBlock, new_log_cache
 from .metadata import CommitResult, MetadataStore, StreamMeta, StreamState, open_metadata
 from .objectstore import ObjectStore, open_object_store
 from .failover import fail_over
-from .partition import Partition, PartitionReader, open_partition
 from .read import Reader
 from .recordbatch import FetchResult
 from .recovery import close_node_streams, replay_wal
@@ -41,10 +41,9 @@ from .upload import Uploader
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
-    from .partition import Partition, PartitionReader
-    from .recordbatch import FetchResult
-
 log = logging.getLogger("s3stream")
+
+T = TypeVar("T")
 
 def _check_wal_path(wal_path) -> None:
     """ConfigError, before anything is registered, for a WAL path that cannot be created: its
@@ -120,10 +119,15 @@ class StreamClient:
             self._store, self._meta = instrumented_stores(self._store, self._meta)
         self._lock = threading.Lock()
         self._streams: dict[int, Stream] = {}
-        self._partitions: dict[str, "Partition"] = {}
+        self._addons: dict[str, Any] = {}
         self._latency_pending: collections.deque[tuple[int, int]] = collections.deque(maxlen=4096)
         self._closed = False
         self._fenced = False
+        self._fence_reason: str | None = None
+        # The node's lease (renew_lease): CLOCK_MONOTONIC ns until which appends are acknowledged,
+        # None while nobody renews one; and why the latest renewal failed, for error messages.
+        self._lease_until: int | None = None
+        self._lease_problem: str | None = None
         self._admit_cond = threading.Condition()
         # Appends that waited for admission (backpressure: the cache full of uncommitted data),
         # and the seconds they waited in all: a stall of appends with a cause to name.
@@ -194,7 +198,11 @@ class StreamClient:
             int(self._wal.capacity * self.config.wal_pressure),
             self._uploader.submit, self._on_wal_pressure, self._admit, self._map_wal_error,
             dict(invalid_batch=InvalidBatchError, closed=StreamClosedError, fenced=StreamFencedError,
-                 append_failed=AppendFailedError, timeout=OperationTimeoutError))
+                 append_failed=AppendFailedError, timeout=OperationTimeoutError),
+            self._lease_expired_error, self._reserve_offsets)  # type: ignore[arg-type]  # a Stream is its writer
+        # Extends streams' offset reservations ahead of their appends (one thread, idle mostly).
+        self._reserver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="s3stream-reserve")
+        self._reserving: set[int] = set()
         # User callbacks (AppendFuture.add_done_callback, future(), await) run here, never on
         # the WAL's writer threads or the uploader's.
         self._callbacks = threading.Thread(target=self._append_path.run_callbacks, name="s3stream-callbacks",
@@ -223,7 +231,8 @@ class StreamClient:
     def create_stream(self) -> Stream:
         """A new stream, opened by this node."""
         self._check_usable()
-        return self._register(self._meta_call(self._meta.create_stream, self.node_id, self.node_epoch))
+        return self._register(self._meta_call(self._meta.create_stream, self.node_id, self.node_epoch,
+                                              self.config.offset_reservation))
 
     def open_stream(self, stream_id: int) -> Stream:
         """Open an existing stream on this node with epoch + 1. StreamNotClosedError if another
@@ -234,7 +243,8 @@ class StreamClient:
         with self._lock:
             if stream_id in self._streams:
                 raise StreamNotClosedError(f"stream {stream_id} is already open on this client")
-        return self._register(self._meta_call(self._meta.open_stream, stream_id, self.node_id, self.node_epoch))
+        return self._register(self._meta_call(self._meta.open_stream, stream_id, self.node_id, self.node_epoch,
+                                              self.config.offset_reservation))
 
     def fetch_committed(self, stream_id: int, start_offset: int, end_offset: int | None = None,
                         max_bytes: int = 1 << 20) -> "FetchResult":
@@ -263,20 +273,51 @@ class StreamClient:
             return FetchResult([])
         return FetchResult(self._reader.read(stream_id, start_offset, end, max_bytes))
 
-    def read_partition(self, name: str) -> "PartitionReader":
+    # ---- partitions (the cluster layer's, reached through an add-on) ------------------------------
+
+    #: Makes a client's table of partitions: installed by s3stream.cluster.partition when it is
+    #: imported (s3stream imports it), so that these methods reach a layer the engine does not
+    #: import. The table is the add-on "partitions".
+    partition_table: ClassVar[Callable[["StreamClient"], Any] | None] = None
+
+    def _partition_table(self) -> Any:
+        make = StreamClient.partition_table
+        if make is None:
+            raise RuntimeError("partitions need the cluster layer: import s3stream.cluster")
+        return self.addon("partitions", make)
+
+    def read_partition(self, name: str) -> Any:
         """A read-only view of the named partition's committed records (see fetch_committed):
         it does not open the partition, so its owner keeps it. StreamNotFoundError if there is
-        no such partition."""
+        no such partition. (s3stream.cluster.partition.PartitionReader)"""
         self._check_usable()
-        return PartitionReader(self, name)
+        return self._partition_table().reader(name)
 
-    def open_partition(self, name: str) -> "Partition":
-        """Create the named partition or open it on this node (see s3stream.partition)."""
+    def open_partition(self, name: str) -> Any:
+        """Create the named partition or open it on this node (s3stream.cluster.partition)."""
         self._check_usable()
+        return self._partition_table().open(name)
+
+    def partitions(self) -> list:
+        """The partitions open on this node."""
+        table = self._addons.get("partitions")
+        return [] if table is None else table.all()
+
+    def partition(self, name: str) -> Any:
+        """The partition `name` if it is open on this node, else None (never opens it)."""
+        table = self._addons.get("partitions")
+        return None if table is None else table.get(name)
+
+    def addon(self, key: str, make: Callable[["StreamClient"], T]) -> T:
+        """The add-on stored under `key`, made by `make(self)` on first use: how a layer above
+        the engine keeps per-client state (the cluster layer's partitions) without the engine
+        knowing it. An add-on with a `close(timeout)` method returning a list of errors is
+        closed first by `close()`, before the streams."""
         with self._lock:
-            if name in self._partitions:
-                return self._partitions[name]
-        return open_partition(self, name)
+            found = self._addons.get(key)
+            if found is None:
+                found = self._addons[key] = make(self)
+            return found
 
     @property
     def metadata(self) -> MetadataStore:
@@ -312,30 +353,12 @@ class StreamClient:
                     out.append(max(0, done - submitted) / 1e9)
             return out
 
-    def partitions(self) -> list["Partition"]:
-        """The partitions open on this node."""
+    def opened(self, stream_id: int) -> Stream | None:
+        """The handle of stream `stream_id` if it is open on this client, else None."""
         with self._lock:
-            return list(self._partitions.values())
+            return self._streams.get(stream_id)
 
-    def partition(self, name: str) -> "Partition | None":
-        """The partition `name` if it is open on this node, else None (never opens it)."""
-        with self._lock:
-            return self._partitions.get(name)
-
-    def _remember_partition(self, partition: "Partition") -> None:
-        with self._lock:
-            self._partitions[partition.name] = partition
-
-    def _forget_partition(self, partition: "Partition") -> None:
-        with self._lock:
-            if self._partitions.get(partition.name) is partition:
-                del self._partitions[partition.name]
-
-    def _stream(self, stream_id: int) -> Stream:
-        with self._lock:
-            return self._streams[stream_id]
-
-    def _unuploaded_bytes(self, stream: Stream) -> int:
+    def unuploaded_bytes(self, stream: Stream) -> int:
         """Bytes of the stream still only in the WAL and log cache."""
         return sum(b.streams[stream.stream_id].size for b in self._cache.pending_blocks_with(stream.stream_id))
 
@@ -388,6 +411,43 @@ class StreamClient:
             finally:
                 self._admit_waits += 1
                 self._admit_wait_ns += time.monotonic_ns() - started
+
+    def _reserve_offsets(self, stream: Stream, need_end: int) -> None:
+        """Append path hook: an append needs `stream`'s offsets up to `need_end`, past its soft
+        mark. Within the reservation it is extended in the background; beyond it, on this
+        appender's thread before the append takes an offset (raising what the metadata store
+        raised: the append fails, no offset taken)."""
+        target = need_end + self.config.offset_reservation
+        if need_end <= stream.reserved_end:
+            with self._lock:
+                if stream.stream_id in self._reserving:
+                    return
+                self._reserving.add(stream.stream_id)
+            try:
+                self._reserver.submit(self._extend_reservation, stream, target, True)
+            except RuntimeError:             # the client is closing
+                with self._lock:
+                    self._reserving.discard(stream.stream_id)
+            return
+        self._extend_reservation(stream, target, False)
+
+    def _extend_reservation(self, stream: Stream, target: int, background: bool) -> None:
+        try:
+            with stream._reserve_lock:
+                if stream.reserved_end >= target:
+                    return
+                meta = self._meta_call(self._meta.reserve_offsets, stream.stream_id, stream.epoch, self.node_id,
+                                       self.node_epoch, target, stream=stream)
+                stream._set_reservation(meta.reserved_end, meta.reserved_end - self.config.offset_reservation // 2)
+        except Exception as e:
+            if not background:
+                raise
+            # The next append past the soft mark tries again; one past the reservation raises it.
+            log.warning("stream %d: extending its offset reservation failed: %s", stream.stream_id, e)
+        finally:
+            if background:
+                with self._lock:
+                    self._reserving.discard(stream.stream_id)
 
     def _release(self, nbytes: int) -> None:
         if nbytes:
@@ -449,8 +509,13 @@ class StreamClient:
     def close_streams(self, streams: list[Stream], timeout: float | None = None) -> None:
         """Close several streams with one force upload: wait for their pending appends, seal the
         log cache once, wait until every block holding their tails is committed, then mark them
-        CLOSED in metadata. Only their un-uploaded tails move (and whatever shares the block)."""
+        CLOSED in metadata. Only their un-uploaded tails move (and whatever shares the block).
+
+        Says only what happened: a stream is closed here once it is CLOSED in metadata. If a
+        step fails this raises, and the streams not marked CLOSED serve again (open, appends
+        accepted), so that calling it again does every step left."""
         closing = [s for s in streams if s._begin_close(timeout)]
+        closed: set[int] = set()
         try:
             sealed = self._cache.seal()
             if sealed is not None:
@@ -462,9 +527,10 @@ class StreamClient:
                 raise self._upload_failure()
             for s in closing:
                 self._meta_call(self._meta.close_stream, s.stream_id, s.epoch, self.node_id, stream=s)
+                closed.add(s.stream_id)
         finally:
             for s in closing:
-                s._end_close()
+                s._end_close(s.stream_id in closed)
 
     def _on_committed(self, block: CacheBlock, result: CommitResult) -> None:
         with self._lock:
@@ -479,19 +545,112 @@ class StreamClient:
             failure = self._upload_failure()
             self._append_path.refuse(type(failure), str(failure))
 
-    def _on_fenced(self, stream_ids: list[int] | None) -> None:
+    def _on_fenced(self, stream_ids: list[int] | None, reason: str | None = None) -> None:
+        """Streams `stream_ids` moved away, or (None) this whole node was fenced: then it stops
+        at once (see `fence`)."""
         with self._lock:
             if stream_ids is None:
+                first = not self._fenced
                 self._fenced = True
-                if self._append_path is not None:
-                    self._append_path.refuse(StreamFencedError, (
-                        f"node {self.node_id} epoch {self.node_epoch} was fenced (another instance or a "
-                        "failover took over); this client stops"))
+                self._fence_reason = self._fence_reason or reason
                 targets = list(self._streams.values())
             else:
+                first = False
                 targets = [self._streams[s] for s in stream_ids if s in self._streams]
+        if first:
+            error = StreamFencedError(self._fenced_message())
+            if self._append_path is not None:
+                self._append_path.refuse(StreamFencedError, str(error))
+            # What is durable but not yet acknowledged is never acknowledged now: it fails. The
+            # records stay in the WAL, where the failover (if any) finds them.
+            self._wal.revoke_acks(error)
+            self._uploader.abort()
+            log.error("%s", error)
         for stream in targets:
             stream._fence()
+
+    def _fenced_message(self) -> str:
+        why = f" ({self._fence_reason})" if self._fence_reason else ""
+        return (f"node {self.node_id} epoch {self.node_epoch} was fenced{why}: another instance, a failover "
+                "or `node forget` took over; this client stops, and appends it had not acknowledged fail. "
+                "Retry them on the partition's new owner; start the node again to rejoin")
+
+    # ---- the node's lease (renewed by the cluster layer) -------------------------------------------
+
+    def renew_lease(self, renewed_ns: int, duration: float) -> None:
+        """The cluster layer renewed this node's lease: a heartbeat sent at time.monotonic_ns()
+        `renewed_ns` (read before sending it) was accepted by the metadata store at this node's
+        epoch. From now on appends are acknowledged only until `renewed_ns + duration`, checked
+        natively where they complete; appends made after it are refused (LeaseExpiredError) and
+        durable ones wait for the next renewal. A peer may fail this node over only after its
+        heartbeat_timeout, which exceeds the lease (docs/migration.md, "No acknowledgment after
+        a fence"). A client whose lease nobody renews has none and acknowledges whatever is
+        durable (a node outside a cluster)."""
+        until = renewed_ns + int(duration * 1e9)
+        with self._lock:
+            if self._fenced or self._closed:
+                return
+            if self._lease_until is not None and until <= self._lease_until:
+                return
+            self._lease_until = until
+            self._lease_problem = None
+            self._wal.set_ack_deadline(until)
+
+    def lease_renewal_failed(self, error: BaseException | str) -> None:
+        """A renewal failed (the metadata store did not answer, say): named by the errors of
+        appends refused once the lease has run out."""
+        self._lease_problem = str(error)
+
+    @property
+    def lease_remaining(self) -> float | None:
+        """Seconds left on the lease (negative once it ran out); None without a lease."""
+        until = self._lease_until
+        return None if until is None else (until - time.monotonic_ns()) / 1e9
+
+    def fence(self, reason: str) -> None:
+        """This node was fenced: its node epoch was bumped in metadata (a failover, `node forget`
+        or a newer instance of it took over), as its agent learned. It stops at once: appends
+        are refused, those not yet acknowledged fail with StreamFencedError, every stream handle
+        is fenced and uploads stop (their commits would be refused). The WAL keeps its records
+        for the failover. One fenced state: the same as when an upload's commit finds the fence."""
+        self._on_fenced(None, reason)
+
+    @property
+    def fenced(self) -> bool:
+        return self._fenced
+
+    def health(self) -> dict:
+        """Whether this node can serve, and if not why: {"serving": bool, "problems": [str]},
+        plus, while uploads are failing and being retried, for how long and what fails
+        (uploads_failing_seconds, uploads_failing). It cannot serve once it is closed or fenced,
+        its WAL failed, or uploads stopped for good. A node agent sends it with each heartbeat
+        (and counts uploads failing for longer than its heartbeat_timeout as unable to serve):
+        a node that cannot serve takes no partitions and judges no peer."""
+        problems: list[str] = []
+        if self._closed:
+            problems.append(f"the client of node {self.node_id} is closed")
+        else:
+            if self._fenced:
+                problems.append(self._fenced_message())
+            wal_error = self._wal.start().error
+            if wal_error is not None:
+                problems.append(f"its WAL failed: {wal_error}")
+            if self._uploader.failure is not None:
+                problems.append(f"uploads stopped: {self._uploader.failure}")
+        episode = self._uploader.retrying
+        failing = dict(uploads_failing_seconds=round(episode.seconds, 3),
+                       uploads_failing=f"{episode.what}: {episode.error}") if episode is not None else {}
+        return dict(serving=not problems, problems=problems, **failing)
+
+    def _lease_expired_error(self) -> LeaseExpiredError:
+        """The error of an append refused because the lease ran out (the append path's hook)."""
+        until = self._lease_until
+        ago = (time.monotonic_ns() - until) / 1e9 if until is not None else 0.0
+        why = f"; renewing it failed: {self._lease_problem}" if self._lease_problem else ""
+        return LeaseExpiredError(
+            f"node {self.node_id} acknowledges nothing: its lease ran out {ago:.2f} s ago{why}. Retry the "
+            "append: it goes through once the lease is renewed (the metadata store answers again), or on the "
+            "partition's new owner if this node was failed over")
 
     def _trim_wal(self, offset: int) -> None:
         if self._recovering:         # recovery trims once, after its scan
@@ -523,9 +682,7 @@ class StreamClient:
         if self._closed:
             raise StreamClosedError(f"the client of node {self.node_id} is closed")
         if self._fenced:
-            raise StreamFencedError(
-                f"node {self.node_id} epoch {self.node_epoch} was fenced (another instance or a failover "
-                "took over); this client stops")
+            raise StreamFencedError(self._fenced_message())
         if self._uploader.failure is not None:
             raise self._upload_failure()
 
@@ -614,11 +771,10 @@ class StreamClient:
         errors: list[BaseException] = []
         closed: list[int] = []
         left: list[int] = []
-        for partition in self.partitions():
-            try:
-                partition.close()
-            except (S3StreamError, TimeoutError) as e:
-                errors.append(e)
+        for addon in list(self._addons.values()):
+            close_addon = getattr(addon, "close", None)
+            if close_addon is not None:
+                errors.extend(close_addon(remaining()))
         for stream in self.streams():
             try:
                 stream.close(remaining())
@@ -635,6 +791,7 @@ class StreamClient:
             self._uploader.submit(sealed)
         self._uploader.close(remaining())
         self._reader.close()
+        self._reserver.shutdown(wait=True)
         self._wal.close()
         self._appends().stop_callbacks()
         self._callbacks.join()
@@ -673,7 +830,8 @@ class StreamClient:
                       append=dict(path.stats(), admission_waits=self._admit_waits,
                                   admission_wait_seconds=self._admit_wait_ns / 1e9),
                       upload=dict(self._uploader.stats),
-                      read=self._reader.snapshot(), wal=self._wal.stats())
+                      read=self._reader.snapshot(), wal=self._wal.stats(),
+                      lease=dict(remaining_seconds=self.lease_remaining, fenced=self._fenced))
         return dict(engine, **{name: source(engine) for name, source in list(self._stats_sources.items())})
 
     # ---- extension point for add-ons (compaction) -----------------------------------------------

@@ -116,6 +116,30 @@ class NodeConflictError(S3StreamError):
     here would fence it and lose what that WAL holds. The message names both WALs and the fix."""
 
 
+class OffsetsLostError(S3StreamError):
+    """The offsets [start, end) of a stream were given up: the node that held them was forgotten
+    with its WAL lost (`s3stream node forget NODE --wal-lost`), and nothing it had not uploaded
+    survived. Nothing there can be read; continue at `end`. No record was ever written at those
+    offsets by anyone else."""
+
+    def __init__(self, stream_id: int, start: int, end: int, node_id: int | None = None) -> None:
+        by = f" with node {node_id}'s lost WAL" if node_id is not None else ""
+        super().__init__(f"stream {stream_id}: offsets [{start}, {end}) were given up{by} (`s3stream node forget "
+                         f"--wal-lost`); nothing there can be read: continue at offset {end}")
+        self.stream_id = stream_id
+        self.start = start
+        self.end = end
+
+
+class LeaseExpiredError(S3StreamError):
+    """This node's lease ran out (it could not renew it through the metadata store in time), so
+    it acknowledges nothing: an append is refused before it takes an offset, and one already
+    written waits for a renewal (then it is acknowledged) or for the fence (then it fails). Retry
+    the append: it goes through once the lease is renewed, or on the partition's new owner if
+    this node was failed over. Nothing acknowledged is lost."""
+    retriable = True
+
+
 class FencedLeaderError(S3StreamError):
     """A leader (the balancer's) acted after its lease passed to another: the write was refused,
     nothing changed. The deposed leader stops; the new one plans from the current state."""
@@ -142,8 +166,8 @@ class WALCorruptError(WALError):
 
 __all__ = [
     "ConfigError", "CorruptDataError", "FencedLeaderError", "InvalidArgumentError", "InvalidBatchError",
-    "MetadataBusyError", "MetadataError", "NodeConflictError", "ObjectNotFoundError", "ObjectStoreError",
-    "ObjectStorePermanentError", "OffsetOutOfRangeError", "OperationTimeoutError", "S3StreamError",
+    "LeaseExpiredError", "MetadataBusyError", "MetadataError", "NodeConflictError", "ObjectNotFoundError", "ObjectStoreError",
+    "ObjectStorePermanentError", "OffsetOutOfRangeError", "OffsetsLostError", "OperationTimeoutError", "S3StreamError",
     "StreamClosedError", "StreamFencedError", "StreamNotClosedError", "StreamNotFoundError", "WALCorruptError",
     "WALError", "WALFullError",
 ]

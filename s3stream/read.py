@@ -38,7 +38,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable, Hashable, NamedTuple
 
 from .config import Config
-from .errors import CorruptDataError, ObjectNotFoundError, ObjectStoreError
+from .errors import CorruptDataError, ObjectNotFoundError, ObjectStoreError, OffsetsLostError
 from .latency import LatencyHistogram
 from .logcache import LogCache
 from .metadata import MetadataStore, ObjectRef, ObjectType
@@ -248,6 +248,9 @@ class Reader:
                 if not got and out:
                     break                        # the next block does not fit what is left
             if not got:
+                lost = self._meta.get_stream(stream_id).lost_range_at(pos)
+                if lost is not None:
+                    raise OffsetsLostError(stream_id, lost.start_offset, lost.end_offset, lost.node_id)
                 raise CorruptDataError(
                     f"stream {stream_id}: no cached or committed data holds offset {pos} "
                     f"(reading [{start}, {end})); metadata and objects disagree")

@@ -34,7 +34,12 @@ class Stream(StreamWriter):
     OPEN, CLOSING, CLOSED, FENCED = "open", "closing", "closed", "fenced"
 
     def __init__(self, client: "StreamClient", meta: StreamMeta) -> None:
-        self._init_writer(client._appends(), meta.stream_id, meta.epoch, meta.end_offset)
+        # Offsets [end, reserved_end) are this node's in metadata; none reserved (older
+        # metadata): the first append reserves them before it takes one.
+        reserved = max(meta.reserved_end, meta.end_offset)
+        self._init_writer(client._appends(), meta.stream_id, meta.epoch, meta.end_offset, reserved,
+                          reserved - client.config.offset_reservation // 2)
+        self._reserve_lock = threading.Lock()
         self._client = client
         self._start_offset = meta.start_offset
         self._committed_offset = meta.end_offset
@@ -50,6 +55,10 @@ class Stream(StreamWriter):
     @property
     def committed_offset(self) -> int:
         return self._committed_offset
+
+    def metadata(self) -> StreamMeta:
+        """The stream's record in metadata now (committed end, ranges, reservation)."""
+        return self._client._meta_call(self._client.metadata.get_stream, self.stream_id, stream=self)
 
     @property
     def _state(self) -> str:
@@ -122,9 +131,15 @@ class Stream(StreamWriter):
                                     stream=self)
             self._start_offset = new_start_offset
 
+    def flush(self, timeout: float | None = None) -> None:
+        """Block until every append made so far is acknowledged; OperationTimeoutError after
+        `timeout`, or the error that keeps them from ever being acknowledged."""
+        self._wait_confirmed(self.next_offset, timeout)
+
     def close(self, timeout: float | None = None) -> None:
         """Wait for pending appends, force-upload this stream's un-uploaded tail (only that:
-        nothing older moves), commit, and mark the stream CLOSED so another node may open it."""
+        nothing older moves), commit, and mark the stream CLOSED so another node may open it.
+        If that fails the stream stays open here (a later close tries again)."""
         self._client.close_streams([self], timeout)
 
     def _begin_close(self, timeout: float | None) -> bool:
@@ -139,15 +154,19 @@ class Stream(StreamWriter):
         try:
             self._wait_confirmed(target, timeout)
         except BaseException:
-            self._end_close()
+            self._end_close(False)
             raise
         return True
 
-    def _end_close(self) -> None:
+    def _end_close(self, closed: bool) -> None:
+        """The close ended: CLOSED in metadata (`closed`: the handle closes and is forgotten),
+        or not (it serves again, unless it was fenced meanwhile)."""
         with self._lock:
             if self._writer_state() == appendpath.CLOSING:
-                self._set_writer_state(appendpath.CLOSED)
-        self._client._forget(self)
+                self._set_writer_state(appendpath.CLOSED if closed else appendpath.OPEN)
+            state = self._writer_state()
+        if state != appendpath.OPEN:
+            self._client._forget(self)
 
     def destroy(self) -> None:
         """Delete the stream: it can no longer be opened; its objects are reclaimed."""

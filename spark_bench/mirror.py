@@ -436,7 +436,7 @@ class FailoverConsumer(threading.Thread):
             self.errors.append(f"consumer: {e!r}")
 
     def _run(self) -> None:
-        from s3stream.consumer import ConsumerGroups
+        from s3stream.cluster.consumer import ConsumerGroups
         from s3stream.mirror import sync_checkpoints
         u = self.urls
         with tempfile.TemporaryDirectory(prefix="s3stream-consumer-", dir=self.work) as wal_dir:

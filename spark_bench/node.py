@@ -112,7 +112,7 @@ def run_node(spec: dict) -> dict:
     from s3stream.cluster import Cluster, ClusterConfig, NodeAgent
     from s3stream.metadata import open_metadata
     from s3stream.objectstore import open_object_store
-    from s3stream.partition import PartitionMovedError
+    from s3stream.cluster import PartitionMovedError
 
     from .common import serve_task_metrics, stop_task_metrics
 

@@ -33,7 +33,7 @@ def main() -> None:
     def produce(name: str) -> None:
         i = 0
         while not agent.fenced:
-            p = client._partitions.get(name)
+            p = client.partition(name)
             if p is None:
                 return
             payload = b"%s-%d" % (name.encode(), i)

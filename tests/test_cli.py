@@ -312,7 +312,7 @@ def two_nodes(tmp_path, metadata_url):
 
 def test_migrate(two_nodes):
     n = two_nodes
-    partition = n.clients[1]._partitions["p0"]
+    partition = n.clients[1].partition("p0")
     for i in range(50):
         partition.append(RecordBatch(b"%d" % i * 100, 1)).result(10)
     where = ("--meta", n.meta_url, "--store", n.store_url)
@@ -327,18 +327,18 @@ def test_migrate(two_nodes):
     assert again.exit_code == 0 and "already open on node 1" in again.stdout
     listing = json.loads(run("streams", "--meta", n.meta_url, "--json").stdout)
     assert listing["partitions"] == [dict(name="p0", assigned_node=1, version=3, open_on=1)]
-    assert n.clients[1]._partitions["p0"].fetch(0, 50).batches[0].payload == b"0" * 100
+    assert n.clients[1].partition("p0").fetch(0, 50).batches[0].payload == b"0" * 100
 
 
 def test_migrate_fails_over_a_source_that_does_not_let_go(two_nodes):
     n = two_nodes
-    n.clients[1]._partitions["p0"].append(RecordBatch(b"acknowledged", 1)).result(10)
+    n.clients[1].partition("p0").append(RecordBatch(b"acknowledged", 1)).result(10)
     n.agents[1].stop()        # node 1 keeps the partition open and stops answering
     result = run("migrate", "p0", "2", "--meta", n.meta_url, "--store", n.store_url, "--timeout", "2", "--json")
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["failed_over"] and report["source"] == 1 and report["target"] == 2
-    assert n.clients[2]._partitions["p0"].fetch(0, 1).batches[0].payload == b"acknowledged"
+    assert n.clients[2].partition("p0").fetch(0, 1).batches[0].payload == b"acknowledged"
     n.agents.pop(1)
 
 

@@ -44,7 +44,7 @@ class InProcessCluster:
     def partition(self, name):
         owner = self.cluster.owner(name)
         client = self.clients.get(owner)
-        return None if client is None else client._partitions.get(name)
+        return None if client is None else client.partition(name)
 
     def close(self):
         for a in self.agents.values():
@@ -277,7 +277,7 @@ def test_failover_of_a_dead_node_process(tmp_path, metadata_url, how, round_):
         proc.wait()
         reader.join(5)
         for name in ("p0", "p1"):
-            p = node2._partitions[name]
+            p = node2.partition(name)
             stored = {}
             pos = p.log.start_offset
             while pos < p.log.confirm_offset:

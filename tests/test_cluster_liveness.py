@@ -1,6 +1,6 @@
 """Liveness of failover (issue 10, case 7): a long failover never stops the claimant's own
-heartbeats, a claim whose claimant died mid-way is taken over, and liveness is judged by an
-injectable clock (the metadata store's)."""
+heartbeats, a claim whose claimant died mid-way is taken over, an admin's liveness view follows
+the metadata store's clock, and an agent judges silence on its own injectable clock."""
 from __future__ import annotations
 
 import time
@@ -73,14 +73,25 @@ def fake_cluster(tmp_path, open_same_metadata, nodes=(1, 2, 3)) -> tuple[FakeClo
     return clock, meta, cluster
 
 
-def hour_timeout_cluster(tmp_path, open_same_metadata) -> tuple[FakeClock, MetadataStore, Cluster]:
-    """Metadata and a Cluster on one fake clock whose nodes die only when it jumps an hour."""
+def stepped_cluster(tmp_path, open_same_metadata) -> tuple[FakeClock, MetadataStore, Cluster]:
+    """Metadata and a Cluster whose wall clock and agents' monotonic clock are one fake clock,
+    for agents driven step by step (NodeAgent(start=False)): a node's death is clock steps, not
+    sleeps."""
     clock = FakeClock()
     meta = open_same_metadata(clock=clock)
     cluster = Cluster(meta, LocalObjectStore(str(tmp_path / "objects")), ClusterConfig(
-        agent_interval=0.01, heartbeat_interval=0.05, heartbeat_timeout=3600.0, migration_timeout=5.0),
-        small_config(), clock=clock)
+        agent_interval=0.01, heartbeat_interval=0.5, heartbeat_timeout=60.0, migration_timeout=5.0),
+        small_config(), clock=clock, monotonic=clock)
     return clock, meta, cluster
+
+
+def step(agent: NodeAgent, clock: FakeClock, seconds: float) -> None:
+    """Drive `agent` for `seconds` of its fake clock: a heartbeat and a judgement per interval."""
+    interval = agent.config.heartbeat_interval
+    for _ in range(round(seconds / interval)):
+        clock.advance(interval)
+        agent.heartbeat_once()
+        agent.judge_once(clock())
 
 
 def test_a_claim_whose_claimant_died_is_taken_over(tmp_path, open_same_metadata):
@@ -118,35 +129,37 @@ def test_liveness_follows_the_injected_clock(tmp_path, open_same_metadata):
     assert cluster.live_nodes() == [2]
 
 
-def test_agent_fails_over_by_the_injected_clock_without_waiting(tmp_path, open_same_metadata):
-    """With a fake clock, a node's death is a clock step, not a sleep of heartbeat_timeout."""
-    clock, meta, cluster = hour_timeout_cluster(tmp_path, open_same_metadata)
+def test_agent_fails_over_by_its_own_clock_without_waiting(tmp_path, open_same_metadata):
+    """The judge counts a peer's silence on its own (injected) clock: a minute-long timeout is
+    120 steps of a fake clock, not a minute of sleep; one step short, nobody is failed over."""
+    clock, meta, cluster = stepped_cluster(tmp_path, open_same_metadata)
     store = f"file://{tmp_path}/objects"
     node2 = StreamClient(2, str(tmp_path / "n2.wal"), store, open_same_metadata(clock=clock), small_config())
     node2.create_stream().append(RecordBatch(b"x", 1)).result()
     crash(node2)
     node1 = StreamClient(1, str(tmp_path / "n1.wal"), store, open_same_metadata(clock=clock), small_config())
-    agent = NodeAgent(node1, cluster)
+    agent = NodeAgent(node1, cluster, start=False)
     try:
-        time.sleep(0.3)
-        assert not meta.get_node(2).failover              # an hour-long timeout: nobody is dead yet
-        clock.advance(3601)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not meta.get_node(2).failover:
+        step(agent, clock, cluster.config.heartbeat_timeout)
+        assert not meta.get_node(2).failover              # seen silent for less than the timeout
+        step(agent, clock, 2 * cluster.config.heartbeat_interval)
+        deadline = time.monotonic() + 30                  # the failover runs on the agent's pool
+        while time.monotonic() < deadline and not cluster.failover_history():
             time.sleep(0.01)
         assert meta.get_node(2).failover
         assert not meta.get_node(1).failover
+        [entry] = cluster.failover_history()
+        assert (entry["kind"], entry["node"], entry["judge"], entry["ok"]) == ("failover", 2, 1, True)
     finally:
         agent.stop()
         node1.close()
-
 
 
 def test_a_retired_node_is_not_failed_over_and_starts_again(tmp_path, open_same_metadata):
     """close(retire=True) after a clean close: peers see the node gone, not dead, so nobody
     claims a failover of a WAL on a disk they cannot reach; a close that left data in the WAL
     does not retire. The retired node's next start registers it again and reads its data."""
-    clock, meta, cluster = hour_timeout_cluster(tmp_path, open_same_metadata)
+    clock, meta, cluster = stepped_cluster(tmp_path, open_same_metadata)
     store = f"file://{tmp_path}/objects"
     node2 = StreamClient(2, str(tmp_path / "n2.wal"), store, open_same_metadata(clock=clock), small_config())
     created = node2.create_stream()
@@ -156,10 +169,9 @@ def test_a_retired_node_is_not_failed_over_and_starts_again(tmp_path, open_same_
     assert node2.close(retire=True)["retired"]
     assert meta.get_node(2).failover
     node1 = StreamClient(1, str(tmp_path / "n1.wal"), store, open_same_metadata(clock=clock), small_config())
-    agent = NodeAgent(node1, cluster)
+    agent = NodeAgent(node1, cluster, start=False)
     try:
-        clock.advance(3601)                              # node 2's heartbeat is long gone
-        time.sleep(0.3)
+        step(agent, clock, 2 * cluster.config.heartbeat_timeout)      # node 2 is long silent
         assert not meta.list_kv("failover/2/")           # nobody claimed it
     finally:
         agent.stop()

@@ -112,7 +112,7 @@ def test_schema_pragmas_and_reopen(db_path, clock):
     raw = sqlite3.connect(db_path)
     assert raw.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     assert raw.execute("SELECT value FROM schema_info WHERE name = 'schema_version'"
-                       ).fetchone()[0] == 1
+                       ).fetchone()[0] == 2
     raw.close()
     s = SqliteMetadataStore(db_path, clock=clock)  # reopening is idempotent
     assert s.get_node(1) == node and s.get_kv("k") == b"v"
@@ -912,7 +912,7 @@ def test_postgres_schema_types_and_reopen(pg_url, clock):
     [version, types] = pg_execute(
         pg_url, "SELECT value FROM schema_info WHERE name = 'schema_version'",
         "SELECT DISTINCT data_type FROM information_schema.columns WHERE table_schema = current_schema()")
-    assert version == [(1,)]
+    assert version == [(2,)]
     assert {t for (t,) in types} == {"bigint", "text", "bytea", "boolean"}
     s = PostgresMetadataStore(pg_url, clock=clock)  # reopening is idempotent
     assert s.get_node(1) == node and s.get_kv("k") == b"v"
@@ -1123,3 +1123,76 @@ def test_pg_change_feed_survives_a_lost_connection(pg_url):
         feed.close()
         store.close()
         writer.close()
+
+
+# ---- schema version 2: health, offset reservations, lost ranges (issue 26) ------------------------
+
+_V2_COLUMNS = (("nodes", "health"), ("streams", "reserved_end"), ("ranges", "lost"))
+
+
+def _downgrade_to_v1(execute) -> None:
+    for table, column in _V2_COLUMNS:
+        execute(f"ALTER TABLE {table} DROP COLUMN {column}")
+    execute("UPDATE schema_info SET value = 1 WHERE name = 'schema_version'")
+
+
+def test_version_1_metadata_is_upgraded_in_place(meta_url, open_same):
+    """A store made by the previous release (schema 1) opens, gains the version 2 columns, and
+    keeps its data; its streams have no reservation (the next append or open reserves)."""
+    first = open_same()
+    node = first.register_node(1, "/wal/1")
+    made = first.create_stream(1, node.node_epoch)
+    first.put_kv("k", b"v")
+    first.close()
+    if meta_url.startswith("sqlite"):
+        raw = sqlite3.connect(meta_url[len("sqlite:///"):])
+        _downgrade_to_v1(lambda sql: raw.execute(sql))
+        raw.commit()
+        raw.close()
+    else:
+        _downgrade_to_v1(lambda sql: pg_execute(meta_url, sql))
+    store = open_same()
+    assert store.get_kv("k") == b"v"
+    got = store.get_stream(made.stream_id)
+    assert (got.reserved_end, got.ranges[0].lost) == (0, False)
+    assert store.get_node(1).health is None
+    store.heartbeat(1, node.node_epoch, '{"serving": true}')
+    assert store.get_node(1).health == '{"serving": true}'
+
+
+def test_reservations_are_fenced_and_abandon_skips_past_them(store):
+    n1 = store.register_node(1, "/wal/1")
+    s = store.create_stream(1, n1.node_epoch, reserve=100)
+    assert (s.end_offset, s.reserved_end) == (0, 100)
+    store.prepare_objects(1, 10 * SECOND)
+    store.commit(CommitRequest(1, n1.node_epoch, sso=CommitSSO(1, 10, (rng(s.stream_id, 0, 40),))))
+    assert store.reserve_offsets(s.stream_id, 0, 1, n1.node_epoch, 50).reserved_end == 100   # never lowered
+    assert store.reserve_offsets(s.stream_id, 0, 1, n1.node_epoch, 300).reserved_end == 300
+    with pytest.raises(StreamFencedError):
+        store.reserve_offsets(s.stream_id, 1, 1, n1.node_epoch, 400)          # stale stream epoch
+    store.fence_node(1)
+    with pytest.raises(StreamFencedError):
+        store.reserve_offsets(s.stream_id, 0, 1, n1.node_epoch, 400)          # a fenced node reserves nothing
+    with pytest.raises(StreamFencedError):
+        store.abandon_stream(s.stream_id, 0, 2)                               # not its owner
+    gone = store.abandon_stream(s.stream_id, 0, 1)
+    assert (gone.state, gone.end_offset, gone.owner_node_id) == (StreamState.CLOSED, 300, None)
+    assert [(r.start_offset, r.end_offset, r.lost) for r in gone.ranges] == [(0, 40, False), (40, 300, True)]
+    assert gone.lost_range_at(40) == gone.ranges[1] and gone.lost_range_at(39) is None
+    assert store.abandon_stream(s.stream_id, 0, 1) == gone                   # a repeat changes nothing
+    n2 = store.register_node(2, "/wal/2")
+    reopened = store.open_stream(s.stream_id, 2, n2.node_epoch, reserve=10)
+    assert (reopened.end_offset, reopened.reserved_end) == (300, 310)
+    assert [(r.node_id, r.start_offset, r.lost) for r in reopened.ranges] == [(1, 0, False), (1, 40, True),
+                                                                             (2, 300, False)]
+    # The next owner commits above the lost range; reads below it still find their objects.
+    store.prepare_objects(1, 10 * SECOND)
+    store.commit(CommitRequest(2, n2.node_epoch, sso=CommitSSO(2, 10, (rng(s.stream_id, 300, 305, 1),))))
+    assert [r.object_id for r in store.get_object_refs(s.stream_id, 0, 400)] == [1, 2]
+
+
+def test_abandon_without_reservation_closes_at_the_committed_end(store):
+    n1 = store.register_node(1, "/wal/1")
+    s = store.create_stream(1, n1.node_epoch)
+    gone = store.abandon_stream(s.stream_id, 0, 1)
+    assert (gone.state, gone.end_offset, [r.lost for r in gone.ranges]) == (StreamState.CLOSED, 0, [False])

@@ -2,7 +2,9 @@
 
 Contract:
 - `append(data)` returns an AppendHandle at once; `handle.result()` returns once the record is
-  durable (written and flushed). Records are acknowledged in offset order.
+  durable (written and flushed). Records are acknowledged in offset order. With an
+  acknowledgment deadline (`set_ack_deadline`, a lease), a record is acknowledged only if it was
+  durable before the deadline; later ones wait for the next deadline or fail on `revoke_acks`.
 - `recover()` yields every record after the trim offset that is intact and continuous, in order,
   and stops cleanly at the first torn, stale or corrupt one. Call it before the first append.
 - `trim(offset)` is durable when it returns; space before it may then be overwritten, and
@@ -162,6 +164,10 @@ def salvage(path: str | os.PathLike, *, apply: bool = False) -> dict:
         raise WALInUseError(f"WAL {path!r} is in use by another writer on this host; stop it first") from None
     finally:
         os.close(fd)
+
+
+#: set_ack_deadline(None): the ring's "no deadline" (INT64_MAX).
+_NO_DEADLINE = (1 << 63) - 1
 
 
 class WriteAheadLog:
@@ -534,6 +540,29 @@ class WriteAheadLog:
         if ring is None:
             return True
         return ring.wait_durable(ring.appended_end, timeout)
+
+    def set_ack_deadline(self, deadline_ns: int | None) -> None:
+        """Acknowledge records (complete their handles and callbacks) only while
+        time.monotonic_ns() is before `deadline_ns`: the end of a lease the caller holds (None:
+        no deadline, the default). A record made durable after the deadline stays unacknowledged
+        until a later deadline is set (then it is acknowledged at once) or `revoke_acks`. Every
+        acknowledged record was durable before the deadline in force when it became durable."""
+        self._check_open()
+        self.start().set_ack_deadline(_NO_DEADLINE if deadline_ns is None else deadline_ns)
+
+    def revoke_acks(self, error: BaseException) -> None:
+        """Acknowledge nothing from now on: records not yet acknowledged fail with `error` (the
+        lease is gone for good: the owner was fenced). The records stay in the log."""
+        ring = self._ring
+        if ring is not None:
+            ring.revoke_acks(error)
+
+    @property
+    def acked_end(self) -> int:
+        """Every record ending at or before this logical offset is acknowledged (`durable_end`
+        without a deadline)."""
+        ring = self._ring
+        return ring.acked_end if ring is not None else self.durable_end
 
     def completion_time(self, end: int) -> int | None:
         """time.monotonic_ns() at which the records ending at or before logical offset `end`

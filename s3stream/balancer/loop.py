@@ -28,7 +28,7 @@ from typing import Callable, Iterable
 
 from ..cluster import Cluster
 from ..errors import FencedLeaderError, S3StreamError
-from ..loadreport import read_reports
+from ..cluster.loadreport import read_reports
 from .action import Action
 from .config import BalancerConfig
 from .explain import action_to_dict, explain_action

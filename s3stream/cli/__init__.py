@@ -41,6 +41,6 @@ def main(verbose: bool) -> None:
                         format="%(levelname)s %(name)s: %(message)s")
 
 
-for command in (inspect.inspect, inspect.wal_salvage, cluster.streams, cluster.migrate, balance.balance,
+for command in (inspect.inspect, inspect.wal_salvage, cluster.streams, cluster.migrate, cluster.node, balance.balance,
                 mirror.mirror, bench.bench):
     main.add_command(command)

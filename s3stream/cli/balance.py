@@ -25,7 +25,7 @@ from ..balancer.loop import LAST_ROUND_KEY, Balancer, live_model
 from ..cluster import Cluster
 from ..config import Config
 from ..errors import ConfigError, S3StreamError
-from ..loadreport import read_reports
+from ..cluster.loadreport import read_reports
 from ..metadata import MetadataStore
 from .common import (META_HELP, as_number, emit_json, iso_time, json_option, meta_option, metrics_option, open_meta,
                      open_store, serve_metrics, store_option, table, user_errors)

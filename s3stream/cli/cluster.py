@@ -1,5 +1,6 @@
-"""`s3stream streams` and `s3stream migrate`: what the metadata holds (streams, objects, nodes,
-partitions), and moving a partition to another node."""
+"""`s3stream streams`, `s3stream migrate` and `s3stream node`: what the metadata holds (streams,
+objects, nodes, partitions), moving a partition to another node, forgetting a lost node and the
+failover history."""
 from __future__ import annotations
 
 import contextlib
@@ -11,6 +12,7 @@ import click
 import wal
 
 from ..cluster import Cluster, ClusterConfig, MigrationReport
+from ..cluster.cluster import ForgetReport, can_serve, node_health
 from ..config import Config
 from ..errors import S3StreamError
 from ..metadata import MetadataStore, ObjectState, ObjectType
@@ -38,10 +40,12 @@ def cluster_report(meta: MetadataStore, include_deleted: bool) -> dict:
                for m in meta.list_streams(include_deleted=include_deleted)]
     now = time.time_ns()
     nodes = [dict(node_id=n.node_id, node_epoch=n.node_epoch, failover=n.failover,
-                  heartbeat_age_s=round((now - n.heartbeat_ns) / 1e9, 3), wal_path=n.wal_path)
+                  heartbeat_age_s=round((now - n.heartbeat_ns) / 1e9, 3), wal_path=n.wal_path,
+                  serving=can_serve(n), problems=node_health(n).get("problems", []))
              for n in meta.list_nodes()]
     cluster = Cluster(meta, store=None)     # assignment reads touch only the metadata
-    partitions = [dict(name=name, assigned_node=a["node"], version=a["version"], open_on=cluster.owner(name))
+    partitions = [dict(name=name, assigned_node=a["node"], version=a["version"], open_on=cluster.owner(name),
+                       reason=a.get("reason"))
                   for name, a in sorted(cluster.assignments().items())]
     return dict(streams=streams,
                 objects=[dict(type=k[0], state=k[1], count=v[0], bytes=v[1]) for k, v in sorted(totals.items())],
@@ -61,13 +65,15 @@ def format_cluster(report: dict) -> str:
     lines.append(table(["type", "state", "count", "bytes"],
                        [[o["type"], o["state"], o["count"], f"{o['bytes']:,}"] for o in report["objects"]]))
     lines.append(f"Nodes ({len(report['nodes'])})")
-    lines.append(table(["id", "epoch", "failover", "heartbeat age", "WAL"],
+    lines.append(table(["id", "epoch", "failover", "heartbeat age", "serving", "WAL"],
                        [[n["node_id"], n["node_epoch"], "yes" if n["failover"] else "no",
-                         f"{n['heartbeat_age_s']:.1f} s", n["wal_path"]] for n in report["nodes"]]))
+                         f"{n['heartbeat_age_s']:.1f} s",
+                         "yes" if n["serving"] else "no: " + "; ".join(n["problems"]), n["wal_path"]]
+                        for n in report["nodes"]]))
     if report["partitions"]:
         lines.append(f"Partitions ({len(report['partitions'])})")
-        lines.append(table(["name", "assigned to", "version", "open on"],
-                           [[p["name"], p["assigned_node"], p["version"], none(p["open_on"])]
+        lines.append(table(["name", "assigned to", "version", "open on", "why there"],
+                           [[p["name"], p["assigned_node"], p["version"], none(p["open_on"]), p["reason"] or "-"]
                             for p in report["partitions"]]))
     return "\n".join(lines)
 
@@ -167,3 +173,79 @@ def migrate(partition: str, node: int, meta_url: str, store_url: str, timeout: f
         emit_json(dict(vars(report), moved=True))
     else:
         click.echo(format_migration(report))
+
+
+# ---- node: forget, history -------------------------------------------------------------------------
+
+@click.group()
+def node() -> None:
+    """Operate on nodes: give up a lost one, list failovers."""
+
+
+def format_forget(report: ForgetReport) -> str:
+    lines = [f"Forgot node {report.node_id}: fenced at epoch {report.fenced_epoch}; {len(report.streams)} streams "
+             "it held are closed"]
+    rows = [[f.stream_id, f.partition or "-", f.committed_end,
+             f"[{f.committed_end}, {f.given_up_end})" if f.given_up else "-", f"{f.given_up:,}"]
+            for f in report.streams]
+    if rows:
+        lines.append(table(["stream", "partition meta of", "committed end", "offsets given up", "count"], rows))
+    lost = [f for f in report.streams if f.given_up]
+    lines.append(f"  {len(lost)} streams resume above offsets the node may have acknowledged; what its lost WAL "
+                 "held there is gone (reads there raise OffsetsLostError)" if lost else
+                 "  no stream gives up any offset")
+    for name, target in sorted(report.reassigned.items()):
+        lines.append(f"  partition {name!r} -> node {target}")
+    return "\n".join(lines)
+
+
+@node.command()
+@click.argument("node_id", metavar="NODE", type=click.IntRange(min=0))
+@click.option("--wal-lost", is_flag=True, required=True,
+              help="Required: say that NODE's WAL is gone with its host (what it had not uploaded is lost).")
+@meta_option
+@click.option("--reason", default="its host and WAL were lost", show_default=True, help="Recorded in the history.")
+@json_option
+@user_errors
+def forget(node_id: int, wal_lost: bool, meta_url: str, reason: str, as_json: bool) -> None:
+    """Give up NODE, whose host died with its WAL: fence it, close every stream it held without
+    the data only its WAL had, and reassign its partitions to live nodes.
+
+    Each stream resumes above every offset NODE could have acknowledged (nodes reserve offsets
+    in metadata before taking them), so no acknowledged offset ever holds another record; the
+    offsets skipped are printed per stream and recorded in the failover history. Use it only when
+    the WAL cannot come back: a node whose WAL is readable is failed over without losing anything
+    (its peers do that by themselves).
+    """
+    with contextlib.closing(open_meta(meta_url)) as meta:
+        if node_id not in {n.node_id for n in meta.list_nodes()}:
+            raise click.ClickException(f"node {node_id} is not registered in the metadata; `s3stream streams` "
+                                       "lists the nodes")
+        report = Cluster(meta, store=None).forget(node_id, wal_lost=wal_lost, reason=reason)
+    if as_json:
+        emit_json(dict(node_id=report.node_id, fenced_epoch=report.fenced_epoch, reassigned=report.reassigned,
+                       streams=[dict(vars(f), given_up=f.given_up) for f in report.streams]))
+    else:
+        click.echo(format_forget(report))
+
+
+@node.command()
+@meta_option
+@json_option
+@user_errors
+def history(meta_url: str, as_json: bool) -> None:
+    """List every failover, migration fallback and forget (oldest first): who judged whom, why,
+    and what was replayed or given up."""
+    with contextlib.closing(open_meta(meta_url)) as meta:
+        entries = Cluster(meta, store=None).failover_history()
+    if as_json:
+        emit_json(entries)
+        return
+    rows = [[time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(e["at_ns"] / 1e9)), e["kind"], e["node"],
+             e.get("node_epoch", "-"), "-" if e.get("judge") is None else e["judge"],
+             "yes" if e.get("ok") else "no",
+             e.get("replayed", sum(s["given_up"][1] - s["given_up"][0] for s in e.get("streams", []))),
+             e.get("reason") if e.get("ok") else f"{e.get('reason')}: {e.get('error')}"]
+            for e in entries]
+    click.echo(f"Failover history ({len(entries)})")
+    click.echo(table(["at (UTC)", "kind", "node", "epoch", "judge", "ok", "replayed/given up", "reason"], rows))

@@ -3,10 +3,11 @@
 Model:
 - KV: small key -> bytes records (e.g. a partition name -> its meta stream id).
 - Stream: id, epoch, state (OPENED/CLOSED/DELETED), owner node, start offset (after trim), end
-  offset (committed to objects), ranges (which node wrote which offset span at which epoch, in
-  order), and its StreamObjects.
-- Node: id, node epoch (bumped at each start), failover flag, WAL location, heartbeat, and its
-  StreamSetObjects in commit order.
+  offset (committed to objects), reserved end (its owner takes no offset at or beyond it), ranges
+  (which node wrote which offset span at which epoch, in order; a `lost` range was given up
+  with a lost WAL and holds no data), and its StreamObjects.
+- Node: id, node epoch (bumped at each start), failover flag, WAL location, heartbeat and the
+  health it carried, and its StreamSetObjects in commit order.
 - Object: id (never reused), key, size, type (SO / SSO), state PREPARED -> COMMITTED ->
   MARK_DESTROYED -> (row removed once the store object is deleted), prepared / expiry / commit /
   mark-destroy times, and for an SSO the stream ranges it holds.
@@ -16,6 +17,10 @@ Contract of every implementation:
   its changes or none.
 - Fencing: an operation naming a stream epoch other than the stream's current one, or a node
   epoch other than the node's current one, raises StreamFencedError and changes nothing.
+- Reservations: an owner takes offsets only below its stream's reserved end, which only its
+  current incarnation can raise (`reserve_offsets`, checked against the node epoch), so once a
+  node is fenced its reserved ends bound every offset it may have acknowledged: what
+  `abandon_stream` skips when the node's WAL is lost.
 - Contiguity: a commit's ranges for a stream start exactly at the stream's end offset and are
   contiguous; otherwise MetadataError and nothing changes.
 - Idempotence: a commit retried after a timeout (all its objects already COMMITTED with the same
@@ -73,12 +78,14 @@ def object_key(object_id: int) -> str:
 
 @dataclass(frozen=True)
 class Range:
-    """The span of a stream written while it was open on `node_id` at `epoch`."""
+    """The span of a stream written while it was open on `node_id` at `epoch`; a `lost` range
+    holds nothing (given up with the node's lost WAL: `abandon_stream`)."""
     index: int
     node_id: int
     epoch: int
     start_offset: int
     end_offset: int
+    lost: bool = False
 
 
 @dataclass(frozen=True)
@@ -90,6 +97,14 @@ class StreamMeta:
     start_offset: int
     end_offset: int
     ranges: tuple[Range, ...] = ()
+    reserved_end: int = 0           # its owner takes no offset at or beyond this (while OPENED)
+
+    def lost_range_at(self, offset: int) -> Range | None:
+        """The lost range holding `offset`, if any."""
+        for r in self.ranges:
+            if r.lost and r.start_offset <= offset < r.end_offset:
+                return r
+        return None
 
 
 @dataclass(frozen=True)
@@ -123,6 +138,7 @@ class NodeMeta:
     failover: bool
     wal_path: str
     heartbeat_ns: int
+    health: str | None = None       # JSON the node's last heartbeat carried (None: none)
 
 
 @dataclass(frozen=True)
@@ -243,8 +259,9 @@ class MetadataStore(abc.ABC):
     def list_nodes(self) -> list[NodeMeta]: ...
 
     @abc.abstractmethod
-    def heartbeat(self, node_id: int, node_epoch: int) -> None:
-        """StreamFencedError if `node_epoch` is not the node's current epoch."""
+    def heartbeat(self, node_id: int, node_epoch: int, health: str | None = None) -> None:
+        """Record a heartbeat (the store's time) carrying `health` (JSON text, or None).
+        StreamFencedError if `node_epoch` is not the node's current epoch."""
 
     @abc.abstractmethod
     def fence_node(self, node_id: int, failover: bool = True) -> NodeMeta:
@@ -254,15 +271,33 @@ class MetadataStore(abc.ABC):
     # ---- streams ---------------------------------------------------------------------------
 
     @abc.abstractmethod
-    def create_stream(self, node_id: int, node_epoch: int) -> StreamMeta:
-        """A new stream OPENED on the node at epoch 0, offsets 0, one empty range."""
+    def create_stream(self, node_id: int, node_epoch: int, reserve: int = 0) -> StreamMeta:
+        """A new stream OPENED on the node at epoch 0, offsets 0, one empty range, offsets
+        [0, reserve) reserved."""
 
     @abc.abstractmethod
-    def open_stream(self, stream_id: int, node_id: int, node_epoch: int) -> StreamMeta:
+    def open_stream(self, stream_id: int, node_id: int, node_epoch: int, reserve: int = 0) -> StreamMeta:
         """Open on this node with epoch + 1 and a new range starting at the end offset (an
-        empty last range is replaced instead). Allowed if CLOSED, or OPENED by this same node
-        (a restart). StreamNotClosedError if OPENED by another node; StreamNotFoundError if
-        missing or DELETED; StreamFencedError if the node epoch is stale."""
+        empty last range is replaced instead), reserving `reserve` offsets from the end offset.
+        Allowed if CLOSED, or OPENED by this same node (a restart). StreamNotClosedError if
+        OPENED by another node; StreamNotFoundError if missing or DELETED; StreamFencedError if
+        the node epoch is stale."""
+
+    @abc.abstractmethod
+    def reserve_offsets(self, stream_id: int, epoch: int, node_id: int, node_epoch: int,
+                        reserved_end: int) -> StreamMeta:
+        """Raise the stream's reserved end to `reserved_end` (a lower value changes nothing).
+        StreamFencedError unless the stream is OPENED by this node at `epoch` and `node_epoch`
+        is the node's current epoch."""
+
+    @abc.abstractmethod
+    def abandon_stream(self, stream_id: int, epoch: int, node_id: int) -> StreamMeta:
+        """Close a stream that `node_id` holds OPENED at `epoch` without its un-uploaded data
+        (the node's WAL is lost): offsets [end offset, reserved end) become a lost range, the
+        end offset moves to the reserved end, and the stream is CLOSED, so the next owner
+        continues above every offset the node may have acknowledged. StreamFencedError unless
+        the stream is OPENED by that node at that epoch; a repeat after it succeeded (CLOSED
+        at the same epoch) returns the stream unchanged."""
 
     @abc.abstractmethod
     def close_stream(self, stream_id: int, epoch: int, node_id: int) -> StreamMeta:
@@ -395,3 +430,9 @@ class MetadataStore(abc.ABC):
 
     def close(self) -> None:
         pass
+
+    def __enter__(self) -> "MetadataStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,7 +1,8 @@
 """MetadataStore on a PostgreSQL database, shared by the processes of several hosts (psycopg 3
 with a psycopg_pool connection pool per process).
 
-Schema (version 1, recorded as the `schema_version` row of `schema_info`): the tables, columns,
+Schema (version 2, recorded as the `schema_version` row of `schema_info`; version 1 is upgraded
+in place, as in SQLite): the tables, columns,
 keys and indexes of the SQLite store (see s3stream.metadata.sqlite), with BIGINT for every id,
 offset, epoch and time, BOOLEAN for `nodes.failover`, BYTEA for KV values and `COLLATE "C"` on KV
 keys (so that keys sort, and `list_kv` range-scans, by code point as in SQLite). Stream and
@@ -80,26 +81,27 @@ from .base import (ChangeFeed, redact_url, CommitRequest, CommitResult, Metadata
                    ObjectType, StreamMeta, StreamState, object_key)
 # The checks and loaders are the SQLite store's own: both stores must decide alike. They take any
 # connection-like object whose execute() takes qmark SQL; _Db adapts a psycopg connection.
-from .sqlite import (_COMMITTED, _DEAD_SSOS, _MARK_DESTROYED, _NO_OFFSET, _NODE_COLUMNS, _PREPARED, _SSO,
+from .sqlite import (_COMMITTED, _DEAD_SSOS, _MARK_DESTROYED, _NO_OFFSET, _NODE_COLUMNS, _PREPARED, _RANGE_COLUMNS,
+                     _SSO, _abandon, _check_owner,
                      _apply_commit, _check_node_epoch, _check_request_shape, _check_stream_epoch, _ids, _kv_holds,
                      _live_stream, _load_objects, _load_stream, _load_streams, _mark_destroyed, _node_meta, _node_row)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 _SCHEMA = (
     """CREATE TABLE kv (
         key TEXT COLLATE "C" PRIMARY KEY, value BYTEA NOT NULL)""",
     """CREATE TABLE nodes (
         node_id BIGINT PRIMARY KEY, node_epoch BIGINT NOT NULL, failover BOOLEAN NOT NULL,
-        wal_path TEXT NOT NULL, heartbeat_ns BIGINT NOT NULL)""",
+        wal_path TEXT NOT NULL, heartbeat_ns BIGINT NOT NULL, health TEXT)""",
     """CREATE TABLE streams (
         stream_id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY, epoch BIGINT NOT NULL,
         state TEXT NOT NULL, owner_node_id BIGINT,
-        start_offset BIGINT NOT NULL, end_offset BIGINT NOT NULL)""",
+        start_offset BIGINT NOT NULL, end_offset BIGINT NOT NULL, reserved_end BIGINT NOT NULL DEFAULT 0)""",
     """CREATE TABLE ranges (
         stream_id BIGINT NOT NULL REFERENCES streams (stream_id), range_index BIGINT NOT NULL,
         node_id BIGINT NOT NULL, epoch BIGINT NOT NULL,
-        start_offset BIGINT NOT NULL, end_offset BIGINT NOT NULL,
+        start_offset BIGINT NOT NULL, end_offset BIGINT NOT NULL, lost BOOLEAN NOT NULL DEFAULT FALSE,
         PRIMARY KEY (stream_id, range_index))""",
     # BY DEFAULT: prepare_objects draws ids from the sequence first, to insert each row with its key.
     """CREATE TABLE objects (
@@ -126,6 +128,13 @@ _SCHEMA = (
         ON stream_objects (stream_id, end_offset, start_offset)""",
     """CREATE INDEX streams_by_owner ON streams (owner_node_id)
         WHERE owner_node_id IS NOT NULL""",
+)
+
+#: Version 1 -> 2: the node's health, the streams' reserved ends, lost ranges (issue 26).
+_UPGRADE_1_TO_2 = (
+    "ALTER TABLE nodes ADD COLUMN health TEXT",
+    "ALTER TABLE streams ADD COLUMN reserved_end BIGINT NOT NULL DEFAULT 0",
+    "ALTER TABLE ranges ADD COLUMN lost BOOLEAN NOT NULL DEFAULT FALSE",
 )
 
 #: pg_advisory_xact_lock key of schema creation: b"s3stream" as a big-endian int64.
@@ -282,6 +291,10 @@ class PostgresMetadataStore(MetadataStore):
                         for statement in _SCHEMA:
                             conn.execute(statement)
                         conn.execute("INSERT INTO schema_info VALUES ('schema_version', %s)", (SCHEMA_VERSION,))
+                    elif version == 1:
+                        for statement in _UPGRADE_1_TO_2:
+                            conn.execute(statement)
+                        conn.execute("UPDATE schema_info SET value = 2 WHERE name = 'schema_version'")
                     elif version != SCHEMA_VERSION:
                         raise ConfigError(
                             f"metadata database {self.display_url} has schema version {version}, this "
@@ -396,9 +409,10 @@ class PostgresMetadataStore(MetadataStore):
     def register_node(self, node_id: int, wal_path: str) -> NodeMeta:
         with self._transaction(write=True) as db:
             row = _one(db.execute(
-                f"INSERT INTO nodes VALUES (?, 0, FALSE, ?, ?) ON CONFLICT (node_id) DO UPDATE SET "
+                f"INSERT INTO nodes (node_id, node_epoch, failover, wal_path, heartbeat_ns) VALUES (?, 0, FALSE, ?, ?) "
+                f"ON CONFLICT (node_id) DO UPDATE SET "
                 f"node_epoch = nodes.node_epoch + 1, failover = FALSE, wal_path = EXCLUDED.wal_path, "
-                f"heartbeat_ns = EXCLUDED.heartbeat_ns RETURNING {_NODE_COLUMNS}",
+                f"heartbeat_ns = EXCLUDED.heartbeat_ns, health = NULL RETURNING {_NODE_COLUMNS}",
                 (node_id, wal_path, self._clock())))
             return _node_meta(row)
 
@@ -411,11 +425,12 @@ class PostgresMetadataStore(MetadataStore):
             rows = db.execute(f"SELECT {_NODE_COLUMNS} FROM nodes ORDER BY node_id").fetchall()
         return [_node_meta(row) for row in rows]
 
-    def heartbeat(self, node_id: int, node_epoch: int) -> None:
+    def heartbeat(self, node_id: int, node_epoch: int, health: str | None = None) -> None:
         with self._transaction(write=True) as db:
             _lock_node(db, node_id, "NO KEY UPDATE")
             _check_node_epoch(db, node_id, node_epoch)
-            db.execute("UPDATE nodes SET heartbeat_ns = ? WHERE node_id = ?", (self._clock(), node_id))
+            db.execute("UPDATE nodes SET heartbeat_ns = ?, health = ? WHERE node_id = ?",
+                       (self._clock(), health, node_id))
 
     def fence_node(self, node_id: int, failover: bool = True) -> NodeMeta:
         with self._transaction(write=True) as db:
@@ -427,18 +442,18 @@ class PostgresMetadataStore(MetadataStore):
 
     # ---- streams ---------------------------------------------------------------------------
 
-    def create_stream(self, node_id: int, node_epoch: int) -> StreamMeta:
+    def create_stream(self, node_id: int, node_epoch: int, reserve: int = 0) -> StreamMeta:
         with self._transaction(write=True) as db:
             _lock_node(db, node_id, "SHARE")
             _check_node_epoch(db, node_id, node_epoch)
             stream_id = _one(db.execute(
-                "INSERT INTO streams (epoch, state, owner_node_id, start_offset, end_offset) "
-                "VALUES (0, ?, ?, 0, 0) RETURNING stream_id",
-                (StreamState.OPENED.value, node_id)))[0]
-            db.execute("INSERT INTO ranges VALUES (?, 0, ?, 0, 0, 0)", (stream_id, node_id))
+                "INSERT INTO streams (epoch, state, owner_node_id, start_offset, end_offset, reserved_end) "
+                "VALUES (0, ?, ?, 0, 0, ?) RETURNING stream_id",
+                (StreamState.OPENED.value, node_id, reserve)))[0]
+            db.execute(f"INSERT INTO ranges ({_RANGE_COLUMNS}) VALUES (?, 0, ?, 0, 0, 0)", (stream_id, node_id))
             return _load_stream(db, stream_id)
 
-    def open_stream(self, stream_id: int, node_id: int, node_epoch: int) -> StreamMeta:
+    def open_stream(self, stream_id: int, node_id: int, node_epoch: int, reserve: int = 0) -> StreamMeta:
         with self._transaction(write=True) as db:
             _lock_node(db, node_id, "SHARE")
             _check_node_epoch(db, node_id, node_epoch)
@@ -452,12 +467,37 @@ class PostgresMetadataStore(MetadataStore):
             last = stream.ranges[-1]
             # An empty last range recorded nothing: the new holder takes its place.
             index = last.index if last.start_offset == last.end_offset else last.index + 1
-            db.execute("INSERT INTO ranges VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (stream_id, range_index) "
+            db.execute(f"INSERT INTO ranges ({_RANGE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?) "
+                       "ON CONFLICT (stream_id, range_index) "
                        "DO UPDATE SET node_id = EXCLUDED.node_id, epoch = EXCLUDED.epoch, "
                        "start_offset = EXCLUDED.start_offset, end_offset = EXCLUDED.end_offset",
                        (stream_id, index, node_id, epoch, stream.end_offset, stream.end_offset))
-            db.execute("UPDATE streams SET epoch = ?, state = ?, owner_node_id = ? WHERE stream_id = ?",
-                       (epoch, StreamState.OPENED.value, node_id, stream_id))
+            db.execute("UPDATE streams SET epoch = ?, state = ?, owner_node_id = ?, reserved_end = ? "
+                       "WHERE stream_id = ?",
+                       (epoch, StreamState.OPENED.value, node_id, stream.end_offset + reserve, stream_id))
+            return _load_stream(db, stream_id)
+
+    def reserve_offsets(self, stream_id: int, epoch: int, node_id: int, node_epoch: int,
+                        reserved_end: int) -> StreamMeta:
+        with self._transaction(write=True) as db:
+            # The node row FOR SHARE: a fence (FOR NO KEY UPDATE) waits for this, and this for it.
+            _lock_node(db, node_id, "SHARE")
+            _check_node_epoch(db, node_id, node_epoch)
+            _lock_rows(db, "streams", "stream_id", [stream_id])
+            stream = _live_stream(db, stream_id)
+            _check_owner(stream, epoch, node_id)
+            if reserved_end > stream.reserved_end:
+                db.execute("UPDATE streams SET reserved_end = ? WHERE stream_id = ?", (reserved_end, stream_id))
+            return _load_stream(db, stream_id)
+
+    def abandon_stream(self, stream_id: int, epoch: int, node_id: int) -> StreamMeta:
+        with self._transaction(write=True) as db:
+            _lock_rows(db, "streams", "stream_id", [stream_id])
+            stream = _live_stream(db, stream_id)
+            if stream.state == StreamState.CLOSED and stream.epoch == epoch:
+                return stream
+            _check_owner(stream, epoch, node_id)
+            _abandon(db, stream)
             return _load_stream(db, stream_id)
 
     def close_stream(self, stream_id: int, epoch: int, node_id: int) -> StreamMeta:

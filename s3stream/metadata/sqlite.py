@@ -1,12 +1,14 @@
 """MetadataStore on one SQLite file, shared by the threads and processes of one machine.
 
-Schema (version 1, recorded as the `schema_version` row of `schema_info`):
+Schema (version 2, recorded as the `schema_version` row of `schema_info`; a version 1 file is
+upgraded in place by adding the columns marked v2):
 
     schema_info(name PK, value)                 the 'schema_version' row
     kv(key PK, value BLOB)
-    nodes(node_id PK, node_epoch, failover, wal_path, heartbeat_ns)
-    streams(stream_id PK AUTOINCREMENT, epoch, state, owner_node_id, start_offset, end_offset)
-    ranges(stream_id, range_index, node_id, epoch, start_offset, end_offset)
+    nodes(node_id PK, node_epoch, failover, wal_path, heartbeat_ns, health v2)
+    streams(stream_id PK AUTOINCREMENT, epoch, state, owner_node_id, start_offset, end_offset,
+            reserved_end v2)
+    ranges(stream_id, range_index, node_id, epoch, start_offset, end_offset, lost v2)
                                                 PK (stream_id, range_index)
     objects(object_id PK AUTOINCREMENT, key, size, type, state, node_id, order_id,
             prepared_ns, expire_ns, committed_ns, mark_destroyed_ns)
@@ -74,21 +76,22 @@ from .base import (CommitRange, CommitRequest, CommitResult, MetadataStore, Node
                    ObjectRef, ObjectState, ObjectType, Range, StreamMeta, StreamRange, StreamState,
                    object_key)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 _SCHEMA = (
     """CREATE TABLE IF NOT EXISTS kv (
         key TEXT PRIMARY KEY, value BLOB NOT NULL) WITHOUT ROWID""",
     """CREATE TABLE IF NOT EXISTS nodes (
         node_id INTEGER PRIMARY KEY, node_epoch INTEGER NOT NULL, failover INTEGER NOT NULL,
-        wal_path TEXT NOT NULL, heartbeat_ns INTEGER NOT NULL)""",
+        wal_path TEXT NOT NULL, heartbeat_ns INTEGER NOT NULL, health TEXT)""",
     """CREATE TABLE IF NOT EXISTS streams (
         stream_id INTEGER PRIMARY KEY AUTOINCREMENT, epoch INTEGER NOT NULL, state TEXT NOT NULL,
-        owner_node_id INTEGER, start_offset INTEGER NOT NULL, end_offset INTEGER NOT NULL)""",
+        owner_node_id INTEGER, start_offset INTEGER NOT NULL, end_offset INTEGER NOT NULL,
+        reserved_end INTEGER NOT NULL DEFAULT 0)""",
     """CREATE TABLE IF NOT EXISTS ranges (
         stream_id INTEGER NOT NULL REFERENCES streams (stream_id), range_index INTEGER NOT NULL,
         node_id INTEGER NOT NULL, epoch INTEGER NOT NULL,
-        start_offset INTEGER NOT NULL, end_offset INTEGER NOT NULL,
+        start_offset INTEGER NOT NULL, end_offset INTEGER NOT NULL, lost INTEGER NOT NULL DEFAULT 0,
         PRIMARY KEY (stream_id, range_index)) WITHOUT ROWID""",
     """CREATE TABLE IF NOT EXISTS objects (
         object_id INTEGER PRIMARY KEY AUTOINCREMENT, key TEXT NOT NULL, size INTEGER NOT NULL,
@@ -116,10 +119,18 @@ _SCHEMA = (
         WHERE owner_node_id IS NOT NULL""",
 )
 
-_STREAM_COLUMNS = "stream_id, epoch, state, owner_node_id, start_offset, end_offset"
+#: Version 1 -> 2: the node's health, the streams' reserved ends, lost ranges (issue 26).
+_UPGRADE_1_TO_2 = (
+    "ALTER TABLE nodes ADD COLUMN health TEXT",
+    "ALTER TABLE streams ADD COLUMN reserved_end INTEGER NOT NULL DEFAULT 0",
+    "ALTER TABLE ranges ADD COLUMN lost INTEGER NOT NULL DEFAULT 0",
+)
+
+_STREAM_COLUMNS = "stream_id, epoch, state, owner_node_id, start_offset, end_offset, reserved_end"
+_RANGE_COLUMNS = "stream_id, range_index, node_id, epoch, start_offset, end_offset"
 _OBJECT_COLUMNS = ("o.object_id, o.key, o.size, o.type, o.state, o.node_id, o.order_id, "
                    "o.prepared_ns, o.expire_ns, o.committed_ns, o.mark_destroyed_ns")
-_NODE_COLUMNS = "node_id, node_epoch, failover, wal_path, heartbeat_ns"
+_NODE_COLUMNS = "node_id, node_epoch, failover, wal_path, heartbeat_ns, health"
 
 _PREPARED = ObjectState.PREPARED.value
 _COMMITTED = ObjectState.COMMITTED.value
@@ -217,6 +228,10 @@ class SqliteMetadataStore(MetadataStore):
                                       f"(it has tables but no s3stream schema version)")
                 db.execute("INSERT INTO schema_info VALUES ('schema_version', ?)",
                            (SCHEMA_VERSION,))
+            elif row[0] == 1:
+                for statement in _UPGRADE_1_TO_2:
+                    db.execute(statement)
+                db.execute("UPDATE schema_info SET value = 2 WHERE name = 'schema_version'")
             elif row[0] != SCHEMA_VERSION:
                 raise ConfigError(f"metadata database {self.path!r} has schema version {row[0]}, "
                                   f"this s3stream reads version {SCHEMA_VERSION}; use a matching "
@@ -266,8 +281,8 @@ class SqliteMetadataStore(MetadataStore):
             row = db.execute("SELECT node_epoch FROM nodes WHERE node_id = ?",
                              (node_id,)).fetchone()
             epoch = 0 if row is None else row[0] + 1
-            db.execute("INSERT OR REPLACE INTO nodes VALUES (?, ?, 0, ?, ?)",
-                       (node_id, epoch, wal_path, now))
+            db.execute("INSERT OR REPLACE INTO nodes (node_id, node_epoch, failover, wal_path, heartbeat_ns) "
+                       "VALUES (?, ?, 0, ?, ?)", (node_id, epoch, wal_path, now))
             return NodeMeta(node_id, epoch, False, wal_path, now)
 
     def get_node(self, node_id: int) -> NodeMeta:
@@ -279,11 +294,11 @@ class SqliteMetadataStore(MetadataStore):
             rows = db.execute(f"SELECT {_NODE_COLUMNS} FROM nodes ORDER BY node_id").fetchall()
         return [_node_meta(row) for row in rows]
 
-    def heartbeat(self, node_id: int, node_epoch: int) -> None:
+    def heartbeat(self, node_id: int, node_epoch: int, health: str | None = None) -> None:
         with self._transaction(write=True) as db:
             _check_node_epoch(db, node_id, node_epoch)
-            db.execute("UPDATE nodes SET heartbeat_ns = ? WHERE node_id = ?",
-                       (self._clock(), node_id))
+            db.execute("UPDATE nodes SET heartbeat_ns = ?, health = ? WHERE node_id = ?",
+                       (self._clock(), health, node_id))
 
     def fence_node(self, node_id: int, failover: bool = True) -> NodeMeta:
         with self._transaction(write=True) as db:
@@ -294,16 +309,16 @@ class SqliteMetadataStore(MetadataStore):
 
     # ---- streams ---------------------------------------------------------------------------
 
-    def create_stream(self, node_id: int, node_epoch: int) -> StreamMeta:
+    def create_stream(self, node_id: int, node_epoch: int, reserve: int = 0) -> StreamMeta:
         with self._transaction(write=True) as db:
             _check_node_epoch(db, node_id, node_epoch)
             stream_id = _inserted_id(db.execute(
-                "INSERT INTO streams (epoch, state, owner_node_id, start_offset, end_offset) "
-                "VALUES (0, ?, ?, 0, 0)", (StreamState.OPENED.value, node_id)))
-            db.execute("INSERT INTO ranges VALUES (?, 0, ?, 0, 0, 0)", (stream_id, node_id))
+                "INSERT INTO streams (epoch, state, owner_node_id, start_offset, end_offset, reserved_end) "
+                "VALUES (0, ?, ?, 0, 0, ?)", (StreamState.OPENED.value, node_id, reserve)))
+            db.execute(f"INSERT INTO ranges ({_RANGE_COLUMNS}) VALUES (?, 0, ?, 0, 0, 0)", (stream_id, node_id))
             return _load_stream(db, stream_id)
 
-    def open_stream(self, stream_id: int, node_id: int, node_epoch: int) -> StreamMeta:
+    def open_stream(self, stream_id: int, node_id: int, node_epoch: int, reserve: int = 0) -> StreamMeta:
         with self._transaction(write=True) as db:
             _check_node_epoch(db, node_id, node_epoch)
             stream = _live_stream(db, stream_id)
@@ -315,11 +330,30 @@ class SqliteMetadataStore(MetadataStore):
             last = stream.ranges[-1]
             # An empty last range recorded nothing: the new holder takes its place.
             index = last.index if last.start_offset == last.end_offset else last.index + 1
-            db.execute("INSERT OR REPLACE INTO ranges VALUES (?, ?, ?, ?, ?, ?)",
+            db.execute(f"INSERT OR REPLACE INTO ranges ({_RANGE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)",
                        (stream_id, index, node_id, epoch, stream.end_offset, stream.end_offset))
-            db.execute("UPDATE streams SET epoch = ?, state = ?, owner_node_id = ? "
+            db.execute("UPDATE streams SET epoch = ?, state = ?, owner_node_id = ?, reserved_end = ? "
                        "WHERE stream_id = ?",
-                       (epoch, StreamState.OPENED.value, node_id, stream_id))
+                       (epoch, StreamState.OPENED.value, node_id, stream.end_offset + reserve, stream_id))
+            return _load_stream(db, stream_id)
+
+    def reserve_offsets(self, stream_id: int, epoch: int, node_id: int, node_epoch: int,
+                        reserved_end: int) -> StreamMeta:
+        with self._transaction(write=True) as db:
+            _check_node_epoch(db, node_id, node_epoch)
+            stream = _live_stream(db, stream_id)
+            _check_owner(stream, epoch, node_id)
+            if reserved_end > stream.reserved_end:
+                db.execute("UPDATE streams SET reserved_end = ? WHERE stream_id = ?", (reserved_end, stream_id))
+            return _load_stream(db, stream_id)
+
+    def abandon_stream(self, stream_id: int, epoch: int, node_id: int) -> StreamMeta:
+        with self._transaction(write=True) as db:
+            stream = _live_stream(db, stream_id)
+            if stream.state == StreamState.CLOSED and stream.epoch == epoch:
+                return stream
+            _check_owner(stream, epoch, node_id)
+            _abandon(db, stream)
             return _load_stream(db, stream_id)
 
     def close_stream(self, stream_id: int, epoch: int, node_id: int) -> StreamMeta:
@@ -672,8 +706,8 @@ def _node_row(db: _Connection, node_id: int) -> tuple:
 
 
 def _node_meta(row: tuple) -> NodeMeta:
-    node_id, epoch, failover, wal_path, heartbeat_ns = row
-    return NodeMeta(node_id, epoch, bool(failover), wal_path, heartbeat_ns)
+    node_id, epoch, failover, wal_path, heartbeat_ns, health = row
+    return NodeMeta(node_id, epoch, bool(failover), wal_path, heartbeat_ns, health)
 
 
 def _check_node_epoch(db: _Connection, node_id: int, node_epoch: int) -> None:
@@ -685,15 +719,36 @@ def _check_node_epoch(db: _Connection, node_id: int, node_epoch: int) -> None:
 
 def _load_streams(db: _Connection, where: str, params: Sequence) -> list[StreamMeta]:
     ranges: dict[int, list[Range]] = {}
-    for stream_id, *fields in db.execute(
-            f"SELECT stream_id, range_index, node_id, epoch, start_offset, end_offset "
+    for stream_id, index, node_id, epoch, start, end, lost in db.execute(
+            f"SELECT {_RANGE_COLUMNS}, lost "
             f"FROM ranges WHERE stream_id IN (SELECT stream_id FROM streams {where}) "
             f"ORDER BY stream_id, range_index", params):
-        ranges.setdefault(stream_id, []).append(Range(*fields))
+        ranges.setdefault(stream_id, []).append(Range(index, node_id, epoch, start, end, bool(lost)))
     return [StreamMeta(stream_id, epoch, StreamState(state), owner, start, end,
-                       tuple(ranges.get(stream_id, ())))
-            for stream_id, epoch, state, owner, start, end in db.execute(
+                       tuple(ranges.get(stream_id, ())), reserved)
+            for stream_id, epoch, state, owner, start, end, reserved in db.execute(
                 f"SELECT {_STREAM_COLUMNS} FROM streams {where} ORDER BY stream_id", params)]
+
+
+def _check_owner(stream: StreamMeta, epoch: int, node_id: int) -> None:
+    """StreamFencedError unless `node_id` holds the stream OPENED at `epoch`."""
+    if stream.state != StreamState.OPENED or stream.epoch != epoch or stream.owner_node_id != node_id:
+        raise StreamFencedError(
+            f"stream {stream.stream_id} epoch {epoch} on node {node_id} is fenced: the stream is "
+            f"{stream.state.value} at epoch {stream.epoch} on node {stream.owner_node_id}")
+
+
+def _abandon(db: _Connection, stream: StreamMeta) -> None:
+    """abandon_stream's changes (the owner checked): the offsets its owner may have taken and
+    not committed become a lost range, the end moves past them, the stream is CLOSED."""
+    if stream.reserved_end > stream.end_offset:
+        index = stream.ranges[-1].index + 1 if stream.ranges else 0
+        db.execute(f"INSERT INTO ranges ({_RANGE_COLUMNS}, lost) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                   (stream.stream_id, index, stream.owner_node_id, stream.epoch, stream.end_offset,
+                    stream.reserved_end, True))
+        db.execute("UPDATE streams SET end_offset = ? WHERE stream_id = ?", (stream.reserved_end, stream.stream_id))
+    db.execute("UPDATE streams SET state = ?, owner_node_id = NULL WHERE stream_id = ?",
+               (StreamState.CLOSED.value, stream.stream_id))
 
 
 def _load_stream(db: _Connection, stream_id: int) -> StreamMeta:

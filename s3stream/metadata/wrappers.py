@@ -17,7 +17,8 @@ _T = TypeVar("_T")
 #: method name is the operation's name in latencies() and in the metrics' `operation` label.
 TIMED_OPERATIONS = (
     "register_node", "get_node", "list_nodes", "heartbeat", "fence_node",
-    "create_stream", "open_stream", "close_stream", "trim_stream", "delete_stream", "get_stream",
+    "create_stream", "open_stream", "reserve_offsets", "abandon_stream", "close_stream", "trim_stream",
+    "delete_stream", "get_stream",
     "get_streams", "list_streams",
     "prepare_objects", "commit", "get_object", "list_objects", "get_object_refs", "node_stream_set_objects",
     "mark_destroyed", "objects_to_delete", "remove_objects",
@@ -80,17 +81,25 @@ class InstrumentedMetadataStore(MetadataStore):
     def list_nodes(self) -> list[NodeMeta]:
         return self._timed("list_nodes", self.inner.list_nodes)
 
-    def heartbeat(self, node_id: int, node_epoch: int) -> None:
-        return self._timed("heartbeat", self.inner.heartbeat, node_id, node_epoch)
+    def heartbeat(self, node_id: int, node_epoch: int, health: str | None = None) -> None:
+        return self._timed("heartbeat", self.inner.heartbeat, node_id, node_epoch, health)
 
     def fence_node(self, node_id: int, failover: bool = True) -> NodeMeta:
         return self._timed("fence_node", self.inner.fence_node, node_id, failover)
 
-    def create_stream(self, node_id: int, node_epoch: int) -> StreamMeta:
-        return self._timed("create_stream", self.inner.create_stream, node_id, node_epoch)
+    def create_stream(self, node_id: int, node_epoch: int, reserve: int = 0) -> StreamMeta:
+        return self._timed("create_stream", self.inner.create_stream, node_id, node_epoch, reserve)
 
-    def open_stream(self, stream_id: int, node_id: int, node_epoch: int) -> StreamMeta:
-        return self._timed("open_stream", self.inner.open_stream, stream_id, node_id, node_epoch)
+    def open_stream(self, stream_id: int, node_id: int, node_epoch: int, reserve: int = 0) -> StreamMeta:
+        return self._timed("open_stream", self.inner.open_stream, stream_id, node_id, node_epoch, reserve)
+
+    def reserve_offsets(self, stream_id: int, epoch: int, node_id: int, node_epoch: int,
+                        reserved_end: int) -> StreamMeta:
+        return self._timed("reserve_offsets", self.inner.reserve_offsets, stream_id, epoch, node_id, node_epoch,
+                           reserved_end)
+
+    def abandon_stream(self, stream_id: int, epoch: int, node_id: int) -> StreamMeta:
+        return self._timed("abandon_stream", self.inner.abandon_stream, stream_id, epoch, node_id)
 
     def close_stream(self, stream_id: int, epoch: int, node_id: int) -> StreamMeta:
         return self._timed("close_stream", self.inner.close_stream, stream_id, epoch, node_id)

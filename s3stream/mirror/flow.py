@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Callable, NamedTuple
 from ..errors import (InvalidArgumentError, OffsetOutOfRangeError, S3StreamError, StreamClosedError,
                       StreamFencedError, StreamNotFoundError, check_int)
 from ..metadata import MetadataStore
-from ..partition import PartitionMovedError
+from ..cluster.partition import PartitionMovedError
 from ..recordbatch import AppendFuture, FetchedBatch, RecordBatch
 from .errors import MirrorConflictError, MirrorError, MirrorNameError, SourceTrimmedError
 from .offsets import OffsetMap, Segment
@@ -55,7 +55,7 @@ from .records import PartitionRecord, load_segments, record_segment, register_fl
 
 if TYPE_CHECKING:
     from ..client import StreamClient
-    from ..partition import Partition, PartitionReader
+    from ..cluster.partition import Partition, PartitionReader
 
 log = logging.getLogger("s3stream.mirror")
 

@@ -37,7 +37,7 @@ from .policy import check_name
 
 if TYPE_CHECKING:
     from ..client import StreamClient
-    from ..partition import Partition
+    from ..cluster.partition import Partition
     from .flow import MirrorFlow
 
 log = logging.getLogger("s3stream.mirror")

@@ -1,0 +1,363 @@
+"""NodeAgent: one node's part in the cluster protocol (docs/migration.md).
+
+Two loops, each on its own thread, so that neither waits for the other:
+- the lease keeper heartbeats every heartbeat_interval with the node's health; each heartbeat
+  the store accepts at this node's epoch renews the node's lease (StreamClient.renew_lease: the
+  engine acknowledges appends only within it). A heartbeat refused because the node's epoch
+  moved on means this node was fenced: the client is told at once (StreamClient.fence) and
+  the agent stops. A node that cannot serve for longer than unhealthy_grace stops heartbeating,
+  so that its lease lapses and a peer fails it over.
+- the agent loop judges peers (s3stream.cluster.detector: silence counted only while this node
+  reaches the store and can serve), claims and runs failovers on its worker pool, publishes
+  load reports, and makes the partitions open here equal to those assigned here: it closes
+  what moved away and opens what moved here, reporting each only once it is true.
+
+The steps are methods a test or a simulation may call one at a time (`heartbeat_once`,
+`judge_once`, `reconcile_once`); the threads only repeat them.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import zlib
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+from ..client import StreamClient
+from ..errors import S3StreamError, StreamFencedError, StreamNotClosedError
+from .cluster import Cluster, can_serve, put_json
+from .detector import FailureDetector
+from .loadreport import LoadReporter
+
+log = logging.getLogger("s3stream.cluster")
+
+
+class NodeAgent:
+    """Keeps one node's open partitions equal to its assignment, holds its lease, and fails
+    over dead peers. Two loop threads plus at most `max_parallel_moves` workers."""
+
+    def __init__(self, client: StreamClient, cluster: Cluster, *, start: bool = True) -> None:
+        self.client = client
+        self.cluster = cluster
+        self.config = cluster.config
+        self.node_id = client.node_id
+        self.node_epoch = client.node_epoch
+        self.clock: Callable[[], int] = cluster.monotonic
+        self._busy: set[str] = set()
+        self._published: dict[str, int] = {}      # partition -> assignment version confirmed open
+        self._open_failures: dict[tuple[str, int], list[str]] = {}   # (partition, version) -> errors
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._pool = ThreadPoolExecutor(max_workers=self.config.max_parallel_moves,
+                                        thread_name_prefix=f"agent-{self.node_id}")
+        self.detector = FailureDetector(self.config.heartbeat_timeout, 2 * self.config.heartbeat_interval)
+        self._last_judged = 0
+        self._reporter = LoadReporter(self.node_id, self.config.report_window)
+        self._last_report = 0.0
+        self._renewed_ns: int | None = None       # start of the last accepted heartbeat
+        self._unhealthy_since: int | None = None
+        self._health: dict = {"serving": True}
+        self._meta_problem: str | None = None
+        self._judge_healthy = False
+        self._retry_soon = False
+        self.fenced = False
+        self.errors: deque[str] = deque(maxlen=100)     # the latest failures, bounded
+        self.stats = dict(heartbeats=0, heartbeat_failures=0, failovers_started=0, opens=0, open_failures=0,
+                          closes=0, close_failures=0, handed_on=0)
+        # Opened before the first pass reads the assignments, so no change in between is missed.
+        self._feed = client.metadata.kv_changes(("assignment/", "closed/"))
+        self._threads: list[threading.Thread] = []
+        if start:
+            # The first lease before the first pass: this node serves nothing before it holds one.
+            self.heartbeat_once()
+            for target, name in ((self._keep_lease, "lease"), (self._run, "agent")):
+                thread = threading.Thread(target=target, name=f"node-{name}-{self.node_id}", daemon=True)
+                thread.start()
+                self._threads.append(thread)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._feed.wake()
+        for thread in self._threads:
+            thread.join()
+        self._pool.shutdown(wait=True)
+        self._feed.close()
+
+    # ---- health and the lease ------------------------------------------------------------------
+
+    def health(self) -> dict:
+        """What this node's heartbeat says: whether it can serve, and if not why: the engine's
+        health, uploads failing for longer than heartbeat_timeout counting as a problem
+        (whether it reaches the metadata store is known by whether the heartbeat lands)."""
+        health = self.client.health()
+        failing = health.get("uploads_failing_seconds", 0.0)
+        if failing > self.config.heartbeat_timeout:
+            health["problems"] = [*health["problems"], f"uploads failing for {failing:.0f} s: "
+                                                       f"{health.get('uploads_failing')}"]
+            health["serving"] = False
+        return health
+
+    def heartbeat_once(self) -> bool:
+        """One heartbeat: renew the lease if the store accepts it; True if it did."""
+        started = self.clock()
+        health = self.health()
+        self._health = health
+        now = started
+        if health["serving"]:
+            self._unhealthy_since = None
+        elif self._unhealthy_since is None:
+            self._unhealthy_since = now
+            log.warning("node %d cannot serve: %s", self.node_id, "; ".join(health["problems"]))
+        if (self._unhealthy_since is not None
+                and now - self._unhealthy_since > self.config.unhealthy_grace * 1e9 and not self._meta_problem):
+            # Give up this node's partitions: without renewals its lease lapses and a peer
+            # fails it over (replaying its WAL), unless it recovers first.
+            if self.stats["heartbeats"] and self.stats.get("gave_up", 0) == 0:
+                log.error("node %d could not serve for %.0f s (%s): it stops renewing its lease so that a peer "
+                          "fails it over", self.node_id, self.config.unhealthy_grace, "; ".join(health["problems"]))
+            self.stats["gave_up"] = self.stats.get("gave_up", 0) + 1
+            return False
+        try:
+            self.client.metadata.heartbeat(self.node_id, self.node_epoch, json.dumps(health, sort_keys=True))
+        except StreamFencedError as e:
+            self._fence(f"its heartbeat was refused: {e}")
+            return False
+        except Exception as e:   # noqa: BLE001 - the store is unreachable: the lease runs out, the agent goes on
+            self.stats["heartbeat_failures"] += 1
+            if self._meta_problem is None:
+                log.warning("node %d cannot heartbeat: %s", self.node_id, e)
+            self._meta_problem = str(e)
+            self.client.lease_renewal_failed(e)
+            return False
+        if self._meta_problem is not None:
+            log.info("node %d heartbeats again", self.node_id)
+        self._meta_problem = None
+        self._renewed_ns = started
+        self.client.renew_lease(started, self.config.lease)
+        self.stats["heartbeats"] += 1
+        return True
+
+    def _fence(self, why: str) -> None:
+        """This node was fenced: the client stops at once, and so does this agent."""
+        if not self.fenced:
+            log.error("node %d epoch %d is fenced (%s); it stops", self.node_id, self.node_epoch, why)
+        self.fenced = True
+        self.client.fence(why)
+        self._stop.set()
+        self._feed.wake()
+
+    def _keep_lease(self) -> None:
+        interval = self.config.heartbeat_interval
+        while not self._stop.is_set():
+            started = time.monotonic()
+            try:
+                self.heartbeat_once()
+            except Exception:   # noqa: BLE001 - never let the lease keeper die
+                log.exception("node %d heartbeat failed", self.node_id)
+            self._stop.wait(max(0.0, interval - (time.monotonic() - started)))
+
+    # ---- the agent loop ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.pass_once()
+            except StreamFencedError as e:
+                self._fence(str(e))
+                return
+            except Exception as e:   # noqa: BLE001 - the next pass retries
+                log.exception("node agent %d pass failed", self.node_id)
+                self.errors.append(str(e))
+            self._wait_for_change()
+
+    def pass_once(self) -> None:
+        now = self.clock()
+        if now - self._last_judged >= self.config.heartbeat_interval * 1e9:
+            self._last_judged = now
+            self.judge_once(now)
+        mono = time.monotonic()
+        if mono - self._last_report >= self.config.report_interval:
+            self._reporter.publish(self.client.metadata, self.client.partitions())
+            self._last_report = mono
+        self.reconcile_once()
+
+    def _wait_for_change(self) -> None:
+        """Until the next pass: a pushed change of an assignment or of a partition's close (a
+        target retries its open when the source lets go), the next judgement, or a moved
+        partition's open or close finishing; polling every agent_interval where the store cannot
+        push."""
+        if not self._feed.pushes:
+            self._retry_soon = False
+            self._stop.wait(self.config.agent_interval)
+            return
+        if self._retry_soon:
+            # A move that failed (the source had not let go) is retried when the source's close
+            # is pushed (closed/), and after agent_interval at the latest.
+            self._retry_soon = False
+            self._feed.wait(self.config.agent_interval)
+            return
+        due = min(self._last_judged / 1e9 + self.config.heartbeat_interval - self.clock() / 1e9,
+                  self._last_report + self.config.report_interval - time.monotonic())
+        self._feed.wait(max(0.0, min(self.config.push_fallback_interval, due)))
+
+    # ---- judging peers --------------------------------------------------------------------------
+
+    def _may_judge(self, now: int) -> bool:
+        """A node judges only while it can serve and holds a lease it renewed recently."""
+        return (self._health.get("serving", False) and self._renewed_ns is not None
+                and now - self._renewed_ns < self.config.lease * 1e9 and not self.fenced)
+
+    def judge_once(self, now: int) -> list[int]:
+        """Read every node's heartbeat record, count peers' silence, and start the failover of
+        each peer silent for heartbeat_timeout (claimed first: one judge per failover). Returns
+        the nodes whose failover this call started."""
+        if not self._may_judge(now):
+            if self._judge_healthy:
+                self.detector.unreachable()      # no silence counts while this node cannot judge
+            self._judge_healthy = False
+            return []
+        try:
+            nodes = self.client.metadata.list_nodes()
+        except Exception as e:   # noqa: BLE001 - this judge cannot read the store: nobody's silence counts
+            self.detector.unreachable()
+            self._judge_healthy = False
+            self.errors.append(f"judging peers: {e}")
+            return []
+        if not self._judge_healthy:
+            # Back from an outage of its own (or its first judgement): every peer gets a whole
+            # heartbeat_timeout from here.
+            self.detector.unreachable()
+            self._judge_healthy = True
+        peers = [n for n in nodes if n.node_id != self.node_id and not n.failover]
+        suspects = set(self.detector.observe(now, [(n.node_id, (n.node_epoch, n.heartbeat_ns)) for n in peers]))
+        started: list[int] = []
+        if not self.config.auto_failover:
+            return started
+        for node in peers:
+            if node.node_id not in suspects or f"failover/{node.node_id}" in self._busy:
+                continue
+            if not self.cluster.claim_failover(node.node_id, node.node_epoch, self.node_id, self.node_epoch):
+                continue
+            silence = self.detector.silence(node.node_id)
+            log.warning("node %d: node %d silent for %.1f s (counted while this node reached the store): failing "
+                        "it over", self.node_id, node.node_id, silence)
+            self.stats["failovers_started"] += 1
+            self._submit(f"failover/{node.node_id}", self.cluster.fail_over, node.node_id,
+                         judge=self.node_id, judge_epoch=self.node_epoch,
+                         reason=f"no heartbeat for {silence:.1f} s while node {self.node_id} reached the store")
+            started.append(node.node_id)
+        return started
+
+    # ---- partitions ------------------------------------------------------------------------------
+
+    def reconcile_once(self) -> None:
+        """Close what is open here but assigned elsewhere; open what is assigned here; confirm
+        a partition reassigned to this node that already serves it."""
+        assigned = self.cluster.assignments()
+        mine = {name: a["version"] for name, a in assigned.items() if a["node"] == self.node_id}
+        open_now = {p.name: p for p in self.client.partitions()}
+        for name, partition in open_now.items():
+            if name not in mine:
+                version = assigned.get(name, {}).get("version", 0)
+                self._submit(name, self._close, partition, version)
+        serving = self._health.get("serving", False) and not self.fenced
+        for name, version in mine.items():
+            partition = open_now.get(name)
+            if partition is None:
+                if serving:
+                    self._submit(name, self._open, name, version)
+            elif self._published.get(name, 0) < version and partition.is_open and serving:
+                # Re-assigned to the node that already serves it: confirm the new version.
+                self._publish_opened(name, version, partition.leader_epoch, 0.0)
+            elif not partition.is_open and not partition.closed and name not in self._busy:
+                # Half closed (a close failed while it was assigned elsewhere) and assigned here
+                # again: finish the close, then the next pass opens it afresh.
+                self._submit(name, self._close, partition, version)
+
+    def _publish_opened(self, name: str, version: int, leader_epoch: int, seconds: float) -> None:
+        put_json(self.client.metadata, f"opened/{name}", {
+            "node": self.node_id, "node_epoch": self.node_epoch, "version": version, "leader_epoch": leader_epoch,
+            "at": time.time(), "seconds": seconds})
+        self._published[name] = version
+
+    def _submit(self, name: str, fn, *args, **kwargs) -> None:
+        with self._lock:
+            if name in self._busy:
+                return
+            self._busy.add(name)
+
+        def task():
+            try:
+                fn(*args, **kwargs)
+            except StreamNotClosedError:
+                self._retry_soon = True    # the source has not let go yet: a pass soon
+            except StreamFencedError as e:
+                if self.client.fenced:
+                    self._fence(str(e))
+                else:
+                    self.errors.append(f"{name}: {e}")
+                    self._retry_soon = True
+            except Exception as e:        # noqa: BLE001 - reported, retried by the next pass
+                log.warning("node %d: %s failed: %s", self.node_id, name, e)
+                self.errors.append(f"{name}: {e}")
+                self._retry_soon = True
+            finally:
+                with self._lock:
+                    self._busy.discard(name)
+                self._feed.wake()
+
+        try:
+            self._pool.submit(task)
+        except RuntimeError:               # the pool is shut down: the agent is stopping
+            with self._lock:
+                self._busy.discard(name)
+
+    def _open(self, name: str, version: int) -> None:
+        t0 = time.perf_counter()
+        try:
+            partition = self.client.open_partition(name)
+        except StreamNotClosedError:
+            raise                             # the source has not let go yet: not a failure
+        except S3StreamError as e:
+            self.stats["open_failures"] += 1
+            failures = self._open_failures.setdefault((name, version), [])
+            failures.append(str(e))
+            if len(failures) >= self.config.open_attempts:
+                self._hand_on(name, version, failures)
+            raise
+        self._open_failures.pop((name, version), None)
+        self.stats["opens"] += 1
+        if partition.is_open:
+            self._publish_opened(name, version, partition.leader_epoch, time.perf_counter() - t0)
+
+    def _hand_on(self, name: str, version: int, failures: list[str]) -> None:
+        """This node failed to open `name` open_attempts times: assign it to another node that
+        can serve, recording why (shown by `s3stream streams` and the metrics)."""
+        others = [n for n in self.cluster.live_nodes(serving=True) if n != self.node_id]
+        if not others:
+            return
+        target = others[zlib.crc32(name.encode()) % len(others)]
+        reason = f"node {self.node_id} failed to open it {len(failures)} times: {failures[-1]}"
+        if self.cluster.assign(name, target, expected_version=version,
+                               note=dict(reason=reason, from_node=self.node_id)):
+            self.stats["handed_on"] += 1
+            log.warning("partition %s: %s; assigned to node %d", name, reason, target)
+            self._open_failures.pop((name, version), None)
+
+    def _close(self, partition, version: int) -> None:
+        try:
+            report = partition.close()
+        except Exception:
+            self.stats["close_failures"] += 1
+            raise
+        self.stats["closes"] += 1
+        self._published.pop(partition.name, None)
+        put_json(self.client.metadata, f"closed/{partition.name}",
+                 {"node": self.node_id, "node_epoch": self.node_epoch, "version": version,
+                  "tail_bytes": report.tail_bytes, "seconds": report.seconds, "at": time.time()})
+
+
+__all__ = ["NodeAgent", "can_serve"]

@@ -1,0 +1,78 @@
+"""ClusterConfig: the timing of heartbeats, leases, failure detection and moves."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Timing of the cluster protocol (docs/migration.md).
+
+    heartbeat_interval: seconds between a node's heartbeats; each one that the metadata store
+        accepts at the node's epoch renews its lease.
+    lease_duration: seconds a node acknowledges appends after the start of its last accepted
+        heartbeat (None: heartbeat_timeout / 2). It must outlast a renewal or two
+        (> heartbeat_interval), and heartbeat_timeout must exceed it by a margin of at least
+        heartbeat_interval: a peer fails a node over only once the node's lease is certainly over.
+    heartbeat_timeout: seconds of silence, counted by a judge only while the judge itself
+        reaches the metadata store, after which a live node fails the silent one over (if
+        auto_failover). After the judge's own outage every peer gets the whole timeout again.
+    agent_interval: seconds between a node agent's passes when the metadata store cannot push
+        changes (SQLite: assignment changes are seen within it). push_fallback_interval: with a
+        store that pushes KV changes (PostgreSQL LISTEN/NOTIFY), agents and migrations wake on
+        each change and pass at least this often anyway.
+    migration_timeout: seconds a migration waits for the source to let go before fencing and
+        failing it over.
+    max_parallel_moves: partitions a node opens or closes at once (the agent's thread bound).
+    open_attempts: failed opens of one assignment after which the node hands the partition to
+        another node, with the reason recorded in the assignment.
+    unhealthy_grace: seconds a node may be unable to serve (its WAL failed, uploads failing,
+        fenced streams) before it stops renewing its lease, so that a peer fails it over.
+    report_interval: seconds between a node's load reports (s3stream.cluster.loadreport:
+        per-partition bytes in/out per second over the last report_window seconds, and
+        append/fetch p99), which the balancer reads.
+    """
+    agent_interval: float = 0.02
+    push_fallback_interval: float = 0.5
+    heartbeat_interval: float = 0.5
+    heartbeat_timeout: float = 5.0
+    lease_duration: float | None = None
+    migration_timeout: float = 10.0
+    max_parallel_moves: int = 4
+    auto_failover: bool = True
+    open_attempts: int = 5
+    unhealthy_grace: float = 30.0
+    report_interval: float = 1.0
+    report_window: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name in ("agent_interval", "push_fallback_interval", "heartbeat_interval", "heartbeat_timeout",
+                     "migration_timeout", "report_interval", "report_window", "unhealthy_grace"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be positive seconds, got {getattr(self, name)}")
+        if self.heartbeat_timeout <= 2 * self.heartbeat_interval:
+            raise ConfigError(f"heartbeat_timeout ({self.heartbeat_timeout} s) must exceed twice heartbeat_interval "
+                              f"({self.heartbeat_interval} s)")
+        if self.lease_duration is not None:
+            if not self.lease_duration > self.heartbeat_interval:
+                raise ConfigError(
+                    f"lease_duration ({self.lease_duration} s) must exceed heartbeat_interval "
+                    f"({self.heartbeat_interval} s), or every lease runs out before it is renewed; leave it None for "
+                    "heartbeat_timeout / 2")
+            if self.heartbeat_timeout - self.lease_duration < self.heartbeat_interval:
+                raise ConfigError(
+                    f"heartbeat_timeout ({self.heartbeat_timeout} s) must exceed lease_duration "
+                    f"({self.lease_duration} s) by at least heartbeat_interval ({self.heartbeat_interval} s): a peer "
+                    "may fail a node over only once its lease is certainly over. Raise heartbeat_timeout or lower "
+                    "lease_duration")
+        if self.max_parallel_moves < 1:
+            raise ConfigError(f"max_parallel_moves must be >= 1, got {self.max_parallel_moves}")
+        if self.open_attempts < 1:
+            raise ConfigError(f"open_attempts must be >= 1, got {self.open_attempts}")
+
+    @property
+    def lease(self) -> float:
+        """The lease in seconds: lease_duration, or heartbeat_timeout / 2."""
+        return self.heartbeat_timeout / 2 if self.lease_duration is None else self.lease_duration

@@ -1,0 +1,343 @@
+"""Partitions: a named group of streams with a meta stream holding its checkpoint (article 000).
+
+A partition name maps through KV (`partition/<name>`) to its meta stream. Every record of the
+meta stream is a full JSON snapshot: the data stream ids by role, the leader epoch, the
+clean-shutdown flag and the data streams' start offsets. Opening a partition opens the meta
+stream (epoch + 1), reads its last snapshot, opens the data streams and appends a snapshot with
+leader epoch + 1 and clean = false; closing closes the data streams (force upload of their tails
+only), appends a clean snapshot and closes the meta stream. Nothing here depends on the size of a
+stream's history: the move of a partition costs its un-uploaded tail.
+
+A close says only what happened: it returns once every stream is CLOSED in metadata; if a step
+fails it raises, and the partition serves again where it still can (its streams still open), or
+keeps refusing appends until a later `close()` finishes the steps left. A closed partition's
+`close()` returns the report of the close that did it.
+
+The partitions of a client are a client add-on (`PartitionTable`): the engine knows streams only;
+StreamClient.open_partition and its siblings reach this layer through the table installed below.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ..client import StreamClient
+from ..errors import (
+    LeaseExpiredError, OffsetsLostError, S3StreamError, StreamClosedError, StreamFencedError, StreamNotFoundError,
+)
+from ..metadata import StreamMeta
+from ..recordbatch import AppendFuture, FetchResult, RecordBatch
+from .loadreport import SAMPLE_EVERY, TrafficMeter
+
+if TYPE_CHECKING:
+    from ..stream import Stream
+
+#: Roles of a partition's data streams; "log" carries the records.
+DATA_ROLES = ("log",)
+
+
+class PartitionMovedError(S3StreamError):
+    """The partition is closing or closed on this node (it is moving): retry the append on its
+    new owner. Nothing acknowledged before this error is lost."""
+    retriable = True
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(message)
+        self.partition = name
+
+
+@dataclass
+class Checkpoint:
+    streams: dict[str, int]
+    leader_epoch: int = 0
+    clean: bool = True
+    start_offsets: dict[str, int] = field(default_factory=dict)
+
+    def encode(self) -> bytes:
+        return json.dumps(dict(streams=self.streams, leader_epoch=self.leader_epoch, clean=self.clean,
+                               start_offsets=self.start_offsets), sort_keys=True).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes | memoryview) -> "Checkpoint":
+        d = json.loads(bytes(raw))
+        return cls(streams={k: int(v) for k, v in d["streams"].items()}, leader_epoch=d["leader_epoch"],
+                   clean=d["clean"], start_offsets={k: int(v) for k, v in d.get("start_offsets", {}).items()})
+
+
+def _kv_key(name: str) -> str:
+    return f"partition/{name}"
+
+
+@dataclass
+class CloseReport:
+    """What closing a partition cost: the un-uploaded tail it forced up, and how long."""
+    tail_bytes: int
+    seconds: float
+
+
+class Partition:
+    """A partition open on one node. `append`/`fetch` go to its log stream."""
+
+    def __init__(self, client: StreamClient, table: "PartitionTable", name: str, meta: "Stream",
+                 streams: dict[str, "Stream"], checkpoint: Checkpoint) -> None:
+        self._client = client
+        self._table = table
+        self.name = name
+        self.meta_stream = meta
+        self.streams = streams
+        self.checkpoint = checkpoint
+        self._closing = False
+        self._closed: CloseReport | None = None
+        self.close_error: BaseException | None = None     # why the last close failed, if it did
+        self._close_lock = threading.Lock()
+        self.meter = TrafficMeter()      # traffic here, for the node's load reports
+
+    @property
+    def leader_epoch(self) -> int:
+        return self.checkpoint.leader_epoch
+
+    @property
+    def log(self) -> "Stream":
+        return self.streams["log"]
+
+    @property
+    def is_open(self) -> bool:
+        """Serving: not closing or closed, and every stream open here (none fenced or closed)."""
+        return (not self._closing and self._closed is None
+                and all(s.is_open for s in (self.meta_stream, *self.streams.values())))
+
+    @property
+    def closed(self) -> bool:
+        """Closed for good here (every stream CLOSED in metadata)."""
+        return self._closed is not None
+
+    def append(self, batch: RecordBatch) -> AppendFuture:
+        if self._closing or self._closed is not None:
+            raise PartitionMovedError(self.name, f"partition {self.name!r} is closing on node "
+                                                 f"{self._client.node_id}: retry on its new owner")
+        m = self.meter
+        sample = m.appends % SAMPLE_EVERY == 0
+        submitted = time.monotonic_ns() if sample else 0
+        try:
+            future = self.log.append(batch)
+        except LeaseExpiredError:
+            raise
+        except (StreamClosedError, StreamFencedError) as e:
+            raise PartitionMovedError(self.name, f"partition {self.name!r} moved away from node "
+                                                 f"{self._client.node_id}: {e}") from e
+        m.appends += 1
+        m.bytes_in += len(batch.payload)
+        if sample:
+            m.append_samples.append((submitted, future))
+        return future
+
+    def fetch(self, start_offset: int, end_offset: int | None = None, max_bytes: int = 1 << 20) -> FetchResult:
+        m = self.meter
+        sample = m.fetches % SAMPLE_EVERY == 0
+        t0 = time.perf_counter() if sample else 0.0
+        result = self.log.fetch(start_offset, end_offset, max_bytes)
+        m.fetches += 1
+        m.bytes_out += result.total_bytes
+        if sample:
+            m.fetch_ms.append((time.perf_counter() - t0) * 1e3)
+        return result
+
+    def close(self, timeout: float | None = None) -> CloseReport:
+        """Stop appends, force-upload the data streams' tails with a clean checkpoint, and mark
+        every stream CLOSED. Returns once that is all true (see the module docstring: a failed
+        close raises, a later call finishes it; calls wait for each other). `timeout` bounds
+        each wait (pending appends, the force upload)."""
+        with self._close_lock:
+            if self._closed is not None:
+                return self._closed
+            t0 = time.perf_counter()
+            self._closing = True
+            try:
+                open_streams = [s for s in (*self.streams.values(), self.meta_stream) if s.is_open]
+                for s in self.streams.values():
+                    if s.is_open:
+                        s.flush(timeout)
+                tail = sum(self._client.unuploaded_bytes(s) for s in self.streams.values())
+                if self.meta_stream.is_open:
+                    # Into the meta stream first, so that one force upload carries the data
+                    # streams' tails and the checkpoint together.
+                    done = Checkpoint(self.checkpoint.streams, self.checkpoint.leader_epoch, True,
+                                      {role: s.start_offset for role, s in self.streams.items()})
+                    _write_checkpoint(self.meta_stream, done, timeout)
+                    self.checkpoint = done
+                self._client.close_streams(open_streams, timeout)
+            except BaseException as e:
+                self.close_error = e
+                # Serve again if every stream still can; else keep refusing until a close finishes.
+                self._closing = not all(s.is_open for s in (self.meta_stream, *self.streams.values()))
+                raise
+            self._closed = CloseReport(tail, time.perf_counter() - t0)
+            self._closing = False
+            self.close_error = None
+        self._table.forget(self)
+        return self._closed
+
+
+class PartitionReader:
+    """A partition's committed records, read without opening it (StreamClient.read_partition).
+
+    The meta stream's last committed checkpoint names the log stream; `start_offset` and
+    `end_offset` are the log's committed range, read from metadata at each call (the owner
+    keeps appending and uploading). A partition created moments ago whose first checkpoint is
+    still in its owner's WAL is not readable yet (StreamNotFoundError says so)."""
+
+    def __init__(self, client: StreamClient, name: str) -> None:
+        self._client = client
+        self.name = name
+        raw = client.metadata.get_kv(_kv_key(name))
+        if raw is None:
+            raise StreamNotFoundError(f"there is no partition {name!r} (no KV key {_kv_key(name)!r})")
+        self.meta_stream_id = int(raw)
+        meta = client.metadata.get_stream(self.meta_stream_id)
+        last = _last_committed(meta)
+        if last is None:
+            raise StreamNotFoundError(
+                f"partition {name!r} has no committed checkpoint yet (its owner has not uploaded it): "
+                "retry after the owner's next upload")
+        res = client.fetch_committed(self.meta_stream_id, last, last + 1)
+        self.checkpoint = Checkpoint.decode(res.batches[-1].payload)
+        self.log_stream_id = self.checkpoint.streams["log"]
+
+    @property
+    def start_offset(self) -> int:
+        return self._client.metadata.get_stream(self.log_stream_id).start_offset
+
+    @property
+    def end_offset(self) -> int:
+        """The log's committed end (records below it are readable here)."""
+        return self._client.metadata.get_stream(self.log_stream_id).end_offset
+
+    def fetch(self, start_offset: int, end_offset: int | None = None, max_bytes: int = 1 << 20) -> FetchResult:
+        return self._client.fetch_committed(self.log_stream_id, start_offset, end_offset, max_bytes)
+
+
+class PartitionTable:
+    """The partitions open on one client (a client add-on: StreamClient.addon). The client
+    closes it first when it closes: each partition closes (clean checkpoint), then the streams."""
+
+    def __init__(self, client: StreamClient) -> None:
+        self._client = client
+        self._lock = threading.Lock()
+        self._partitions: dict[str, Partition] = {}
+
+    def open(self, name: str) -> Partition:
+        """Create the named partition or open it on this node (see the module docstring)."""
+        with self._lock:
+            if name in self._partitions:
+                return self._partitions[name]
+        partition = open_partition(self._client, self, name)
+        with self._lock:
+            self._partitions[name] = partition
+        return partition
+
+    def reader(self, name: str) -> "PartitionReader":
+        """A read-only view of a partition's committed records (StreamClient.read_partition)."""
+        return PartitionReader(self._client, name)
+
+    def get(self, name: str) -> Partition | None:
+        with self._lock:
+            return self._partitions.get(name)
+
+    def all(self) -> list[Partition]:
+        with self._lock:
+            return list(self._partitions.values())
+
+    def forget(self, partition: Partition) -> None:
+        with self._lock:
+            if self._partitions.get(partition.name) is partition:
+                del self._partitions[partition.name]
+
+    def close(self, timeout: float | None = None) -> list[BaseException]:
+        """Close every partition (the client's close calls this before closing its streams);
+        the errors of those that failed."""
+        errors: list[BaseException] = []
+        for partition in self.all():
+            try:
+                partition.close(timeout)
+            except (S3StreamError, TimeoutError) as e:
+                errors.append(e)
+        return errors
+
+
+def open_partition(client: StreamClient, table: PartitionTable, name: str) -> Partition:
+    """Create the partition if it is new, else open it on this node (see module docstring)."""
+    if not name or "/" in name:
+        raise ValueError(f"partition names must be non-empty and contain no '/', got {name!r}")
+    meta_kv = client.metadata.get_kv(_kv_key(name))
+    if meta_kv is None:
+        # Create a meta stream and race to publish it; the loser destroys its own.
+        candidate = client.create_stream()
+        winner = int(client.metadata.put_kv_if_absent(_kv_key(name), str(candidate.stream_id).encode()))
+        if winner == candidate.stream_id:
+            meta = candidate
+        else:
+            candidate.destroy()
+            meta = client.opened(winner) or client.open_stream(winner)
+    else:
+        meta = client.opened(int(meta_kv)) or client.open_stream(int(meta_kv))
+    streams: dict[str, Stream] = {}
+    try:
+        checkpoint = _last_checkpoint(meta)
+        if checkpoint is None:
+            streams = {role: client.create_stream() for role in DATA_ROLES}
+            checkpoint = Checkpoint({role: s.stream_id for role, s in streams.items()})
+        else:
+            for role, sid in checkpoint.streams.items():
+                # A handle left open here by an open that failed half-way is reused.
+                streams[role] = client.opened(sid) or client.open_stream(sid)
+        opened = Checkpoint(checkpoint.streams, checkpoint.leader_epoch + 1, False,
+                            {role: s.start_offset for role, s in streams.items()})
+        _write_checkpoint(meta, opened)
+    except BaseException:
+        # Nothing was acknowledged through these handles: closing them (not just dropping them)
+        # leaves the streams CLOSED for the next try, here or on another node.
+        try:
+            client.close_streams([meta, *streams.values()])
+        except S3StreamError:
+            pass
+        raise
+    return Partition(client, table, name, meta, streams, opened)
+
+
+def _write_checkpoint(meta: "Stream", checkpoint: Checkpoint, timeout: float | None = None) -> None:
+    """Append a snapshot and trim the older ones, keeping the newest committed one too: if this
+    node dies with its WAL (`node forget --wal-lost`), a committed checkpoint stays readable."""
+    base = meta.append(RecordBatch(checkpoint.encode(), 1)).result(timeout).base_offset
+    committed = _last_committed(meta.metadata())
+    keep = base if committed is None else min(base, committed)
+    if keep > meta.start_offset:
+        meta.trim(keep)
+
+
+def _last_checkpoint(meta: "Stream") -> Checkpoint | None:
+    """The newest readable snapshot: the last record, or the last before offsets given up with
+    a lost WAL."""
+    end = meta.confirm_offset
+    while end > meta.start_offset:
+        try:
+            res = meta.fetch(end - 1, end)
+        except OffsetsLostError as e:
+            end = e.start
+            continue
+        return Checkpoint.decode(res.batches[-1].payload)
+    return None
+
+
+def _last_committed(meta: StreamMeta) -> int | None:
+    """The offset of the stream's last committed record (not in a lost range), if any."""
+    for r in reversed(meta.ranges):
+        if not r.lost and r.end_offset > max(r.start_offset, meta.start_offset):
+            return r.end_offset - 1
+    return None
+
+
+# The engine reaches partitions through this (StreamClient.open_partition and its siblings).
+StreamClient.partition_table = PartitionTable

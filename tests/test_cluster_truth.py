@@ -1,0 +1,159 @@
+"""Close and migrate say only what happened; liveness means able to serve (issue 32, items 1-3),
+over both metadata stores, with real clients in one process."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from s3stream import RecordBatch, StreamClient
+from s3stream.cluster import Cluster, ClusterConfig, NodeAgent, PartitionMovedError
+from s3stream.errors import ObjectStorePermanentError, OperationTimeoutError, S3StreamError
+from s3stream.metadata import StreamState, open_metadata
+from s3stream.objectstore import FaultInjectingObjectStore, LocalObjectStore
+from conftest import small_config
+from test_engine_model import crash
+
+FAST = ClusterConfig(agent_interval=0.01, heartbeat_interval=0.1, heartbeat_timeout=1.0, migration_timeout=3.0,
+                     open_attempts=3)
+
+
+def wait_for(predicate, timeout=20.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def faulty(tmp_path):
+    return FaultInjectingObjectStore(LocalObjectStore(str(tmp_path / "objects")))
+
+
+def test_a_failed_close_serves_again_and_a_second_close_finishes(tmp_path, metadata_url, faulty):
+    client = StreamClient(1, tmp_path / "n1.wal", faulty, metadata_url, small_config())
+    try:
+        partition = client.open_partition("p")
+        for i in range(10):
+            partition.append(RecordBatch(b"%d" % i, 1)).result(10)
+        faulty.fail_puts_matching(lambda key: True)           # the store refuses every upload
+        with pytest.raises((OperationTimeoutError, S3StreamError)):
+            partition.close(timeout=0.5)
+        assert not partition.closed and partition.is_open      # serving again: not reported closed
+        assert client.partition("p") is partition
+        assert partition.append(RecordBatch(b"after", 1)).result(10).base_offset == 10
+        state = {client.metadata.get_stream(s.stream_id).state
+                 for s in (partition.meta_stream, *partition.streams.values())}
+        assert state == {StreamState.OPENED}
+        faulty.clear()
+        report = partition.close(timeout=20)                  # finishes every step
+        assert partition.closed and report.seconds > 0 and client.partition("p") is None
+        assert partition.close() is report                    # a closed partition says what did it
+        state = {client.metadata.get_stream(s.stream_id).state
+                 for s in (partition.meta_stream, *partition.streams.values())}
+        assert state == {StreamState.CLOSED}
+        with pytest.raises(PartitionMovedError):
+            partition.append(RecordBatch(b"late", 1))
+    finally:
+        faulty.clear()
+        client.close()
+
+
+class Node:
+    def __init__(self, tmp_path, n, metadata_url, store, cluster):
+        self.client = StreamClient(n, tmp_path / f"n{n}.wal", store, metadata_url, small_config())
+        self.agent = NodeAgent(self.client, cluster)
+
+    def stop(self):
+        self.agent.stop()
+        self.client.close()
+
+
+def test_migrate_waits_for_the_targets_own_open_and_a_stuck_source_is_failed_over(tmp_path, metadata_url, faulty):
+    """The source cannot close (its store refuses uploads): the agent does not record it
+    closed, migrate falls back to failing it over (history says so), and reports success only
+    once the target's current incarnation serves the partition."""
+    meta = open_metadata(metadata_url)
+    plain = f"file://{tmp_path}/objects"
+    cluster = Cluster(meta, LocalObjectStore(str(tmp_path / "objects")), FAST, small_config())
+    source = Node(tmp_path, 1, metadata_url, faulty, cluster)
+    target = Node(tmp_path, 2, metadata_url, plain, cluster)
+    try:
+        cluster.assign("p", 1)
+        wait_for(lambda: cluster.owner("p") == 1, what="node 1 opens p")
+        acked = [source.client.partition("p").append(RecordBatch(b"%d" % i, 1)).result(10).base_offset
+                 for i in range(20)]
+        faulty.fail_puts_matching(lambda key: True)
+        report = cluster.migrate("p", 2, timeout=2.0)
+        assert report.failed_over and report.target == 2
+        closed = meta.get_kv("closed/p")
+        assert closed is None or json.loads(closed)["node"] != 1       # the failed close was never reported
+        opened = json.loads(meta.get_kv("opened/p"))
+        assert (opened["node"], opened["node_epoch"]) == (2, target.client.node_epoch)
+        [entry] = cluster.failover_history()
+        assert (entry["kind"], entry["node"], entry["ok"]) == ("migration-fallback", 1, True)
+        moved = target.client.partition("p")
+        assert moved.append(RecordBatch(b"new", 1)).result(10).base_offset == 20
+        assert [bytes(b.payload) for b in moved.fetch(0, 20, 1 << 20).batches] == [b"%d" % i for i in acked]
+    finally:
+        faulty.clear()
+        source.stop()
+        target.stop()
+        meta.close()
+
+
+def test_a_node_that_cannot_open_hands_the_partition_on(tmp_path, metadata_url):
+    """Node 2 cannot open `p`: after open_attempts tries its agent assigns `p` to another node
+    that can serve, with the reason, which the CLI report shows."""
+    meta = open_metadata(metadata_url)
+    cluster = Cluster(meta, LocalObjectStore(str(tmp_path / "objects")), FAST, small_config())
+    nodes = {n: Node(tmp_path, n, metadata_url, f"file://{tmp_path}/objects", cluster) for n in (2, 3)}
+    try:
+        def cannot_open(name):
+            raise S3StreamError(f"injected: node 2 cannot open {name!r}")
+        nodes[2].client.open_partition = cannot_open                       # type: ignore[method-assign]
+        cluster.assign("p", 2)
+        wait_for(lambda: cluster.assignment("p")["node"] == 3, what="p handed to node 3")
+        assignment = cluster.assignment("p")
+        assert assignment["from_node"] == 2 and "failed to open it 3 times" in assignment["reason"]
+        wait_for(lambda: cluster.owner("p") == 3, what="node 3 opens p")
+        assert nodes[2].agent.stats["handed_on"] == 1 and nodes[2].agent.stats["open_failures"] == 3
+        from s3stream.cli.cluster import cluster_report, format_cluster
+        assert "failed to open it 3 times" in format_cluster(cluster_report(meta, False))
+    finally:
+        for node in nodes.values():
+            node.stop()
+        meta.close()
+
+
+def test_a_node_that_cannot_serve_says_so_takes_nothing_and_judges_nobody(tmp_path, metadata_url, faulty):
+    """Node 1's uploads stop for good (the store refuses them permanently): its heartbeat says
+    it cannot serve, migrations to it are refused, it opens nothing assigned to it, and it
+    fails no silent peer over."""
+    meta = open_metadata(metadata_url)
+    cluster = Cluster(meta, LocalObjectStore(str(tmp_path / "objects")), FAST, small_config())
+    dead = StreamClient(5, tmp_path / "n5.wal", f"file://{tmp_path}/objects", metadata_url, small_config())
+    crash(dead)                                                        # a silent peer
+    sick = Node(tmp_path, 1, metadata_url, faulty, cluster)
+    try:
+        faulty.fail_next_puts(1, ObjectStorePermanentError("injected: access denied"))
+        stream = sick.client.create_stream()
+        stream.append(RecordBatch(b"x", 1)).result(10)
+        with pytest.raises(S3StreamError):
+            stream.close(timeout=10)                                   # its upload fails for good
+        wait_for(lambda: not json.loads(meta.get_node(1).health or "{}").get("serving", True),
+                 what="the heartbeat says node 1 cannot serve")
+        assert "access denied" in json.loads(meta.get_node(1).health)["problems"][0]
+        assert 1 not in cluster.live_nodes(serving=True) and 1 in cluster.live_nodes()
+        with pytest.raises(S3StreamError, match="not a live node that can serve"):
+            cluster.migrate("p", 1)
+        cluster.assign("p", 1)
+        time.sleep(2 * FAST.heartbeat_timeout)
+        assert sick.client.partition("p") is None                      # it takes no partition
+        assert not meta.get_node(5).failover and not meta.list_kv("failover/")   # nobody judged
+    finally:
+        sick.stop()
+        meta.close()

@@ -836,7 +836,7 @@ class ClusterRun:
             detail = dict(seconds=seconds, incarnation=node.incarnation, when=when)
             if when == "burst":
                 node.signal(signal.SIGUSR2)
-                time.sleep(random.Random(choice).uniform(0.0, 0.05))
+                time.sleep(random.Random(choice).uniform(0.02, 0.08))   # the burst starts within ~20 ms
             if when == "transaction":
                 detail["in_transaction"] = self._stop_in_transaction(node)
             else:

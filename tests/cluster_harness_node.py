@@ -30,12 +30,19 @@ import threading
 import time
 import traceback
 
-from cluster_harness import FENCED_EXIT, make_payload, payload_id
+# Signals are caught from the first moment, before the slow imports: a node the harness signals
+# while it is still starting (a restart just before the run ends) must not die of SIGUSR1.
+STOP, QUIESCE, BURST_REQUESTED = threading.Event(), threading.Event(), threading.Event()
+signal.signal(signal.SIGTERM, lambda *_: STOP.set())
+signal.signal(signal.SIGUSR1, lambda *_: QUIESCE.set())
+signal.signal(signal.SIGUSR2, lambda *_: BURST_REQUESTED.set())
 
-from s3stream import RecordBatch, StreamClient
-from s3stream.cluster import Cluster, ClusterConfig, NodeAgent
+from cluster_harness import FENCED_EXIT, make_payload, payload_id  # noqa: E402
 
-from conftest import small_config
+from s3stream import RecordBatch, StreamClient  # noqa: E402
+from s3stream.cluster import Cluster, ClusterConfig, NodeAgent  # noqa: E402
+
+from conftest import small_config  # noqa: E402
 
 #: Appends a burst (SIGUSR2) sends per producer without waiting between them.
 BURST = 200
@@ -204,23 +211,26 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format=f"%(asctime)s n{args.node_id}.{args.incarnation} %(name)s %(levelname)s %(message)s")
     node = Node(args)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGUSR1, lambda *_: threading.Thread(target=node.quiesce, daemon=True).start())
-    signal.signal(signal.SIGUSR2, lambda *_: node.burst())
     try:
         node.start()
     except Exception as e:   # noqa: BLE001 - the harness restarts the node, as a supervisor would
         node.logs.error(e, where="start")
         traceback.print_exc()
         return 2
-    while not stop.is_set():
+    quiescing = None
+    while not STOP.is_set():
         if getattr(node.agent, "fenced", False):
             node.logs.event("fenced")
             sys.stderr.flush()
             os._exit(FENCED_EXIT)          # no close: a fenced node can commit nothing
+        if QUIESCE.is_set() and quiescing is None:
+            quiescing = threading.Thread(target=node.quiesce, daemon=True)
+            quiescing.start()
+        if BURST_REQUESTED.is_set():
+            BURST_REQUESTED.clear()
+            node.burst()
         node.reconcile()
-        stop.wait(0.05)
+        STOP.wait(0.01)
     return node.shutdown()
 
 

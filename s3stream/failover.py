@@ -18,7 +18,6 @@ import wal
 
 from .config import Config
 from .errors import WALCorruptError, WALError
-from .latency import DURATION_BUCKETS, LatencyHistogram
 from .logcache import new_log_cache
 from .metadata import MetadataStore
 from .objectstore import ObjectStore
@@ -26,11 +25,6 @@ from .recovery import close_node_streams, replay_wal
 from .upload import Uploader
 
 log = logging.getLogger("s3stream.failover")
-
-#: Seconds of every failover this process ran (fail_over: fence, replay, close), whichever node
-#: it recovered; exported as s3stream_failover_seconds.
-FAILOVER_SECONDS = LatencyHistogram(DURATION_BUCKETS)
-
 
 @dataclass
 class FailoverReport:
@@ -74,7 +68,6 @@ def fail_over(node_id: int, *, store: ObjectStore, metadata: MetadataStore, conf
     closed = close_node_streams(metadata, node_id)
     report = FailoverReport(node_id, node.node_epoch, result["records"], result["replayed"], closed,
                             time.perf_counter() - t0)
-    FAILOVER_SECONDS.observe(report.seconds)
     log.warning("failed over node %d: %d WAL records (%d committed on its behalf), %d streams closed in %.3f s",
                 node_id, report.records, report.replayed, closed, report.seconds)
     return report

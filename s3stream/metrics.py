@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from typing import TYPE_CHECKING, Iterable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, TypeVar
 
 from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -94,7 +94,7 @@ class ClientMetrics:
 
     # ---- scrape ------------------------------------------------------------------------------
 
-    def collect_into(self, families: "_Families") -> None:
+    def collect_into(self, families: "Families") -> None:
         client = self.client
         with self._lock:
             for seconds in client.append_latencies():
@@ -201,7 +201,7 @@ class ClientMetrics:
             _compaction_metrics(f, node, compaction)
 
 
-def _compaction_metrics(f: "_Families", node: str, c: dict) -> None:
+def _compaction_metrics(f: "Families", node: str, c: dict) -> None:
     """The compaction add-on's stats source (compaction.runner.attach), read as data: s3stream
     does not import compaction."""
     totals = c.get("totals", {})
@@ -224,8 +224,9 @@ def _compaction_metrics(f: "_Families", node: str, c: dict) -> None:
 _Family = TypeVar("_Family", CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily)
 
 
-class _Families:
-    """Metric families of one scrape, by name; samples added in any order."""
+class Families:
+    """Metric families of one scrape, by name; samples added in any order (what a process
+    source given to `add_process_source` fills)."""
 
     def __init__(self) -> None:
         self._families: dict[str, Metric] = {}
@@ -289,9 +290,7 @@ class _RegistryCollector(Collector):
         return []
 
     def collect(self) -> Iterator[Metric]:
-        from .cluster import MIGRATION_SECONDS
-        from .failover import FAILOVER_SECONDS
-        families = _Families()
+        families = Families()
         with self._lock:
             handles = list(self._handles)
         for handle in handles:
@@ -299,11 +298,24 @@ class _RegistryCollector(Collector):
                 handle.collect_into(families)
             except Exception:                    # noqa: BLE001 - one closing client must not fail the scrape
                 log.warning("metrics of node %s could not be read", handle.node, exc_info=True)
-        families.histogram("migration_seconds", "Migrations this process ran (Cluster.migrate), assignment to open",
-                           None, MIGRATION_SECONDS.snapshot())
-        families.histogram("failover_seconds", "Failovers this process ran (fail_over): fence, replay, close",
-                           None, FAILOVER_SECONDS.snapshot())
+        for source in list(_process_sources):
+            try:
+                source(families)
+            except Exception:                    # noqa: BLE001 - one source must not fail the scrape
+                log.warning("process metrics source %r failed", source, exc_info=True)
         yield from families
+
+
+#: Sources of process-wide metrics, filled at every scrape of every registry: how a layer above
+#: the engine (the cluster layer: migrations, failovers, its agents) exports through the same
+#: collector without the engine importing it.
+_process_sources: list[Callable[[Families], None]] = []
+
+
+def add_process_source(source: Callable[[Families], None]) -> None:
+    """Have `source(families)` add its samples to every scrape (once per source)."""
+    if source not in _process_sources:
+        _process_sources.append(source)
 
 
 _collectors: "weakref.WeakKeyDictionary[CollectorRegistry, _RegistryCollector]" = weakref.WeakKeyDictionary()
@@ -319,4 +331,4 @@ def _collector_for(registry: CollectorRegistry) -> _RegistryCollector:
         return collector
 
 
-__all__ = ["ClientMetrics", "instrument", "instrumented_stores", "serve"]
+__all__ = ["ClientMetrics", "Families", "add_process_source", "instrument", "instrumented_stores", "serve"]

@@ -19,7 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from s3stream import RecordBatch, StreamClient, metrics
 from s3stream.errors import StreamNotFoundError
-from s3stream.failover import FAILOVER_SECONDS, fail_over
+from s3stream.cluster import Cluster
+from s3stream.cluster.cluster import FAILOVER_SECONDS
 from s3stream.metadata import MetadataStore, open_metadata
 from s3stream.metadata.wrappers import TIMED_OPERATIONS, InstrumentedMetadataStore
 from s3stream.objectstore import open_object_store
@@ -249,7 +250,7 @@ def test_failover_duration_is_exported(tmp_path, local):
     store, meta = open_object_store(store_url), open_metadata(meta_url)
     try:
         before = FAILOVER_SECONDS.count
-        fail_over(3, store=store, metadata=meta, config=small_config())
+        Cluster(meta, store, engine_config=small_config()).fail_over(3, reassign=False)
         # Process-wide: no node label (the node that ran it is this process, not the one recovered).
         assert value(scrape(registry), "s3stream_failover_seconds_count") == before + 1
     finally:
@@ -363,3 +364,25 @@ def test_compaction_rounds_and_objects(tmp_path, local):
     finally:
         runner.stop(10)
         client.close()
+
+
+def test_agent_metrics_come_from_the_cluster_layer(tmp_path, local):
+    """The cluster layer exports its agents' lease, health and counters through the same scrape."""
+    from s3stream.cluster import ClusterConfig, NodeAgent
+    from s3stream.metadata import open_metadata
+    store_url, meta_url = local
+    registry = CollectorRegistry()
+    client = StreamClient(1, tmp_path / "n1.wal", store_url, meta_url, small_config(), metrics=registry)
+    meta = open_metadata(meta_url)
+    agent = NodeAgent(client, Cluster(meta, None, ClusterConfig(heartbeat_interval=0.1, heartbeat_timeout=1.0)))
+    try:
+        wait_for(lambda: value(scrape(registry), "s3stream_agent_heartbeats_total", node="1") >= 3,
+                 "three heartbeats")
+        samples = scrape(registry)
+        assert value(samples, "s3stream_node_serving", node="1") == 1.0
+        assert 0 < value(samples, "s3stream_lease_remaining_seconds", node="1") <= 0.5
+        assert value(samples, "s3stream_agent_handed_on_total", node="1") == 0
+    finally:
+        agent.stop()
+        client.close()
+        meta.close()

@@ -30,6 +30,7 @@ from ..client import StreamClient
 from ..errors import S3StreamError, StreamFencedError, StreamNotClosedError
 from .cluster import Cluster, can_serve, put_json
 from .detector import FailureDetector
+from . import metrics as cluster_metrics
 from .loadreport import LoadReporter
 
 log = logging.getLogger("s3stream.cluster")
@@ -59,7 +60,7 @@ class NodeAgent:
         self._last_report = 0.0
         self._renewed_ns: int | None = None       # start of the last accepted heartbeat
         self._unhealthy_since: int | None = None
-        self._health: dict = {"serving": True}
+        self.last_health: dict = {"serving": True}     # what the last heartbeat said
         self._meta_problem: str | None = None
         self._judge_healthy = False
         self._retry_soon = False
@@ -70,6 +71,7 @@ class NodeAgent:
         # Opened before the first pass reads the assignments, so no change in between is missed.
         self._feed = client.metadata.kv_changes(("assignment/", "closed/"))
         self._threads: list[threading.Thread] = []
+        cluster_metrics.track(self)
         if start:
             # The first lease before the first pass: this node serves nothing before it holds one.
             self.heartbeat_once()
@@ -104,7 +106,7 @@ class NodeAgent:
         """One heartbeat: renew the lease if the store accepts it; True if it did."""
         started = self.clock()
         health = self.health()
-        self._health = health
+        self.last_health = health
         now = started
         if health["serving"]:
             self._unhealthy_since = None
@@ -207,7 +209,7 @@ class NodeAgent:
 
     def _may_judge(self, now: int) -> bool:
         """A node judges only while it can serve and holds a lease it renewed recently."""
-        return (self._health.get("serving", False) and self._renewed_ns is not None
+        return (self.last_health.get("serving", False) and self._renewed_ns is not None
                 and now - self._renewed_ns < self.config.lease * 1e9 and not self.fenced)
 
     def judge_once(self, now: int) -> list[int]:
@@ -263,7 +265,7 @@ class NodeAgent:
             if name not in mine:
                 version = assigned.get(name, {}).get("version", 0)
                 self._submit(name, self._close, partition, version)
-        serving = self._health.get("serving", False) and not self.fenced
+        serving = self.last_health.get("serving", False) and not self.fenced
         for name, version in mine.items():
             partition = open_now.get(name)
             if partition is None:

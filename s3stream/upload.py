@@ -548,7 +548,7 @@ class Uploader:
         """`call()` until it returns: every error but PERMANENT_ERRORS is retried with backoff
         (UploadAborted once the client aborts). `step` names the step that failed (a callable:
         read at each failure) for the counters; `what` names the operation in messages."""
-        failures = 0
+        failures = 0        # counted ones: those met before the client aborted
         recovered = False
         try:
             while True:
@@ -559,8 +559,8 @@ class Uploader:
                 except _NOT_RETRIED:
                     raise
                 except Exception as e:   # noqa: BLE001 - every other failure is transient: see the module docstring
-                    failures += 1
                     if not self._aborted:
+                        failures += 1
                         self._failed(what, step if isinstance(step, str) else step(), e, failures == 1)
                     last = str(e)
                 # Raised here, not in the except clause, so that it keeps no link to the error.

@@ -439,3 +439,29 @@ def test_a_permanent_error_still_stops_uploads(tmp_path, caplog):
         assert read_committed(again, s.stream_id) == acked
     finally:
         again.close()
+
+
+def test_close_while_failing_gives_up_in_time_and_ends_the_episode(tmp_path, caplog):
+    """close() past its timeout aborts the steps being retried: they stop within their backoff,
+    the episode ends without a "recovered" line, and the data stays in the WAL."""
+    caplog.set_level("INFO", logger="s3stream.upload")
+    store = FaultInjectingObjectStore(LocalObjectStore(str(tmp_path / "objects")))
+    client = StreamClient(1, str(tmp_path / "n1.wal"), store, f"sqlite:///{tmp_path}/meta.db", CONFIG)
+    s = client.create_stream()
+    store.fail_puts_matching(lambda key: True)
+    acked = append_all([s], 20)
+    assert wait_for(lambda: client._uploader.stats["put_retries"] >= 5, 10)
+    t0 = time.monotonic()
+    report = client.close(timeout=1.0)
+    took = time.monotonic() - t0
+    print(f"\nclose gave up after {took:.2f} s (timeout 1 s); upload stats {client._uploader.stats}")
+    assert report["left_in_wal"] == [s.stream_id] and took < 5
+    assert client._uploader.stats["retrying"] == 0 and client._uploader.retrying is None
+    opened, recovered = upload_log(caplog)
+    assert len(opened) == 1 and recovered == []
+    store.clear()
+    again = StreamClient(1, str(tmp_path / "n1.wal"), store, f"sqlite:///{tmp_path}/meta.db", CONFIG)
+    try:
+        assert read_committed(again, s.stream_id) == acked[s.stream_id]
+    finally:
+        again.close()

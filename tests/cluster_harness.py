@@ -58,6 +58,8 @@ START_FAILED_EXIT = 2
 READER_NODE_ID = 9_000
 #: Every kind of fault the harness injects.
 FAULT_KINDS = ("pause", "kill", "pg-outage", "s3-freeze", "migrate", "lose-host")
+#: "Until the end" in windows of wall-clock ns.
+FOREVER = 1 << 62
 #: Faults that make a node unable to heartbeat: a failover of that node is justified while one lasts.
 NODE_DOWN_KINDS = ("pause", "kill", "lose-host")
 
@@ -427,7 +429,9 @@ class RunConfig:
     settle_timeout: float = 60.0        # after the faults end: until every partition acknowledges
     start_timeout: float = 90.0
     restart_delay: float = 1.0          # a supervisor restarts an exited node after this
-    forget_timeout: float = 30.0        # retrying Cluster.forget while the metadata is down
+    forget_first: float = 5.0           # retrying Cluster.forget before the replacement starts anyway
+    forget_timeout: float = 30.0        # retrying Cluster.forget in all
+    restart_wait: float = 60.0          # a killed or replaced node's fault lasts until it started, at most this
 
     @property
     def gap_limit(self) -> float:
@@ -722,7 +726,7 @@ class ClusterRun:
 
     def _supervise(self) -> None:
         """Restart a node process that exited on its own (fenced, crashed, failed to start), as
-        a supervisor such as systemd would: after restart_delay, doubling (up to 8 s) while its
+        a supervisor such as systemd would: after restart_delay, doubling (up to 4 s) while its
         starts keep failing (the metadata store may be down for a while)."""
         while not self._stop.is_set():
             for node in list(self.nodes.values()):
@@ -741,7 +745,7 @@ class ClusterRun:
                             failed_starts += 1
                         if why == "start-failed":
                             failed_starts += 1
-                        delay = min(self.config.restart_delay * 2 ** max(failed_starts - 1, 0), 8.0)
+                        delay = min(self.config.restart_delay * 2 ** max(failed_starts - 1, 0), 4.0)
                         node.restart_at = time.monotonic() + delay
                         exit_ = dict(node=node.node_id, incarnation=node.incarnation, code=code, why=why,
                                      t=round(self.now_s(), 3))
@@ -864,6 +868,9 @@ class ClusterRun:
         return self.backend.in_transaction(node.node_id)
 
     def _kill(self, slot: int, seconds: float, planned: dict | None = None, **_) -> None:
+        """kill -9 the node in `slot`; start it again on its WAL after `seconds`. The fault lasts
+        until the new incarnation has started (its client and agent are up), however many starts
+        that takes (the metadata store may be down), bounded by restart_wait."""
         node = self._node_for_slot(slot)
         if not node.lock.acquire(blocking=False):
             return self._skip("kill", f"node {node.node_id}", "another fault holds the node", planned)
@@ -874,11 +881,25 @@ class ClusterRun:
                                                   was_running=node.alive()))
             node.kill()
             self._end_faults.wait(seconds)
+            first = node.incarnation + 1
             node.spawn()
+            node.holds.discard("killed")          # from here the supervisor restarts it if it must
+            rec.detail["restarted_at"] = self._wait_started(node, first)
             self.timeline.end(rec)
         finally:
             node.holds.discard("killed")
             node.lock.release()
+
+    def _wait_started(self, node: NodeProcess, incarnation: int) -> float | None:
+        """Until an incarnation >= `incarnation` of `node` has started (seconds since t0), at most
+        restart_wait; None if none did."""
+        deadline = time.monotonic() + self.config.restart_wait
+        while time.monotonic() < deadline and not self._end_faults.is_set():
+            started = [e for e in node.read_events() if e["kind"] == "started" and e["inc"] >= incarnation]
+            if started:
+                return round(self.now_s(started[0]["t"]), 3)
+            time.sleep(0.1)
+        return None
 
     def _pg_outage(self, seconds: float, planned: dict | None = None, **_) -> None:
         if "pg-outage" not in self.backend.faults:
@@ -941,7 +962,10 @@ class ClusterRun:
 
     def _lose_host(self, slot: int, planned: dict | None = None, **_) -> None:
         """kill -9 the node in `slot`, delete its disk, forget it (Cluster.forget(wal_lost=True)),
-        start a replacement under a new node id in the same slot."""
+        start a replacement under a new node id in the same slot. A forget that keeps failing
+        (the store down, no live node to take the partitions) does not hold the replacement up
+        past forget_first: it starts, and the forget is retried up to forget_timeout. The fault
+        lasts until the forget is done and the replacement has started."""
         slot = slot % len(self.slots)
         node = self._node_for_slot(slot)
         if not node.lock.acquire(blocking=False):
@@ -953,7 +977,11 @@ class ClusterRun:
             node.lost = True
             node.kill()
             shutil.rmtree(node.disk, ignore_errors=True)
-            rec.detail["forget"] = self._forget(node.node_id)
+            entry: dict = dict(node=node.node_id, ok=False, attempts=[])
+            self.forgets.append(entry)
+            rec.detail["forget"] = entry
+            started = time.monotonic()
+            self._forget(entry, started + self.config.forget_first)
             replacement = NodeProcess(self, self._next_node_id)
             self._next_node_id += 1
             self.nodes[replacement.node_id] = replacement
@@ -962,44 +990,43 @@ class ClusterRun:
             replacement.spawn()
             rec.detail["replacement"] = replacement.node_id
             rec.nodes.append(replacement.node_id)
+            if not entry["ok"]:
+                self._forget(entry, started + self.config.forget_timeout)
+            rec.detail["replacement_started_at"] = self._wait_started(replacement, 1)
         finally:
             self.timeline.end(rec)
             node.lock.release()
 
-    def _forget(self, node_id: int) -> dict:
-        """Cluster.forget(node_id, wal_lost=True), retried while it fails (the metadata may be
-        down) up to forget_timeout. Records first, per partition, its log's committed end: the
-        lost node's acknowledgments at or above it were only in the deleted WAL, so a forget
-        that succeeds gives them up knowingly (counted as given_up, not lost)."""
-        entry: dict = dict(node=node_id, ok=False)
-        self.forgets.append(entry)
-        deadline = time.monotonic() + self.config.forget_timeout
-        while True:
+    def _forget(self, entry: dict, deadline: float) -> None:
+        """Cluster.forget(node, wal_lost=True), retried while it fails until `deadline`
+        (monotonic). First, once: each partition's log committed end (what the lost WAL alone
+        held lies above it). `entry` collects the attempts, the report and `ok`."""
+        node_id = entry["node"]
+        while "committed_ends" not in entry:
             try:
                 entry["committed_ends"] = self._committed_ends()
-                break
             except Exception as e:   # noqa: BLE001 - the metadata may be down
                 if time.monotonic() > deadline:
                     entry["error"] = f"committed ends: {type(e).__name__}: {e}"
-                    return entry
+                    return
                 time.sleep(0.5)
         forget = getattr(self.cluster, "forget", None)
         if forget is None:
             entry["error"] = "Cluster.forget does not exist (issue 26: forget a lost node)"
-            return entry
-        while True:
+            return
+        while not entry["ok"]:
             try:
                 entry["report"] = _jsonable(forget(node_id, wal_lost=True))
                 entry["ok"] = True
-                break
+                entry["at_wall_ns"] = time.time_ns()
+                entry.pop("error", None)
             except Exception as e:   # noqa: BLE001 - retried, then recorded
                 entry["error"] = f"{type(e).__name__}: {e}"
+                if len(entry["attempts"]) < 50:
+                    entry["attempts"].append(dict(t=round(self.now_s(), 3), error=entry["error"][:300]))
                 if time.monotonic() > deadline:
-                    return entry
+                    return
                 time.sleep(0.5)
-        entry.pop("error", None)
-        entry["at_wall_ns"] = time.time_ns()
-        return entry
 
     def log_stream_ids(self) -> dict[str, int]:
         """Each partition's log stream id, as its producers logged it (a partition keeps its
@@ -1126,13 +1153,15 @@ class ClusterRun:
             done.append(entry)
         return done
 
-    def read_back(self) -> tuple[dict[str, dict[int, bytes]], list[str], dict[str, int]]:
+    def read_back(self) -> tuple[dict[str, dict[int, bytes]], list[str], dict[str, int], dict[str, list]]:
         """Every committed record of every partition through a fresh client (its own node id and
-        WAL): ({partition: {offset: payload}}, read errors, {partition: log stream id})."""
+        WAL): ({partition: {offset: payload}}, read errors, {partition: log stream id},
+        {partition: [[start, end), ...] given up by a forget}: offsets that read as lost)."""
         from s3stream import StreamClient
         records: dict[str, dict[int, bytes]] = {}
         errors: list[str] = []
         log_ids: dict[str, int] = {}
+        lost_ranges: dict[str, list] = {}
         reader_dir = self.workdir / "reader"
         reader_dir.mkdir(exist_ok=True)
         client = StreamClient(READER_NODE_ID, reader_dir / "wal", self.backend.store_url, self.backend.meta_url,
@@ -1146,7 +1175,14 @@ class ClusterRun:
                     log_ids[name] = part.log_stream_id
                     pos, end = part.start_offset, part.end_offset
                     while pos < end:
-                        res = part.fetch(pos, end, max_bytes=4 << 20)
+                        try:
+                            res = part.fetch(pos, end, max_bytes=4 << 20)
+                        except Exception as e:   # noqa: BLE001 - by name: OffsetsLostError is new
+                            if type(e).__name__ != "OffsetsLostError" or not getattr(e, "end", 0) > pos:
+                                raise
+                            lost_ranges.setdefault(name, []).append([e.start, e.end])
+                            pos = e.end          # a forgotten node's offsets: nothing to read there
+                            continue
                         if not res.batches:
                             errors.append(f"{name}: fetch at {pos} returned nothing (end {end})")
                             break
@@ -1159,7 +1195,7 @@ class ClusterRun:
                     errors.append(f"{name}: {type(e).__name__}: {e}")
         finally:
             client.close(retire=True)
-        return records, errors, log_ids
+        return records, errors, log_ids, lost_ranges
 
     def failovers(self) -> tuple[list[dict], str]:
         """The cluster's failover records, wall ns: Cluster.failover_history() where it exists,
@@ -1202,7 +1238,9 @@ class ClusterRun:
         closes = self.shutdown()
         recovered = self.recover_unclean(closes)
         self.tail.poll()
-        records, read_errors, log_ids = self.read_back()
+        records, read_errors, log_ids, lost_ranges = self.read_back()
+        given_up = self.given_up_ranges(log_ids, lost_ranges)
+        node_down = self.down_windows()
         failovers, failover_source = self.failovers()
         node_errors: dict[int, Counter] = {}
         node_events: dict[int, list[dict]] = {}
@@ -1212,12 +1250,15 @@ class ClusterRun:
             node_errors[node.node_id] = Counter(e["type"] for e in events if e["kind"] == "error")
         result = check(self.tail.acks, records, self.timeline.faults, failovers, self.config,
                        window=(self.steady_ns or self.t0_ns, self.shutdown_ns), t0_ns=self.t0_ns,
-                       t0_wall_ns=self.t0_wall_ns, forgets=self.forgets, assignment_log=self.assignment_log,
-                       shutdown_wall_ns=self.shutdown_wall_ns)
+                       t0_wall_ns=self.t0_wall_ns, given_up=given_up, assignment_log=self.assignment_log,
+                       shutdown_wall_ns=self.shutdown_wall_ns, node_down=node_down)
         result.update(
             backend=self.backend.describe(), seed=self.seed, config=asdict(self.config),
             settle=settled, closes={str(k): v for k, v in closes.items()}, recovered_after_close=recovered,
             read_errors=read_errors, log_stream_ids=log_ids, failover_source=failover_source,
+            lost_ranges_read=lost_ranges, given_up_ranges={str(k): v for k, v in given_up.items()},
+            node_down={str(n): [[round((a - self.t0_wall_ns) / 1e9, 3), round((b - self.t0_wall_ns) / 1e9, 3)
+                                 if b < FOREVER else None] for a, b in w] for n, w in node_down.items()},
             faults=[self.fault_json(f) for f in self.timeline.faults],
             events=[dict(e, t=round(self.now_s(e["t_ns"]), 3)) for e in self.timeline.events],
             node_errors={str(k): dict(v) for k, v in node_errors.items()},
@@ -1233,6 +1274,54 @@ class ClusterRun:
             result["counts"]["read_errors"] = len(read_errors)
         result["targets"] = targets(result)
         return result
+
+    def given_up_ranges(self, log_ids: dict[str, int], lost_ranges: dict[str, list]
+                        ) -> dict[int, dict[str, list[list[int]]]]:
+        """Per lost host, per partition: the offset ranges [start, end) given up with its WAL.
+        The ranges the read-back found lost (OffsetsLostError: only a forget makes them), and
+        those its forget's report names; without either (no forget API), the offsets at or
+        above the committed end read just before the forget, if the forget succeeded."""
+        by_stream = {sid: name for name, sid in log_ids.items()}
+        out: dict[int, dict[str, list[list[int]]]] = {}
+        lost_nodes = [f.nodes[0] for f in self.timeline.faults if f.kind == "lose-host" and f.nodes]
+        for node in lost_nodes:
+            ranges: dict[str, list[list[int]]] = {name: [list(r) for r in rs] for name, rs in lost_ranges.items()}
+            fg = next((f for f in self.forgets if f["node"] == node), {})
+            report = fg.get("report") if isinstance(fg.get("report"), dict) else {}
+            for s in report.get("streams", []):
+                name = by_stream.get(s.get("stream_id"))
+                if name is not None and "committed_end" in s and "given_up_end" in s:
+                    ranges.setdefault(name, []).append([s["committed_end"], s["given_up_end"]])
+            if not ranges and fg.get("ok"):
+                ranges = {name: [[end, FOREVER]] for name, end in (fg.get("committed_ends") or {}).items()}
+            out[node] = ranges
+        return out
+
+    def down_windows(self) -> dict[int, list[tuple[int, int]]]:
+        """Per node id, the wall-clock windows when no process of it was serving: before its
+        first incarnation started, and from each incarnation's end (killed, lost, exited) to the
+        next one's start. A failover then is no false one, whatever fault caused it."""
+        ends: dict[tuple[int, int], int] = {}
+        for f in self.timeline.faults:
+            if f.kind in ("kill", "lose-host") and f.nodes and "incarnation" in f.detail:
+                key = (f.nodes[0], f.detail["incarnation"])
+                ends[key] = min(ends.get(key, FOREVER), f.start_wall_ns)
+        for e in self.timeline.events:
+            if e["kind"] == "exit":
+                key = (e["node"], e["incarnation"])
+                ends[key] = min(ends.get(key, FOREVER), e["wall_ns"])
+        out: dict[int, list[tuple[int, int]]] = {}
+        for node in self.nodes.values():
+            starts = {e["inc"]: e["wall"] for e in node.read_events() if e["kind"] == "started"}
+            down, pos = [], self.t0_wall_ns
+            for a, b in sorted((starts[i], ends.get((node.node_id, i), FOREVER)) for i in starts):
+                if a > pos:
+                    down.append((pos, a))
+                pos = max(pos, b)
+            if pos < FOREVER:
+                down.append((pos, FOREVER))
+            out[node.node_id] = down
+        return out
 
     def fault_json(self, f: FaultRecord) -> dict:
         return dict(id=f.id, kind=f.kind, target=f.target, start=round(self.now_s(f.start_ns), 3),
@@ -1375,26 +1464,25 @@ def resumed_at(times: list[int], after_ns: int, end_ns: int | None = None) -> in
 
 def check(acks: list[tuple[str, int, str, int, int, int]], records: dict[str, dict[int, bytes]],
           faults: list[FaultRecord], failovers: list[dict], config: RunConfig, *, window: tuple[int, int | None],
-          t0_ns: int, t0_wall_ns: int, forgets: list[dict] = (), assignment_log: list[tuple[int, dict]] = (),
-          shutdown_wall_ns: int | None = None) -> dict:
+          t0_ns: int, t0_wall_ns: int, given_up: dict[int, dict[str, list[int]]] | None = None,
+          assignment_log: list[tuple[int, dict]] = (), shutdown_wall_ns: int | None = None,
+          node_down: dict[int, list[tuple[int, int]]] | None = None) -> dict:
     """Compare every acknowledgment with the read-back, and the failovers with the faults.
 
     Counts: acknowledged; lost (an acknowledged payload neither at its offset nor anywhere
     else); overwritten (the acknowledged offset holds another record); misplaced (found, but at
     another offset); duplicated (one payload at two offsets); acked_twice (two acknowledgments of
     one partition offset with different payloads); corrupt (a record whose bytes do not check);
-    given_up (acknowledged by a host lost with its WAL, at or above the committed end when it was
-    forgotten: not lost by the engine, reported apart); false_failovers (a failover of a node no
-    pause, kill or lost host stopped at that moment, until the harness's shutdown)."""
+    given_up (acknowledged by a host lost with its WAL, in the offsets its forget gave up,
+    `given_up` = {node: {partition: [[start, end), ...]}}: not lost by the engine, reported
+    apart); false_failovers (a failover of a node no pause, kill or lost host stopped at that
+    moment, nor was down per `node_down` (wall ns windows per node), until the harness's
+    shutdown)."""
     grace_ns = int((config.heartbeat_timeout + 1.0) * 1e9)
     start_ns, end_ns = window
     end_ns = end_ns or max((a[3] for a in acks), default=start_ns)
 
-    # Acks given up with a lost host's WAL: at or above that partition's committed end at forget.
-    given_up_floor: dict[int, dict[str, int]] = {}
-    for fg in forgets:
-        if fg.get("ok") and fg.get("committed_ends"):
-            given_up_floor[fg["node"]] = fg["committed_ends"]
+    given_up = given_up or {}
 
     # Where each payload is stored.
     where: dict[str, list[tuple[str, int]]] = defaultdict(list)
@@ -1413,15 +1501,14 @@ def check(acks: list[tuple[str, int, str, int, int, int]], records: dict[str, di
     duplicated = sum(1 for places in where.values() if len(places) > 1)
 
     acked_ids = set()
-    lost = overwritten = misplaced = given_up = 0
+    lost = overwritten = misplaced = given_up_count = 0
     lost_examples: list[dict] = []
     lost_times: dict[str, list[float]] = defaultdict(list)
     by_offset: dict[tuple[str, int], set[str]] = defaultdict(set)
     for name, off, pid, t, wall, node in acks:
         acked_ids.add(pid)
-        floor = given_up_floor.get(payload_node(pid)[0], {}).get(name)
-        if floor is not None and off >= floor:
-            given_up += 1
+        if any(a <= off < b for a, b in given_up.get(payload_node(pid)[0], {}).get(name, ())):
+            given_up_count += 1
             continue
         by_offset[(name, off)].add(pid)
         at = stored_ids.get(name, {}).get(off, "<absent>")
@@ -1445,11 +1532,13 @@ def check(acks: list[tuple[str, int, str, int, int, int]], records: dict[str, di
     down: dict[int, list[tuple[int, int]]] = defaultdict(list)
     for f in faults:
         if f.kind in NODE_DOWN_KINDS and not f.detail.get("skipped"):
-            end = f.end_wall_ns if f.end_wall_ns is not None else 1 << 62
+            end = f.end_wall_ns if f.end_wall_ns is not None else FOREVER
             if f.kind == "lose-host":
-                end = 1 << 62                   # the lost id never comes back
+                end = FOREVER                   # the lost id never comes back
             for n in f.nodes[:1]:
                 down[n].append((f.start_wall_ns, end + grace_ns))
+    for n, windows in (node_down or {}).items():
+        down[n] += [(a, min(b, FOREVER) + grace_ns) for a, b in windows]
     false_failovers = []
     counted = []
     for fo in failovers:
@@ -1525,7 +1614,7 @@ def check(acks: list[tuple[str, int, str, int, int, int]], records: dict[str, di
                            seconds=None if worst is None else round(worst, 3)))
 
     counts = dict(acknowledged=len(acks), lost=lost, overwritten=overwritten, misplaced=misplaced,
-                  duplicated=duplicated, acked_twice=acked_twice, corrupt=corrupt, given_up=given_up,
+                  duplicated=duplicated, acked_twice=acked_twice, corrupt=corrupt, given_up=given_up_count,
                   unacknowledged_present=unacked_present, records_read=sum(len(r) for r in records.values()),
                   failovers=len(counted), false_failovers=len(false_failovers),
                   longest_gap=max((p["longest_gap"] for p in partitions_out.values()), default=0.0),

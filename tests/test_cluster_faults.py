@@ -8,8 +8,10 @@ Each case prints one row: scenario, acknowledged, lost, overwritten, the longest
 went without acknowledgments ("unwritable"), false failovers, seconds to resume after the fault
 ended. Set S3STREAM_FAULT_REPORTS=DIR to keep each case's JSON report and PNG timeline there.
 
-Cases that the current code fails are marked xfail(strict=True) with what fails: when a fix
-makes one pass, the suite turns red (XPASS strict): remove the mark then.
+A case the code fails is marked xfail(strict=True) with what fails (issue 26's zombie
+acknowledgments, false failovers after a PostgreSQL outage, a permanent stop of uploads after an S3
+stall and the missing forget were, until fixed): when a fix makes it pass, the suite turns red
+(XPASS strict) and the mark must go.
 """
 from __future__ import annotations
 
@@ -108,11 +110,7 @@ def test_pauses_shorter_than_the_heartbeat_timeout(request, tmp_path, backend):
     assert_safe(run_scenario(request, tmp_path, backend, script))
 
 
-ZOMBIE = "issue 26: a node paused past the heartbeat timeout acknowledges appends after it was fenced (no lease)"
-
-
-@pytest.mark.parametrize("backend", [pytest.param(b, marks=pytest.mark.xfail(strict=True, reason=ZOMBIE))
-                                     for b in BOTH], indirect=True)
+@pytest.mark.parametrize("backend", BOTH, indirect=True)
 def test_pauses_longer_than_the_heartbeat_timeout(request, tmp_path, backend):
     """SIGSTOP for 3 s, three times (plain, after a burst, mid-transaction): each paused node is
     failed over; when it wakes it must not acknowledge what its successor will never see."""
@@ -139,11 +137,6 @@ def test_kill_and_restart(request, tmp_path, backend):
     assert_safe(run_scenario(request, tmp_path, backend, script))
 
 
-OUTAGE = ("issue 26: after a PostgreSQL outage the first node to reach the store again fails its healthy "
-          "peers over (their heartbeats went stale together), and what they acknowledged meanwhile is lost")
-
-
-@pytest.mark.xfail(strict=True, reason=OUTAGE)
 @pytest.mark.parametrize("seconds", [10, 60])
 @pytest.mark.parametrize("backend", PG, indirect=True)
 def test_postgres_outage(request, tmp_path, backend, seconds):
@@ -167,11 +160,7 @@ def test_object_store_stall(request, tmp_path, backend):
     assert_safe(run_scenario(request, tmp_path, backend, script))
 
 
-FORGET = "issue 26: a lost host cannot be forgotten (Cluster.forget(node, wal_lost=True) does not exist yet)"
-
-
-@pytest.mark.parametrize("backend", [pytest.param(b, marks=pytest.mark.xfail(strict=True, reason=FORGET))
-                                     for b in BOTH], indirect=True)
+@pytest.mark.parametrize("backend", BOTH, indirect=True)
 def test_lost_host_then_forget(request, tmp_path, backend):
     """kill -9 a node and delete its WAL (the host is gone), forget it (wal_lost=True) and start a
     replacement under a new node id: its partitions serve again elsewhere; what it had not

@@ -732,7 +732,7 @@ class StreamClient:
                                 self._wal.salvaged_end)
         except wal.WALCorruptError as e:
             raise WALCorruptError.from_wal(e, f"node {self.node_id} cannot start: ") from e
-        closed = close_node_streams(self._meta, self.node_id)
+        closed = close_node_streams(self._meta, self.node_id, self.node_epoch)
         self._recovering = False
         if result["last_end"] is not None:
             self._wal.trim(result["last_end"])

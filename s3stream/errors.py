@@ -140,6 +140,11 @@ class LeaseExpiredError(S3StreamError):
     retriable = True
 
 
+class NodeAliveError(MetadataError):
+    """A failover's fence was refused: the node heartbeated since its judge saw it silent (it is
+    alive, and may hold a fresh lease). Nothing changed; the failover does not happen."""
+
+
 class FencedLeaderError(S3StreamError):
     """A leader (the balancer's) acted after its lease passed to another: the write was refused,
     nothing changed. The deposed leader stops; the new one plans from the current state."""
@@ -166,7 +171,7 @@ class WALCorruptError(WALError):
 
 __all__ = [
     "ConfigError", "CorruptDataError", "FencedLeaderError", "InvalidArgumentError", "InvalidBatchError",
-    "LeaseExpiredError", "MetadataBusyError", "MetadataError", "NodeConflictError", "ObjectNotFoundError", "ObjectStoreError",
+    "LeaseExpiredError", "MetadataBusyError", "MetadataError", "NodeAliveError", "NodeConflictError", "ObjectNotFoundError", "ObjectStoreError",
     "ObjectStorePermanentError", "OffsetOutOfRangeError", "OffsetsLostError", "OperationTimeoutError", "S3StreamError",
     "StreamClosedError", "StreamFencedError", "StreamNotClosedError", "StreamNotFoundError", "WALCorruptError",
     "WALError", "WALFullError",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import wal
 
@@ -37,8 +38,18 @@ class FailoverReport:
 
 
 def fail_over(node_id: int, *, store: ObjectStore, metadata: MetadataStore, config: Config | None = None,
-              wal_path: str | None = None) -> FailoverReport:
-    """Fence `node_id`, commit what its WAL holds, close its streams (see module docstring)."""
+              wal_path: str | None = None, settle: float = 0.0,
+              sleep: Callable[[float], None] = time.sleep,
+              if_unchanged: tuple[int, int] | None = None) -> FailoverReport:
+    """Fence `node_id`, commit what its WAL holds, close its streams (see module docstring).
+
+    `settle`: seconds to wait after the fence before reading the WAL, when the node may still
+    hold a lease (docs/migration.md): a node that is alive acknowledges until its lease runs
+    out, which after the fence (no more renewals) is within one lease; every record it
+    acknowledged is then in the WAL read here. 0 when the node's lease is known to be over (a
+    judge counted heartbeat_timeout of its silence) or it is not running (a restart's own
+    recovery of an old WAL). `if_unchanged`: fence only if the node's (epoch, heartbeat) is
+    still what its judge saw (MetadataStore.fence_node; NodeAliveError otherwise)."""
     config = config or Config()
     t0 = time.perf_counter()
     path = wal_path or metadata.get_node(node_id).wal_path
@@ -49,7 +60,11 @@ def fail_over(node_id: int, *, store: ObjectStore, metadata: MetadataStore, conf
     except (wal.WALError, OSError) as e:
         raise WALError(f"failover of node {node_id}: cannot open its WAL {path!r}: {e}") from e
     try:
-        node = metadata.fence_node(node_id, failover=True)
+        node = metadata.fence_node(node_id, failover=True, if_unchanged=if_unchanged)
+        if settle > 0:
+            log.info("failover of node %d: fenced; waiting %.2f s for its lease to run out before reading its WAL",
+                     node_id, settle)
+            sleep(settle)
     except BaseException:
         w.close()
         raise
@@ -65,7 +80,7 @@ def fail_over(node_id: int, *, store: ObjectStore, metadata: MetadataStore, conf
     finally:
         uploader.close()
         w.close()
-    closed = close_node_streams(metadata, node_id)
+    closed = close_node_streams(metadata, node_id, node.node_epoch)
     report = FailoverReport(node_id, node.node_epoch, result["records"], result["replayed"], closed,
                             time.perf_counter() - t0)
     log.warning("failed over node %d: %d WAL records (%d committed on its behalf), %d streams closed in %.3f s",

@@ -90,11 +90,13 @@ def replay_wal(records: Iterable[wal.Record], node_id: int, meta: MetadataStore,
                 dropped={sid: dict(from_offset=first, records=n) for sid, (first, n) in broken.items()})
 
 
-def close_node_streams(meta: MetadataStore, node_id: int) -> int:
-    """Close every stream `node_id` holds open (after its data was committed)."""
+def close_node_streams(meta: MetadataStore, node_id: int, node_epoch: int) -> int:
+    """Close every stream `node_id` holds open (after its data was committed), as long as
+    `node_epoch` is still its epoch: StreamFencedError once a newer incarnation registered (what
+    it opened is its own; it recovers what the older ones held itself)."""
     closed = 0
     for m in meta.list_streams(owner_node_id=node_id):
-        meta.close_stream(m.stream_id, m.epoch, node_id)
+        meta.close_stream(m.stream_id, m.epoch, node_id, node_epoch)
         closed += 1
     return closed
 

@@ -20,10 +20,8 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import time
 import zlib
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from ..client import StreamClient
@@ -46,14 +44,14 @@ class NodeAgent:
         self.config = cluster.config
         self.node_id = client.node_id
         self.node_epoch = client.node_epoch
+        self.runtime = cluster.runtime
         self.clock: Callable[[], int] = cluster.monotonic
         self._busy: set[str] = set()
         self._published: dict[str, int] = {}      # partition -> assignment version confirmed open
         self._open_failures: dict[tuple[str, int], list[str]] = {}   # (partition, version) -> errors
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._pool = ThreadPoolExecutor(max_workers=self.config.max_parallel_moves,
-                                        thread_name_prefix=f"agent-{self.node_id}")
+        self._stop = self.runtime.event()
+        self._pool = self.runtime.executor(self.config.max_parallel_moves, f"agent-{self.node_id}")
         self.detector = FailureDetector(self.config.heartbeat_timeout, 2 * self.config.heartbeat_interval)
         self._last_judged = 0
         self._reporter = LoadReporter(self.node_id, self.config.report_window)
@@ -70,15 +68,13 @@ class NodeAgent:
                           closes=0, close_failures=0, handed_on=0)
         # Opened before the first pass reads the assignments, so no change in between is missed.
         self._feed = client.metadata.kv_changes(("assignment/", "closed/"))
-        self._threads: list[threading.Thread] = []
+        self._threads: list = []
         cluster_metrics.track(self)
         if start:
             # The first lease before the first pass: this node serves nothing before it holds one.
             self.heartbeat_once()
             for target, name in ((self._keep_lease, "lease"), (self._run, "agent")):
-                thread = threading.Thread(target=target, name=f"node-{name}-{self.node_id}", daemon=True)
-                thread.start()
-                self._threads.append(thread)
+                self._threads.append(self.runtime.spawn(f"node-{name}-{self.node_id}", target))
 
     def stop(self) -> None:
         self._stop.set()
@@ -104,6 +100,9 @@ class NodeAgent:
 
     def heartbeat_once(self) -> bool:
         """One heartbeat: renew the lease if the store accepts it; True if it did."""
+        if self.client.fenced:             # the engine saw the fence first (an upload's commit)
+            self._fence("its engine was fenced")
+            return False
         started = self.clock()
         health = self.health()
         self.last_health = health
@@ -128,6 +127,9 @@ class NodeAgent:
             self._fence(f"its heartbeat was refused: {e}")
             return False
         except Exception as e:   # noqa: BLE001 - the store is unreachable: the lease runs out, the agent goes on
+            # Time unable to serve counts only while the store answers: uploads fail with it, and
+            # an outage must not make every node give itself up once it ends.
+            self._unhealthy_since = None
             self.stats["heartbeat_failures"] += 1
             if self._meta_problem is None:
                 log.warning("node %d cannot heartbeat: %s", self.node_id, e)
@@ -154,12 +156,12 @@ class NodeAgent:
     def _keep_lease(self) -> None:
         interval = self.config.heartbeat_interval
         while not self._stop.is_set():
-            started = time.monotonic()
+            started = self.clock()
             try:
                 self.heartbeat_once()
             except Exception:   # noqa: BLE001 - never let the lease keeper die
                 log.exception("node %d heartbeat failed", self.node_id)
-            self._stop.wait(max(0.0, interval - (time.monotonic() - started)))
+            self._stop.wait(max(0.0, interval - (self.clock() - started) / 1e9))
 
     # ---- the agent loop ------------------------------------------------------------------------
 
@@ -180,7 +182,7 @@ class NodeAgent:
         if now - self._last_judged >= self.config.heartbeat_interval * 1e9:
             self._last_judged = now
             self.judge_once(now)
-        mono = time.monotonic()
+        mono = now / 1e9
         if mono - self._last_report >= self.config.report_interval:
             self._reporter.publish(self.client.metadata, self.client.partitions())
             self._last_report = mono
@@ -201,8 +203,9 @@ class NodeAgent:
             self._retry_soon = False
             self._feed.wait(self.config.agent_interval)
             return
-        due = min(self._last_judged / 1e9 + self.config.heartbeat_interval - self.clock() / 1e9,
-                  self._last_report + self.config.report_interval - time.monotonic())
+        now = self.clock() / 1e9
+        due = min(self._last_judged / 1e9 + self.config.heartbeat_interval - now,
+                  self._last_report + self.config.report_interval - now)
         self._feed.wait(max(0.0, min(self.config.push_fallback_interval, due)))
 
     # ---- judging peers --------------------------------------------------------------------------
@@ -248,7 +251,8 @@ class NodeAgent:
                         "it over", self.node_id, node.node_id, silence)
             self.stats["failovers_started"] += 1
             self._submit(f"failover/{node.node_id}", self.cluster.fail_over, node.node_id,
-                         judge=self.node_id, judge_epoch=self.node_epoch,
+                         judge=self.node_id, judge_epoch=self.node_epoch, lease_over=True,
+                         if_unchanged=(node.node_epoch, node.heartbeat_ns),
                          reason=f"no heartbeat for {silence:.1f} s while node {self.node_id} reached the store")
             started.append(node.node_id)
         return started
@@ -282,7 +286,7 @@ class NodeAgent:
     def _publish_opened(self, name: str, version: int, leader_epoch: int, seconds: float) -> None:
         put_json(self.client.metadata, f"opened/{name}", {
             "node": self.node_id, "node_epoch": self.node_epoch, "version": version, "leader_epoch": leader_epoch,
-            "at": time.time(), "seconds": seconds})
+            "at": self.runtime.wall_ns() / 1e9, "seconds": seconds})
         self._published[name] = version
 
     def _submit(self, name: str, fn, *args, **kwargs) -> None:
@@ -318,7 +322,7 @@ class NodeAgent:
                 self._busy.discard(name)
 
     def _open(self, name: str, version: int) -> None:
-        t0 = time.perf_counter()
+        t0 = self.clock()
         try:
             partition = self.client.open_partition(name)
         except StreamNotClosedError:
@@ -333,7 +337,7 @@ class NodeAgent:
         self._open_failures.pop((name, version), None)
         self.stats["opens"] += 1
         if partition.is_open:
-            self._publish_opened(name, version, partition.leader_epoch, time.perf_counter() - t0)
+            self._publish_opened(name, version, partition.leader_epoch, (self.clock() - t0) / 1e9)
 
     def _hand_on(self, name: str, version: int, failures: list[str]) -> None:
         """This node failed to open `name` open_attempts times: assign it to another node that
@@ -359,7 +363,7 @@ class NodeAgent:
         self._published.pop(partition.name, None)
         put_json(self.client.metadata, f"closed/{partition.name}",
                  {"node": self.node_id, "node_epoch": self.node_epoch, "version": version,
-                  "tail_bytes": report.tail_bytes, "seconds": report.seconds, "at": time.time()})
+                  "tail_bytes": report.tail_bytes, "seconds": report.seconds, "at": self.runtime.wall_ns() / 1e9})
 
 
 __all__ = ["NodeAgent", "can_serve"]

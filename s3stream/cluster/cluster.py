@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -34,6 +33,7 @@ from ..latency import DURATION_BUCKETS, LatencyHistogram
 from ..metadata import MetadataStore, NodeMeta
 from ..objectstore import ObjectStore
 from .config import ClusterConfig
+from .runtime import THREADS, Runtime
 
 log = logging.getLogger("s3stream.cluster")
 
@@ -114,20 +114,25 @@ class Cluster:
     """An admin view of the cluster: any process with the shared metadata and store may use it."""
 
     def __init__(self, metadata: MetadataStore, store: ObjectStore | None, config: ClusterConfig | None = None,
-                 engine_config: Config | None = None, clock: Callable[[], int] = time.time_ns,
-                 monotonic: Callable[[], int] = time.monotonic_ns) -> None:
+                 engine_config: Config | None = None, clock: Callable[[], int] | None = None,
+                 monotonic: Callable[[], int] | None = None, runtime: Runtime = THREADS,
+                 recover: Callable[..., FailoverReport] = recover_node) -> None:
         """`store` may be None for a view that only reads and assigns (fail_over needs it).
         `clock` gives the time in ns that heartbeats are stamped with by the metadata store
         (inject the same fake one into both in tests); `live_nodes` compares them with it.
         `monotonic` is the clock of node agents' failure detection and leases (the native
         append path checks leases on CLOCK_MONOTONIC: only tests that drive the detector alone
-        replace it)."""
+        replace it). `runtime` gives both by default, and the waits and threads; `recover`
+        replays a node's WAL on its behalf (s3stream.failover.fail_over). A simulation
+        replaces the last two (tests/cluster_sim.py)."""
         self.meta = metadata
         self.store = store
         self.config = config or ClusterConfig()
         self.engine_config = engine_config
-        self.clock = clock
-        self.monotonic = monotonic
+        self.runtime = runtime
+        self.clock = clock or runtime.wall_ns
+        self.monotonic = monotonic or runtime.monotonic_ns
+        self._recover = recover
 
     # ---- assignment ----------------------------------------------------------------------------
 
@@ -181,20 +186,20 @@ class Cluster:
         """The `opened/` record of `name` once some node (`node`, if given) reports `version`
         open; None after `timeout`. Woken by the store's pushes where it has them, else polling
         every 2 ms."""
-        deadline = time.monotonic() + timeout
+        deadline = self.monotonic() + int(timeout * 1e9)
         feed = self.meta.kv_changes((f"opened/{name}",))
         try:
             while True:
                 o = get_json(self.meta, f"opened/{name}")
                 if o and o["version"] >= version and (node is None or o["node"] == node):
                     return o
-                left = deadline - time.monotonic()
+                left = (deadline - self.monotonic()) / 1e9
                 if left <= 0:
                     return None
                 if feed.pushes:
                     feed.wait(min(left, self.config.push_fallback_interval))
                 else:
-                    time.sleep(min(left, 0.002))
+                    self.runtime.sleep(min(left, 0.002))
         finally:
             feed.close()
 
@@ -221,7 +226,7 @@ class Cluster:
                 f"heartbeat, failed over, or its last heartbeat said it cannot serve); such nodes: {serving}")
         current = self.assignment(name)
         source = current["node"] if current else None
-        t0 = time.perf_counter()
+        t0 = self.monotonic()
         version = self.assign(name, to_node, guard=guard)
         opened = self.wait_open(name, version, timeout, node=to_node)
         failed_over = False
@@ -241,7 +246,7 @@ class Cluster:
         assert opened is not None
         closed = get_json(self.meta, f"closed/{name}")
         mine = closed if closed and closed["version"] == version else {}
-        report = MigrationReport(name, source, to_node, time.perf_counter() - t0, mine.get("tail_bytes", 0),
+        report = MigrationReport(name, source, to_node, (self.monotonic() - t0) / 1e9, mine.get("tail_bytes", 0),
                                  opened["leader_epoch"], failed_over, mine.get("seconds", 0.0),
                                  opened.get("seconds", 0.0))
         MIGRATION_SECONDS.observe(report.seconds)
@@ -278,10 +283,18 @@ class Cluster:
         return self.meta.put_kv_if_absent(f"{prefix}{attempt}", value) == value
 
     def fail_over(self, node_id: int, reassign: bool = True, *, judge: int | None = None,
-                  judge_epoch: int | None = None, kind: str = "failover", reason: str = "requested") -> FailoverReport:
+                  judge_epoch: int | None = None, kind: str = "failover", reason: str = "requested",
+                  lease_over: bool = False, if_unchanged: tuple[int, int] | None = None) -> FailoverReport:
         """Fence `node_id`, commit its WAL on its behalf, close its streams; then (if
         `reassign`) spread its partitions over the live nodes that can serve. Recorded in the
-        failover history (`kind`, `judge`, `reason`) whether it succeeds or not."""
+        failover history (`kind`, `judge`, `reason`) whether it succeeds or not.
+
+        Unless `lease_over` (a judge counted heartbeat_timeout of the node's silence: its lease
+        ran out before), the node may be alive and acknowledging under its lease: its WAL is
+        read only once that lease is certainly over, `lease` after the fence (a migration
+        fallback or an operator's failover takes that much longer). A judge passes what it saw
+        of the node as `if_unchanged`: if the node heartbeated since, the fence is refused
+        (NodeAliveError, recorded) and nothing else happens."""
         if self.store is None:
             raise S3StreamError(f"cannot fail node {node_id} over: this Cluster view has no object store to "
                                 "commit its WAL to; make it with one")
@@ -289,7 +302,9 @@ class Cluster:
         entry = dict(kind=kind, node=node_id, node_epoch=epoch, judge=judge, judge_epoch=judge_epoch,
                      reason=reason)
         try:
-            report = recover_node(node_id, store=self.store, metadata=self.meta, config=self.engine_config)
+            report = self._recover(node_id, store=self.store, metadata=self.meta, config=self.engine_config,
+                                   settle=0.0 if lease_over else self.config.lease, sleep=self.runtime.sleep,
+                                   if_unchanged=if_unchanged)
         except BaseException as e:
             self.record_history(dict(entry, ok=False, error=str(e)))
             raise

@@ -264,9 +264,13 @@ class MetadataStore(abc.ABC):
         StreamFencedError if `node_epoch` is not the node's current epoch."""
 
     @abc.abstractmethod
-    def fence_node(self, node_id: int, failover: bool = True) -> NodeMeta:
-        """Bump the node's epoch so its current instance can no longer commit or open streams
-        (failover); sets the failover flag. Returns the new NodeMeta."""
+    def fence_node(self, node_id: int, failover: bool = True,
+                   if_unchanged: tuple[int, int] | None = None) -> NodeMeta:
+        """Bump the node's epoch so its current instance can no longer commit, heartbeat or
+        open streams (failover); sets the failover flag. Returns the new NodeMeta. With
+        `if_unchanged` = (node epoch, heartbeat ns) as a judge last saw them: only if they are
+        still so, else NodeAliveError and nothing changes (a heartbeat that landed after the
+        judge looked renewed a lease the judge does not know of)."""
 
     # ---- streams ---------------------------------------------------------------------------
 
@@ -300,8 +304,10 @@ class MetadataStore(abc.ABC):
         at the same epoch) returns the stream unchanged."""
 
     @abc.abstractmethod
-    def close_stream(self, stream_id: int, epoch: int, node_id: int) -> StreamMeta:
-        """OPENED -> CLOSED. StreamFencedError unless epoch and owner match. Closing an already
+    def close_stream(self, stream_id: int, epoch: int, node_id: int, node_epoch: int | None = None) -> StreamMeta:
+        """OPENED -> CLOSED. StreamFencedError unless epoch and owner match, and (if given)
+        `node_epoch` is still the node's epoch: a failover closes what the incarnation it fenced
+        held, never what a newer incarnation of that node opened since. Closing an already
         CLOSED stream at the same epoch is a no-op."""
 
     @abc.abstractmethod

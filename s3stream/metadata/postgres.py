@@ -82,7 +82,7 @@ from .base import (ChangeFeed, redact_url, CommitRequest, CommitResult, Metadata
 # The checks and loaders are the SQLite store's own: both stores must decide alike. They take any
 # connection-like object whose execute() takes qmark SQL; _Db adapts a psycopg connection.
 from .sqlite import (_COMMITTED, _DEAD_SSOS, _MARK_DESTROYED, _NO_OFFSET, _NODE_COLUMNS, _PREPARED, _RANGE_COLUMNS,
-                     _SSO, _abandon, _check_owner,
+                     _SSO, _abandon, _check_owner, _check_unchanged,
                      _apply_commit, _check_node_epoch, _check_request_shape, _check_stream_epoch, _ids, _kv_holds,
                      _live_stream, _load_objects, _load_stream, _load_streams, _mark_destroyed, _node_meta, _node_row)
 
@@ -432,10 +432,11 @@ class PostgresMetadataStore(MetadataStore):
             db.execute("UPDATE nodes SET heartbeat_ns = ?, health = ? WHERE node_id = ?",
                        (self._clock(), health, node_id))
 
-    def fence_node(self, node_id: int, failover: bool = True) -> NodeMeta:
+    def fence_node(self, node_id: int, failover: bool = True,
+                   if_unchanged: tuple[int, int] | None = None) -> NodeMeta:
         with self._transaction(write=True) as db:
             _lock_node(db, node_id, "NO KEY UPDATE")
-            _node_row(db, node_id)
+            _check_unchanged(_node_meta(_node_row(db, node_id)), if_unchanged)
             return _node_meta(_one(db.execute(
                 f"UPDATE nodes SET node_epoch = node_epoch + 1, failover = ? WHERE node_id = ? "
                 f"RETURNING {_NODE_COLUMNS}", (bool(failover), node_id))))
@@ -500,8 +501,11 @@ class PostgresMetadataStore(MetadataStore):
             _abandon(db, stream)
             return _load_stream(db, stream_id)
 
-    def close_stream(self, stream_id: int, epoch: int, node_id: int) -> StreamMeta:
+    def close_stream(self, stream_id: int, epoch: int, node_id: int, node_epoch: int | None = None) -> StreamMeta:
         with self._transaction(write=True) as db:
+            if node_epoch is not None:
+                _lock_node(db, node_id, "SHARE")
+                _check_node_epoch(db, node_id, node_epoch)
             _lock_rows(db, "streams", "stream_id", [stream_id])
             stream = _live_stream(db, stream_id)
             if stream.state == StreamState.CLOSED and stream.epoch == epoch:

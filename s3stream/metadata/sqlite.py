@@ -70,8 +70,8 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import tenacity
 
-from ..errors import (ConfigError, MetadataBusyError, MetadataError, StreamFencedError, StreamNotClosedError,
-                      StreamNotFoundError)
+from ..errors import (ConfigError, MetadataBusyError, MetadataError, NodeAliveError, StreamFencedError,
+                      StreamNotClosedError, StreamNotFoundError)
 from .base import (CommitRange, CommitRequest, CommitResult, MetadataStore, NodeMeta, ObjectMeta,
                    ObjectRef, ObjectState, ObjectType, Range, StreamMeta, StreamRange, StreamState,
                    object_key)
@@ -300,9 +300,10 @@ class SqliteMetadataStore(MetadataStore):
             db.execute("UPDATE nodes SET heartbeat_ns = ?, health = ? WHERE node_id = ?",
                        (self._clock(), health, node_id))
 
-    def fence_node(self, node_id: int, failover: bool = True) -> NodeMeta:
+    def fence_node(self, node_id: int, failover: bool = True,
+                   if_unchanged: tuple[int, int] | None = None) -> NodeMeta:
         with self._transaction(write=True) as db:
-            _node_row(db, node_id)
+            _check_unchanged(_node_meta(_node_row(db, node_id)), if_unchanged)
             db.execute("UPDATE nodes SET node_epoch = node_epoch + 1, failover = ? "
                        "WHERE node_id = ?", (int(failover), node_id))
             return _node_meta(_node_row(db, node_id))
@@ -356,8 +357,10 @@ class SqliteMetadataStore(MetadataStore):
             _abandon(db, stream)
             return _load_stream(db, stream_id)
 
-    def close_stream(self, stream_id: int, epoch: int, node_id: int) -> StreamMeta:
+    def close_stream(self, stream_id: int, epoch: int, node_id: int, node_epoch: int | None = None) -> StreamMeta:
         with self._transaction(write=True) as db:
+            if node_epoch is not None:
+                _check_node_epoch(db, node_id, node_epoch)
             stream = _live_stream(db, stream_id)
             if stream.state == StreamState.CLOSED and stream.epoch == epoch:
                 return stream
@@ -708,6 +711,14 @@ def _node_row(db: _Connection, node_id: int) -> tuple:
 def _node_meta(row: tuple) -> NodeMeta:
     node_id, epoch, failover, wal_path, heartbeat_ns, health = row
     return NodeMeta(node_id, epoch, bool(failover), wal_path, heartbeat_ns, health)
+
+
+def _check_unchanged(node: NodeMeta, expected: tuple[int, int] | None) -> None:
+    """NodeAliveError unless the node's (epoch, heartbeat) is `expected` (None: no condition)."""
+    if expected is not None and (node.node_epoch, node.heartbeat_ns) != tuple(expected):
+        raise NodeAliveError(f"node {node.node_id} heartbeated (or restarted) since it was judged silent: epoch "
+                             f"{node.node_epoch}, heartbeat {node.heartbeat_ns}, judged at {tuple(expected)}; "
+                             "it is alive: not fenced")
 
 
 def _check_node_epoch(db: _Connection, node_id: int, node_epoch: int) -> None:

@@ -84,8 +84,9 @@ class InstrumentedMetadataStore(MetadataStore):
     def heartbeat(self, node_id: int, node_epoch: int, health: str | None = None) -> None:
         return self._timed("heartbeat", self.inner.heartbeat, node_id, node_epoch, health)
 
-    def fence_node(self, node_id: int, failover: bool = True) -> NodeMeta:
-        return self._timed("fence_node", self.inner.fence_node, node_id, failover)
+    def fence_node(self, node_id: int, failover: bool = True,
+                   if_unchanged: tuple[int, int] | None = None) -> NodeMeta:
+        return self._timed("fence_node", self.inner.fence_node, node_id, failover, if_unchanged)
 
     def create_stream(self, node_id: int, node_epoch: int, reserve: int = 0) -> StreamMeta:
         return self._timed("create_stream", self.inner.create_stream, node_id, node_epoch, reserve)
@@ -101,8 +102,8 @@ class InstrumentedMetadataStore(MetadataStore):
     def abandon_stream(self, stream_id: int, epoch: int, node_id: int) -> StreamMeta:
         return self._timed("abandon_stream", self.inner.abandon_stream, stream_id, epoch, node_id)
 
-    def close_stream(self, stream_id: int, epoch: int, node_id: int) -> StreamMeta:
-        return self._timed("close_stream", self.inner.close_stream, stream_id, epoch, node_id)
+    def close_stream(self, stream_id: int, epoch: int, node_id: int, node_epoch: int | None = None) -> StreamMeta:
+        return self._timed("close_stream", self.inner.close_stream, stream_id, epoch, node_id, node_epoch)
 
     def trim_stream(self, stream_id: int, epoch: int, new_start_offset: int) -> StreamMeta:
         return self._timed("trim_stream", self.inner.trim_stream, stream_id, epoch, new_start_offset)

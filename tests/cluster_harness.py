@@ -1303,15 +1303,18 @@ class ClusterRun:
 
     def down_windows(self) -> dict[int, list[tuple[int, int]]]:
         """Per node id, the wall-clock windows when no process of it was serving: before its
-        first incarnation started, and from each incarnation's end (killed, lost, exited) to the
-        next one's start. A failover then is no false one, whatever fault caused it."""
+        first incarnation started, and from each incarnation's end (killed, lost, crashed; not a
+        fenced exit, which a failover caused) to the next one's start. A failover then is no
+        false one, whatever fault caused it."""
         ends: dict[tuple[int, int], int] = {}
         for f in self.timeline.faults:
             if f.kind in ("kill", "lose-host") and f.nodes and "incarnation" in f.detail:
                 key = (f.nodes[0], f.detail["incarnation"])
                 ends[key] = min(ends.get(key, FOREVER), f.start_wall_ns)
         for e in self.timeline.events:
-            if e["kind"] == "exit":
+            # A fenced node's exit follows its failover: no window of its own, or every failover
+            # would justify itself.
+            if e["kind"] == "exit" and e["why"] != "fenced":
                 key = (e["node"], e["incarnation"])
                 ends[key] = min(ends.get(key, FOREVER), e["wall_ns"])
         out: dict[int, list[tuple[int, int]]] = {}
@@ -1544,6 +1547,7 @@ def check(acks: list[tuple[str, int, str, int, int, int]], records: dict[str, di
     for n, windows in (node_down or {}).items():
         down[n] += [(a, min(b, FOREVER) + grace_ns) for a, b in windows]
     false_failovers = []
+    forced = []
     counted = []
     for fo in failovers:
         if fo.get("kind") == "forget":
@@ -1551,9 +1555,15 @@ def check(acks: list[tuple[str, int, str, int, int, int]], records: dict[str, di
         at = fo.get("at_ns") or 0
         if shutdown_wall_ns is not None and at >= shutdown_wall_ns:
             continue
-        entry = dict(fo, t=round((at - t0_wall_ns) / 1e9, 3))
+        # A history entry is written when the failover is over: it was decided `seconds` before.
+        decided = at - int(float(fo.get("seconds") or 0) * 1e9)
+        entry = dict(fo, t=round((decided - t0_wall_ns) / 1e9, 3))
         counted.append(entry)
-        if not any(a <= at <= b for a, b in down.get(fo.get("node"), [])):
+        if any(a <= decided <= b for a, b in down.get(fo.get("node"), [])):
+            continue
+        if fo.get("kind") == "migration-fallback":
+            forced.append(entry)       # migrate's documented fallback: the source did not let go in time
+        else:
             false_failovers.append(entry)
 
     # Time without acknowledgments per partition, and the part of it outside faults touching it.
@@ -1621,12 +1631,14 @@ def check(acks: list[tuple[str, int, str, int, int, int]], records: dict[str, di
                   duplicated=duplicated, acked_twice=acked_twice, corrupt=corrupt, given_up=given_up_count,
                   unacknowledged_present=unacked_present, records_read=sum(len(r) for r in records.values()),
                   failovers=len(counted), false_failovers=len(false_failovers),
+                  forced_failovers=len(forced),
                   longest_gap=max((p["longest_gap"] for p in partitions_out.values()), default=0.0),
                   longest_gap_outside_faults=round(worst_unexcused, 3),
                   resume_seconds=max((r["seconds"] for r in resume if r["seconds"] is not None), default=0.0),
                   never_resumed=sum(1 for r in resume if r["seconds"] is None))
     return dict(counts=counts, partitions=partitions_out, lost_examples=lost_examples, lost_times=dict(lost_times),
-                failover_records=counted, false_failover_records=false_failovers, resume=resume,
+                failover_records=counted, false_failover_records=false_failovers,
+                forced_failover_records=forced, resume=resume,
                 ack_timeline=ack_timeline(acks, t0_ns))
 
 

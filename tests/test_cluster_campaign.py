@@ -84,16 +84,18 @@ def test_the_checker_counts_what_went_wrong():
     ]
     records = {"a": {0: p("n1-i1-a-1"), 1: p("n2-i1-a-9"), 4: p("n1-i1-a-4"), 5: p("n1-i1-a-4"),
                      6: p("n3-i1-a-7")[:-1] + b"?"}}
-    faults = [fault("pause", "node 1", 3, 9, nodes=[1])]
+    faults = [fault("pause", "node 1", 3, 9, nodes=[1]), fault("pause", "node 2", 4, 6, nodes=[2])]
     failovers = [dict(node=1, at_ns=5 * S, kind="failover", judge=2),      # during node 1's pause
                  dict(node=2, at_ns=20 * S, kind="failover", judge=1),     # node 2 was never stopped
-                 dict(node=3, at_ns=21 * S, kind="forget", judge=None)]    # a forget is no failover
+                 dict(node=3, at_ns=21 * S, kind="forget", judge=None),    # a forget is no failover
+                 dict(node=3, at_ns=25 * S, kind="migration-fallback", seconds=1.0),   # forced, not false
+                 dict(node=2, at_ns=10 * S, seconds=5.0, kind="failover")]  # decided at 5 s: node 2 paused
     r = check(acks, records, faults, failovers, config, window=(0, 40 * S), t0_ns=0, t0_wall_ns=0)
     c = r["counts"]
     assert (c["acknowledged"], c["lost"], c["overwritten"], c["misplaced"]) == (5, 2, 1, 1)
     assert (c["duplicated"], c["acked_twice"], c["corrupt"]) == (1, 1, 1)
-    assert (c["failovers"], c["false_failovers"]) == (2, 1)
-    assert r["false_failover_records"][0]["node"] == 2
+    assert (c["failovers"], c["false_failovers"], c["forced_failovers"]) == (4, 1, 1)
+    assert r["false_failover_records"][0]["node"] == 2 and r["false_failover_records"][0]["t"] == 20.0
     # Acknowledgments at 1-2 s and 30-32 s: 28 s without any, of which the pause covers 6 s
     # (node 1 owned "a"): 21 s outside faults.
     assert r["partitions"]["a"]["longest_gap"] == 28.0

@@ -642,6 +642,7 @@ class ClusterRun:
         self._end_faults = threading.Event()     # faults end now (their restore runs)
         self._fault_threads: list[threading.Thread] = []
         self._threads: list[threading.Thread] = []
+        self._server_locks = {"pg": threading.Lock(), "s3": threading.Lock()}   # one outage of each at a time
         self._next_node_id = self.config.nodes + 1
         self.t0_ns = time.monotonic_ns()
         self.t0_wall_ns = time.time_ns()
@@ -908,6 +909,8 @@ class ClusterRun:
     def _pg_outage(self, seconds: float, planned: dict | None = None, **_) -> None:
         if "pg-outage" not in self.backend.faults:
             return self._skip("pg-outage", "pg", f"backend {self.backend.name} has no server to stop", planned)
+        if not self._server_locks["pg"].acquire(blocking=False):
+            return self._skip("pg-outage", "pg", "the server is already stopped", planned)
         rec = self.timeline.begin("pg-outage", "pg", is_global=True, planned=planned, detail=dict(seconds=seconds))
         try:
             self.backend.stop_metadata()
@@ -921,10 +924,13 @@ class ClusterRun:
                     rec.error = f"restart attempt {attempt}: {e}"
                     time.sleep(1)
             self.timeline.end(rec)
+            self._server_locks["pg"].release()
 
     def _s3_freeze(self, seconds: float, planned: dict | None = None, **_) -> None:
         if "s3-freeze" not in self.backend.faults:
             return self._skip("s3-freeze", "s3", f"backend {self.backend.name} has no server to freeze", planned)
+        if not self._server_locks["s3"].acquire(blocking=False):
+            return self._skip("s3-freeze", "s3", "the server is already frozen", planned)
         rec = self.timeline.begin("s3-freeze", "s3", is_global=True, planned=planned, detail=dict(seconds=seconds))
         try:
             self.backend.freeze_store()
@@ -932,6 +938,7 @@ class ClusterRun:
         finally:
             self.backend.thaw_store()
             self.timeline.end(rec)
+            self._server_locks["s3"].release()
 
     def _migrate(self, slot: int, choice: int, planned: dict | None = None, **_) -> None:
         """Cluster.migrate of partition `choice` to the node in `slot`, or the next live slot
@@ -1406,6 +1413,9 @@ def plan_schedule(seed: int, seconds: float, kinds: Iterable[str], config: RunCo
         node_kinds = ("pause", "kill", "lose-host")
         busy = {g.slot for g in active if g.kind in node_kinds}
         ok = len(active) < max_concurrent and not (kind in node_kinds and slot in busy)
+        # One server, one outage at a time (with a margin for its stop and start).
+        ok = ok and not any(g.kind == kind and g.at <= t < g.at + g.seconds + 2.0
+                            for g in out if kind in ("pg-outage", "s3-freeze"))
         if kind == "lose-host":
             ok = ok and lost < max_lost_hosts and not any(g.kind in node_kinds for g in active)
         if ok:

@@ -56,6 +56,8 @@ def test_a_schedule_keeps_its_rules(seed):
             assert 3.0 <= f.seconds <= 12.0
         if f.kind == "s3-freeze":
             assert 5.0 <= f.seconds <= 15.0
+        if f.kind in ("pg-outage", "s3-freeze"):      # one outage of a server at a time
+            assert not [g for g in pg if g is not f and g.kind == f.kind and g.at <= f.at < g.at + g.seconds + 2.0]
 
 
 # ---- the checker ----------------------------------------------------------------------------

@@ -487,13 +487,14 @@ class StreamClient:
                            "the WAL device is not keeping up")
 
     def _why_uploads_lag(self) -> str:
-        """What keeps data from leaving the WAL: the uploads' latest retried error, if any."""
-        last = self._uploader.last_retry_error
-        if last is None:
+        """What keeps data from leaving the WAL: the upload steps failing now, if any."""
+        episode = self._uploader.retrying
+        if episode is None:
             return "the object store is not keeping up"
-        what, error = last
-        return (f"uploads are failing and being retried ({what}: {error}); fix the object store or the "
-                "metadata store (a full disk, an outage) and they catch up")
+        return (f"uploads have been failing for {episode.seconds:.0f} s and are being retried ({episode.retries} "
+                f"retries so far; the last: {episode.what}: {type(episode.error).__name__}: {episode.error}); they "
+                "resume within a second of the object store and the metadata store answering again: fix the "
+                "outage (the network, the service, a full disk) and they catch up")
 
     def _map_wal_error(self, error: BaseException) -> S3StreamError:
         if isinstance(error, S3StreamError):

@@ -25,7 +25,7 @@ from collections import deque
 from typing import Callable
 
 from ..client import StreamClient
-from ..errors import S3StreamError, StreamFencedError, StreamNotClosedError
+from ..errors import MetadataBusyError, S3StreamError, StreamFencedError, StreamNotClosedError
 from .cluster import Cluster, can_serve, put_json
 from .detector import FailureDetector
 from . import metrics as cluster_metrics
@@ -47,6 +47,7 @@ class NodeAgent:
         self.runtime = cluster.runtime
         self.clock: Callable[[], int] = cluster.monotonic
         self._busy: set[str] = set()
+        self._not_before: dict[str, tuple[int, int]] = {}   # task name -> (retry not before, failures)
         self._published: dict[str, int] = {}      # partition -> assignment version confirmed open
         self._open_failures: dict[tuple[str, int], list[str]] = {}   # (partition, version) -> errors
         self._lock = threading.Lock()
@@ -59,6 +60,7 @@ class NodeAgent:
         self._renewed_ns: int | None = None       # start of the last accepted heartbeat
         self._unhealthy_since: int | None = None
         self.last_health: dict = {"serving": True}     # what the last heartbeat said
+        self.last_served = True
         self._meta_problem: str | None = None
         self._judge_healthy = False
         self._retry_soon = False
@@ -91,6 +93,10 @@ class NodeAgent:
         health, uploads failing for longer than heartbeat_timeout counting as a problem
         (whether it reaches the metadata store is known by whether the heartbeat lands)."""
         health = self.client.health()
+        # The engine's problems are for good (fenced, WAL failed, uploads stopped): only those
+        # make the node give its partitions up after unhealthy_grace. Uploads that keep failing
+        # (the store down, for everyone perhaps) only keep it from taking more and from judging.
+        health["stuck"] = not health["serving"]
         failing = health.get("uploads_failing_seconds", 0.0)
         if failing > self.config.heartbeat_timeout:
             health["problems"] = [*health["problems"], f"uploads failing for {failing:.0f} s: "
@@ -107,11 +113,13 @@ class NodeAgent:
         health = self.health()
         self.last_health = health
         now = started
-        if health["serving"]:
+        if not health["serving"] and self.last_served:
+            log.warning("node %d cannot serve: %s", self.node_id, "; ".join(health["problems"]))
+        self.last_served = health["serving"]
+        if not health["stuck"]:
             self._unhealthy_since = None
         elif self._unhealthy_since is None:
             self._unhealthy_since = now
-            log.warning("node %d cannot serve: %s", self.node_id, "; ".join(health["problems"]))
         if (self._unhealthy_since is not None
                 and now - self._unhealthy_since > self.config.unhealthy_grace * 1e9 and not self._meta_problem):
             # Give up this node's partitions: without renewals its lease lapses and a peer
@@ -120,6 +128,12 @@ class NodeAgent:
                 log.error("node %d could not serve for %.0f s (%s): it stops renewing its lease so that a peer "
                           "fails it over", self.node_id, self.config.unhealthy_grace, "; ".join(health["problems"]))
             self.stats["gave_up"] = self.stats.get("gave_up", 0) + 1
+            try:
+                # Still learn of the failover it waits for: then it stops (its process may restart).
+                if self.client.metadata.get_node(self.node_id).node_epoch != self.node_epoch:
+                    self._fence("failed over while it could not serve")
+            except Exception:   # noqa: BLE001 - asked again at the next heartbeat
+                pass
             return False
         try:
             self.client.metadata.heartbeat(self.node_id, self.node_epoch, json.dumps(health, sort_keys=True))
@@ -166,12 +180,21 @@ class NodeAgent:
     # ---- the agent loop ------------------------------------------------------------------------
 
     def _run(self) -> None:
+        failing = False
         while not self._stop.is_set():
             try:
                 self.pass_once()
+                if failing:
+                    log.info("node agent %d passes again", self.node_id)
+                failing = False
             except StreamFencedError as e:
                 self._fence(str(e))
                 return
+            except MetadataBusyError as e:   # the store is down or busy: once per episode, then quiet
+                if not failing:
+                    log.warning("node agent %d cannot reach the metadata store; it retries: %s", self.node_id, e)
+                failing = True
+                self.errors.append(str(e))
             except Exception as e:   # noqa: BLE001 - the next pass retries
                 log.exception("node agent %d pass failed", self.node_id)
                 self.errors.append(str(e))
@@ -291,15 +314,18 @@ class NodeAgent:
 
     def _submit(self, name: str, fn, *args, **kwargs) -> None:
         with self._lock:
-            if name in self._busy:
+            if name in self._busy or self.clock() < self._not_before.get(name, (0, 0))[0]:
                 return
             self._busy.add(name)
 
         def task():
+            failed = True
             try:
                 fn(*args, **kwargs)
+                failed = False
             except StreamNotClosedError:
-                self._retry_soon = True    # the source has not let go yet: a pass soon
+                failed = False             # the source has not let go yet: no backoff, a pass soon
+                self._retry_soon = True
             except StreamFencedError as e:
                 if self.client.fenced:
                     self._fence(str(e))
@@ -313,6 +339,15 @@ class NodeAgent:
             finally:
                 with self._lock:
                     self._busy.discard(name)
+                    # A move that failed is tried again after a backoff (50 ms doubling to 2 s),
+                    # not at every pass: a close failing at once (the metadata store refusing it)
+                    # must not spin.
+                    tries = self._not_before.get(name, (0, 0))[1] + 1 if failed else 0
+                    if tries:
+                        delay = min(2.0, 0.05 * 2 ** (tries - 1))
+                        self._not_before[name] = (self.clock() + int(delay * 1e9), tries)
+                    else:
+                        self._not_before.pop(name, None)
                 self._feed.wake()
 
         try:

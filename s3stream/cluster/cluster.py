@@ -83,6 +83,7 @@ class MigrationReport:
     failed_over: bool        # the source did not let go in time and was fenced
     close_seconds: float = 0.0   # the source's close (wait for appends, force upload, commit)
     open_seconds: float = 0.0    # the target's open (epoch + 1, checkpoint read and write)
+    version: int = 0             # the assignment version the target opened
 
 
 def get_json(meta: MetadataStore, key: str) -> dict | None:
@@ -248,7 +249,7 @@ class Cluster:
         mine = closed if closed and closed["version"] == version else {}
         report = MigrationReport(name, source, to_node, (self.monotonic() - t0) / 1e9, mine.get("tail_bytes", 0),
                                  opened["leader_epoch"], failed_over, mine.get("seconds", 0.0),
-                                 opened.get("seconds", 0.0))
+                                 opened.get("seconds", 0.0), version)
         MIGRATION_SECONDS.observe(report.seconds)
         return report
 
@@ -298,7 +299,8 @@ class Cluster:
         if self.store is None:
             raise S3StreamError(f"cannot fail node {node_id} over: this Cluster view has no object store to "
                                 "commit its WAL to; make it with one")
-        epoch = self.meta.get_node(node_id).node_epoch
+        # The incarnation judged (claimed for), or the current one for an unjudged failover.
+        epoch = if_unchanged[0] if if_unchanged is not None else self.meta.get_node(node_id).node_epoch
         entry = dict(kind=kind, node=node_id, node_epoch=epoch, judge=judge, judge_epoch=judge_epoch,
                      reason=reason)
         try:

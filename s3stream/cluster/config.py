@@ -28,8 +28,10 @@ class ClusterConfig:
     max_parallel_moves: partitions a node opens or closes at once (the agent's thread bound).
     open_attempts: failed opens of one assignment after which the node hands the partition to
         another node, with the reason recorded in the assignment.
-    unhealthy_grace: seconds a node may be unable to serve (its WAL failed, uploads failing,
-        fenced streams) before it stops renewing its lease, so that a peer fails it over.
+    unhealthy_grace: seconds a node may be stuck (its WAL failed, uploads stopped for good by a
+        permanent error) before it stops renewing its lease, so that a peer fails it over and
+        its partitions move. Uploads that keep failing and being retried (the store down, for
+        everyone perhaps) only keep a node from taking partitions and from judging peers.
     report_interval: seconds between a node's load reports (s3stream.cluster.loadreport:
         per-partition bytes in/out per second over the last report_window seconds, and
         append/fetch p99), which the balancer reads.

@@ -1,0 +1,61 @@
+"""The deterministic simulation of the cluster protocol (issue 32, item 5; tests/cluster_sim.py):
+10,000 seeds find no lost, overwritten or duplicated record, no offset acknowledged twice, no
+false failover, no node left dead and no partition left unavailable; a seed replays exactly;
+and each known bug, reintroduced one at a time, is caught."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+import cluster_sim
+
+#: Seeds in CI (the issue asks for at least 10,000 within 5 minutes on 2 cores).
+SEEDS = 10_000
+
+#: A seed known to catch each mutant (found by `python3 tests/cluster_sim.py --mutant NAME`); the
+#: test searches on from it, a bounded number of seeds, should the simulation change.
+KNOWN = {
+    "zombie-ack": 1,
+    "naive-detector": 48,
+    "false-close": 173,
+    "any-opened": 25,
+    "sick-serves": 1,
+    "no-settle": 326,
+    "stale-fence": 2021,
+    "reused-claim": 1291,
+    "close-any-incarnation": 467,
+}
+
+
+@pytest.fixture(autouse=True)
+def quiet():
+    logging.disable(logging.CRITICAL)
+    yield
+    logging.disable(logging.NOTSET)
+
+
+def test_ten_thousand_seeds_break_no_invariant():
+    summary = cluster_sim.run_many(list(range(SEEDS)), workers=2)
+    print(f"\nsimulation: {summary['seeds']} seeds in {summary['seconds']} s ({summary['seeds_per_second']} seeds/s), "
+          f"{summary['distinct_interleavings']} distinct fault interleavings; totals {summary['totals']}")
+    assert summary["seeds"] == SEEDS
+    assert summary["failed"] == 0, [(f["seed"], f["problems"][:3]) for f in summary["failures"]]
+    totals = summary["totals"]
+    assert totals["acknowledged"] > 100 * SEEDS and totals["failovers"] > SEEDS // 2   # the faults did bite
+    assert summary["distinct_interleavings"] > SEEDS // 2
+
+
+def test_a_seed_replays_exactly():
+    first, again = cluster_sim.run_seed(4242), cluster_sim.run_seed(4242)
+    assert first == again and first["ok"] and first["steps"] > 1000
+
+
+@pytest.mark.parametrize("mutant", sorted(KNOWN))
+def test_each_known_bug_is_caught(mutant):
+    for seed in range(KNOWN[mutant], KNOWN[mutant] + 40):
+        result = cluster_sim.run_seed(seed, mutant)
+        if not result["ok"]:
+            print(f"\n{mutant}: seed {seed}: {result['problems'][0]}")
+            return
+    pytest.fail(f"mutant {mutant} was not caught from seed {KNOWN[mutant]} on")

@@ -18,13 +18,13 @@ SEEDS = 10_000
 KNOWN = {
     "zombie-ack": 1,
     "naive-detector": 48,
-    "false-close": 173,
+    "false-close": 273,
     "any-opened": 25,
     "sick-serves": 1,
     "no-settle": 326,
     "stale-fence": 2021,
     "reused-claim": 1291,
-    "close-any-incarnation": 467,
+    "close-any-incarnation": 18,
 }
 
 

@@ -86,7 +86,8 @@ def summary_line(stem: str, result: dict) -> str:
     missed = [k for k, ok in result["targets"].items() if not ok]
     return (f"{stem}: acked {c['acknowledged']}, lost {c['lost']}, overwritten {c['overwritten']}, duplicated "
             f"{c['duplicated']}, acked twice {c['acked_twice']}, given up {c['given_up']}, false failovers "
-            f"{c['false_failovers']} of {c['failovers']} (forced by migrations {c['forced_failovers']}), longest gap outside faults "
+            f"{c['false_failovers']} of {c['failovers']} (forced by migrations {c['forced_failovers']}), partitions stuck on a failed-over node "
+            f"{c['stuck_after_failover']}, longest gap outside faults "
             f"{c['longest_gap_outside_faults']:.1f} s, all nodes live {result['settle'].get('all_live')}: "
             + ("every target met" if not missed else f"MISSED {', '.join(missed)}"))
 

@@ -514,7 +514,8 @@ class NodeProcess:
         self.holds: set[str] = set()     # why the supervisor must not restart it now
         self.lost = False
         self.restart_at: float | None = None
-        self.lock = threading.RLock()    # one fault at a time per node
+        self.fault_lock = threading.Lock()   # one fault at a time per node, held while it lasts
+        self.lock = threading.Lock()         # its process and restart state: held only for moments
         self.exits: list[dict] = []
 
     @property
@@ -525,6 +526,10 @@ class NodeProcess:
         return self.proc is not None and self.proc.poll() is None
 
     def spawn(self) -> None:
+        with self.lock:
+            self._spawn()
+
+    def _spawn(self) -> None:
         c = self.run.config
         self.disk.mkdir(parents=True, exist_ok=True)
         self.incarnation += 1
@@ -558,7 +563,8 @@ class NodeProcess:
 
     def kill(self) -> None:
         """kill -9 (of its whole process group) and reap it."""
-        kill_group(self.proc)
+        with self.lock:
+            kill_group(self.proc)
 
     def read_events(self) -> list[dict]:
         out = []
@@ -757,7 +763,7 @@ class ClusterRun:
                         node.exits.append(exit_)
                         self.timeline.event("exit", **exit_)
                     elif time.monotonic() >= node.restart_at:
-                        node.spawn()
+                        node._spawn()
             self._stop.wait(0.1)
 
     def _monitor_acks(self) -> None:
@@ -836,7 +842,7 @@ class ClusterRun:
         """SIGSTOP the node in `slot`, SIGCONT after `seconds`."""
         when = when or (self.PAUSE_MOMENTS[choice % 3] if planned else "now")
         node = self._node_for_slot(slot)
-        if not node.lock.acquire(blocking=False):
+        if not node.fault_lock.acquire(blocking=False):
             return self._skip("pause", f"node {node.node_id}", "another fault holds the node", planned)
         try:
             if not node.alive():
@@ -858,7 +864,7 @@ class ClusterRun:
             self.timeline.end(rec)
         finally:
             node.holds.discard("paused")
-            node.lock.release()
+            node.fault_lock.release()
 
     def _stop_in_transaction(self, node: NodeProcess, attempts: int = 200) -> bool:
         """SIGSTOP the node as soon as it is seen inside a metadata transaction (PostgreSQL: one of
@@ -877,7 +883,7 @@ class ClusterRun:
         until the new incarnation has started (its client and agent are up), however many starts
         that takes (the metadata store may be down), bounded by restart_wait."""
         node = self._node_for_slot(slot)
-        if not node.lock.acquire(blocking=False):
+        if not node.fault_lock.acquire(blocking=False):
             return self._skip("kill", f"node {node.node_id}", "another fault holds the node", planned)
         try:
             node.holds.add("killed")
@@ -893,7 +899,7 @@ class ClusterRun:
             self.timeline.end(rec)
         finally:
             node.holds.discard("killed")
-            node.lock.release()
+            node.fault_lock.release()
 
     def _wait_started(self, node: NodeProcess, incarnation: int) -> float | None:
         """Until an incarnation >= `incarnation` of `node` has started (seconds since t0), at most
@@ -979,7 +985,7 @@ class ClusterRun:
         lasts until the forget is done and the replacement has started."""
         slot = slot % len(self.slots)
         node = self._node_for_slot(slot)
-        if not node.lock.acquire(blocking=False):
+        if not node.fault_lock.acquire(blocking=False):
             return self._skip("lose-host", f"node {node.node_id}", "another fault holds the node", planned)
         rec = self.timeline.begin("lose-host", f"node {node.node_id}", nodes=[node.node_id], planned=planned,
                                   detail=dict(incarnation=node.incarnation))
@@ -1006,7 +1012,7 @@ class ClusterRun:
             rec.detail["replacement_started_at"] = self._wait_started(replacement, 1)
         finally:
             self.timeline.end(rec)
-            node.lock.release()
+            node.fault_lock.release()
 
     def _forget(self, entry: dict, deadline: float) -> None:
         """Cluster.forget(node, wal_lost=True), retried while it fails until `deadline`
@@ -1576,6 +1582,28 @@ def check(acks: list[tuple[str, int, str, int, int, int]], records: dict[str, di
         else:
             false_failovers.append(entry)
 
+    # Partitions left on a failed-over node: still assigned to it heartbeat_timeout + 5 s after
+    # its failover ended, while it was still down (nothing else would serve them).
+    limit_ns = int(config.gap_limit * 1e9)
+    stuck = []
+    for fo in counted:
+        if fo.get("kind") not in ("failover", "migration-fallback") or fo.get("ok") is False:
+            continue
+        check_at = (fo.get("at_ns") or 0) + limit_ns
+        if shutdown_wall_ns is not None and check_at >= shutdown_wall_ns:
+            continue
+        if not any(a <= check_at <= b for a, b in (node_down or {}).get(fo.get("node"), [])):
+            continue
+        mono = t0_ns + (check_at - t0_wall_ns)
+        state = None
+        for t, s in assignment_log:
+            if t > mono:
+                break
+            state = s
+        for name, (node, version, owner) in sorted((state or {}).items()):
+            if node == fo.get("node"):
+                stuck.append(dict(partition=name, node=node, t=round((check_at - t0_wall_ns) / 1e9, 3)))
+
     # Time without acknowledgments per partition, and the part of it outside faults touching it.
     times: dict[str, list[tuple[int, int]]] = defaultdict(list)
     for name, off, pid, t, wall, node in acks:
@@ -1641,14 +1669,14 @@ def check(acks: list[tuple[str, int, str, int, int, int]], records: dict[str, di
                   duplicated=duplicated, acked_twice=acked_twice, corrupt=corrupt, given_up=given_up_count,
                   unacknowledged_present=unacked_present, records_read=sum(len(r) for r in records.values()),
                   failovers=len(counted), false_failovers=len(false_failovers),
-                  forced_failovers=len(forced),
+                  forced_failovers=len(forced), stuck_after_failover=len(stuck),
                   longest_gap=max((p["longest_gap"] for p in partitions_out.values()), default=0.0),
                   longest_gap_outside_faults=round(worst_unexcused, 3),
                   resume_seconds=max((r["seconds"] for r in resume if r["seconds"] is not None), default=0.0),
                   never_resumed=sum(1 for r in resume if r["seconds"] is None))
     return dict(counts=counts, partitions=partitions_out, lost_examples=lost_examples, lost_times=dict(lost_times),
                 failover_records=counted, false_failover_records=false_failovers,
-                forced_failover_records=forced, resume=resume,
+                forced_failover_records=forced, stuck_after_failover_records=stuck, resume=resume,
                 ack_timeline=ack_timeline(acks, t0_ns))
 
 

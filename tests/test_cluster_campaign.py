@@ -110,6 +110,20 @@ def test_the_checker_counts_what_went_wrong():
     assert down["counts"]["false_failovers"] == 0
 
 
+def test_the_checker_finds_partitions_left_on_a_failed_over_node():
+    """Node 1 is down from 10 s on and failed over at 12 s; "a" is still assigned to it at
+    18.5 s (12 + 1.5 + 5), "b" moved: one partition stuck."""
+    config = RunConfig(heartbeat_timeout=1.5)
+    log = [(1 * S, {"a": [1, 1, 1], "b": [1, 1, 1]}), (13 * S, {"a": [1, 1, 1], "b": [2, 2, 2]})]
+    failovers = [dict(node=1, at_ns=12 * S, kind="failover", judge=2, ok=True)]
+    r = check([], {"a": {}, "b": {}}, [fault("kill", "node 1", 10, 30, nodes=[1])], failovers, config,
+              window=(0, 40 * S), t0_ns=0, t0_wall_ns=0, assignment_log=log, node_down={1: [(10 * S, 30 * S)]})
+    assert r["counts"]["stuck_after_failover"] == 1 and r["stuck_after_failover_records"][0]["partition"] == "a"
+    back = check([], {"a": {}, "b": {}}, [], failovers, config, window=(0, 40 * S), t0_ns=0, t0_wall_ns=0,
+                 assignment_log=log, node_down={1: [(10 * S, 15 * S)]})     # node 1 was back by then
+    assert back["counts"]["stuck_after_failover"] == 0
+
+
 def test_the_checker_gives_up_only_what_a_forgotten_host_held_alone():
     """A host lost with its WAL and forgotten: its acknowledgments at or above the committed end
     when it was forgotten are given up (reported apart); below it they must be there."""

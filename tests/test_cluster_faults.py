@@ -174,3 +174,37 @@ def test_lost_host_then_forget(request, tmp_path, backend):
     assert forget["ok"], f"forget failed: {forget.get('error')}"
     assert_safe(result)
     assert result["settle"]["all_live"], result["settle"]
+
+
+REASSIGN = ("issue 26: a failover whose reassignment finds no node able to serve (all unhealthy while S3 "
+            "stalls) leaves the dead node's partitions assigned to it, with nothing retrying: they stay unwritable "
+            "until it comes back (history: ok, reassigned {}). Racy: it fails in about 2 runs of 3, so the mark is "
+            "not strict; remove it once fixed")
+
+
+# Not strict, unlike the rule: whether the reassignment meets every node unhealthy is a race (the
+# failover's replay finishing against the peers' uploads recovering), and a strict mark would turn
+# CI red at random.
+@pytest.mark.xfail(strict=False, reason=REASSIGN)
+@pytest.mark.parametrize("backend", PG, indirect=True)
+def test_failover_during_an_object_store_stall(request, tmp_path, backend):
+    """S3 frozen for 15 s; 1 s in, a node is killed and stays down (30 s). Its peers fail it over;
+    once S3 is back its partitions must serve again elsewhere within heartbeat_timeout + 5 s,
+    without waiting for the dead node."""
+    def script(run):
+        stall = run.inject("s3-freeze", seconds=15.0, wait=False)
+        run.sleep(1.0)
+        run.inject("kill", slot=0, seconds=30.0, wait=False)
+        stall.join()
+        run.sleep(10.0)                      # the dead node is still down: finish() restarts it
+
+    result = run_scenario(request, tmp_path, backend, script)
+    assert_safe(result)
+    assert result["counts"]["stuck_after_failover"] == 0, (
+        f"partitions left on the failed-over node: {result['stuck_after_failover_records']} "
+        f"(report: {result['report_path']})")
+    limit = result["config"]["heartbeat_timeout"] + 5.0
+    stall = next(r for r in result["resume"] if r["kind"] == "s3-freeze")
+    assert stall["seconds"] is not None and stall["seconds"] <= limit, (
+        f"partitions acknowledged again {stall['seconds']} s after the S3 stall ended (limit {limit} s), "
+        f"assignments {result['assignment_timeline'][-1:]} (report: {result['report_path']})")

@@ -1201,8 +1201,9 @@ class World:
             if inc is None or inc.key in hub.dead:
                 return
             inc.client.broken = True        # until this incarnation ends (a restart repairs it)
-            self.faults.append(Fault(kind, node, now, 10**18))
-            hub.at(now, lambda k=inc.key: self._until_gone(k, node), None)
+            fault = Fault(kind, node, now, 10**18)
+            self.faults.append(fault)
+            hub.at(now, lambda k=inc.key: self._until_gone(k, fault), None)
         elif kind == "lost-host":
             if self.forgotten or len(self.node_ids) - len(self.forgotten) < 3:
                 return
@@ -1215,14 +1216,12 @@ class World:
         self._note(kind, node)
         hub.log(f"fault {kind} {node}")
 
-    def _until_gone(self, key: Any, node: int) -> None:
+    def _until_gone(self, key: Any, fault: Fault) -> None:
         """A 'broken' fault lasts as long as the incarnation it hit."""
         if key in self.hub.dead:
-            for f in self.faults:
-                if f.kind == "broken" and f.target == node and f.end > self.hub.now:
-                    f.end = self.hub.now
+            fault.end = self.hub.now
             return
-        self.hub.at(self.hub.now + S // 10, lambda: self._until_gone(key, node), None)
+        self.hub.at(self.hub.now + S // 10, lambda: self._until_gone(key, fault), None)
 
     def buggify(self, op: str, key: Any) -> None:
         """Now and then, right after a metadata call of a node landed and before its answer

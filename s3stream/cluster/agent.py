@@ -55,6 +55,7 @@ class NodeAgent:
         self._pool = self.runtime.executor(self.config.max_parallel_moves, f"agent-{self.node_id}")
         self.detector = FailureDetector(self.config.heartbeat_timeout, 2 * self.config.heartbeat_interval)
         self._last_judged = 0
+        self._last_reconciled = 0
         self._reporter = LoadReporter(self.node_id, self.config.report_window)
         self._last_report = 0.0
         self._renewed_ns: int | None = None       # start of the last accepted heartbeat
@@ -181,9 +182,10 @@ class NodeAgent:
 
     def _run(self) -> None:
         failing = False
+        changed = True
         while not self._stop.is_set():
             try:
-                self.pass_once()
+                self.pass_once(reconcile=changed or failing)
                 if failing:
                     log.info("node agent %d passes again", self.node_id)
                 failing = False
@@ -198,38 +200,46 @@ class NodeAgent:
             except Exception as e:   # noqa: BLE001 - the next pass retries
                 log.exception("node agent %d pass failed", self.node_id)
                 self.errors.append(str(e))
-            self._wait_for_change()
+            changed = self._wait_for_change()
 
-    def pass_once(self) -> None:
+    def pass_once(self, reconcile: bool = True) -> None:
+        """Judge peers and report load when due; reconcile the partitions if `reconcile` (a
+        change was pushed, or polling) or if push_fallback_interval passed since the last time."""
         now = self.clock()
         if now - self._last_judged >= self.config.heartbeat_interval * 1e9:
             self._last_judged = now
             self.judge_once(now)
         mono = now / 1e9
         if mono - self._last_report >= self.config.report_interval:
+            self._last_report = mono             # a report that fails waits for the next interval
             self._reporter.publish(self.client.metadata, self.client.partitions())
-            self._last_report = mono
-        self.reconcile_once()
+        if reconcile or now - self._last_reconciled >= self.config.push_fallback_interval * 1e9:
+            self._last_reconciled = now
+            self.reconcile_once()
 
-    def _wait_for_change(self) -> None:
+    def _wait_for_change(self) -> bool:
         """Until the next pass: a pushed change of an assignment or of a partition's close (a
         target retries its open when the source lets go), the next judgement, or a moved
         partition's open or close finishing; polling every agent_interval where the store cannot
-        push."""
+        push. True if the partitions should be reconciled (a change, a retry, or polling); a
+        pass woken only to judge peers reads no assignment."""
         if not self._feed.pushes:
             self._retry_soon = False
             self._stop.wait(self.config.agent_interval)
-            return
+            return True
         if self._retry_soon:
             # A move that failed (the source had not let go) is retried when the source's close
             # is pushed (closed/), and after agent_interval at the latest.
             self._retry_soon = False
             self._feed.wait(self.config.agent_interval)
-            return
+            return True
         now = self.clock() / 1e9
         due = min(self._last_judged / 1e9 + self.config.heartbeat_interval - now,
-                  self._last_report + self.config.report_interval - now)
-        self._feed.wait(max(0.0, min(self.config.push_fallback_interval, due)))
+                  self._last_report + self.config.report_interval - now,
+                  self._last_reconciled / 1e9 + self.config.push_fallback_interval - now)
+        # At least agent_interval: a pass that failed before its due steps (the store down)
+        # must not spin.
+        return self._feed.wait(max(self.config.agent_interval, min(self.config.push_fallback_interval, due)))
 
     # ---- judging peers --------------------------------------------------------------------------
 

@@ -56,6 +56,7 @@ class NodeAgent:
         self.detector = FailureDetector(self.config.heartbeat_timeout, 2 * self.config.heartbeat_interval)
         self._last_judged = 0
         self._last_reconciled = 0
+        self._gone: set[int] = set()             # nodes failed over or forgotten, as last judged
         self._reporter = LoadReporter(self.node_id, self.config.report_window)
         self._last_report = 0.0
         self._renewed_ns: int | None = None       # start of the last accepted heartbeat
@@ -270,6 +271,7 @@ class NodeAgent:
             self.detector.unreachable()
             self._judge_healthy = True
         peers = [n for n in nodes if n.node_id != self.node_id and not n.failover]
+        self._gone = {n.node_id for n in nodes if n.failover}
         suspects = set(self.detector.observe(now, [(n.node_id, (n.node_epoch, n.heartbeat_ns)) for n in peers]))
         started: list[int] = []
         if not self.config.auto_failover:
@@ -296,6 +298,10 @@ class NodeAgent:
         """Close what is open here but assigned elsewhere; open what is assigned here; confirm
         a partition reassigned to this node that already serves it."""
         assigned = self.cluster.assignments()
+        if self._judge_healthy and any(a["node"] in self._gone for a in assigned.values()):
+            # Partitions a failover or forget could not hand on (no live node then) move now.
+            self.cluster.reassign_orphans()
+            assigned = self.cluster.assignments()
         mine = {name: a["version"] for name, a in assigned.items() if a["node"] == self.node_id}
         open_now = {p.name: p for p in self.client.partitions()}
         for name, partition in open_now.items():

@@ -322,8 +322,11 @@ class Cluster:
         return report
 
     def _reassign_from(self, node_id: int) -> dict[str, int]:
-        """Spread the partitions assigned to `node_id` over the live nodes that can serve."""
-        live = [n for n in self.live_nodes(serving=True) if n != node_id]
+        """Spread the partitions assigned to `node_id` over the live nodes that can serve, or
+        (none can: the object store is down for everyone, say) over the live ones, which open
+        them once they can serve again."""
+        live = ([n for n in self.live_nodes(serving=True) if n != node_id]
+                or [n for n in self.live_nodes() if n != node_id])
         mine = sorted(name for name, a in self.assignments().items() if a["node"] == node_id)
         if mine and not live:
             raise S3StreamError(f"node {node_id} failed over but no live node can take its partitions {mine}")
@@ -331,6 +334,20 @@ class Cluster:
         for i, name in enumerate(mine):
             moved[name] = live[i % len(live)]
             self.assign(name, moved[name], note=dict(reason=f"node {node_id} failed over", from_node=node_id))
+        return moved
+
+    def reassign_orphans(self, nodes: list[NodeMeta] | None = None) -> dict[str, int]:
+        """Reassign the partitions still assigned to nodes that were failed over or forgotten
+        (their failover could not reassign them: no live node then). Any node may call it; the
+        versioned assignment makes concurrent callers move each partition once."""
+        nodes = self.meta.list_nodes() if nodes is None else nodes
+        gone = {n.node_id for n in nodes if n.failover}
+        moved: dict[str, int] = {}
+        for node_id in sorted({a["node"] for a in self.assignments().values()} & gone):
+            try:
+                moved.update(self._reassign_from(node_id))
+            except S3StreamError:
+                pass                      # no live node yet: the next call tries again
         return moved
 
     # ---- a lost host -----------------------------------------------------------------------------

@@ -176,16 +176,6 @@ def test_lost_host_then_forget(request, tmp_path, backend):
     assert result["settle"]["all_live"], result["settle"]
 
 
-REASSIGN = ("issue 26: a failover whose reassignment finds no node able to serve (all unhealthy while S3 "
-            "stalls) leaves the dead node's partitions assigned to it, with nothing retrying: they stay unwritable "
-            "until it comes back (history: ok, reassigned {}). Racy: it fails in about 2 runs of 3, so the mark is "
-            "not strict; remove it once fixed")
-
-
-# Not strict, unlike the rule: whether the reassignment meets every node unhealthy is a race (the
-# failover's replay finishing against the peers' uploads recovering), and a strict mark would turn
-# CI red at random.
-@pytest.mark.xfail(strict=False, reason=REASSIGN)
 @pytest.mark.parametrize("backend", PG, indirect=True)
 def test_failover_during_an_object_store_stall(request, tmp_path, backend):
     """S3 frozen for 15 s; 1 s in, a node is killed and stays down (30 s). Its peers fail it over;

@@ -288,7 +288,8 @@ class Cluster:
                   lease_over: bool = False, if_unchanged: tuple[int, int] | None = None) -> FailoverReport:
         """Fence `node_id`, commit its WAL on its behalf, close its streams; then (if
         `reassign`) spread its partitions over the live nodes that can serve. Recorded in the
-        failover history (`kind`, `judge`, `reason`) whether it succeeds or not.
+        failover history (`kind`, `judge`, `reason`, `decided_ns` when it started, `at_ns` when it
+        ended) whether it succeeds or not.
 
         Unless `lease_over` (a judge counted heartbeat_timeout of the node's silence: its lease
         ran out before), the node may be alive and acknowledging under its lease: its WAL is
@@ -302,7 +303,7 @@ class Cluster:
         # The incarnation judged (claimed for), or the current one for an unjudged failover.
         epoch = if_unchanged[0] if if_unchanged is not None else self.meta.get_node(node_id).node_epoch
         entry = dict(kind=kind, node=node_id, node_epoch=epoch, judge=judge, judge_epoch=judge_epoch,
-                     reason=reason)
+                     reason=reason, decided_ns=self.clock())
         try:
             report = self._recover(node_id, store=self.store, metadata=self.meta, config=self.engine_config,
                                    settle=0.0 if lease_over else self.config.lease, sleep=self.runtime.sleep,

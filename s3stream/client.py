@@ -620,6 +620,11 @@ class StreamClient:
     def fenced(self) -> bool:
         return self._fenced
 
+    @property
+    def closed(self) -> bool:
+        """close() was called (appends are refused from then on)."""
+        return self._closed
+
     def health(self) -> dict:
         """Whether this node can serve, and if not why: {"serving": bool, "problems": [str]},
         plus, while uploads are failing and being retried, for how long and what fails

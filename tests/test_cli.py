@@ -326,7 +326,7 @@ def test_migrate(two_nodes):
     again = run("migrate", "p0", "1", *where)
     assert again.exit_code == 0 and "already open on node 1" in again.stdout
     listing = json.loads(run("streams", "--meta", n.meta_url, "--json").stdout)
-    assert listing["partitions"] == [dict(name="p0", assigned_node=1, version=3, open_on=1)]
+    assert listing["partitions"] == [dict(name="p0", assigned_node=1, version=3, open_on=1, reason=None)]
     assert n.clients[1].partition("p0").fetch(0, 50).batches[0].payload == b"0" * 100
 
 
@@ -378,7 +378,8 @@ def test_bench_errors_of_the_benchmark(tmp_path):
     assert result.exit_code == 0 and "--capacity" in result.stdout
 
 
-BENCH_KINDS = {"engine", "wal", "metadata", "spark-throughput", "spark-migration", "spark-balance", "spark-mirror"}
+BENCH_KINDS = {"engine", "wal", "lease", "metadata", "spark-throughput", "spark-migration", "spark-balance",
+               "spark-mirror"}
 
 
 def test_bench_kinds_come_from_entry_points(monkeypatch):

@@ -157,3 +157,27 @@ def test_a_node_that_cannot_serve_says_so_takes_nothing_and_judges_nobody(tmp_pa
     finally:
         sick.stop()
         meta.close()
+
+
+def test_a_client_closing_after_its_agent_stopped_keeps_its_lease(tmp_path, metadata_url):
+    """agent.stop() then client.close(), the usual order: the lease is still renewed while the
+    client closes, so its partitions' appends are acknowledged and the close finishes well
+    within its timeout (it hung once the lease lapsed); once closed, the heartbeats stop."""
+    meta = open_metadata(metadata_url)
+    cluster = Cluster(meta, LocalObjectStore(str(tmp_path / "objects")), FAST, small_config())
+    node = Node(tmp_path, 1, metadata_url, f"file://{tmp_path}/objects", cluster)
+    try:
+        cluster.assign("p", 1)
+        wait_for(lambda: cluster.owner("p") == 1, what="node 1 opens p")
+        node.agent.stop()
+        time.sleep(3 * FAST.lease)                                     # the lease would have lapsed by now
+        partition = node.client.partition("p")
+        assert partition.append(RecordBatch(b"after stop", 1)).result(5).base_offset >= 0
+        t0 = time.monotonic()
+        report = node.client.close(timeout=30)
+        assert time.monotonic() - t0 < 10 and not report["errors"] and not report["left_in_wal"], report
+        beat = meta.get_node(1).heartbeat_ns
+        time.sleep(3 * FAST.heartbeat_interval)
+        assert meta.get_node(1).heartbeat_ns == beat                   # closed: no more heartbeats
+    finally:
+        meta.close()

@@ -52,6 +52,7 @@ class NodeAgent:
         self._open_failures: dict[tuple[str, int], list[str]] = {}   # (partition, version) -> errors
         self._lock = threading.Lock()
         self._stop = self.runtime.event()
+        self._lease_wake = self.runtime.event()      # set when the lease keeper must stop at once
         self._pool = self.runtime.executor(self.config.max_parallel_moves, f"agent-{self.node_id}")
         self.detector = FailureDetector(self.config.heartbeat_timeout, 2 * self.config.heartbeat_interval)
         self._last_judged = 0
@@ -77,10 +78,14 @@ class NodeAgent:
         if start:
             # The first lease before the first pass: this node serves nothing before it holds one.
             self.heartbeat_once()
-            for target, name in ((self._keep_lease, "lease"), (self._run, "agent")):
-                self._threads.append(self.runtime.spawn(f"node-{name}-{self.node_id}", target))
+            self._lease_thread = self.runtime.spawn(f"node-lease-{self.node_id}", self._keep_lease)
+            self._threads.append(self.runtime.spawn(f"node-agent-{self.node_id}", self._run))
 
     def stop(self) -> None:
+        """Stop moving partitions and judging peers. The lease is kept until the client is
+        closed (or fenced): a client closing after its agent stopped still acknowledges the
+        appends it waits for, and a client that goes on running stays a node its peers see
+        alive, acknowledging only under its lease."""
         self._stop.set()
         self._feed.wake()
         for thread in self._threads:
@@ -167,17 +172,20 @@ class NodeAgent:
         self.fenced = True
         self.client.fence(why)
         self._stop.set()
+        self._lease_wake.set()
         self._feed.wake()
 
     def _keep_lease(self) -> None:
+        """Heartbeat every heartbeat_interval until the client is closed or this node fenced
+        (not when the agent stops: see stop)."""
         interval = self.config.heartbeat_interval
-        while not self._stop.is_set():
+        while not self.fenced and not self.client.closed:
             started = self.clock()
             try:
                 self.heartbeat_once()
             except Exception:   # noqa: BLE001 - never let the lease keeper die
                 log.exception("node %d heartbeat failed", self.node_id)
-            self._stop.wait(max(0.0, interval - (self.clock() - started) / 1e9))
+            self._lease_wake.wait(max(0.0, interval - (self.clock() - started) / 1e9))
 
     # ---- the agent loop ------------------------------------------------------------------------
 

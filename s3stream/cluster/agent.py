@@ -5,8 +5,9 @@ Two loops, each on its own thread, so that neither waits for the other:
   the store accepts at this node's epoch renews the node's lease (StreamClient.renew_lease: the
   engine acknowledges appends only within it). A heartbeat refused because the node's epoch
   moved on means this node was fenced: the client is told at once (StreamClient.fence) and
-  the agent stops. A node that cannot serve for longer than unhealthy_grace stops heartbeating,
-  so that its lease lapses and a peer fails it over.
+  the agent stops. A node stuck for longer than unhealthy_grace (a problem for good: its WAL
+  failed, uploads stopped) stops heartbeating, so that its lease lapses and a peer fails it
+  over; the lease keeper runs until the client is closed, past the agent's own stop.
 - the agent loop judges peers (s3stream.cluster.detector: silence counted only while this node
   reaches the store and can serve), claims and runs failovers on its worker pool, publishes
   load reports, and makes the partitions open here equal to those assigned here: it closes
@@ -26,7 +27,7 @@ from typing import Callable
 
 from ..client import StreamClient
 from ..errors import MetadataBusyError, S3StreamError, StreamFencedError, StreamNotClosedError
-from .cluster import Cluster, can_serve, put_json
+from .cluster import Cluster, put_json
 from .detector import FailureDetector
 from . import metrics as cluster_metrics
 from .loadreport import LoadReporter
@@ -425,4 +426,4 @@ class NodeAgent:
                   "tail_bytes": report.tail_bytes, "seconds": report.seconds, "at": self.runtime.wall_ns() / 1e9})
 
 
-__all__ = ["NodeAgent", "can_serve"]
+__all__ = ["NodeAgent"]

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import collections
 import logging
-from concurrent.futures import ThreadPoolExecutor
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, TypeVar
 
 import wal

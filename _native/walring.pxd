@@ -50,6 +50,8 @@ cdef class Ring:
     cdef uint64_t _appended_end
     cdef unsigned char* resume_block
     cdef int io_errno
+    cdef object external_error           # an external writer's failure (finish_batch)
+    cdef int64_t last_take_ns            # when an external writer last took a batch
     cdef bint stopping
     cdef bint dispatch_stop
     cdef int idle_writers
@@ -108,6 +110,7 @@ cdef class Ring:
     cdef object _failure(self)
     cdef void _writer_loop(self) noexcept nogil
     cdef void _advance(self) noexcept nogil
+    cdef void _retire(self, uint64_t seq, uint64_t group, int err, int64_t took, int64_t synced) noexcept nogil
     cdef int _settled_locked(self, uint64_t end, bint acked) noexcept nogil
     cdef int _settled(self, uint64_t end) noexcept
     cdef int _wait(self, uint64_t end, timeout) except -1

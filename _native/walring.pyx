@@ -46,8 +46,9 @@ import logging
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t, INT64_MAX
 from libc.stdlib cimport free, malloc, calloc
 from libc.string cimport memcpy, memset
-from libc.errno cimport errno, ETIMEDOUT
+from libc.errno cimport errno, ETIMEDOUT, EIO
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE
+from cpython.bytearray cimport PyByteArray_FromStringAndSize, PyByteArray_AS_STRING
 
 from _native.checksum cimport crc32c_update
 from _native.sysdeps cimport (
@@ -598,6 +599,10 @@ cdef class Ring:
         import os
         if self.revoked:
             return self.revoked_error
+        if self.external_error is not None:
+            # A fresh instance per raiser: one exception raised in several threads would
+            # collect all their tracebacks.
+            return type(self.external_error)(*self.external_error.args)
         return self.failed_error(
             f"WAL write failed ({os.strerror(self.io_errno)}); records not yet durable are lost "
             "to this session and the WAL accepts no more appends: reopen it to recover")
@@ -663,23 +668,7 @@ cdef class Ring:
                     err = errno
                 took, synced = synced - took, monotonic_ns() - synced
             pthread_mutex_lock(&self.mutex)
-            if err == 0 and took >= 0:
-                _count_latency(self.write_hist, &self.write_ns_sum, took)
-                _count_latency(self.sync_hist, &self.sync_ns_sum, synced)
-                self.stat_syncs += 1
-            for i in range(group):
-                b = self._slot(seq + i)
-                b.state = SLOT_WRITTEN
-                b.error = err
-                if err:
-                    if seq + i < self.failed_seq:
-                        self.failed_seq = seq + i
-                    if self.io_errno == 0:
-                        self.io_errno = err
-                else:
-                    self.stat_batches += 1
-                    self.stat_bytes_written += b.write_len
-            self._advance()
+            self._retire(seq, group, err, took, synced)
             # Wake outside the mutex: a broadcast with sleepers is a system call, and appenders
             # spin for this mutex with the GIL (a state change made under the mutex and woken
             # for after it loses no wake-up: a sleeper checked before the change, under it).
@@ -691,6 +680,119 @@ cdef class Ring:
         self._wake_waiters()
         pthread_cond_signal(&self.dispatch_cv)
         pthread_mutex_unlock(&self.mutex)
+
+    cdef void _retire(self, uint64_t seq, uint64_t group, int err, int64_t took, int64_t synced) noexcept nogil:
+        """Batches [seq, seq + group) were written (err 0; `took`/`synced` ns, -1 untimed) or
+        failed (errno `err`): count them and move the watermarks. Mutex held."""
+        cdef uint64_t i
+        cdef Batch* b
+        if err == 0 and took >= 0:
+            _count_latency(self.write_hist, &self.write_ns_sum, took)
+            if synced >= 0:
+                _count_latency(self.sync_hist, &self.sync_ns_sum, synced)
+            self.stat_syncs += 1
+        for i in range(group):
+            b = self._slot(seq + i)
+            b.state = SLOT_WRITTEN
+            b.error = err
+            if err:
+                if seq + i < self.failed_seq:
+                    self.failed_seq = seq + i
+                if self.io_errno == 0:
+                    self.io_errno = err
+            else:
+                self.stat_batches += 1
+                self.stat_bytes_written += b.write_len
+        self._advance()
+
+    # ---- external writers (a WAL kept as objects) ----------------------------------------------
+
+    def take_batch(self, double timeout, double seal_gap, Py_ssize_t reserve=0):
+        """For writers outside the ring (wal.objectlog: each PUTs a batch as one object): wait,
+        GIL released, at most `timeout` seconds for the next batch to write and return it as
+        (seq, start offset, bytes), the bytes a copy made after the batch left the appenders'
+        hands (a bytearray that starts with `reserve` zero bytes for the caller's header, so
+        that the batch is copied once). A sealed batch is taken at once; the open one is sealed and taken once it holds
+        a record and `seal_gap` seconds have passed since the previous take (that bounds the
+        write rate at low load; a full batch seals itself). None on timeout; False once `stop()`
+        was called and every batch was taken. Every batch taken must be given back to
+        `finish_batch`, in any order; acknowledgments follow in offset order."""
+        cdef int64_t gap_ns = <int64_t>(seal_gap * 1e9)
+        cdef int64_t until = monotonic_ns() + <int64_t>(timeout * 1e9)
+        cdef int64_t now = 0, wake_at
+        cdef timespec ts
+        cdef uint64_t seq = 0
+        cdef int outcome = 0        # 0 timed out, 1 took a batch, 2 stopped and drained
+        cdef Batch* b
+        with nogil:
+            pthread_mutex_lock(&self.mutex)
+            while True:
+                now = monotonic_ns()
+                wake_at = until
+                if self.write_seq < self.open_seq:
+                    outcome = 1
+                    break
+                if self.has_open and self._slot(self.open_seq).records > 0:
+                    if self.stopping or now - self.last_take_ns >= gap_ns:
+                        self._seal(self._slot(self.open_seq), False)
+                        outcome = 1
+                        break
+                    if self.last_take_ns + gap_ns < wake_at:
+                        wake_at = self.last_take_ns + gap_ns
+                elif self.stopping:
+                    outcome = 2
+                    break
+                if now >= until:
+                    break
+                deadline_after(&ts, wake_at - now)
+                self.idle_writers += 1
+                pthread_cond_timedwait(&self.work_cv, &self.mutex, &ts)
+                self.idle_writers -= 1
+            if outcome == 1:
+                seq = self.write_seq
+                self._slot(seq).state = SLOT_WRITING
+                self.write_seq += 1
+                self.last_take_ns = now
+            pthread_mutex_unlock(&self.mutex)
+        if outcome == 0:
+            return None
+        if outcome == 2:
+            return False
+        b = self._slot(seq)     # SLOT_WRITING: no appender or writer touches it until finished
+        out = PyByteArray_FromStringAndSize(NULL, reserve + <Py_ssize_t>b.write_len)
+        memset(PyByteArray_AS_STRING(out), 0, reserve)
+        memcpy(PyByteArray_AS_STRING(out) + reserve, b.buf, b.write_len)
+        return (seq, b.start, out)
+
+    def finish_batch(self, uint64_t seq, error=None, int64_t took_ns=-1) -> None:
+        """Batch `seq` (from `take_batch`) is durable (`error` None; `took_ns` its write time,
+        for the latency histogram) or never will be: then `error`, an exception, becomes the
+        WAL's failure (the first one given is kept), the batch and every later one fail, and
+        appends are refused."""
+        cdef bint wake_dispatcher
+        if error is not None and self.external_error is None:
+            self.external_error = error
+        self._lock_with_gil()
+        self._retire(seq, 1, 0 if error is None else EIO, -1 if error is not None else took_ns, -1)
+        wake_dispatcher = self.ncallbacks or self.dispatch_stop
+        pthread_mutex_unlock(&self.mutex)
+        with nogil:
+            self._wake_durability_waiters(wake_dispatcher)
+            pthread_cond_broadcast(&self.space_cv)
+            if error is not None:
+                pthread_mutex_lock(&self.mutex)
+                self._wake_waiters()
+                pthread_mutex_unlock(&self.mutex)
+
+    @property
+    def retired_batches(self) -> int:
+        """Batches retired in order (written, or failed): every batch of a lower sequence is too."""
+        return self.done_seq
+
+    @property
+    def taken_unfinished(self) -> int:
+        """Batches taken by writers and not finished yet."""
+        return self.write_seq - self.done_seq
 
     cdef void _advance(self) noexcept nogil:
         """Retire written batches in offset order, moving the durable watermark. Mutex held."""

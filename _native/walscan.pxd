@@ -14,6 +14,7 @@ cdef class Scanner:
     cdef size_t buf_len
     cdef size_t chunk
     cdef bint finished
+    cdef bint in_memory
     cdef readonly int stop_reason
     cdef readonly uint64_t end
     cdef readonly uint32_t last_generation
@@ -22,4 +23,5 @@ cdef class Scanner:
     cdef readonly uint64_t paddings
 
     cdef int _ensure(self, uint64_t pos, size_t n) except -1
+    cdef int _load(self, data, uint64_t data_start, uint64_t start) except -1
     cdef object _stop(self, int reason)

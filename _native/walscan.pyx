@@ -9,7 +9,8 @@ large, block-aligned and made with the GIL released, so the scan works under O_D
 """
 from libc.stdint cimport uint32_t, uint64_t
 from libc.stdlib cimport free
-from libc.string cimport memset
+from libc.string cimport memcpy, memset
+from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE
 from cpython.bytes cimport PyBytes_FromStringAndSize
 
 from _native.checksum cimport crc32c_update
@@ -30,7 +31,7 @@ cdef class Scanner:
     """
 
     def __cinit__(self, int fd, uint64_t header_area, uint64_t capacity, uint64_t start,
-                  size_t chunk_size=1 << 20):
+                  size_t chunk_size=1 << 20, data=None, uint64_t data_start=0, uint32_t min_generation=0):
         if capacity == 0 or capacity % BLOCK_SIZE:
             raise ValueError(f"capacity must be a positive multiple of {BLOCK_SIZE}")
         if chunk_size < BLOCK_SIZE or chunk_size % BLOCK_SIZE:
@@ -45,6 +46,33 @@ cdef class Scanner:
         self.buf = NULL
         self.buf_size = 0
         self.buf_len = 0
+        self.in_memory = data is not None
+        self.last_generation = min_generation
+        if self.in_memory:
+            self._load(data, data_start, start)
+
+    cdef int _load(self, data, uint64_t data_start, uint64_t start) except -1:
+        """Scan `data`, the bytes of logical [data_start, data_start + len) (an object of a WAL
+        kept as objects: one batch as the ring wrote it), instead of reading a descriptor."""
+        cdef Py_buffer view
+        cdef void* p
+        if data_start % BLOCK_SIZE:
+            raise ValueError(f"data must start at a multiple of {BLOCK_SIZE}, got {data_start}")
+        if start < data_start:
+            raise ValueError(f"scan start {start} lies before the data's start {data_start}")
+        PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
+        try:
+            if posix_memalign(&p, BLOCK_SIZE, <size_t>view.len + BLOCK_SIZE) != 0:
+                raise MemoryError(f"cannot allocate a {view.len}-byte scan buffer")
+            self.buf = <unsigned char*>p
+            self.buf_size = <size_t>view.len + BLOCK_SIZE
+            memcpy(self.buf, view.buf, <size_t>view.len)
+            self.buf_start = data_start
+            self.buf_len = <size_t>view.len
+            self.limit = data_start + <uint64_t>view.len
+        finally:
+            PyBuffer_Release(&view)
+        return 0
 
     def __dealloc__(self):
         free(self.buf)
@@ -57,6 +85,8 @@ cdef class Scanner:
         cdef int err
         if pos >= self.buf_start and pos + n <= self.buf_start + self.buf_len:
             return 0
+        if self.in_memory:
+            return 1        # beyond the object's bytes: the caller stops there
         start = pos & ~(<uint64_t>(BLOCK_SIZE - 1))
         lap_end = (start // self.capacity + 1) * self.capacity
         length = <size_t>(align_up(pos + n) - start)
@@ -101,7 +131,8 @@ cdef class Scanner:
             if q + RECORD_HEADER_SIZE > self.limit:
                 return self._stop(REC_END_OF_SPACE)
             lap_end = (q // self.capacity + 1) * self.capacity
-            self._ensure(q, RECORD_HEADER_SIZE)
+            if self._ensure(q, RECORD_HEADER_SIZE):
+                return self._stop(REC_END_OF_SPACE)
             memset(&h, 0, sizeof(h))
             rc = decode_record_header(self.buf + (q - self.buf_start), &h)
             if rc != REC_OK:
@@ -111,7 +142,10 @@ cdef class Scanner:
             if h.generation < self.last_generation:
                 return self._stop(REC_OLD_GENERATION)
             rec_end = q + RECORD_HEADER_SIZE + h.body_len
-            if rec_end > lap_end or rec_end > self.limit:
+            # In memory, a padding record may reach past the object: the ring writes a lap's
+            # final padding only up to its header's block.
+            if rec_end > lap_end or (rec_end > self.limit and not (
+                    self.in_memory and h.rtype == RECORD_TYPE_PADDING)):
                 return self._stop(REC_BAD_LENGTH)
             if h.rtype == RECORD_TYPE_PADDING:
                 self.last_generation = h.generation
@@ -119,7 +153,8 @@ cdef class Scanner:
                 self.end = rec_end
                 self.paddings += 1
                 continue
-            self._ensure(q, RECORD_HEADER_SIZE + h.body_len)
+            if self._ensure(q, RECORD_HEADER_SIZE + h.body_len):
+                return self._stop(REC_BAD_LENGTH)
             body = self.buf + (q - self.buf_start) + RECORD_HEADER_SIZE
             if crc32c_update(0, body, h.body_len) != h.body_crc:
                 return self._stop(REC_BAD_BODY_CRC)

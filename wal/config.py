@@ -17,6 +17,8 @@ DEFAULT_CAPACITY = 2 * GiB
 MIN_DATA_CAPACITY = 64 * KiB
 #: How a new WAL file gets its space (WALConfig.preallocate).
 PREALLOCATE_MODES = ("background", "zeros", "fallocate")
+#: The most PUTs an object WAL keeps in flight (wal.objectlog.DATA_GAP relies on the bound).
+MAX_PUTS_IN_FLIGHT = 64
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,20 @@ class WALConfig:
     max_record_bytes: largest record body (None: a quarter of the data capacity, at most 64 MiB).
     direct_io: None tries O_DIRECT and falls back to buffered writes + fdatasync where the
         filesystem refuses it; True requires it; False never uses it.
+    object_bytes, puts_in_flight, put_interval, recovery_threads, fence_attempts,
+    put_retry_seconds, put_retry_max: a WAL kept as objects (wal.objectlog.ObjectWAL; the
+        file's settings batch_bytes, writer_threads, direct_io and preallocate do not apply to
+        it, `capacity` bounds its bytes not yet trimmed and `buffers` its batches in memory, at
+        least puts_in_flight + 2). An object holds one batch of at most `object_bytes` (a larger
+        record gets one of its own). `puts_in_flight` PUTs run at once, each on its own thread;
+        a writer that is free seals the open batch at once (group commit across PUTs) unless
+        its previous PUT started less than `put_interval` seconds ago: at low load that bounds
+        the PUT rate to 1 / put_interval, and a record waits at most that long for
+        its PUT to start. `recovery_threads` GETs run at once during recovery. Opening fences
+        earlier writers by taking the next sequence: `fence_attempts` tries when another writer
+        keeps taking it. A PUT the store fails is retried with backoff up to `put_retry_max`
+        seconds between tries for as long as the WAL is open (a fenced or permanent error stops
+        it); a fence for `put_retry_seconds`.
     preallocate: how a new WAL file gets its space. "background" (default): `posix_fallocate`
         (instant), then the writer session zero-fills the data area in a thread while appends
         run; appends never pass the filled end (they wait for it, see docs/wal-format.md,
@@ -60,11 +76,19 @@ class WALConfig:
     max_record_bytes: int | None = None
     direct_io: bool | None = None
     preallocate: str = "background"
+    object_bytes: int = 4 * MiB
+    puts_in_flight: int = 4
+    put_interval: float = 0.005
+    recovery_threads: int = 16
+    fence_attempts: int = 20
+    put_retry_seconds: float = 30.0
+    put_retry_max: float = 0.5
 
     def __post_init__(self) -> None:
         # Types first: a float or a bool would pass the range checks and break the ring later.
         for name, optional in (("capacity", True), ("batch_bytes", False), ("buffers", False),
-                               ("writer_threads", False), ("max_record_bytes", True)):
+                               ("writer_threads", False), ("max_record_bytes", True), ("object_bytes", False),
+                               ("puts_in_flight", False), ("recovery_threads", False), ("fence_attempts", False)):
             value = getattr(self, name)
             if (value is None and not optional) or (value is not None and (
                     isinstance(value, bool) or not isinstance(value, int))):
@@ -91,6 +115,19 @@ class WALConfig:
             raise WALConfigError(f"full_timeout must be positive seconds, got {self.full_timeout}")
         if self.max_record_bytes is not None and self.max_record_bytes < 1:
             raise WALConfigError(f"max_record_bytes must be positive, got {self.max_record_bytes}")
+        for name in ("put_interval", "put_retry_seconds", "put_retry_max"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise WALConfigError(f"{name} must be a non-negative number of seconds, got {value!r}")
+        if self.object_bytes < 2 * BLOCK or self.object_bytes % BLOCK:
+            raise WALConfigError(
+                f"object_bytes must be a multiple of {BLOCK} and at least {2 * BLOCK}, got {self.object_bytes}")
+        if not 1 <= self.puts_in_flight <= MAX_PUTS_IN_FLIGHT:
+            raise WALConfigError(f"puts_in_flight must be between 1 and {MAX_PUTS_IN_FLIGHT}, got {self.puts_in_flight}")
+        if not 1 <= self.recovery_threads <= 256:
+            raise WALConfigError(f"recovery_threads must be between 1 and 256, got {self.recovery_threads}")
+        if self.fence_attempts < 1:
+            raise WALConfigError(f"fence_attempts must be at least 1, got {self.fence_attempts}")
         if self.preallocate not in PREALLOCATE_MODES:
             raise WALConfigError(f"preallocate must be one of {', '.join(map(repr, PREALLOCATE_MODES))}, "
                                  f"got {self.preallocate!r}")

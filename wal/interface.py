@@ -1,0 +1,73 @@
+"""The one WAL interface the engine sees, and its two implementations: `WriteAheadLog` (the ring
+on a file or block device, wal.log) and `ObjectWAL` (objects on a store, wal.objectlog). Both
+share the native Ring (offsets, group commit, ordered acknowledgments, the lease deadline) and
+the record framing, so a native appender places records in either without a Python call."""
+from __future__ import annotations
+
+from typing import Callable, Iterator, Protocol, runtime_checkable
+
+from _native.walring import AppendHandle, Ring
+
+from .log import Record, RecoveryResult
+
+
+@runtime_checkable
+class WAL(Protocol):
+    """See wal.log's module docstring for the contract; wal.objectlog for what differs."""
+
+    def recover(self) -> Iterator[Record]: ...
+
+    @property
+    def recovery_result(self) -> RecoveryResult | None: ...
+
+    def start(self) -> Ring: ...
+
+    def append(self, data, callback: Callable[[AppendHandle], object] | None = None,
+               prefix: bytes | None = None) -> AppendHandle: ...
+
+    def sync(self, timeout: float | None = None) -> bool: ...
+
+    def set_ack_deadline(self, deadline_ns: int | None) -> None: ...
+
+    def revoke_acks(self, error: BaseException) -> None: ...
+
+    @property
+    def acked_end(self) -> int: ...
+
+    def completion_time(self, end: int) -> int | None: ...
+
+    def trim(self, offset: int) -> None: ...
+
+    def close(self) -> None: ...
+
+    @property
+    def path(self) -> str: ...
+
+    @property
+    def node_id(self) -> int: ...
+
+    @property
+    def node_epoch(self) -> int: ...
+
+    @property
+    def capacity(self) -> int: ...
+
+    @property
+    def max_record_bytes(self) -> int: ...
+
+    @property
+    def previous_shutdown_clean(self) -> bool: ...
+
+    @property
+    def salvaged_end(self) -> int: ...
+
+    @property
+    def trim_offset(self) -> int: ...
+
+    @property
+    def durable_end(self) -> int: ...
+
+    @property
+    def appended_end(self) -> int: ...
+
+    def stats(self) -> dict: ...

@@ -707,14 +707,16 @@ cdef class Ring:
 
     # ---- external writers (a WAL kept as objects) ----------------------------------------------
 
-    def take_batch(self, double timeout, double seal_gap, Py_ssize_t reserve=0):
+    def take_batch(self, double timeout, double seal_gap, Py_ssize_t reserve=0, uint64_t seal_bytes=0):
         """For writers outside the ring (wal.objectlog: each PUTs a batch as one object): wait,
         GIL released, at most `timeout` seconds for the next batch to write and return it as
         (seq, start offset, bytes), the bytes a copy made after the batch left the appenders'
         hands (a bytearray that starts with `reserve` zero bytes for the caller's header, so
         that the batch is copied once). A sealed batch is taken at once; the open one is sealed and taken once it holds
-        a record and `seal_gap` seconds have passed since the previous take (that bounds the
-        write rate at low load; a full batch seals itself). None on timeout; False once `stop()`
+        a record and `seal_gap` seconds have passed since the previous take, or at once when it
+        holds `seal_bytes` or more (0: no such size): that bounds the write rate at low load,
+        where batches are small, and adds no wait where they are large. A full batch seals
+        itself. None on timeout; False once `stop()`
         was called and every batch was taken. Every batch taken must be given back to
         `finish_batch`, in any order; acknowledgments follow in offset order."""
         cdef int64_t gap_ns = <int64_t>(seal_gap * 1e9)
@@ -733,7 +735,9 @@ cdef class Ring:
                     outcome = 1
                     break
                 if self.has_open and self._slot(self.open_seq).records > 0:
-                    if self.stopping or now - self.last_take_ns >= gap_ns:
+                    b = self._slot(self.open_seq)
+                    if self.stopping or now - self.last_take_ns >= gap_ns or (
+                            seal_bytes and b.pos - b.start >= seal_bytes):
                         self._seal(self._slot(self.open_seq), False)
                         outcome = 1
                         break

@@ -39,18 +39,19 @@ class WALConfig:
     max_record_bytes: largest record body (None: a quarter of the data capacity, at most 64 MiB).
     direct_io: None tries O_DIRECT and falls back to buffered writes + fdatasync where the
         filesystem refuses it; True requires it; False never uses it.
-    object_bytes, puts_in_flight, put_interval, recovery_threads, fence_attempts,
+    object_bytes, puts_in_flight, put_interval, seal_bytes, recovery_threads, fence_attempts,
     put_retry_seconds, put_retry_max: a WAL kept as objects (wal.objectlog.ObjectWAL; the
         file's settings batch_bytes, writer_threads, direct_io and preallocate do not apply to
         it, `capacity` bounds its bytes not yet trimmed and `buffers` its batches in memory, at
         least puts_in_flight + 2). An object holds one batch of at most `object_bytes` (a larger
         record gets one of its own). `puts_in_flight` PUTs run at once, each on its own thread;
         a writer that is free seals the open batch at once (group commit across PUTs) unless
-        its previous PUT started less than `put_interval` seconds ago: at low load that bounds
-        the PUT rate to 1 / put_interval, and a record waits at most that long for
-        its PUT to start. `recovery_threads` GETs run at once during recovery. Opening fences
-        earlier writers by taking the next sequence: `fence_attempts` tries when another writer
-        keeps taking it. A PUT the store fails is retried with backoff up to `put_retry_max`
+        the previous PUT started less than `put_interval` seconds ago and it holds less than
+        `seal_bytes` (0: no such size): at low load that bounds the PUT rate to 1 / put_interval (a record waits
+        at most that long for its PUT to start), while at high load, where objects are large
+        anyway, nothing waits for the interval. `recovery_threads` GETs run at once during
+        recovery. Opening fences earlier writers by taking the next sequence: `fence_attempts`
+        tries when another writer keeps taking it. A PUT the store fails is retried with backoff up to `put_retry_max`
         seconds between tries for as long as the WAL is open (a fenced or permanent error stops
         it); a fence for `put_retry_seconds`.
     preallocate: how a new WAL file gets its space. "background" (default): `posix_fallocate`
@@ -79,6 +80,7 @@ class WALConfig:
     object_bytes: int = 4 * MiB
     puts_in_flight: int = 4
     put_interval: float = 0.005
+    seal_bytes: int = 0
     recovery_threads: int = 16
     fence_attempts: int = 20
     put_retry_seconds: float = 30.0
@@ -88,7 +90,8 @@ class WALConfig:
         # Types first: a float or a bool would pass the range checks and break the ring later.
         for name, optional in (("capacity", True), ("batch_bytes", False), ("buffers", False),
                                ("writer_threads", False), ("max_record_bytes", True), ("object_bytes", False),
-                               ("puts_in_flight", False), ("recovery_threads", False), ("fence_attempts", False)):
+                               ("seal_bytes", False), ("puts_in_flight", False), ("recovery_threads", False),
+                               ("fence_attempts", False)):
             value = getattr(self, name)
             if (value is None and not optional) or (value is not None and (
                     isinstance(value, bool) or not isinstance(value, int))):
@@ -122,6 +125,8 @@ class WALConfig:
         if self.object_bytes < 2 * BLOCK or self.object_bytes % BLOCK:
             raise WALConfigError(
                 f"object_bytes must be a multiple of {BLOCK} and at least {2 * BLOCK}, got {self.object_bytes}")
+        if self.seal_bytes < 0:
+            raise WALConfigError(f"seal_bytes must be 0 (none) or a positive number of bytes, got {self.seal_bytes}")
         if not 1 <= self.puts_in_flight <= MAX_PUTS_IN_FLIGHT:
             raise WALConfigError(f"puts_in_flight must be between 1 and {MAX_PUTS_IN_FLIGHT}, got {self.puts_in_flight}")
         if not 1 <= self.recovery_threads <= 256:

@@ -473,7 +473,7 @@ class ObjectWAL:
     def _put_loop(self, ring: Ring) -> None:
         cfg = self._config
         while True:
-            item = ring.take_batch(0.5, cfg.put_interval, HEADER_BYTES)
+            item = ring.take_batch(0.5, cfg.put_interval, HEADER_BYTES, cfg.seal_bytes)
             if item is None:
                 continue
             if not isinstance(item, tuple):

@@ -1,7 +1,9 @@
 """The ObjectStore contract, one test body over a local directory, S3 in-process (moto) and S3
-over real HTTP (moto server); plus URL parsing, multipart abort, retries and the wrappers."""
+over real HTTP (moto server); plus URL parsing, multipart abort, retries, conditional creates
+and the wrappers."""
 from __future__ import annotations
 
+import io
 import itertools
 import random
 import socket
@@ -18,11 +20,12 @@ from botocore.exceptions import ClientError, EndpointConnectionError
 from moto import mock_aws
 from moto.server import ThreadedMotoServer
 
-from s3stream.errors import ConfigError, ObjectNotFoundError, ObjectStoreError
+from s3stream.errors import ConfigError, InvalidArgumentError, ObjectNotFoundError, ObjectStoreError
 from s3stream.objectstore import (
     FaultInjectingObjectStore, InstrumentedObjectStore, LocalObjectStore, ObjectInfo, ObjectStore,
-    S3ObjectStore, open_object_store,
+    S3ObjectStore, open_object_store, probe_conditional_put,
 )
+from s3stream.objectstore import s3 as s3_module
 from s3stream.objectstore.local import POOL_DIR
 
 KiB = 1024
@@ -48,6 +51,27 @@ class Backend:
     def is_s3(self) -> bool:
         return self.kind != "local"
 
+    @property
+    def over_http(self) -> bool:
+        """An S3 server on loopback (not moto in-process)."""
+        return self.kind in HTTP_SERVERS
+
+
+#: The S3 servers reached over real HTTP.
+HTTP_SERVERS = ("moto_http",)
+#: Whether each backend honours If-None-Match: * (put_if_absent refuses an existing key), as
+#: found: moto 5.2.1 (in process and its server) and the local store do.
+HONOURS_CONDITIONAL_PUT = {"local": True, "moto": True, "moto_http": True}
+
+
+def on(*kinds: str):
+    """Run a test over these backends only (instead of skipping inside it, after the setup)."""
+    return pytest.mark.parametrize("backend", kinds, indirect=True)
+
+
+S3_KINDS = ("moto", *HTTP_SERVERS)
+HONOURING = tuple(kind for kind, honours in HONOURS_CONDITIONAL_PUT.items() if honours)
+
 
 @pytest.fixture
 def aws_env(monkeypatch, tmp_path):
@@ -70,7 +94,7 @@ def moto_endpoint():
     server.stop()
 
 
-@pytest.fixture(params=["local", "moto", "moto_http"])
+@pytest.fixture(params=["local", "moto", *HTTP_SERVERS])
 def backend(request, tmp_path, aws_env):
     if request.param == "local":
         store = LocalObjectStore(str(tmp_path / "objects"), part_size=PART_SIZE)
@@ -194,9 +218,8 @@ def test_list_by_prefix(backend):
     assert list(store.list("../")) == [] and list(store.list("/")) == []
 
 
+@on("moto")
 def test_s3_prefix_isolates_keys(backend):
-    if backend.kind != "moto":
-        pytest.skip("the moto store is the one with a prefix")
     backend.raw_client.put_object(Bucket=backend.bucket, Key="other/obj", Body=b"not ours")
     backend.raw_client.put_object(Bucket=backend.bucket, Key="streams/v1x", Body=b"not ours")
     backend.store.put("mine", b"ours")
@@ -303,6 +326,183 @@ def test_empty_and_bad_keys(backend):
         for bad in ["../escape", "/abs", "a//b", "a/./b", "a/../b", "a/", ".s3stream-tmp.x"]:
             with pytest.raises(ValueError):
                 backend.store.put(bad, b"x")
+
+
+# -- conditional create (put_if_absent) --------------------------------------------------------
+
+def test_probe_tells_which_stores_honour_conditional_puts(backend):
+    """Each backend as it is (HONOURS_CONDITIONAL_PUT); the probe leaves no object behind."""
+    assert probe_conditional_put(backend.store) is HONOURS_CONDITIONAL_PUT[backend.kind]
+    assert probe_conditional_put(InstrumentedObjectStore(backend.store), "wal/") is HONOURS_CONDITIONAL_PUT[backend.kind]
+    assert list(backend.store.list()) == []
+
+
+def test_put_if_absent_creates_once(backend):
+    store = backend.store
+    first = payload(3000, seed=5)
+    assert store.put_if_absent("wal/0001", first) is True
+    assert store.get("wal/0001") == first
+    if not HONOURS_CONDITIONAL_PUT[backend.kind]:
+        assert store.put_if_absent("wal/0001", b"overwrites") is True      # what ignoring means
+        assert store.get("wal/0001") == b"overwrites"
+        return
+    assert store.put_if_absent("wal/0001", b"someone else") is False
+    assert store.put_if_absent("wal/0001", first) is False                 # same bytes: still not this call's
+    assert store.get("wal/0001") == first and store.size("wal/0001") == 3000
+    # Any bytes-like; an empty object is an object.
+    assert store.put_if_absent("wal/0002", bytearray(b"from a bytearray")) is True
+    assert store.put_if_absent("wal/0003", memoryview(b"from a memoryview")) is True
+    assert store.put_if_absent("wal/0004", b"") is True and store.put_if_absent("wal/0004", b"x") is False
+    assert store.get("wal/0002") == b"from a bytearray" and store.get("wal/0003") == b"from a memoryview"
+    assert store.get("wal/0004") == b""
+    # A key that a plain put wrote is taken too.
+    store.put("plain", b"p")
+    assert store.put_if_absent("plain", b"q") is False and store.get("plain") == b"p"
+    # A deleted key is free again.
+    store.delete(["wal/0001"])
+    assert store.put_if_absent("wal/0001", b"again") is True
+    assert [i.key for i in store.list("wal/")] == ["wal/0001", "wal/0002", "wal/0003", "wal/0004"]
+    if backend.kind == "local":
+        # No temporary file left beside a refused or a created object.
+        assert sorted(p.name for p in (tmp_root(store) / "wal").iterdir()) == ["0001", "0002", "0003", "0004"]
+
+
+def tmp_root(store):
+    import pathlib
+    return pathlib.Path(store.root)
+
+
+@on(*HONOURING)
+def test_put_if_absent_concurrent_creators(backend):
+    """Of creators racing for one key, exactly one wins, and the object is the winner's."""
+    store = backend.store
+    for round_ in range(3):
+        key = f"fence/{round_}"
+        barrier = threading.Barrier(4)
+
+        def create(writer: int) -> bool:
+            barrier.wait()
+            return store.put_if_absent(key, f"writer {writer}".encode())
+
+        with ThreadPoolExecutor(4) as pool:
+            won = list(pool.map(create, range(4)))
+        assert won.count(True) == 1, (round_, won)
+        assert store.get(key) == f"writer {won.index(True)}".encode()
+
+
+def test_put_if_absent_refuses_more_than_one_request(backend):
+    """A conditional create is one PUT: data over the multipart threshold is refused before
+    anything is written."""
+    store = backend.store
+    limit = store.multipart_threshold
+    store.put_if_absent("at-limit", bytes(limit))
+    with pytest.raises(InvalidArgumentError, match="multipart_threshold"):
+        store.put_if_absent("too-big", bytes(limit + 1))
+    with pytest.raises(ObjectNotFoundError):
+        store.get("too-big")
+    if backend.is_s3:
+        assert store.stats()["put_if_absent"] == 1
+
+
+def test_local_put_if_absent_on_a_directory(tmp_path):
+    store = LocalObjectStore(str(tmp_path))
+    store.put("d/x", b"1")
+    with pytest.raises(ObjectStoreError, match="cannot hold both"):
+        store.put_if_absent("d", b"2")
+    store.put("f", b"1")
+    with pytest.raises(ObjectStoreError, match="cannot hold both"):
+        store.put_if_absent("f/x", b"2")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "f"]
+    assert [p.name for p in (tmp_path / "d").iterdir()] == ["x"]
+
+
+def test_local_put_if_absent_uses_the_recycling_pool(tmp_path):
+    store = LocalObjectStore(str(tmp_path), recycle_bytes=1 << 20, recycle_delay=0)
+    store.put("old", b"o" * 5000)
+    store.delete(["old"])
+    assert store.put_if_absent("new", b"n" * 100) is True
+    assert store.recycled == 1 and store.get("new") == b"n" * 100
+
+
+class _Answer:
+    """A raw HTTP body for a canned botocore response (read whole, streamed or read in chunks)."""
+
+    def __init__(self, body: bytes) -> None:
+        self.body = io.BytesIO(body)
+
+    def stream(self, **kw):
+        yield self.body.read()
+
+    def read(self, amt=None):
+        return self.body.read(amt)
+
+
+def error_response(request, status: int, code: str) -> AWSResponse:
+    return AWSResponse(request.url, status, {}, _Answer(
+        f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{code}</Code><Message>injected</Message></Error>"
+        .encode()))
+
+
+#: The S3 servers over HTTP that honour If-None-Match.
+CONDITIONAL_HTTP = tuple(kind for kind in HTTP_SERVERS if HONOURS_CONDITIONAL_PUT[kind])
+
+
+@pytest.mark.parametrize("landed", ["ours", "theirs", "nothing"])
+@on(*CONDITIONAL_HTTP)
+def test_put_if_absent_after_a_lost_answer(backend, landed):
+    """The first request reaches the store but its answer is lost (a 500 after the write landed);
+    botocore retries, and the retry is refused (412). The store reads the object back: its own
+    bytes mean this call created it (True); another writer's mean it did not (False). When the
+    first attempt wrote nothing, the retry simply creates the object."""
+    store = backend.store
+    attempts = []
+
+    def answer_lost(request, **kw):
+        attempts.append(request.url)
+        if len(attempts) > 1:
+            return None                             # the retry goes to the server
+        if landed != "nothing":
+            backend.raw_client.put_object(Bucket=backend.bucket, Key="wal/7", IfNoneMatch="*",
+                                          Body=b"mine" if landed == "ours" else b"theirs")
+        return error_response(request, 500, "InternalError")
+
+    store._client.meta.events.register("before-send.s3.PutObject", answer_lost)
+    assert store.put_if_absent("wal/7", b"mine") is (landed != "theirs")
+    assert len(attempts) == 2
+    assert store.get("wal/7") == (b"theirs" if landed == "theirs" else b"mine")
+    # The read back: only after a refused retry.
+    assert store.stats()["get"] == (2 if landed != "nothing" else 1)
+    # Refused at the first attempt: a definite answer, nothing read back.
+    store._client.meta.events.unregister("before-send.s3.PutObject", answer_lost)
+    assert store.put_if_absent("wal/7", b"mine") is False
+    assert store.stats()["get"] == (2 if landed != "nothing" else 1)
+
+
+@on(*CONDITIONAL_HTTP)
+def test_put_if_absent_retries_conflicts(backend, monkeypatch):
+    """409 ConditionalRequestConflict (another conditional write of the key in flight) is
+    retried until a definite answer, a bounded number of times."""
+    monkeypatch.setattr(s3_module, "CONFLICT_BACKOFF", 0.0)
+    store = backend.store
+    conflicts = []
+
+    def conflict(request, **kw):
+        if len(conflicts) < limit:
+            conflicts.append(request.url)
+            return error_response(request, 409, "ConditionalRequestConflict")
+        return None
+
+    store._client.meta.events.register("before-send.s3.PutObject", conflict)
+    limit = 3
+    assert store.put_if_absent("k", b"v") is True and len(conflicts) == 3
+    conflicts.clear()
+    assert store.put_if_absent("k", b"v") is False and len(conflicts) == 3    # no read back: definite
+    assert store.stats()["get"] == 0
+    conflicts.clear()
+    limit = 1000
+    with pytest.raises(ObjectStoreError, match="ConditionalRequestConflict"):
+        store.put_if_absent("other", b"v")
+    assert len(conflicts) == s3_module.CONFLICT_RETRIES + 1
 
 
 # -- local specifics ---------------------------------------------------------------------------
@@ -430,9 +630,8 @@ def test_local_recycling_settings_are_checked(tmp_path, kw, message):
 
 # -- S3 specifics --------------------------------------------------------------------------------
 
+@on(*S3_KINDS)
 def test_failed_multipart_upload_is_aborted(backend, monkeypatch):
-    if not backend.is_s3:
-        pytest.skip("multipart uploads are S3's")
     client = backend.store._client
     real_upload_part = client.upload_part
     calls = itertools.count()
@@ -470,9 +669,8 @@ def test_unreachable_endpoint_raises_after_retries(aws_env):
         store.close()
 
 
+@on(*HTTP_SERVERS)
 def test_transient_error_is_retried(backend):
-    if backend.kind != "moto_http":
-        pytest.skip("needs the real HTTP path (in-process moto answers before our hook)")
     attempts = []
 
     class Raw:
@@ -493,9 +691,8 @@ def test_transient_error_is_retried(backend):
     assert backend.store.get("k") == b"data"
 
 
+@on(*S3_KINDS)
 def test_missing_bucket_is_an_object_store_error(backend):
-    if not backend.is_s3:
-        pytest.skip("buckets are S3's")
     store = S3ObjectStore("no-such-bucket-here", client=backend.store._client,
                           part_size=PART_SIZE)
     with pytest.raises(ObjectStoreError, match="does not exist"):
@@ -542,9 +739,8 @@ def test_open_s3_with_query_parameters(aws_env):
         store.close()
 
 
+@on(*HTTP_SERVERS)
 def test_open_s3_endpoint_url(backend):
-    if backend.kind != "moto_http":
-        pytest.skip("needs the moto server")
     endpoint = backend.store._client.meta.endpoint_url
     store = open_object_store(f"s3://{backend.bucket}/pre?endpoint_url={endpoint}&region=us-east-1")
     try:
@@ -670,3 +866,65 @@ def test_write_requests_rule():
     assert write_requests(32 * mib + 1, 16 * mib, 32 * mib) == 2 + 2      # 2 parts, the last one a byte longer
     assert write_requests(64 * mib + 9000, 16 * mib, 32 * mib) == 4 + 2   # an upload block + index: 4 parts
     assert write_requests(10 * mib, None, None) == 1                      # a store that never splits
+
+
+@on("local", "moto")
+def test_instrumented_counts_conditional_puts(backend):
+    """A put_if_absent counts as a put of one request, under its own name too (refusals apart),
+    and is timed apart from plain puts."""
+    store = InstrumentedObjectStore(backend.store)
+    assert store.put_if_absent("w/1", b"abc") is True
+    assert store.put_if_absent("w/1", b"abcd") is False
+    with pytest.raises(InvalidArgumentError):
+        store.put_if_absent("w/2", bytes(backend.store.multipart_threshold + 1))
+    stats = store.stats()
+    assert stats["put"] == stats["put_requests"] == stats["put_if_absent"] == 3
+    assert stats["put_if_absent_refused"] == 1 and stats["errors"] == 1
+    assert stats["bytes_written"] == 3                      # only what was created
+    latencies = store.latencies()
+    assert latencies["put_if_absent"]["count"] == 3 and latencies["put"]["count"] == 0
+    assert store.inflight()["put_if_absent"] == 0
+
+
+@on("local", "moto")
+def test_fault_injection_conditional_puts(backend):
+    store = FaultInjectingObjectStore(backend.store)
+    store.fail_next_puts_if_absent(1)
+    with pytest.raises(ObjectStoreError, match="injected"):
+        store.put_if_absent("w/1", b"mine")
+    with pytest.raises(ObjectNotFoundError):
+        backend.store.get("w/1")                            # nothing was written
+    store.fail_next_puts_if_absent(1, exc=TimeoutError("custom"))
+    with pytest.raises(TimeoutError):
+        store.put_if_absent("w/1", b"mine")
+
+    # The answer is lost after the object landed: the caller's retry is refused, and reading
+    # the object back tells it the object is its own.
+    store.fail_next_puts(5)                                 # plain puts' faults leave these alone
+    store.put_if_absent_answer_lost(1)
+    with pytest.raises(ObjectStoreError, match="timed out"):
+        store.put_if_absent("w/1", b"mine")
+    assert store.put_if_absent("w/1", b"mine") is False and store.get("w/1") == b"mine"
+    with pytest.raises(ObjectStoreError):
+        store.put("plain", b"p")
+    store.clear()
+
+    ticks: list[float] = []
+    store._sleep = ticks.append
+    store.hang_puts_if_absent(0.5)
+    store.put("plain", b"p")                                # plain puts do not hang
+    assert store.put_if_absent("w/2", b"x") is True and ticks == [0.5]
+    store.hang_puts_if_absent(0)
+
+    assert probe_conditional_put(store) is True
+    store.ignore_put_if_absent_condition()                  # a server that ignores If-None-Match
+    assert probe_conditional_put(store) is False
+    assert store.put_if_absent("w/2", b"y") is True and backend.store.get("w/2") == b"y"
+    store.clear()
+    assert store.put_if_absent("w/2", b"z") is False
+
+    outcomes = [(key, outcome) for op, key, outcome in store.events if op == "put_if_absent"]
+    assert outcomes[:4] == [("w/1", "injected_failure"), ("w/1", "injected_failure"), ("w/1", "answer_lost"),
+                            ("w/1", "refused")]
+    assert ("w/2", "condition_ignored") in outcomes and outcomes[-1] == ("w/2", "refused")
+    assert [key for key, _ in outcomes if key.startswith("s3stream-probe-")]

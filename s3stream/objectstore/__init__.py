@@ -1,12 +1,13 @@
 """Object stores: the ObjectStore interface, its local-directory and S3 implementations, the
-instrumenting and fault-injecting wrappers, and `open_object_store(url)` to pick one by URL."""
+instrumenting and fault-injecting wrappers, `open_object_store(url)` to pick one by URL, and
+`probe_conditional_put(store)` to tell whether a store honours put_if_absent."""
 from __future__ import annotations
 
 from typing import Any, Mapping
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from ..errors import ConfigError
-from .base import ObjectInfo, ObjectStore
+from .base import ObjectInfo, ObjectStore, probe_conditional_put
 from .local import LocalObjectStore
 from .s3 import S3ObjectStore
 from .wrappers import FaultInjectingObjectStore, InstrumentedObjectStore
@@ -108,5 +109,5 @@ def _parse_query(url: str, query: str, params: Mapping[str, tuple[str, type]],
 
 __all__ = [
     "FaultInjectingObjectStore", "InstrumentedObjectStore", "LocalObjectStore", "ObjectInfo",
-    "ObjectStore", "S3ObjectStore", "open_object_store",
+    "ObjectStore", "S3ObjectStore", "open_object_store", "probe_conditional_put",
 ]

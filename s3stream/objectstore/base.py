@@ -19,10 +19,33 @@ Contract (every implementation, every wrapper):
 - `put` keeps no view of `data` once it returns or raises, not even in the frames of the error it
   raises (a traceback outlives the call for as long as anyone keeps the error): the caller reuses
   its buffer, and a live view of a bytearray keeps it from being resized (BufferError).
+
+Conditional create, `put_if_absent(key, data) -> bool` (for objects that fence: a write-ahead
+log's objects, fence objects):
+- It stores the whole object only if no object has that key, atomically against every other
+  creator of the key: of concurrent calls with one key, at most one returns True. True: this call
+  created the object, durable as a put's. False: an object had that key (its bytes unchanged).
+- One request: `data` (bytes-like) is at most the store's `multipart_threshold` bytes, else
+  InvalidArgumentError before anything is sent. It keeps no view of `data`, as `put`.
+- A raise leaves the outcome unknown: the object may have been created and the answer lost.
+  Within one call the store settles that itself: when a request was retried after an answer it
+  never got (a timeout, a 5xx) and the retry is refused, it reads the object back and returns
+  True if its bytes equal `data`. So a writer's objects must be unique to it (its id, its
+  epoch in the bytes): a retried call cannot tell its own object from another writer's identical
+  one. A caller that retries after a raise should do the same (False, then `get(key) == data`).
+- On S3 it is PutObject with If-None-Match: * (412 PreconditionFailed: False; 409
+  ConditionalRequestConflict, another conditional write of the key in flight: retried, bounded).
+  Some S3-compatible servers ignore the header and overwrite:
+  `probe_conditional_put(store)` tells whether a store honours it; probe before relying on it.
+- A plain `put` of the same key overwrites unconditionally: do not mix them on one key.
 """
 from __future__ import annotations
 
+import contextlib
+import uuid
 from typing import Iterable, Iterator, NamedTuple, Protocol, Union, runtime_checkable
+
+from ..errors import InvalidArgumentError, ObjectStoreError
 
 
 @runtime_checkable
@@ -44,6 +67,8 @@ class Gathered(Protocol):
 
 
 PutData = Union[bytes, bytearray, memoryview, Gathered]
+#: What put_if_absent takes: one buffer, sent in one request.
+BytesLike = Union[bytes, bytearray, memoryview]
 
 
 def data_size(data: PutData) -> int:
@@ -65,6 +90,15 @@ def default_multipart_threshold(part_size: int) -> int:
     return 2 * part_size
 
 
+def check_conditional_size(size: int, multipart_threshold: int, url: str) -> None:
+    """Raise InvalidArgumentError if `size` bytes cannot go in one conditional PUT."""
+    if size > multipart_threshold:
+        raise InvalidArgumentError(
+            f"put_if_absent of {size} bytes to {url}: a conditional create is one PUT of at most "
+            f"multipart_threshold ({multipart_threshold}) bytes; write smaller objects or raise the "
+            f"store's multipart_threshold")
+
+
 class ObjectInfo(NamedTuple):
     key: str
     size: int
@@ -80,6 +114,11 @@ class ObjectStore(Protocol):
 
     def put(self, key: str, data: PutData) -> None: ...
 
+    def put_if_absent(self, key: str, data: BytesLike) -> bool:
+        """Store `data` under `key` only if no object has that key: True if this call created
+        it, False if the key was taken (see the module's contract)."""
+        ...
+
     def get(self, key: str, start: int = 0, end: int | None = None) -> bytes: ...
 
     def size(self, key: str) -> int:
@@ -91,3 +130,28 @@ class ObjectStore(Protocol):
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]: ...
 
     def close(self) -> None: ...
+
+
+#: Keys of probe_conditional_put's objects start with this (after its key_prefix).
+PROBE_KEY_PREFIX = "s3stream-probe-"
+
+
+def probe_conditional_put(store: ObjectStore, key_prefix: str = "") -> bool:
+    """Whether `store` honours put_if_absent: creates a fresh probe key (under `key_prefix`)
+    with it, tries again with other bytes, and deletes the key. True if the second was refused;
+    False if it was accepted (a store that ignores If-None-Match silently overwrites: no fencing
+    can rest on it). Raises ObjectStoreError if the store fails, or if the first call was refused
+    (something else holds the fresh key: the answer would be a guess)."""
+    key = f"{key_prefix}{PROBE_KEY_PREFIX}{uuid.uuid4().hex}"
+    try:
+        if not store.put_if_absent(key, b"first " + key.encode()):
+            raise ObjectStoreError(
+                f"probing conditional puts in {store.url}: the fresh key {key!r} was refused as if it "
+                f"existed; the store's answers to If-None-Match cannot be trusted")
+        honoured = not store.put_if_absent(key, b"second " + key.encode())
+    except BaseException:
+        with contextlib.suppress(ObjectStoreError):
+            store.delete([key])
+        raise
+    store.delete([key])
+    return honoured

@@ -3,7 +3,9 @@
 Keys map to relative paths under the root ("a/b/c" -> root/a/b/c), so unlike S3 this store
 cannot hold both a key "a" and keys under "a/". A put writes a temporary file
 in the target's directory, fsyncs it, renames it over the target and fsyncs the directory, so a
-reader sees no object or the whole of it, and a returned put survives a crash.
+reader sees no object or the whole of it, and a returned put survives a crash. A put_if_absent
+writes its temporary file the same way and hard-links it to the key instead: the link fails if
+the key exists, so of concurrent creators exactly one wins (the file system needs hard links).
 
 With `recycle_bytes`, a delete moves the object's file into a pool (a reserved directory under
 the root) instead of unlinking it, up to that many bytes, and a later put overwrites a pooled
@@ -12,6 +14,7 @@ it freed instead of returning and allocating them again (see LocalObjectStore).
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
@@ -22,7 +25,9 @@ from collections import deque
 from typing import Iterable, Iterator
 
 from ..errors import ConfigError, ObjectNotFoundError, ObjectStoreError, ObjectStorePermanentError
-from .base import Gathered, ObjectInfo, PutData, data_size, default_multipart_threshold
+from .base import (
+    BytesLike, Gathered, ObjectInfo, PutData, check_conditional_size, data_size, default_multipart_threshold,
+)
 
 MiB = 1024 * 1024
 
@@ -47,6 +52,13 @@ def check_key(key: str) -> None:
                 f"object key {key!r} has an empty, '.' or '..' segment; use names like 'a/b/c'")
         if part.startswith(TEMP_PREFIX):
             raise ValueError(f"object key {key!r}: segments starting {TEMP_PREFIX!r} are reserved")
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def _fsync_dir(path: str) -> None:
@@ -203,47 +215,93 @@ class LocalObjectStore:
         with writev: no join)."""
         path = self._path(key)
         directory = os.path.dirname(path)
-        tmp = os.path.join(directory, TEMP_PREFIX + uuid.uuid4().hex)
-        size = data_size(data)
-        try:
+        with self._write_errors("put", key):
+            tmp = self._write_temp(directory, data)
             try:
-                self._ensure_dir(directory)
-                f = (self._pool and self._pool_take(size, tmp)) or open(tmp, "xb")
-            except FileNotFoundError:
-                # The directory vanished behind our back (removed externally): forget and retry.
-                with self._lock:
-                    self._durable_dirs = {self.root}
-                self._ensure_dir(directory)
-                f = open(tmp, "xb")
-            try:
-                with f:
-                    if isinstance(data, Gathered):
-                        data.write_to(f.fileno())      # nothing buffered in f: it is at 0
-                    else:
-                        f.write(data)
-                        f.flush()
-                    os.ftruncate(f.fileno(), size)     # a recycled file may be longer
-                    os.fsync(f.fileno())
                 os.replace(tmp, path)
             except BaseException:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
+                _unlink_quietly(tmp)
                 raise
             # The rename is durable only once the directory entry is.
             _fsync_dir(directory)
+
+    def put_if_absent(self, key: str, data: BytesLike) -> bool:
+        """Store `data` under `key` only if no object has that key: True if this call created
+        it, False if the key was taken. The whole object is written and fsynced under a
+        temporary name, then hard-linked to the key (the link fails if the key exists: atomic
+        against every other creator, on this host or another that shares the directory)."""
+        path = self._path(key)
+        check_conditional_size(data_size(data), self.multipart_threshold, self.url)
+        directory = os.path.dirname(path)
+        with self._write_errors("put_if_absent", key):
+            tmp = self._write_temp(directory, data)
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                try:
+                    taken_by_directory = stat.S_ISDIR(os.lstat(path).st_mode)
+                except FileNotFoundError:
+                    taken_by_directory = False      # deleted since: it did exist
+                if taken_by_directory:
+                    raise ObjectStoreError(
+                        f"local put_if_absent of {key!r} in {self.url} failed: a directory cannot also be "
+                        f"an object, so this store cannot hold both a key and keys under it + '/'") from None
+                return False
+            except OSError as e:
+                if e.errno in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP):
+                    raise ObjectStorePermanentError(
+                        f"local put_if_absent of {key!r} in {self.url} failed: the file system refused a hard "
+                        f"link ({e}); conditional creates need one that supports them") from e
+                raise
+            finally:
+                _unlink_quietly(tmp)                # the key keeps the file
+            _fsync_dir(directory)
+            return True
+
+    def _write_temp(self, directory: str, data: PutData) -> str:
+        """A temporary file in `directory` (made durable first) holding `data`, fsynced: a
+        recycled file if the pool has one, else a new one. Removed again if writing fails."""
+        tmp = os.path.join(directory, TEMP_PREFIX + uuid.uuid4().hex)
+        size = data_size(data)
+        try:
+            self._ensure_dir(directory)
+            f = (self._pool and self._pool_take(size, tmp)) or open(tmp, "xb")
+        except FileNotFoundError:
+            # The directory vanished behind our back (removed externally): forget and retry.
+            with self._lock:
+                self._durable_dirs = {self.root}
+            self._ensure_dir(directory)
+            f = open(tmp, "xb")
+        try:
+            with f:
+                if isinstance(data, Gathered):
+                    data.write_to(f.fileno())      # nothing buffered in f: it is at 0
+                else:
+                    f.write(data)
+                    f.flush()
+                os.ftruncate(f.fileno(), size)     # a recycled file may be longer
+                os.fsync(f.fileno())
+        except BaseException:
+            _unlink_quietly(tmp)
+            raise
+        return tmp
+
+    @contextlib.contextmanager
+    def _write_errors(self, op: str, key: str) -> Iterator[None]:
+        """Map OSErrors of a write to the store's errors."""
+        try:
+            yield
         except (FileExistsError, NotADirectoryError, IsADirectoryError) as e:
             # Files and directories share one namespace; S3 keys do not.
             raise ObjectStoreError(
-                f"local put of {key!r} in {self.url} failed: a directory cannot also be an object, "
+                f"local {op} of {key!r} in {self.url} failed: a directory cannot also be an object, "
                 f"so this store cannot hold both a key and keys under it + '/' ({e})") from e
         except OSError as e:
             if isinstance(e, PermissionError) or e.errno == errno.EROFS:
                 raise ObjectStorePermanentError(
-                    f"local put of {key!r} in {self.url} was refused: {e}; make the directory writable "
+                    f"local {op} of {key!r} in {self.url} was refused: {e}; make the directory writable "
                     "by this process (retrying cannot help)") from e
-            raise ObjectStoreError(f"local put of {key!r} in {self.url} failed: {e}") from e
+            raise ObjectStoreError(f"local {op} of {key!r} in {self.url} failed: {e}") from e
 
     def get(self, key: str, start: int = 0, end: int | None = None) -> bytes:
         """Bytes [start, end) of the object, clipped to its size."""

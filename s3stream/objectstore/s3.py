@@ -10,11 +10,15 @@ Against a store that stopped answering, one call gives up after about `max_attem
 0.05 x 2^(attempt-1) s, throttling up to 20 s); the uploader then retries it (upload.py). A
 request in flight when the store answers again completes then: with a 40 s freeze of a moto
 server and the defaults, uploads resumed 0.04 s after it (tests/test_upload_faults.py).
+
+Conditional creates (put_if_absent) are PutObject with If-None-Match: *, which S3 and moto
+enforce (probe_conditional_put tells whether a store does).
 """
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Callable, Iterable, Iterator, TypeVar
 
@@ -23,7 +27,10 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
 from ..errors import ConfigError, ObjectNotFoundError, ObjectStoreError, ObjectStorePermanentError
-from .base import Gathered, ObjectInfo, PutData, data_size, default_multipart_threshold, write_requests
+from .base import (
+    BytesLike, Gathered, ObjectInfo, PutData, check_conditional_size, data_size, default_multipart_threshold,
+    write_requests,
+)
 from .local import check_range
 
 log = logging.getLogger("s3stream.objectstore")
@@ -41,6 +48,11 @@ DELETE_BATCH = 1000
 MIN_PART_SIZE = 5 * MiB
 
 _NOT_FOUND_CODES = {"NoSuchKey", "404", "NotFound"}
+#: put_if_absent retries a 409 (ConditionalRequestConflict: another conditional write of the key is
+#: in flight) this many times, waiting CONFLICT_BACKOFF * 2**n s (at most 1 s) before each: about
+#: 4.5 s in all; then it raises ObjectStoreError.
+CONFLICT_RETRIES = 8
+CONFLICT_BACKOFF = 0.05
 T = TypeVar("T")
 
 
@@ -102,7 +114,7 @@ class S3ObjectStore:
         self._executor = ThreadPoolExecutor(max_concurrency, thread_name_prefix="s3-part")
         self._stats_lock = threading.Lock()
         self._stats = dict.fromkeys(
-            ("put", "upload_part", "create_multipart", "complete_multipart", "abort_multipart",
+            ("put", "put_if_absent", "upload_part", "create_multipart", "complete_multipart", "abort_multipart",
              "get", "head", "delete", "list"), 0)
 
     # -- helpers -------------------------------------------------------------------------------
@@ -169,6 +181,50 @@ class S3ObjectStore:
             # once put returns: the bodies were copies, and every part has finished.
             if view is not None:
                 view.release()
+
+    def put_if_absent(self, key: str, data: BytesLike) -> bool:
+        """Store `data` under `key` only if no object has that key: one PutObject with
+        If-None-Match: *. True if it created the object; False on 412 PreconditionFailed (the key
+        exists). A 409 ConditionalRequestConflict is retried (CONFLICT_RETRIES). When botocore
+        retried a request after an answer that never came (a timeout, a 5xx: that attempt may
+        have landed), a 412 is checked by reading the object back: True if its bytes are `data`.
+        Objects over `multipart_threshold` are refused (InvalidArgumentError): one PUT only.
+
+        A server that ignores If-None-Match overwrites and answers 200, so this returns True
+        there: see probe_conditional_put."""
+        full_key = self._full_key(key)
+        check_conditional_size(data_size(data), self.multipart_threshold, self.url)
+        body = data if isinstance(data, bytes) else bytes(data)    # a copy: no view of `data` kept
+        unsure = False      # an attempt of this call may have landed unanswered
+        last_conflict: ClientError | None = None
+        for conflicts in range(CONFLICT_RETRIES + 1):
+            if conflicts:
+                time.sleep(min(1.0, CONFLICT_BACKOFF * 2 ** (conflicts - 1)))
+            try:
+                self._request("put_if_absent", "put_if_absent", key, lambda: self._client.put_object(
+                    Bucket=self.bucket, Key=full_key, Body=body, IfNoneMatch="*"))
+                return True
+            except ClientError as e:
+                meta = e.response.get("ResponseMetadata", {})
+                unsure = unsure or meta.get("RetryAttempts", 0) > 0
+                code = str(e.response.get("Error", {}).get("Code", ""))
+                status = meta.get("HTTPStatusCode")
+                if code == "PreconditionFailed" or status == 412:
+                    return unsure and self._holds(key, body)
+                if code != "ConditionalRequestConflict" and status != 409:
+                    raise self._error("put_if_absent", key, e) from e
+                last_conflict = e
+        raise ObjectStoreError(
+            f"S3 put_if_absent of {key!r} in {self.url} met conflicting conditional writes of the key "
+            f"{CONFLICT_RETRIES + 1} times (409 ConditionalRequestConflict); another writer keeps writing it: "
+            f"{last_conflict}")
+
+    def _holds(self, key: str, data: bytes) -> bool:
+        """Whether the object under `key` has exactly these bytes (False if it is gone)."""
+        try:
+            return self.get(key) == data
+        except ObjectNotFoundError:
+            return False
 
     def _put_multipart(self, key: str, full_key: str, size: int, piece: Callable[[int, int], bytes]) -> None:
         try:

@@ -9,7 +9,7 @@ from typing import Callable, Iterable, Iterator
 
 from ..errors import ObjectStoreError
 from ..latency import LatencyHistogram
-from .base import Gathered, ObjectInfo, ObjectStore, PutData, data_size, write_requests
+from .base import BytesLike, Gathered, ObjectInfo, ObjectStore, PutData, data_size, write_requests
 
 KeyPredicate = Callable[[str], bool]
 
@@ -49,14 +49,19 @@ class InstrumentedObjectStore(_Wrapper):
     complete. A get of an empty range is no request. Counts are taken when a call is made,
     bytes when it succeeds; failures are also counted under "errors".
 
-    It also times every put, get and delete (successful or not) in a LatencyHistogram per
-    operation (`latencies()`) and counts the calls in progress (`inflight()`): what the
-    Prometheus metrics read at scrape time (s3stream.metrics).
+    A put_if_absent counts as a put of one request ("put", "put_requests"; "bytes_written" if it
+    created the object) and under "put_if_absent", with "put_if_absent_refused" when the key was
+    taken.
+
+    It also times every put, put_if_absent, get and delete (successful or not) in a
+    LatencyHistogram per operation (`latencies()`; a put_if_absent under its own name, not
+    "put") and counts the calls in progress (`inflight()`): what the Prometheus metrics read at
+    scrape time (s3stream.metrics).
     """
 
-    _KEYS = ("put", "put_requests", "bytes_written", "get", "get_requests", "bytes_read",
-             "size", "delete", "deleted_keys", "list", "errors")
-    _TIMED = ("put", "get", "delete")
+    _KEYS = ("put", "put_requests", "bytes_written", "put_if_absent", "put_if_absent_refused",
+             "get", "get_requests", "bytes_read", "size", "delete", "deleted_keys", "list", "errors")
+    _TIMED = ("put", "put_if_absent", "get", "delete")
 
     def __init__(self, inner: ObjectStore) -> None:
         super().__init__(inner)
@@ -84,6 +89,24 @@ class InstrumentedObjectStore(_Wrapper):
         finally:
             self._end("put", t0)
         self._add(bytes_written=size)
+
+    def put_if_absent(self, key: str, data: BytesLike) -> bool:
+        """Delegate, counting a one-request put and whether it was refused."""
+        size = data_size(data)
+        self._add(put=1, put_requests=1, put_if_absent=1)
+        t0 = self._begin("put_if_absent")
+        try:
+            created = self.inner.put_if_absent(key, data)
+        except Exception:
+            self._add(errors=1)
+            raise
+        finally:
+            self._end("put_if_absent", t0)
+        if created:
+            self._add(bytes_written=size)
+        else:
+            self._add(put_if_absent_refused=1)
+        return created
 
     def get(self, key: str, start: int = 0, end: int | None = None) -> bytes:
         """Delegate, counting the request and bytes returned."""
@@ -146,11 +169,12 @@ class InstrumentedObjectStore(_Wrapper):
             return dict(self._counts)
 
     def latencies(self) -> dict[str, dict]:
-        """Per operation ("put", "get", "delete"): a LatencyHistogram snapshot of its calls' seconds."""
+        """Per operation ("put", "put_if_absent", "get", "delete"): a LatencyHistogram snapshot of
+        its calls' seconds."""
         return {op: h.snapshot() for op, h in self._latency.items()}
 
     def inflight(self) -> dict[str, int]:
-        """Per operation ("put", "get", "delete"): calls in progress now."""
+        """Per operation ("put", "put_if_absent", "get", "delete"): calls in progress now."""
         with self._lock:
             return dict(self._inflight)
 
@@ -166,12 +190,20 @@ class FaultInjectingObjectStore(_Wrapper):
 
     Every operation is logged in `events` as (op, key, outcome), outcome being "ok",
     "injected_failure", "timeout_after_landing", "kept_view", "corrupted" or the name of an
-    exception the inner store raised. A delete logs one event per key; a list logs its prefix. `seed` makes
-    the corrupted byte positions reproducible; `sleep` is injectable for hang_puts.
+    exception the inner store raised; a put_if_absent's also "refused", "answer_lost" and
+    "condition_ignored". A delete logs one event per key; a list logs its prefix. `seed` makes
+    the corrupted byte positions reproducible; `sleep` is injectable for hang_puts and
+    hang_puts_if_absent.
+
+    The put faults (fail_next_puts, fail_puts_matching, put_timeout_after_landing,
+    put_keeps_view, hang_puts) arm plain puts only; put_if_absent has its own
+    (fail_next_puts_if_absent, put_if_absent_answer_lost, hang_puts_if_absent,
+    ignore_put_if_absent_condition), so a test can fail one kind of write and not the other.
     """
 
     # The armed faults: set by clear(), changed by the arming methods (under _lock).
     _put_exc: BaseException | type[BaseException] | None
+    _cput_exc: BaseException | type[BaseException] | None
     _put_fail_predicates: list[KeyPredicate]
     _corrupt_predicates: list[KeyPredicate]
 
@@ -225,6 +257,32 @@ class FaultInjectingObjectStore(_Wrapper):
         with self._lock:
             self._put_delay = seconds
 
+    def fail_next_puts_if_absent(self, n: int,
+                                 exc: BaseException | type[BaseException] | None = None) -> None:
+        """The next `n` put_if_absent calls raise `exc` (default ObjectStoreError) without
+        writing anything."""
+        with self._lock:
+            self._cput_failures = n
+            self._cput_exc = exc
+
+    def put_if_absent_answer_lost(self, n: int) -> None:
+        """The next `n` put_if_absent calls go to the store (creating the object if the key is
+        free), then raise ObjectStoreError as if the answer was lost: the caller cannot tell
+        whether it created the object, nor whether the key was taken."""
+        with self._lock:
+            self._cput_answers_lost = n
+
+    def hang_puts_if_absent(self, seconds: float) -> None:
+        """Every put_if_absent sleeps `seconds` before delegating (0 disarms)."""
+        with self._lock:
+            self._cput_delay = seconds
+
+    def ignore_put_if_absent_condition(self, ignore: bool = True) -> None:
+        """put_if_absent becomes a plain put that reports True, as on a server that ignores
+        If-None-Match (probe_conditional_put then returns False)."""
+        with self._lock:
+            self._cput_ignore_condition = ignore
+
     def fail_next_gets(self, n: int) -> None:
         """The next `n` gets raise ObjectStoreError."""
         with self._lock:
@@ -244,6 +302,11 @@ class FaultInjectingObjectStore(_Wrapper):
             self._put_timeouts = 0
             self._put_keep_views = 0
             self._put_delay = 0.0
+            self._cput_failures = 0
+            self._cput_exc = None
+            self._cput_answers_lost = 0
+            self._cput_delay = 0.0
+            self._cput_ignore_condition = False
             self._get_failures = 0
             self._corrupt_predicates = []
 
@@ -292,6 +355,37 @@ class FaultInjectingObjectStore(_Wrapper):
             self._log("put", key, "timeout_after_landing")
             raise ObjectStoreError(f"put {key!r} timed out (injected: the object was stored)")
         self._log("put", key, "ok")
+
+    def put_if_absent(self, key: str, data: BytesLike) -> bool:
+        """Delegate unless a put_if_absent fault is armed."""
+        with self._lock:
+            delay = self._cput_delay
+        if delay:
+            self._sleep(delay)
+        with self._lock:
+            exc: BaseException | type[BaseException] | None = None
+            if self._cput_failures > 0:
+                self._cput_failures -= 1
+                exc = self._cput_exc or ObjectStoreError(f"injected failure of put_if_absent {key!r}")
+            ignore_condition = self._cput_ignore_condition
+        if exc is not None:
+            self._log("put_if_absent", key, "injected_failure")
+            raise exc
+        if ignore_condition:
+            self._delegate("put_if_absent", key, lambda: self.inner.put(key, data))
+            created = True
+        else:
+            created = bool(self._delegate("put_if_absent", key, lambda: self.inner.put_if_absent(key, data)))
+        with self._lock:
+            lost = self._cput_answers_lost > 0
+            if lost:
+                self._cput_answers_lost -= 1
+        if lost:
+            self._log("put_if_absent", key, "answer_lost")
+            raise ObjectStoreError(f"put_if_absent {key!r} timed out (injected: the request reached the store)")
+        self._log("put_if_absent", key,
+                  "condition_ignored" if ignore_condition else "ok" if created else "refused")
+        return created
 
     def get(self, key: str, start: int = 0, end: int | None = None) -> bytes:
         """Delegate unless a get fault is armed; corrupt the result if asked to."""

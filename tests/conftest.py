@@ -93,11 +93,53 @@ def moto_endpoint():
     server.stop()
 
 
+def _start_s3_server(tmp_path_factory, kind: str):
+    """A tests/s3servers.py server of `kind` ("seaweedfs" or "rclone") in a session temp dir.
+    Without its binary the tests using it skip, except in CI ($CI set), where they fail."""
+    import s3servers
+    for key, value in (("AWS_ACCESS_KEY_ID", s3servers.ACCESS_KEY), ("AWS_SECRET_ACCESS_KEY", s3servers.SECRET_KEY),
+                       ("AWS_DEFAULT_REGION", s3servers.REGION)):
+        os.environ.setdefault(key, value)
+    start = {"seaweedfs": s3servers.start_seaweedfs, "rclone": s3servers.start_rclone}[kind]
+    try:
+        return start(str(tmp_path_factory.mktemp(kind)))
+    except s3servers.ServerUnavailable as e:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI is set and {kind} cannot run here: {e}")
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def seaweedfs_endpoint(tmp_path_factory):
+    """The http://127.0.0.1:PORT endpoint of one SeaweedFS S3 server (`weed mini`) for the
+    session: a second S3 implementation, which enforces conditional writes. Requests are signed
+    with the key pair "testing"/"testing" (s3servers.ACCESS_KEY, SECRET_KEY: moto's too). Make a
+    bucket with s3servers.fresh_bucket(endpoint), or an object store URL on a fresh bucket with
+    s3servers.bucket_url(endpoint) (for open_object_store or a StreamClient); or parametrize
+    `store_url` indirectly with "seaweedfs"."""
+    with _start_s3_server(tmp_path_factory, "seaweedfs") as server:
+        yield server.endpoint
+
+
+@pytest.fixture(scope="session")
+def rclone_endpoint(tmp_path_factory):
+    """Like seaweedfs_endpoint, for `rclone serve s3` over a directory: a third S3
+    implementation, which ignores If-None-Match (it overwrites) and answers a ranged GET with
+    the whole object's checksum header."""
+    with _start_s3_server(tmp_path_factory, "rclone") as server:
+        yield server.endpoint
+
+
 @pytest.fixture(params=["local", "s3"])
 def store_url(request, tmp_path):
-    """An object store URL: a local directory, or a fresh bucket on moto's HTTP server."""
+    """An object store URL: a local directory, or a fresh bucket on moto's HTTP server. Indirect
+    parameters may also ask for a fresh bucket on SeaweedFS or rclone's serve s3:
+    @pytest.mark.parametrize("store_url", ["seaweedfs", "rclone"], indirect=True)."""
     if request.param == "local":
         return f"file://{tmp_path}/objects"
+    if request.param in ("seaweedfs", "rclone"):
+        import s3servers
+        return s3servers.bucket_url(request.getfixturevalue(f"{request.param}_endpoint"))
     endpoint = request.getfixturevalue("moto_endpoint")
     bucket = f"b-{os.urandom(4).hex()}"
     return f"s3://{bucket}/data?endpoint_url={endpoint}&create_bucket=1&max_attempts=3"

@@ -9,7 +9,9 @@ Contract (every implementation, every wrapper):
 - `get(key, start, end)` returns bytes [start, end) of the object (end=None: to the end); a range
   past the end is clipped as HTTP ranges are. A missing key raises ObjectNotFoundError.
 - `delete(keys)` is idempotent: deleting a missing key is not an error.
-- `list(prefix)` yields ObjectInfo(key, size) of every object under the prefix, keys ascending.
+- `list(prefix)` yields ObjectInfo(key, size) of every object under the prefix, keys ascending:
+  in byte order, except on SeaweedFS, which orders them path segment by path segment ("a/1"
+  before "a-b"); the two agree among keys of equal length in one "directory".
 - All methods are thread-safe. Implementations bound their own concurrency and retry transient
   failures with backoff before raising ObjectStoreError.
 - `data` is bytes-like, or a Gathered object (the uploader's objects whose large payloads were
@@ -35,7 +37,7 @@ log's objects, fence objects):
   one. A caller that retries after a raise should do the same (False, then `get(key) == data`).
 - On S3 it is PutObject with If-None-Match: * (412 PreconditionFailed: False; 409
   ConditionalRequestConflict, another conditional write of the key in flight: retried, bounded).
-  Some S3-compatible servers ignore the header and overwrite:
+  Some S3-compatible servers ignore the header and overwrite (rclone's serve s3 does):
   `probe_conditional_put(store)` tells whether a store honours it; probe before relying on it.
 - A plain `put` of the same key overwrites unconditionally: do not mix them on one key.
 """

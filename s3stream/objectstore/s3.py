@@ -11,8 +11,13 @@ Against a store that stopped answering, one call gives up after about `max_attem
 request in flight when the store answers again completes then: with a 40 s freeze of a moto
 server and the defaults, uploads resumed 0.04 s after it (tests/test_upload_faults.py).
 
-Conditional creates (put_if_absent) are PutObject with If-None-Match: *, which S3 and moto
-enforce (probe_conditional_put tells whether a store does).
+Integrity of reads: a whole-object get asks for the server's checksum (ChecksumMode) and botocore
+validates the body against it; a ranged get does not ask and is not validated (servers differ:
+S3 sends no checksum with a range, rclone's serve s3 sends the whole object's, which a range can
+never match). What reads ranges checks the object format's own block CRCs.
+
+Conditional creates (put_if_absent) are PutObject with If-None-Match: *. S3, SeaweedFS and moto
+enforce it; rclone's serve s3 ignores it and overwrites (probe_conditional_put detects that).
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ from typing import Any, Callable, Iterable, Iterator, TypeVar
 import boto3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
+from botocore.utils import determine_content_length
 
 from ..errors import ConfigError, ObjectNotFoundError, ObjectStoreError, ObjectStorePermanentError
 from .base import (
@@ -56,12 +62,26 @@ CONFLICT_BACKOFF = 0.05
 T = TypeVar("T")
 
 
+def _drop_expect_continue(params: dict, **kwargs: Any) -> None:
+    """Drop botocore's "Expect: 100-continue" from conditional puts and from requests with an
+    empty body (botocore adds it to every PUT with a body). A conditional put is small and its
+    latency matters (a WAL's): waiting for the continue costs a round trip. An empty body saves
+    nothing by waiting, and SeaweedFS answers such a request at once, after which the next
+    request on the connection hangs until the read timeout (30 s); botocore's
+    BOTO_EXPERIMENTAL__NO_EMPTY_CONTINUE does the same for those."""
+    headers = params.get("headers", {})
+    if "Expect" in headers and ("If-None-Match" in headers or determine_content_length(params.get("body")) == 0):
+        del headers["Expect"]
+
+
 class S3ObjectStore:
     """ObjectStore on `bucket`, every key stored under `prefix` + "/".
 
     Objects up to `multipart_threshold` bytes (default twice `part_size`) are one PutObject;
     larger ones a multipart upload of `part_size` parts that go up concurrently and which is aborted if anything fails. `client` (a boto3 S3 client) is for
-    tests; when given, the store does not close it.
+    tests; when given, the store does not close it, and its config decides which responses are
+    checksum-validated (botocore's default, "when_supported", validates ranged gets too, which
+    fails on servers that send the whole object's checksum with a range: use "when_required").
     """
 
     def __init__(
@@ -100,6 +120,10 @@ class S3ObjectStore:
             config = Config(
                 # Config's "max_attempts" counts retries only; "total_max_attempts" counts them all.
                 retries={"mode": "standard", "total_max_attempts": max_attempts},
+                # Responses are validated against their x-amz-checksum-* header only when get()
+                # asks (whole objects): botocore's default validates every response that has one,
+                # and some servers (rclone serve s3) send the whole object's checksum with a range.
+                response_checksum_validation="when_required",
                 max_pool_connections=max_concurrency,
                 connect_timeout=connect_timeout,
                 read_timeout=read_timeout,
@@ -107,6 +131,7 @@ class S3ObjectStore:
             # A private session: boto3's default session is not thread-safe to create clients on.
             client = boto3.session.Session().client(
                 "s3", endpoint_url=endpoint_url, region_name=region_name, config=config)
+            client.meta.events.register_last("before-call.s3", _drop_expect_continue)
         self._client = client
         # botocore's pool does not block when full (it opens and discards extra connections), so
         # the bound on requests in flight is this semaphore, taken around every request.
@@ -289,6 +314,11 @@ class S3ObjectStore:
         kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": full_key}
         if start or end is not None:
             kwargs["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
+        else:
+            # The whole object: validated against its stored checksum where the server has one
+            # (not a multipart object's composite one). A range is not: a server may answer it
+            # with the whole object's checksum, and the object format's block CRCs check ranges.
+            kwargs["ChecksumMode"] = "ENABLED"
 
         def call() -> bytes:
             return self._client.get_object(**kwargs)["Body"].read()
@@ -343,8 +373,8 @@ class S3ObjectStore:
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         """ObjectInfo of every object whose key starts with `prefix`, keys ascending."""
         strip = len(self.prefix) + 1 if self.prefix else 0
-        kwargs: dict[str, Any] = {"Bucket": self.bucket,
-                                  "Prefix": (self.prefix + "/" if self.prefix else "") + prefix}
+        full_prefix = (self.prefix + "/" if self.prefix else "") + prefix
+        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": full_prefix}
         while True:
             try:
                 page = self._request("list", "list", prefix, lambda: self._client.list_objects_v2(
@@ -352,7 +382,9 @@ class S3ObjectStore:
             except ClientError as e:
                 raise self._error("list", prefix, e) from e
             for item in page.get("Contents", []):
-                yield ObjectInfo(item["Key"][strip:], int(item["Size"]))
+                # Checked here too: rclone's serve s3 takes a prefix "/" for none.
+                if item["Key"].startswith(full_prefix):
+                    yield ObjectInfo(item["Key"][strip:], int(item["Size"]))
             if not page.get("IsTruncated"):
                 return
             kwargs["ContinuationToken"] = page["NextContinuationToken"]

@@ -94,9 +94,9 @@ def moto_endpoint():
 
 
 def _start_s3_server(tmp_path_factory, kind: str):
-    """A tests/s3servers.py server of `kind` ("seaweedfs" or "rclone") in a session temp dir.
+    """An s3stream.s3servers server of `kind` ("seaweedfs" or "rclone") in a session temp dir.
     Without its binary the tests using it skip, except in CI ($CI set), where they fail."""
-    import s3servers
+    from s3stream import s3servers
     for key, value in (("AWS_ACCESS_KEY_ID", s3servers.ACCESS_KEY), ("AWS_SECRET_ACCESS_KEY", s3servers.SECRET_KEY),
                        ("AWS_DEFAULT_REGION", s3servers.REGION)):
         os.environ.setdefault(key, value)
@@ -138,7 +138,7 @@ def store_url(request, tmp_path):
     if request.param == "local":
         return f"file://{tmp_path}/objects"
     if request.param in ("seaweedfs", "rclone"):
-        import s3servers
+        from s3stream import s3servers
         return s3servers.bucket_url(request.getfixturevalue(f"{request.param}_endpoint"))
     endpoint = request.getfixturevalue("moto_endpoint")
     bucket = f"b-{os.urandom(4).hex()}"

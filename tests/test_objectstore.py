@@ -28,7 +28,7 @@ from s3stream.objectstore import (
 from s3stream.objectstore import s3 as s3_module
 from s3stream.objectstore.local import POOL_DIR
 
-import s3servers
+from s3stream import s3servers
 
 KiB = 1024
 MiB = 1024 * KiB

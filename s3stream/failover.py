@@ -2,9 +2,11 @@
 
 1. Fence the node: its epoch + 1 in metadata, so the old instance, if it is only paused (a
    "zombie"), can no longer commit or open streams; its next commit fails and it stops.
-2. Open its WAL read-only (it must be reachable, as a shared EBS volume is) and replay the
-   records above each stream's committed end: upload and commit them under the dead node's id
-   and its new epoch, exactly as the node itself would have at restart.
+2. Open its WAL for recovery and replay the records above each stream's committed end: upload
+   and commit them under the dead node's id and its new epoch, exactly as the node itself would
+   have at restart. A WAL file is opened read-only and must be reachable from here, as a shared
+   EBS volume is; a WAL of objects (s3://..., s3stream.walopen) is read from the store by any
+   host, and opening it writes a fence there, so a paused node's next PUT fails.
 3. Close the streams it held, so that other nodes can open them (epoch + 1).
 Nothing acknowledged by the dead node before it was fenced is lost: it was durable in its WAL.
 """
@@ -18,14 +20,22 @@ from typing import Callable
 import wal
 
 from .config import Config
-from .errors import WALCorruptError, WALError
+from .errors import S3StreamError, WALCorruptError, WALError
 from .logcache import new_log_cache
 from .metadata import MetadataStore
 from .objectstore import ObjectStore
 from .recovery import close_node_streams, replay_wal
 from .upload import Uploader
+from .walopen import is_object_wal, open_node_wal
 
 log = logging.getLogger("s3stream.failover")
+
+def _open_for_recovery(path: str, node_id: int) -> wal.WAL:
+    try:
+        return open_node_wal(path, node_id=node_id, recovery=True)
+    except (wal.WALError, OSError, S3StreamError) as e:
+        raise WALError(f"failover of node {node_id}: cannot open its WAL {path!r}: {e}") from e
+
 
 @dataclass
 class FailoverReport:
@@ -53,20 +63,23 @@ def fail_over(node_id: int, *, store: ObjectStore, metadata: MetadataStore, conf
     config = config or Config()
     t0 = time.perf_counter()
     path = wal_path or metadata.get_node(node_id).wal_path
-    # Open the WAL before fencing: a WAL that cannot be read must not leave the node fenced
-    # with its streams still open and nobody to replay them.
-    try:
-        w = wal.WriteAheadLog.open(path, node_id=node_id, recovery=True)
-    except (wal.WALError, OSError) as e:
-        raise WALError(f"failover of node {node_id}: cannot open its WAL {path!r}: {e}") from e
+    # A WAL file is opened before the fence: one that cannot be read must not leave the node
+    # fenced with its streams still open and nobody to replay them. A WAL of objects is opened
+    # after it: opening writes its own fence into the store, which a node found alive
+    # (if_unchanged) must not get.
+    object_wal = is_object_wal(path)
+    w = None if object_wal else _open_for_recovery(path, node_id)
     try:
         node = metadata.fence_node(node_id, failover=True, if_unchanged=if_unchanged)
         if settle > 0:
             log.info("failover of node %d: fenced; waiting %.2f s for its lease to run out before reading its WAL",
                      node_id, settle)
             sleep(settle)
+        if w is None:
+            w = _open_for_recovery(path, node_id)
     except BaseException:
-        w.close()
+        if w is not None:
+            w.close()
         raise
     cache = new_log_cache(config, time.monotonic_ns)
     uploader = Uploader(node_id=node_id, node_epoch=node.node_epoch, store=store, metadata=metadata, cache=cache,

@@ -128,6 +128,14 @@ class ClientMetrics:
             f.counter("wal_buffer_waits", "Appends that waited for a free WAL batch buffer", node, w["buffer_waits"])
             f.counter("wal_wait_seconds", "Seconds appends waited for WAL space or a batch buffer", node,
                       w["wait_seconds"])
+        if w.get("kind") == "objects":
+            f.counter("wal_puts", "WAL objects written (one PUT each; wal_write_seconds times them)", node, w["puts"])
+            f.counter("wal_put_bytes", "Bytes of WAL objects written (object headers included)", node, w["put_bytes"])
+            f.counter("wal_put_retries", "WAL PUTs the store failed, retried", node, w["put_retries"])
+            f.counter("wal_fences", "WAL fence and hole objects written (one per open or gap)", node, w["fences"])
+            f.counter("wal_deletes", "WAL objects deleted below the trim", node, w["deletes"])
+            f.counter("wal_delete_requests", "WAL delete requests (up to 1000 objects each)", node,
+                      w["delete_requests"])
         if "used_bytes" in w:
             f.gauge("wal_used_bytes", "WAL bytes from the trim offset to the last record placed", node, w["used_bytes"])
             f.gauge("wal_capacity_bytes", "WAL data area size", node, w["capacity"])

@@ -1,7 +1,8 @@
 """Child of the engine crash test: node 1 appends to its streams until SIGKILLed.
 
-Usage: engine_crash_child.py TMPDIR ROUND NSTREAMS [STORE_URL [METADATA_URL]]
-(defaults file://TMPDIR/objects and sqlite:///TMPDIR/meta.db)
+Usage: engine_crash_child.py TMPDIR ROUND NSTREAMS [STORE_URL [METADATA_URL [WAL]]]
+(defaults file://TMPDIR/objects, sqlite:///TMPDIR/meta.db and TMPDIR/node1.wal; WAL may be a URL
+such as objects+file:///dir for a WAL kept as objects)
 Prints "stream INDEX ID" for each stream, "ready", then "ack ID SEQ BASE COUNT" per acknowledged
 append. Round 0 creates the streams; later rounds reopen them (recovery closed them).
 """
@@ -19,7 +20,8 @@ def main() -> None:
     tmp, rnd, nstreams = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     store = sys.argv[4] if len(sys.argv) > 4 else f"file://{tmp}/objects"
     meta = sys.argv[5] if len(sys.argv) > 5 else f"sqlite:///{tmp}/meta.db"
-    client = StreamClient(1, tmp / "node1.wal", store, meta, small_config(reclaim_interval=None))
+    wal_location = sys.argv[6] if len(sys.argv) > 6 else tmp / "node1.wal"
+    client = StreamClient(1, wal_location, store, meta, small_config(reclaim_interval=None))
     ids_file = tmp / "stream_ids"
     if rnd == 0:
         streams = [client.create_stream() for _ in range(nstreams)]

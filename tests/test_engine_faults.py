@@ -25,10 +25,12 @@ HERE = Path(__file__).parent
 ROUNDS = int(os.environ.get("ENGINE_CRASH_ROUNDS", "6"))
 
 
-def run_child(tmp: Path, rnd: int, nstreams: int, rng: random.Random, url: str, metadata_url: str) -> dict:
+def run_child(tmp: Path, rnd: int, nstreams: int, rng: random.Random, url: str, metadata_url: str,
+              wal_location: str | None = None) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.Popen([sys.executable, str(HERE / "engine_crash_child.py"), str(tmp), str(rnd), str(nstreams),
-                             url, metadata_url], stdout=subprocess.PIPE, text=True, env=env)
+                             url, metadata_url, *([wal_location] if wal_location else [])],
+                            stdout=subprocess.PIPE, text=True, env=env)
     acks: dict = {}
     ready = threading.Event()
 
@@ -53,10 +55,13 @@ def run_child(tmp: Path, rnd: int, nstreams: int, rng: random.Random, url: str, 
     return acks
 
 
-def verify_after_crash(tmp: Path, rnd: int, acks: dict, url: str, metadata_url: str) -> int:
-    """Restart node 1 (recovery), then read every stream back through a real client."""
-    c = StreamClient(1, tmp / "node1.wal", url, metadata_url, small_config(reclaim_interval=None))
-    assert c.recovered["streams_closed"] > 0
+def verify_after_crash(tmp: Path, rnd: int, acks: dict, url: str, metadata_url: str,
+                       client: StreamClient | None = None) -> int:
+    """Restart node 1 (recovery), then read every stream back through a real client (or through
+    `client`, once something else recovered node 1)."""
+    c = client or StreamClient(1, tmp / "node1.wal", url, metadata_url, small_config(reclaim_interval=None))
+    if client is None:
+        assert c.recovered["streams_closed"] > 0
     ids = [int(i) for i in (tmp / "stream_ids").read_text().split()]
     for index, sid in enumerate(ids):
         s = c.open_stream(sid)
@@ -76,7 +81,8 @@ def verify_after_crash(tmp: Path, rnd: int, acks: dict, url: str, metadata_url: 
             if a_sid == sid:
                 assert offsets.get((rnd, seq)) == base, f"acknowledged batch seq {seq} of stream {sid} lost"
         s.close()
-    c.close()
+    if client is None:
+        c.close()
     return len(acks)
 
 

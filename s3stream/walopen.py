@@ -1,0 +1,115 @@
+"""Where a node's WAL lives: `wal_path` as a path or a URL, opened as a file ring or as objects.
+
+- a path, or `file:///abs/path`: the ring on a file or block device (`wal.WriteAheadLog`);
+- `s3://bucket[/prefix][?...]`: a WAL kept as objects on that store (`wal.objectlog.ObjectWAL`),
+  with the URL form and options of `object_store` (endpoint_url, region, timeouts...). The
+  node's objects go under `prefix/node-{id}/`, so one URL serves every node;
+- `objects+URL`: a WAL of objects on the store at any object store URL, e.g.
+  `objects+file:///shared/wal` (a local or network directory; tests and benchmarks);
+- an ObjectStore instance: a WAL of objects on it (registered as `objects+` its URL).
+
+A WAL of objects needs a store that honours conditional writes (put-if-absent); add
+`wal_fencing=epoch` to the URL's query to accept one that does not: every PUT is then
+followed, before its records are acknowledged, by a read of the node's epoch in the metadata
+(a weaker promise, docs/wal-format.md).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+import wal
+from wal.objectlog import ObjectWAL
+
+from .errors import ConfigError, ObjectStorePermanentError
+from .objectstore import ObjectStore, open_object_store
+
+OBJECTS_PREFIX = "objects+"
+_WAL_PARAMS = ("wal_fencing",)
+_FENCING = ("store", "epoch")
+
+
+def is_object_wal(location: Any) -> bool:
+    if isinstance(location, str):
+        return location.startswith(OBJECTS_PREFIX) or location.lower().startswith("s3://")
+    return not isinstance(location, os.PathLike) and callable(getattr(location, "put_if_absent", None))
+
+
+def file_path(location: str | os.PathLike) -> str:
+    """The absolute path of a file WAL location (a path or file:///path)."""
+    text = os.fspath(location)
+    if text.startswith("file://"):
+        parts = urlsplit(text)
+        if parts.netloc not in ("", "localhost") or parts.query or parts.fragment:
+            raise ConfigError(f"WAL URL {text!r}: use file:///absolute/path (no host, query or fragment)")
+        text = parts.path
+    return os.path.abspath(text)
+
+
+def registered_location(location: Any) -> str:
+    """What metadata records as the node's WAL (peers reopen it from there to fail it over)."""
+    if is_object_wal(location):
+        if isinstance(location, str):
+            return location
+        return OBJECTS_PREFIX + location.url
+    return file_path(location)
+
+
+def _split(url: str) -> tuple[str, dict[str, str]]:
+    """The store URL and the WAL's own options of an object WAL URL."""
+    store_url = url[len(OBJECTS_PREFIX):] if url.startswith(OBJECTS_PREFIX) else url
+    parts = urlsplit(store_url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    own = {k: v for k, v in query if k in _WAL_PARAMS}
+    rest = [(k, v) for k, v in query if k not in _WAL_PARAMS]
+    fencing = own.get("wal_fencing", "store")
+    if fencing not in _FENCING:
+        raise ConfigError(f"wal_fencing={fencing!r} in WAL URL {url!r}: use store (put-if-absent, the default) or "
+                          "epoch (for a store that ignores conditional writes)")
+    return urlunsplit(parts._replace(query=urlencode(rest))), own
+
+
+def open_store(location: Any) -> tuple[ObjectStore, bool, dict[str, str]]:
+    """(store, whether the caller owns it, WAL options) of an object WAL location."""
+    if not isinstance(location, str):
+        return location, False, {}
+    store_url, own = _split(location)
+    try:
+        return open_object_store(store_url), True, own
+    except ConfigError as e:
+        raise ConfigError(f"WAL {location!r}: {e}") from e
+
+
+def open_node_wal(location: Any, *, node_id: int, node_epoch: int = 0, config: wal.WALConfig | None = None,
+                  recovery: bool = False, epoch_check: Callable[[], None] | None = None):
+    """Open node `node_id`'s WAL at `location` (module docstring). A WAL of objects closes the
+    store it opened when the WAL closes. `epoch_check` raises once the node was fenced: used
+    after every PUT when the URL says `wal_fencing=epoch`."""
+    if not is_object_wal(location):
+        return wal.WriteAheadLog.open(file_path(location), node_id=node_id, node_epoch=node_epoch, config=config,
+                                      recovery=recovery)
+    store, owned, own = open_store(location)
+    weak = own.get("wal_fencing") == "epoch"
+    try:
+        w = ObjectWAL.open(store, node_id=node_id, node_epoch=node_epoch, config=config, recovery=recovery,
+                           conditional_writes=not weak, ack_check=epoch_check if weak else None,
+                           permanent_errors=(ObjectStorePermanentError,))
+    except BaseException:
+        if owned:
+            store.close()
+        raise
+    if owned:
+        w.on_close(store.close)
+    return w
+
+
+def epoch_checker(meta, node_id: int, node_epoch: int) -> Callable[[], None]:
+    """For `wal_fencing=epoch`: raise wal.WALFencedError once node `node_id` has a newer epoch or
+    was failed over."""
+    def check() -> None:
+        node = meta.get_node(node_id)
+        if node.node_epoch != node_epoch or node.failover:
+            raise wal.WALFencedError(f"node {node_id} at epoch {node_epoch} was fenced (now epoch {node.node_epoch}"
+                                     f"{', failed over' if node.failover else ''}): its WAL PUT is not acknowledged")
+    return check

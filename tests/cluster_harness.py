@@ -436,6 +436,8 @@ class RunConfig:
     forget_first: float = 5.0           # retrying Cluster.forget before the replacement starts anyway
     forget_timeout: float = 30.0        # retrying Cluster.forget in all
     restart_wait: float = 60.0          # a killed or replaced node's fault lasts until it started, at most this
+    wal: str = "file"                   # "objects": each node's WAL on the object store (issue 27)
+    host_down: float = 6.0              # objects: a lost host's node starts again on a new host after this
 
     @property
     def gap_limit(self) -> float:
@@ -519,8 +521,18 @@ class NodeProcess:
         self.exits: list[dict] = []
 
     @property
-    def wal(self) -> Path:
-        return self.disk / "wal"
+    def wal(self) -> str:
+        """The node's WAL: a file on its disk, or (RunConfig.wal == "objects") a URL on the object
+        store (an S3 backend's bucket, else a directory beside the run's objects)."""
+        if self.run.config.wal == "objects":
+            store = self.run.backend.store_url
+            if store.startswith("s3://"):
+                return store.replace("/data?", "/wal?", 1)
+            return f"objects+file://{self.run.workdir}/wal-objects"
+        return str(self.disk / "wal")
+
+    def wal_exists(self) -> bool:
+        return self.run.config.wal == "objects" or os.path.exists(self.wal)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -979,7 +991,9 @@ class ClusterRun:
 
     def _lose_host(self, slot: int, planned: dict | None = None, **_) -> None:
         """kill -9 the node in `slot`, delete its disk, forget it (Cluster.forget(wal_lost=True)),
-        start a replacement under a new node id in the same slot. A forget that keeps failing
+        start a replacement under a new node id in the same slot. With RunConfig.wal ==
+        "objects" the WAL is not on the disk: nothing is forgotten, peers fail the node over from
+        the store, and the same node starts again on a new host after `host_down` seconds. A forget that keeps failing
         (the store down, no live node to take the partitions) does not hold the replacement up
         past forget_first: it starts, and the forget is retried up to forget_timeout. The fault
         lasts until the forget is done and the replacement has started."""
@@ -990,6 +1004,16 @@ class ClusterRun:
         rec = self.timeline.begin("lose-host", f"node {node.node_id}", nodes=[node.node_id], planned=planned,
                                   detail=dict(incarnation=node.incarnation))
         try:
+            if self.config.wal == "objects":
+                node.holds.add("lost")
+                node.kill()
+                shutil.rmtree(node.disk, ignore_errors=True)
+                self._end_faults.wait(self.config.host_down)
+                with node.lock:
+                    node.holds.discard("lost")
+                    node._spawn()
+                rec.detail["replacement_started_at"] = self._wait_started(node, node.incarnation)
+                return
             node.holds.add("lost")
             node.lost = True
             node.kill()
@@ -1159,7 +1183,7 @@ class ClusterRun:
         done = []
         for node_id, c in closes.items():
             node = self.nodes[node_id]
-            if c["clean"] or node.lost or not node.wal.exists():
+            if c["clean"] or node.lost or not node.wal_exists():
                 continue
             entry = dict(node=node_id)
             try:

@@ -176,6 +176,26 @@ def test_lost_host_then_forget(request, tmp_path, backend):
     assert result["settle"]["all_live"], result["settle"]
 
 
+@pytest.mark.parametrize("backend", BOTH, indirect=True)
+def test_lost_host_with_the_wal_on_the_store(request, tmp_path, backend):
+    """Issue 27: every node's WAL on the object store. kill -9 a node and delete its disk (the
+    host is gone): its peers fail it over from the store, with nothing to forget; its partitions
+    take appends elsewhere within heartbeat_timeout + 2 s and nothing acknowledged is lost. The
+    node starts again on a new host 6 s later, over the same WAL."""
+    def script(run):
+        run.inject("lose-host", slot=0)
+        run.sleep(2.0)
+
+    result = run_scenario(request, tmp_path, backend, script, wal="objects")
+    assert not result["forgets"]
+    assert_safe(result)
+    limit = result["config"]["heartbeat_timeout"] + 2.0
+    assert result["counts"]["longest_gap"] <= limit, (
+        f"a partition took no appends for {result['counts']['longest_gap']} s (limit {limit} s) "
+        f"(report: {result['report_path']})")
+    assert result["settle"]["all_live"], result["settle"]
+
+
 @pytest.mark.parametrize("backend", PG, indirect=True)
 def test_failover_during_an_object_store_stall(request, tmp_path, backend):
     """S3 frozen for 15 s; 1 s in, a node is killed and stays down (30 s). Its peers fail it over;

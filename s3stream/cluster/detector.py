@@ -4,8 +4,12 @@ A judge (a node's agent) reads every node's heartbeat record now and then. A pee
 while its record stays the same; the judge counts that silence on its own monotonic clock, and
 only over time during which the judge itself could read the store:
 
-- between two successful reads, at most `max_credit` seconds count (a judge that was paused,
-  starved of CPU or slow to get a connection does not charge its own gap to its peers);
+- two successful reads more than `max_credit` seconds apart count as an outage (below): the
+  judge was paused, starved of CPU, or its read waited that long for the store (during an
+  outage shorter than the pool's timeout reads do not fail, they wait: seen in the fault
+  campaign, seed 40, where a judge's read blocked for 10 s and the silence its peer had before
+  the outage was then charged on: the peer, still reconnecting, was failed over 0.3 s after
+  the store came back); nearer reads count the time between them;
 - a read that fails (the store is down, for the judge at least) resets every peer's silence:
   after an outage each node has a whole `timeout` to heartbeat again, so nobody is failed over
   because everyone's heartbeats went stale together;
@@ -36,14 +40,18 @@ class FailureDetector:
         self.max_credit_ns = int(max_credit * 1e9)
         self._peers: dict[int, _Peer] = {}
         self._last_read_ns: int | None = None
-        self.outages = 0            # failed reads that reset every peer's silence
+        self.outages = 0            # failed reads and long gaps that reset every peer's silence
 
     def observe(self, now_ns: int, records: Iterable[tuple[int, Hashable]]) -> list[int]:
         """A successful read at `now_ns` of every node's (node id, record token); returns the
         ids whose silence reached the timeout (suspects), ascending."""
         credit = 0
         if self._last_read_ns is not None:
-            credit = max(0, min(now_ns - self._last_read_ns, self.max_credit_ns))
+            gap = now_ns - self._last_read_ns
+            if gap > self.max_credit_ns:
+                self.unreachable()      # the judge did not see the store in between
+            else:
+                credit = max(0, gap)
         self._last_read_ns = now_ns
         seen: dict[int, _Peer] = {}
         for node_id, token in records:

@@ -726,6 +726,7 @@ cdef class Ring:
         cdef uint64_t seq = 0
         cdef int outcome = 0        # 0 timed out, 1 took a batch, 2 stopped and drained
         cdef Batch* b
+        cdef char* dst
         with nogil:
             pthread_mutex_lock(&self.mutex)
             while True:
@@ -764,8 +765,10 @@ cdef class Ring:
             return False
         b = self._slot(seq)     # SLOT_WRITING: no appender or writer touches it until finished
         out = PyByteArray_FromStringAndSize(NULL, reserve + <Py_ssize_t>b.write_len)
-        memset(PyByteArray_AS_STRING(out), 0, reserve)
-        memcpy(PyByteArray_AS_STRING(out) + reserve, b.buf, b.write_len)
+        dst = PyByteArray_AS_STRING(out)
+        memset(dst, 0, reserve)
+        with nogil:                     # megabytes: let the appenders run meanwhile
+            memcpy(dst + reserve, b.buf, b.write_len)
         return (seq, b.start, out)
 
     def finish_batch(self, uint64_t seq, error=None, int64_t took_ns=-1) -> None:

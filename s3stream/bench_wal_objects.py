@@ -95,12 +95,13 @@ class LatencyStore:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="s3stream bench --kind wal-objects", description=__doc__.split("\n\n")[0])
     p.add_argument("--stores", default="file,express,standard,moto,seaweedfs")
-    p.add_argument("--size", type=int, default=4096, help="record bytes")
+    p.add_argument("--size", type=int, default=65536, help="record bytes at the maximum and at half of it")
+    p.add_argument("--paced-size", type=int, default=1024, help="record bytes at 1 MB/s and 10 MB/s")
     p.add_argument("--seconds", type=float, default=3.0, help="seconds per measurement")
     p.add_argument("--threads", type=int, default=4, help="producer threads at the maximum rate")
     p.add_argument("--inflight", type=int, default=2048, help="appends in flight per producer at the maximum")
-    p.add_argument("--puts-in-flight", type=int, default=8)
-    p.add_argument("--object-bytes", type=int, default=4 << 20)
+    p.add_argument("--puts-in-flight", type=int, default=wal.WALConfig().puts_in_flight)
+    p.add_argument("--object-bytes", type=int, default=wal.WALConfig().object_bytes)
     p.add_argument("--put-interval", type=float, default=wal.WALConfig().put_interval)
     p.add_argument("--seal-bytes", type=int, default=wal.WALConfig().seal_bytes)
     p.add_argument("--workdir", default=None, help="where the file WAL goes (default: a temporary directory)")
@@ -111,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def wal_config(args) -> wal.WALConfig:
     return wal.WALConfig(capacity=4 * GIB, object_bytes=args.object_bytes, puts_in_flight=args.puts_in_flight,
-                         buffers=args.puts_in_flight + 4, put_interval=args.put_interval,
+                         put_interval=args.put_interval,
                          seal_bytes=args.seal_bytes, full_timeout=60.0)
 
 
@@ -237,11 +238,13 @@ def measure_max(w, args) -> dict:
                 h = q.popleft()
                 h.result(60)
                 n += 1
-                if n % 64 == 0:
+                if n % 64 == 0 and h.completed_ns is not None:
                     lat[i].append((h.completed_ns - h.submitted_ns) / 1e9)
         for h in q:
             h.result(60)
             n += 1
+            if n % 64 == 0 and h.completed_ns is not None:
+                lat[i].append((h.completed_ns - h.submitted_ns) / 1e9)
         counts[i] = n
 
     threads = [threading.Thread(target=producer, args=(i,)) for i in range(args.threads)]
@@ -258,10 +261,11 @@ def measure_max(w, args) -> dict:
                 latency=percentiles(sorted(x for part in lat for x in part)))
 
 
-def measure_paced(w, args, mb_s: float) -> dict:
-    """One producer appending at `mb_s` (open loop, never waiting for acknowledgments)."""
-    data = os.urandom(args.size)
-    interval = args.size / (mb_s * MB)
+def measure_paced(w, args, mb_s: float, size: int) -> dict:
+    """One producer appending records of `size` bytes at `mb_s` (open loop, never waiting for
+    acknowledgments)."""
+    data = os.urandom(size)
+    interval = size / (mb_s * MB)
     handles = []
     t0 = time.perf_counter()
     next_at = t0
@@ -280,9 +284,9 @@ def measure_paced(w, args, mb_s: float) -> dict:
     for h in handles:
         h.result(60)
     elapsed = time.perf_counter() - t0
-    lats = sorted((h.completed_ns - h.submitted_ns) / 1e9 for h in handles)
-    return dict(records=len(handles), seconds=elapsed, mb_s=len(handles) * args.size / MB / elapsed,
-                latency=percentiles(lats))
+    lats = sorted((h.completed_ns - h.submitted_ns) / 1e9 for h in handles if h.completed_ns is not None)
+    return dict(records=len(handles), seconds=elapsed, mb_s=len(handles) * size / MB / elapsed,
+                latency=percentiles(lats), size=size)
 
 
 def run_store(name: str, work: str, args, progress: Callable[[str], None]) -> dict:
@@ -299,10 +303,11 @@ def run_store(name: str, work: str, args, progress: Callable[[str], None]) -> di
             progress(f"{name}: maximum rate ({args.seconds:g} s)")
             out["max"] = measure_max(w, args)
             out["max"]["puts"] = puts() - p0
-            for label, rate in (("1MB/s", 1.0), ("10MB/s", 10.0), ("half", out["max"]["mb_s"] / 2)):
+            for label, rate, size in (("1MB/s", 1.0, args.paced_size), ("10MB/s", 10.0, args.paced_size),
+                                      ("half", out["max"]["mb_s"] / 2, args.size)):
                 p0 = puts()
-                progress(f"{name}: paced at {rate:.1f} MB/s")
-                r = measure_paced(w, args, rate)
+                progress(f"{name}: paced at {rate:.1f} MB/s, {size} B records")
+                r = measure_paced(w, args, rate, size)
                 r["puts"] = puts() - p0
                 out[label] = r
             times = sorted(put_times())
@@ -314,7 +319,7 @@ def run_store(name: str, work: str, args, progress: Callable[[str], None]) -> di
     for key in ("max", "1MB/s", "10MB/s", "half"):
         r = out[key]
         r["puts_per_s"] = r["puts"] / r["seconds"]
-        r["puts_per_gib"] = r["puts"] / max(r["records"] * args.size, 1) * GIB
+        r["puts_per_gib"] = r["puts"] / max(r["records"] * r.get("size", args.size), 1) * GIB
     return out
 
 
@@ -342,7 +347,8 @@ def ms(x: float | None) -> str:
 
 
 def render(results: dict, targets: list[dict], args) -> str:
-    lines = [f"WAL of objects vs the file (records {args.size} B, {args.threads} producers at the maximum, "
+    lines = [f"WAL of objects vs the file (records {args.size} B at the maximum and half of it, {args.paced_size} B "
+             f"at 1 and 10 MB/s; {args.threads} producers at the maximum, "
              f"{args.puts_in_flight} PUTs in flight, objects up to {args.object_bytes >> 20} MiB, put_interval "
              f"{args.put_interval * 1e3:g} ms)", ""]
     lines.append(f"{'store':<10} {'max MB/s':>9} {'PUT p50/p99 ms':>15} {'half p50/p99 ms':>16} "
@@ -371,8 +377,8 @@ def plot(results: dict, path: str) -> None:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     names = list(results)
     for i, key in enumerate(("half", "max")):
-        p50 = [results[n][key]["latency"]["p50"] * 1e3 for n in names]
-        p99 = [results[n][key]["latency"]["p99"] * 1e3 for n in names]
+        p50 = [(results[n][key]["latency"]["p50"] or 0) * 1e3 for n in names]
+        p99 = [(results[n][key]["latency"]["p99"] or 0) * 1e3 for n in names]
         xs = [j + i * 0.4 for j in range(len(names))]
         ax.bar(xs, p99, width=0.38, alpha=0.4, label=f"p99 at {key} load")
         ax.bar(xs, p50, width=0.38, label=f"p50 at {key} load")

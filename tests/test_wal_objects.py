@@ -371,3 +371,32 @@ def test_data_starts_past_the_gap():
         fence = w.fence_seq
     seqs = [h.seq for h in store.headers() if h.kind == KIND_DATA]
     assert seqs == [fence + DATA_GAP + 1]
+
+
+def test_a_stuck_put_is_hedged():
+    """After 20 quick PUTs, one PUT hangs (its attempt blocks until the test lets it go): a twin
+    PUT of the same object races it and the records are acknowledged while the first attempt
+    still hangs; when it lands later it is refused and reads back our bytes. Nothing is lost."""
+    store = MemStore()
+    release = threading.Event()
+    stuck: list[str] = []
+
+    def gate(key):
+        if "probe" in key or len(stuck) or store.puts < 25:
+            return None
+        stuck.append(key)
+        return release
+
+    with ObjectWAL.open(store, node_id=1, config=cfg(put_interval=0)) as w:
+        list(w.recover())
+        for i in range(25):
+            w.append(payload(i)).result(5)
+        store.gate = gate
+        h = w.append(payload(25))
+        assert h.result(5) >= 0, "acknowledged through the hedge while the first PUT hangs"
+        assert stuck and not release.is_set()
+        assert w.stats()["put_hedges"] >= 1
+        release.set()
+        for i in range(26, 40):
+            w.append(payload(i)).result(5)
+    assert recover_all(store) == [payload(i) for i in range(40)]

@@ -39,21 +39,24 @@ class WALConfig:
     max_record_bytes: largest record body (None: a quarter of the data capacity, at most 64 MiB).
     direct_io: None tries O_DIRECT and falls back to buffered writes + fdatasync where the
         filesystem refuses it; True requires it; False never uses it.
-    object_bytes, puts_in_flight, put_interval, seal_bytes, recovery_threads, fence_attempts,
-    put_retry_seconds, put_retry_max: a WAL kept as objects (wal.objectlog.ObjectWAL; the
-        file's settings batch_bytes, writer_threads, direct_io and preallocate do not apply to
-        it, `capacity` bounds its bytes not yet trimmed and `buffers` its batches in memory, at
-        least puts_in_flight + 2). An object holds one batch of at most `object_bytes` (a larger
-        record gets one of its own). `puts_in_flight` PUTs run at once, each on its own thread;
-        a writer that is free seals the open batch at once (group commit across PUTs) unless
-        the previous PUT started less than `put_interval` seconds ago and it holds less than
-        `seal_bytes` (0: no such size): at low load that bounds the PUT rate to 1 / put_interval (a record waits
-        at most that long for its PUT to start), while at high load, where objects are large
-        anyway, nothing waits for the interval. `recovery_threads` GETs run at once during
+    object_bytes, puts_in_flight, put_interval, seal_bytes, hedge_quantile, recovery_threads,
+    fence_attempts, put_retry_seconds, put_retry_max: a WAL kept as objects
+        (wal.objectlog.ObjectWAL; the file's settings batch_bytes, writer_threads, direct_io and
+        preallocate do not apply to it, `capacity` bounds its bytes not yet trimmed and
+        `buffers` its batches in memory, at least puts_in_flight + 2). An object holds one batch
+        of at most `object_bytes` (a larger record gets one of its own). `puts_in_flight` PUTs
+        run at once, each on its own thread; a writer that is free seals the open batch at once
+        (group commit across PUTs) unless the previous PUT started less than `put_interval`
+        seconds ago and it holds less than `seal_bytes` (0: no such size): at low load that
+        bounds the PUT rate to 1 / put_interval (a record waits at most that long for its PUT
+        to start), while at high load, where objects fill up, nothing waits for the interval. A
+        data PUT still unanswered after the `hedge_quantile` of the last 200 PUTs' latencies (0:
+        never) gets a twin racing it, the first answer counting: about 1 - hedge_quantile more
+        PUTs for a bounded tail (wal.objectlog). `recovery_threads` GETs run at once during
         recovery. Opening fences earlier writers by taking the next sequence: `fence_attempts`
-        tries when another writer keeps taking it. A PUT the store fails is retried with backoff up to `put_retry_max`
-        seconds between tries for as long as the WAL is open (a fenced or permanent error stops
-        it); a fence for `put_retry_seconds`.
+        tries when another writer keeps taking it. A PUT the store fails is retried with
+        backoff up to `put_retry_max` seconds between tries for as long as the WAL is open (a
+        fenced or permanent error stops it); a fence for `put_retry_seconds`.
     preallocate: how a new WAL file gets its space. "background" (default): `posix_fallocate`
         (instant), then the writer session zero-fills the data area in a thread while appends
         run; appends never pass the filled end (they wait for it, see docs/wal-format.md,
@@ -77,10 +80,11 @@ class WALConfig:
     max_record_bytes: int | None = None
     direct_io: bool | None = None
     preallocate: str = "background"
-    object_bytes: int = 4 * MiB
-    puts_in_flight: int = 4
+    object_bytes: int = 2 * MiB
+    puts_in_flight: int = 8
     put_interval: float = 0.005
     seal_bytes: int = 0
+    hedge_quantile: float = 0.9
     recovery_threads: int = 16
     fence_attempts: int = 20
     put_retry_seconds: float = 30.0
@@ -118,6 +122,9 @@ class WALConfig:
             raise WALConfigError(f"full_timeout must be positive seconds, got {self.full_timeout}")
         if self.max_record_bytes is not None and self.max_record_bytes < 1:
             raise WALConfigError(f"max_record_bytes must be positive, got {self.max_record_bytes}")
+        if isinstance(self.hedge_quantile, bool) or not isinstance(self.hedge_quantile, (int, float)) or not (
+                self.hedge_quantile == 0 or 0.5 <= self.hedge_quantile < 1):
+            raise WALConfigError(f"hedge_quantile must be 0 (no hedging) or in [0.5, 1), got {self.hedge_quantile!r}")
         for name in ("put_interval", "put_retry_seconds", "put_retry_max"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:

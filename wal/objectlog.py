@@ -42,12 +42,15 @@ fences by other means (s3stream checks the node epoch in its metadata after ever
 """
 from __future__ import annotations
 
+import collections
 import logging
 import struct
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from typing import Callable, Iterator, Protocol
 
@@ -211,8 +214,11 @@ class ObjectWAL:
         self._persisted_trim = 0
         self._trim_cv = threading.Condition(self._lock)
         self._trimmer: threading.Thread | None = None
-        self._stats = dict(puts=0, put_bytes=0, put_retries=0, fences=0, deletes=0, delete_requests=0, gets=0,
-                           get_bytes=0, lists=0)
+        self._stats = dict(puts=0, put_bytes=0, put_retries=0, put_hedges=0, fences=0, deletes=0,
+                           delete_requests=0, gets=0, get_bytes=0, lists=0)
+        # Latencies of the last data PUT attempts (each its own, hedged or not).
+        self._recent_put_ns: collections.deque[int] = collections.deque(maxlen=200)
+        self._hedge_pool = ThreadPoolExecutor(2 * config.puts_in_flight, thread_name_prefix="wal-put-hedge")
         self._stats_lock = threading.Lock()
         self._on_close: list[Callable[[], object]] = []
         self._permanent: tuple[type[BaseException], ...] = ()
@@ -493,7 +499,7 @@ class ObjectWAL:
             if error is None:
                 t0 = time.monotonic_ns()
                 try:
-                    if not self._put(object_key(self._node_id, seq), data, until_stopped=True):
+                    if not self._put_data(object_key(self._node_id, seq), data):
                         error = WALFencedError(
                             f"WAL of node {self._node_id} at {self._store.url}: object {seq} was written by another "
                             "writer (a newer instance or a peer recovering this node fenced this one); nothing from "
@@ -518,12 +524,56 @@ class ObjectWAL:
                 error = WALIOError(f"WAL PUT to {self._store.url} failed for good: {error}")
             ring.finish_batch(batch_seq, error, took)
 
-    def _put(self, key: str, data, until_stopped: bool = False) -> bool:
+    def _put_data(self, key: str, data) -> bool:
+        """A data object's PUT, hedged: when it has not answered after the `hedge_quantile` of
+        the recent PUTs' latencies, a second PUT of the same bytes races it, and the first
+        answer counts. Both are put-if-absent of one key, so at most one creates the object;
+        the other is refused and reads it back: ours. One slow request then delays its object,
+        and every acknowledgment after it (they are in order), by about that quantile plus a
+        typical PUT instead of its whole tail (The Tail at Scale, Dean and Barroso)."""
+        delay = self._hedge_delay()
+        if delay is None:
+            return self._attempt(key, data, False)
+        first = self._hedge_pool.submit(self._attempt, key, data, True)
+        try:
+            return first.result(timeout=delay)
+        except FutureTimeout:
+            pass
+        self._count(put_hedges=1)
+        second = self._hedge_pool.submit(self._attempt, key, data, True)
+        done, _ = futures_wait([first, second], return_when=FIRST_COMPLETED)
+        winner = next(iter(done))
+        error = winner.exception()
+        if error is None:
+            return winner.result()
+        other = second if winner is first else first
+        return other.result()           # the other attempt's answer (or its error)
+
+    def _attempt(self, key: str, data, verify_refusal: bool) -> bool:
+        """One PUT of a data object (retried on failures), its latency recorded for the hedge
+        delay: each attempt's own, so hedging does not shrink the estimate it is based on."""
+        t0 = time.monotonic_ns()
+        done = self._put(key, data, until_stopped=True, verify_refusal=verify_refusal)
+        with self._stats_lock:
+            self._recent_put_ns.append(time.monotonic_ns() - t0)
+        return done
+
+    def _hedge_delay(self) -> float | None:
+        q = self._config.hedge_quantile
+        if not q:
+            return None
+        with self._stats_lock:
+            recent = sorted(self._recent_put_ns)
+        if len(recent) < 20:
+            return None
+        return recent[min(len(recent) - 1, int(len(recent) * q))] / 1e9
+
+    def _put(self, key: str, data, until_stopped: bool = False, verify_refusal: bool = False) -> bool:
         """put_if_absent with retries: a store's transient failure is retried (with backoff
         capped at `put_retry_max`) for `put_retry_seconds`, or for as long as the WAL is open
         when `until_stopped`; a fault that ends lets the WAL go on by itself. After a failed
-        try, a refusal may be our own earlier PUT whose answer was lost: the object is read
-        back, and holding our bytes it counts as written."""
+        try (or always, with `verify_refusal`: a hedged PUT races its twin), a refusal may be our
+        own PUT: the object is read back, and holding our bytes it counts as written."""
         cfg = self._config
         delay = 0.01
         give_up = time.monotonic() + cfg.put_retry_seconds
@@ -532,7 +582,7 @@ class ObjectWAL:
             try:
                 if self._store.put_if_absent(key, data):
                     return True
-                if not tried:
+                if not tried and not verify_refusal:
                     return False
                 self._count(gets=1)
                 return self._store.get(key) == data
@@ -682,6 +732,7 @@ class ObjectWAL:
             self._trim_cv.notify_all()
         if self._trimmer is not None:
             self._trimmer.join(timeout=self._config.put_retry_seconds)
+        self._hedge_pool.shutdown(wait=False)
         for fn in self._on_close:
             fn()
 

@@ -124,3 +124,20 @@ def test_metadata_bench_quick(tmp_path, kind, request):
     finally:
         meta.close()
     assert "operations per second" in bench_metadata.format_report(report)
+
+
+def test_wal_objects_bench_quick(tmp_path):
+    """`s3stream bench --kind wal-objects --quick`: the file and the S3 Express-like store, every
+    measurement and target in report.json, the plot written."""
+    from s3stream.bench_wal_objects import run as run_wal_objects
+    report = run_wal_objects(["--quick", "--out", str(tmp_path / "out"), "--workdir", str(tmp_path)])
+    results = report["results"]
+    assert set(results) == {"file", "express"}
+    for name, r in results.items():
+        for key in ("max", "half", "1MB/s", "10MB/s"):
+            assert r[key]["records"] > 0 and r[key]["mb_s"] > 0, (name, key, r[key])
+    assert results["express"]["put_latency"]["p50"] >= 0.004          # the injected 5 ms median
+    assert results["express"]["stats"]["puts"] > 0
+    whats = [t["what"] for t in report["targets"]]
+    assert any("maximum / file maximum" in w for w in whats) and any("p99 at half load" in w for w in whats)
+    assert (tmp_path / "out" / "report.json").exists() and (tmp_path / "out" / "latency.png").exists()

@@ -4,7 +4,7 @@ spark_bench, a layer above this package."""
 from __future__ import annotations
 
 import importlib.metadata
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import click
 
@@ -30,15 +30,21 @@ class BenchmarkKind(click.Choice):
     def __init__(self) -> None:
         super().__init__(())
 
-    @property
-    def choices(self) -> Sequence[str]:
-        return tuple(benchmark_entry_points())
+    def _refresh(self) -> None:
+        # An assignment, not a property: click's own type of `choices` changed (Sequence in 8.4,
+        # tuple in 8.5), and a tuple is both.
+        self.choices = tuple(benchmark_entry_points())
 
-    @choices.setter
-    def choices(self, value: Sequence[str]) -> None:
-        """Choice.__init__ sets fixed choices; these come from the entry points instead."""
+    def get_metavar(self, *args: Any, **kwargs: Any) -> str | None:
+        self._refresh()
+        return super().get_metavar(*args, **kwargs)
+
+    def shell_complete(self, *args: Any, **kwargs: Any) -> Any:
+        self._refresh()
+        return super().shell_complete(*args, **kwargs)
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        self._refresh()
         if not self.choices:
             raise click.ClickException(f"no benchmarks are registered (entry point group {BENCH_GROUP}): "
                                        f"{INSTALL_FIX}")

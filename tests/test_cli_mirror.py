@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -71,7 +70,7 @@ def test_status_of_a_running_worker(env):
 
 
 def test_run_in_the_foreground_until_ctrl_c(env):
-    from test_metrics import free_port, scrape_url
+    from test_metrics import exit_code_after_ctrl_c, free_port, scrape_url
     for name in ("p0", "p1", "p2"):
         env.produce(name, 15)
     pythonpath = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
@@ -97,8 +96,7 @@ def test_run_in_the_foreground_until_ctrl_c(env):
         metrics = scrape_url(port)
         assert metrics[("s3stream_appends_total", (("node", "7"),))] >= 3 * 15 + 10
         assert ("s3stream_metadata_latency_seconds_count", (("node", "7"), ("operation", "commit"))) in metrics
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(30) == 0, proc.stderr.read()
+        assert exit_code_after_ctrl_c(proc) == 0, proc.stderr.read()
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -64,6 +64,18 @@ def value(samples: dict, name: str, **labels) -> float:
     return samples[(name, tuple(sorted(labels.items())))]
 
 
+def exit_code_after_ctrl_c(proc: subprocess.Popen, timeout: float = 30.0) -> int:
+    """SIGINT `proc` and its exit code; past `timeout` it is sent SIGABRT, and the test fails with
+    the tracebacks of its threads (PYTHONFAULTHANDLER=1 in its environment prints them)."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        _, err = proc.communicate(timeout=30)
+        raise AssertionError(f"no exit {timeout:g} s after Ctrl-C; its threads:\n{err[-20000:]}") from None
+
+
 def wait_for(predicate, what: str, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -270,13 +282,13 @@ def test_balance_run_serves_metrics_port(tmp_path):
         [sys.executable, "-m", "s3stream", "balance", "run", "--meta", f"sqlite:///{tmp_path}/meta.db",
          "--store", str(tmp_path / "objects"), "--node-id", "9", "--metrics-port", str(port)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])))
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]),
+                 PYTHONFAULTHANDLER="1"))
     try:
         samples = scrape_url(port)
         assert ("s3stream_migration_seconds_count", ()) in samples
         assert ("s3stream_failover_seconds_count", ()) in samples
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(30) == 0, proc.stderr.read()
+        assert exit_code_after_ctrl_c(proc) == 0, proc.stderr.read()
         assert f"metrics on http://0.0.0.0:{port}/metrics" in proc.stdout.read()
     finally:
         if proc.poll() is None:

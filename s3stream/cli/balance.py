@@ -503,10 +503,13 @@ def balance_run(meta_url: str, store_url: str, node_id: int, once: bool, exclude
         if once:
             run_one_round(balancer)
             return
-        balancer.start()
-        click.echo(f"balancer candidate {node_id} running: plans every {config.loop_interval_s:g} s while it holds "
-                   "the lease; Ctrl-C to stop")
+        # Ctrl-C may come at any moment from here on, the start included: its threads are
+        # stopped whatever happens (a KeyboardInterrupt past them left the process waiting for
+        # them, forever).
         try:
+            balancer.start()
+            click.echo(f"balancer candidate {node_id} running: plans every {config.loop_interval_s:g} s while it "
+                       "holds the lease; Ctrl-C to stop")
             follow_balancer(balancer, lambda: True)
         except KeyboardInterrupt:
             click.echo("stopping (a move under way finishes first)", err=True)

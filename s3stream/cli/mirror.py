@@ -142,10 +142,11 @@ def mirror_run(source_meta_url: str, source_store_url: str, target_meta_url: str
         worker = MirrorWorker(worker_id, source_alias=source_alias, flow_id=flow_id, wal_dir=wal_dir, config=config,
                               on_event=lambda e: click.echo(mirror_event_line(e)), source_meta=source_meta,
                               source_store=source_store, target_meta=target_meta, target_store=target_store)
-        worker.start()
-        click.echo(f"mirror worker {worker_id} running flow {worker.flow_id}: {source_alias}.NAME for every source "
-                   f"partition NAME, passes every {config.interval:g} s; Ctrl-C to stop")
+        # Ctrl-C may come at any moment from here on, the start included (see balance run).
         try:
+            worker.start()
+            click.echo(f"mirror worker {worker_id} running flow {worker.flow_id}: {source_alias}.NAME for every "
+                       f"source partition NAME, passes every {config.interval:g} s; Ctrl-C to stop")
             while worker.running:
                 time.sleep(0.1)
         except KeyboardInterrupt:

@@ -64,10 +64,10 @@ def value(samples: dict, name: str, **labels) -> float:
     return samples[(name, tuple(sorted(labels.items())))]
 
 
-def exit_code_after_ctrl_c(proc: subprocess.Popen, timeout: float = 30.0) -> int:
-    """SIGINT `proc` and its exit code; past `timeout` it is sent SIGABRT, and the test fails with
-    the tracebacks of its threads (PYTHONFAULTHANDLER=1 in its environment prints them)."""
-    proc.send_signal(signal.SIGINT)
+def exit_code_after_ctrl_c(proc: subprocess.Popen, timeout: float = 30.0, sig: int = signal.SIGINT) -> int:
+    """SIGINT (or `sig`) `proc` and its exit code; past `timeout` it is sent SIGABRT, and the test
+    fails with the tracebacks of its threads (PYTHONFAULTHANDLER=1 in its environment prints them)."""
+    proc.send_signal(sig)
     try:
         return proc.wait(timeout)
     except subprocess.TimeoutExpired:
@@ -271,8 +271,11 @@ def test_failover_duration_is_exported(tmp_path, local):
         meta.close()
 
 
-def test_balance_run_serves_metrics_port(tmp_path):
-    """`s3stream balance run --metrics-port P` serves /metrics (the process-wide families) until Ctrl-C."""
+@pytest.mark.parametrize("stop", ["ctrl-c", "sigterm-ignored-sigint"])
+def test_balance_run_serves_metrics_port(tmp_path, stop):
+    """`s3stream balance run --metrics-port P` serves /metrics (the process-wide families) until Ctrl-C;
+    and until SIGTERM, started with SIGINT ignored (a background job of a non-interactive shell):
+    stopped cleanly either way."""
     from s3stream.metadata import open_metadata
     open_metadata(f"sqlite:///{tmp_path}/meta.db").close()
     (tmp_path / "objects").mkdir()
@@ -283,12 +286,14 @@ def test_balance_run_serves_metrics_port(tmp_path):
          "--store", str(tmp_path / "objects"), "--node-id", "9", "--metrics-port", str(port)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]),
-                 PYTHONFAULTHANDLER="1"))
+                 PYTHONFAULTHANDLER="1"),
+        preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if stop != "ctrl-c" else None)
     try:
         samples = scrape_url(port)
         assert ("s3stream_migration_seconds_count", ()) in samples
         assert ("s3stream_failover_seconds_count", ()) in samples
-        assert exit_code_after_ctrl_c(proc) == 0, proc.stderr.read()
+        sig = signal.SIGINT if stop == "ctrl-c" else signal.SIGTERM
+        assert exit_code_after_ctrl_c(proc, sig=sig) == 0, proc.stderr.read()
         assert f"metrics on http://0.0.0.0:{port}/metrics" in proc.stdout.read()
     finally:
         if proc.poll() is None:

@@ -28,7 +28,7 @@ from ..errors import ConfigError, S3StreamError
 from ..cluster.loadreport import read_reports
 from ..metadata import MetadataStore
 from .common import (META_HELP, as_number, emit_json, iso_time, json_option, meta_option, metrics_option, open_meta,
-                     open_store, serve_metrics, store_option, table, user_errors)
+                     open_store, serve_metrics, stop_on_signals, store_option, table, user_errors)
 
 
 class SizeType(click.ParamType):
@@ -495,6 +495,7 @@ def balance_run(meta_url: str, store_url: str, node_id: int, once: bool, exclude
     migrations and failovers this candidate ran (s3stream_migration_seconds, _failover_seconds).
     """
     config = balancer_config(**thresholds)
+    stop_on_signals()
     serve_metrics(metrics_port)
     # A failover opens the source's WAL with the capacity in its header, whatever it is.
     failover_config = Config(wal=wal.WALConfig(capacity=None))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import signal
 import time
 from typing import Any, Callable
 from urllib.parse import unquote, urlsplit
@@ -127,6 +128,19 @@ def serve_metrics(port: int) -> None:
         raise click.ClickException(f"cannot serve metrics on port {port}: {e.strerror or e}; choose another "
                                    "--metrics-port") from e
     click.echo(f"metrics on http://0.0.0.0:{port}/metrics")
+
+
+def stop_on_signals() -> None:
+    """Make Ctrl-C (SIGINT) and SIGTERM raise KeyboardInterrupt in the main thread, for the
+    commands that run until stopped: they then stop cleanly (flows closed, leases released)
+    when a supervisor stops them with SIGTERM too, and also when they were started from a
+    non-interactive shell's background job, which inherits SIGINT ignored (Python then
+    installs no handler of its own: Ctrl-C did nothing at all)."""
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, interrupt)
 
 
 def iso_time(ns: int) -> str:

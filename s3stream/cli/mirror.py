@@ -14,7 +14,7 @@ from wal.benchkit import parse_size
 
 from ..config import Config
 from .common import (as_number, emit_json, json_option, metrics_option, open_meta, open_store, serve_metrics, table,
-                     user_errors)
+                     stop_on_signals, user_errors)
 
 
 def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
@@ -133,6 +133,7 @@ def mirror_run(source_meta_url: str, source_store_url: str, target_meta_url: str
     if interval is not None:
         config = dataclasses.replace(config, interval=interval, lease_ttl=max(config.lease_ttl, 3 * interval),
                                      worker_timeout=max(config.worker_timeout, 3 * interval))
+    stop_on_signals()
     serve_metrics(metrics_port)
     with contextlib.ExitStack() as stack:
         source_meta = stack.enter_context(contextlib.closing(open_meta(source_meta_url)))

@@ -20,6 +20,7 @@ import argparse
 import collections
 import contextlib
 import json
+import logging
 import math
 import os
 import random
@@ -133,6 +134,7 @@ def open_store(name: str, work: str, args) -> Iterator[tuple[Any, Callable[[], l
         return
     if name == "moto":
         from moto.server import ThreadedMotoServer
+        logging.getLogger("werkzeug").setLevel(logging.WARNING)     # a line per request otherwise
         for key, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
                            ("AWS_DEFAULT_REGION", "us-east-1")):
             os.environ.setdefault(key, value)

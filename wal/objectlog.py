@@ -56,7 +56,7 @@ from typing import Callable, Iterator, Protocol
 
 from _native import walrecord
 from _native.checksum import crc32c
-from _native.walring import AppendHandle, Ring
+from _native.walring import Ring
 from _native.walscan import Scanner
 
 from .config import DEFAULT_CAPACITY, WALConfig
@@ -64,6 +64,7 @@ from .errors import (
     RecordTooLargeError, WALClosedError, WALConfigError, WALCorruptError, WALFencedError, WALFullError, WALIOError,
 )
 from .log import Record, RecoveryResult
+from .ringwal import RingWAL
 
 log = logging.getLogger("wal")
 
@@ -82,7 +83,6 @@ HEADER_BYTES = 128
 _PAD = HEADER_BYTES - _HEAD.size - _CRC.size
 assert _PAD >= 0
 NO_SEQ = (1 << 64) - 1
-_NO_DEADLINE = (1 << 63) - 1
 #: Sequence numbers are printed with this many digits, so keys sort as numbers.
 SEQ_DIGITS = 20
 #: Sequences a session leaves free after its FENCE: more than an older writer can still PUT after
@@ -174,7 +174,7 @@ def probe_conditional_writes(store: WALStore, node_id: int) -> bool:
         store.delete([key])
 
 
-class ObjectWAL:
+class ObjectWAL(RingWAL):
     """A WAL kept as objects. Open with `ObjectWAL.open(store, node_id=...)`; the methods are
     those of `wal.WriteAheadLog` (see `wal.interface.WAL`)."""
 
@@ -473,9 +473,6 @@ class ObjectWAL:
                 t.start()
             return ring
 
-    def start(self) -> Ring:
-        return self._ring or self._start()
-
     def _put_loop(self, ring: Ring) -> None:
         cfg = self._config
         while True:
@@ -625,35 +622,6 @@ class ObjectWAL:
             for k, v in deltas.items():
                 self._stats[k] += v
 
-    def append(self, data, callback: Callable[[AppendHandle], object] | None = None,
-               prefix: bytes | None = None) -> AppendHandle:
-        ring = self._ring or self._start()
-        return ring.append(data, callback, prefix)
-
-    def sync(self, timeout: float | None = None) -> bool:
-        ring = self._ring
-        if ring is None:
-            return True
-        return ring.wait_durable(ring.appended_end, timeout)
-
-    def set_ack_deadline(self, deadline_ns: int | None) -> None:
-        self._check_open()
-        self.start().set_ack_deadline(_NO_DEADLINE if deadline_ns is None else deadline_ns)
-
-    def revoke_acks(self, error: BaseException) -> None:
-        ring = self._ring
-        if ring is not None:
-            ring.revoke_acks(error)
-
-    @property
-    def acked_end(self) -> int:
-        ring = self._ring
-        return ring.acked_end if ring is not None else self.durable_end
-
-    def completion_time(self, end: int) -> int | None:
-        ring = self._ring
-        return None if ring is None else ring._completion_time(end)
-
     # ---- trimming ----------------------------------------------------------------------------
 
     def trim(self, offset: int) -> None:
@@ -740,12 +708,6 @@ class ObjectWAL:
         if self._closed:
             raise WALClosedError(f"WAL of node {self._node_id} at {self._store.url} is closed")
 
-    def __enter__(self) -> "ObjectWAL":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     # ---- introspection -------------------------------------------------------------------------
 
     @property
@@ -798,11 +760,6 @@ class ObjectWAL:
         if ring is not None:
             return ring.durable_end
         return self._recovered.end if self._recovered else self._trim
-
-    @property
-    def appended_end(self) -> int:
-        ring = self._ring
-        return ring.appended_end if ring is not None else self.durable_end
 
     def stats(self) -> dict:
         """The ring's counters plus the store requests: `puts` (data objects), `fences`,

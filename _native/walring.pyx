@@ -796,11 +796,6 @@ cdef class Ring:
         """Batches retired in order (written, or failed): every batch of a lower sequence is too."""
         return self.done_seq
 
-    @property
-    def taken_unfinished(self) -> int:
-        """Batches taken by writers and not finished yet."""
-        return self.write_seq - self.done_seq
-
     cdef void _advance(self) noexcept nogil:
         """Retire written batches in offset order, moving the durable watermark. Mutex held."""
         cdef Batch* b

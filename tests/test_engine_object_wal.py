@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 import wal
-from s3stream import ConfigError, RecordBatch, StreamClient
+from s3stream import ConfigError, RecordBatch, S3StreamError, StreamClient
 from s3stream.failover import fail_over
 from s3stream.metadata import open_metadata
 from s3stream.objectstore import open_object_store
@@ -73,7 +73,7 @@ def test_round_trip_with_the_wal_on_an_s3_server(tmp_path, store_url):
     try:
         report = fail_over(1, store=store, metadata=meta)
         assert report.streams_closed == 4
-        with pytest.raises(Exception):             # the store fenced node 1's WAL
+        with pytest.raises(S3StreamError, match="fenced"):   # node 1 was fenced (metadata and store)
             streams[0].append(RecordBatch(b"late")).result(10)
         b = StreamClient(2, wal_url, store_url, meta_url, small_config())
         for sid, batches in expected.items():

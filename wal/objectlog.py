@@ -204,7 +204,6 @@ class ObjectWAL(RingWAL):
         self._chain: list[ObjectHeader] = []     # the DATA objects to replay, in order
         self._last = NO_SEQ                      # the log's last object when this session began
         self._recovered: RecoveryResult | None = None
-        self._resume = 0
         self._live: dict[int, int] = {}
         self._first_data_seq = 0
         self._deletable: list[int] = []
@@ -452,7 +451,6 @@ class ObjectWAL(RingWAL):
             ring = Ring(-1, 0, self._capacity, cfg.object_bytes, max(cfg.buffers, cfg.puts_in_flight + 2),
                         self._generation, resume, trim, None, cfg.full_timeout, self._max_record,
                         (WALFullError, WALClosedError, WALIOError, RecordTooLargeError))
-            self._resume = resume
             self._trim = trim
             # The log's objects not yet trimmed (seq -> logical end): the replayed ones now, this
             # session's from when their batch is taken (so an object in flight is never skipped).

@@ -37,13 +37,55 @@ def test_spark_throughput_retention_keeps_the_store_small_and_loses_nothing(tmp_
 
 
 def test_spark_migration_smoke_loses_nothing(tmp_path):
+    """Saturating load: the report holds the throughput without and during the migrations (whole
+    seconds of the same job), the measured tail and the producers' rate per history, and every
+    acknowledged record reads back."""
     from spark_bench import main
-    report = main(["migration", "--histories", "4M,16M", "--migrations", "3", "--tail", "4M", "--pause", "0.1",
-                   "--out", str(tmp_path), "--store", f"file://{tmp_path}/objects", "--wal-capacity", "64M"])
+    report = main(["migration", "--histories", "4M,16M", "--migrations", "3", "--tail", "4M", "--pause", "1.0",
+                   "--quiet-seconds", "2", "--out", str(tmp_path), "--store", f"file://{tmp_path}/objects",
+                   "--wal-capacity", "64M"])
+    assert report["upload_threshold"] == 4 << 20             # --tail is the upload threshold's alias
+    assert report["load"] == 1.0 and report["calibration"] is None and report["p99_target_s"] == 0.1
     assert all(r["migrations"] == 3 and r["failed_over"] == 0 for r in report["histories"])
+    moves = report["moves"]
+    assert len(moves) == 6 and all(m["source"] != m["target"] and m["start_s"] < m["end_s"] for m in moves)
+    for r in report["histories"]:
+        assert 0 < r["tail_bytes_max"] and r["tail_bytes_mean"] <= r["tail_bytes_max"], r
+        assert r["tail_bytes_max"] == max(m["tail_bytes"] for m in moves if m["partition"] == r["partition"])
+        assert r["producers_mb_s"] > 0 and r["p50_s"] <= r["p99_s"] <= r["max_s"], r
+    quiet, migrating = report["quiet"], report["migrating"]
+    assert quiet["whole_seconds"] == 2 and quiet["mb_s"] > 0
+    assert quiet["end_s"] == migrating["start_s"] and migrating["end_s"] == moves[-1]["end_s"]
+    assert migrating["whole_seconds"] >= 2 and migrating["mb_s"] > 0
+    assert report["throughput_ratio"] == pytest.approx(migrating["mb_s"] / quiet["mb_s"])
+    after = report["quiet_after"]
+    assert after["whole_seconds"] == 2 and after["mb_s"] > 0 and after["start_s"] > migrating["end_s"]
     assert report["verification"]["acknowledged"] > 0
     assert report["verification"]["lost"] == 0
     assert not report["failures"]
+    saved = json.loads((tmp_path / "report.json").read_text())
+    assert {"targets", "anchors", "quiet", "migrating", "throughput_ratio", "flatness"} <= saved.keys()
+    assert saved["targets"]["p99_s_at_saturation"] == 0.1 and saved["targets"]["flatness"] == 1.3
+    assert (tmp_path / "migration.png").stat().st_size > 0
+
+
+def test_spark_migration_half_load_calibrates_then_paces(tmp_path):
+    """--load 0.5: a calibration job measures the saturating rate, then every producer is paced
+    at half of it in all (the quiet phase cannot run much above that), and nothing is lost."""
+    from spark_bench import main
+    report = main(["migration", "--histories", "4M,8M", "--migrations", "2", "--load", "0.5",
+                   "--calibration-seconds", "2", "--quiet-seconds", "2", "--upload-threshold", "4M", "--pause", "1.0",
+                   "--out", str(tmp_path), "--store", f"file://{tmp_path}/objects", "--wal-capacity", "64M"])
+    calibration = report["calibration"]
+    assert calibration["whole_seconds"] == 2 and calibration["mb_s"] > 0
+    assert calibration["paced_mb_s"] == pytest.approx(0.5 * calibration["mb_s"])
+    assert calibration["paced_partition_mb_s"] == pytest.approx(calibration["paced_mb_s"] / 2)
+    assert report["p99_target_s"] == 0.05
+    assert 0 < report["quiet"]["mb_s"] <= 1.25 * calibration["paced_mb_s"], report["quiet"]
+    assert report["migrating"]["mb_s"] > 0
+    assert all(r["migrations"] == 2 and r["failed_over"] == 0 for r in report["histories"])
+    assert report["verification"]["acknowledged"] > 0 and report["verification"]["lost"] == 0
+    assert not report["failures"] and not report["node_errors"]
 
 
 def test_spark_balance_smoke_converges_and_loses_nothing(tmp_path):

@@ -281,7 +281,8 @@ def acked_rate(timeline: dict[int, int], start: float, end: float) -> dict:
 def calibrate(args, dep, cluster, meta, histories: dict[str, int]) -> tuple[dict, list[dict]]:
     """The saturating acknowledged rate of this run: the two nodes, producers flat out, no
     migrations, for `--calibration-seconds` whole seconds after the load built up. Returns the
-    measurement and the nodes' results (their acknowledged records are verified too)."""
+    measurement (with the job's per-second timeline) and the nodes' results (their acknowledged
+    records are verified too)."""
     window: dict[str, int] = {}
 
     def script(clock, halt) -> None:
@@ -294,10 +295,11 @@ def calibrate(args, dep, cluster, meta, histories: dict[str, int]) -> tuple[dict
     if not window or failures:
         raise SystemExit(f"the calibration job failed: {failures or 'it ended early'}; node errors: "
                          f"{[e for r in results for e in r['errors']][:5]}")
-    measured = acked_rate(total_timeline(results), window["start"], window["end"])
+    timeline = total_timeline(results)
+    measured = acked_rate(timeline, window["start"], window["end"])
     if not measured["mb_s"]:
         raise SystemExit(f"the calibration job acknowledged nothing in {window}")
-    return measured, results
+    return dict(measured, timeline=sorted(timeline.items())), results
 
 
 def _run(args, dep, histories: dict[str, int]) -> dict:
@@ -524,10 +526,13 @@ def plot(report: dict, out: str) -> list[str]:
     tails.set_ylim(bottom=0)
     tails.legend(fontsize=7)
     if report["timeline"]:
-        # one step per second of the job: [s, s + 1) holds what was acknowledged in it
-        seconds = [s for s, _ in report["timeline"]] + [report["timeline"][-1][0] + 1]
-        rates = [b / 1e6 for _, b in report["timeline"]]
-        load.step(seconds, rates + rates[-1:], where="post", label="acknowledged MB/s")
+        # one step per second of the job, [s, s + 1) holding what was acknowledged in it; a second
+        # without acknowledgements (a stall) is absent from the timeline and drawn as 0
+        acked = dict(report["timeline"])
+        ends = [report[key]["end_s"] for key in ("quiet", "migrating", "quiet_after") if report.get(key)]
+        seconds = list(range(min(acked), math.ceil(max([max(acked) + 1] + ends)) + 1))
+        rates = [acked.get(s, 0) / 1e6 for s in seconds]
+        load.step(seconds, rates, where="post", label="acknowledged MB/s")
     for key, color, label in (("quiet", "tab:green", "without migrations"), ("migrating", "tab:orange", "migrations"),
                               ("quiet_after", "tab:olive", "after them")):
         if report.get(key):

@@ -78,6 +78,9 @@ def test_spark_migration_half_load_calibrates_then_paces(tmp_path):
                    "--out", str(tmp_path), "--store", f"file://{tmp_path}/objects", "--wal-capacity", "64M"])
     calibration = report["calibration"]
     assert calibration["whole_seconds"] == 2 and calibration["mb_s"] > 0
+    acked = dict(calibration["timeline"])                  # the rate is what its job's timeline says
+    window = range(calibration["start_s"], calibration["end_s"])
+    assert calibration["mb_s"] == pytest.approx(sum(acked.get(s, 0) for s in window) / 2 / 1e6)
     assert calibration["paced_mb_s"] == pytest.approx(0.5 * calibration["mb_s"])
     assert calibration["paced_partition_mb_s"] == pytest.approx(calibration["paced_mb_s"] / 2)
     assert report["p99_target_s"] == 0.05

@@ -37,6 +37,7 @@ cdef class StreamWriter:
     cdef uint64_t failed_at          # base offset of the append that failed the stream
     cdef uint64_t reserved_end       # offsets reserved for this node in metadata end here
     cdef uint64_t reserve_soft       # past this, the reservation is extended ahead of need
+    cdef readonly uint64_t tail      # bytes appended here and not yet committed (its un-uploaded tail)
     cdef AppendPath path
     cdef CacheSlice slice
     cdef uint64_t* q_wal             # confirm queue: WAL end of each pending append ...
@@ -59,6 +60,8 @@ cdef class AppendPath:
     cdef readonly uint64_t admit_limit
     cdef readonly uint64_t uncommitted
     cdef readonly uint64_t pressure_bytes
+    cdef readonly uint64_t tail_limit    # most un-uploaded bytes per stream (0: no bound)
+    cdef object tail_wait                # (writer, nbytes) -> wait until the writer's tail has room
     cdef bint pressure_signalled
     cdef object refusal              # (error type, message) once the engine takes no appends
     cdef object on_sealed

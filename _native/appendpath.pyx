@@ -251,6 +251,10 @@ cdef class StreamWriter:
             self.reserved_end = reserved_end
             self.reserve_soft = reserve_soft
 
+    def _tail_committed(self, uint64_t nbytes) -> None:
+        """`nbytes` of this writer's tail were committed to objects: they leave its tail."""
+        self.tail = self.tail - nbytes if self.tail > nbytes else 0
+
     @property
     def reserved_end(self) -> int:
         """The end of this stream's offsets reserved for this node (appends stay below it)."""
@@ -409,11 +413,16 @@ cdef class AppendPath:
     reserve(writer, end): an append needs the stream's offsets up to `end` (past the writer's
         soft mark): extend the writer's reservation in metadata, in the background while `end`
         is still within the reservation, else before returning (raising if it cannot).
+    tail_limit, tail_wait(writer, nbytes): a stream's un-uploaded tail (`StreamWriter.tail`:
+        appended, not yet committed) is bounded: an append that would take a non-empty tail past
+        `tail_limit` first calls `tail_wait`, without any lock held, which returns once there is
+        room (or raises). So a stream's close never has more than about tail_limit to upload
+        (plus the batches of appends racing past the check together). 0: no bound.
     """
 
     def __cinit__(self, Ring ring, LogCache cache, uint64_t max_batch_bytes, uint64_t admit_limit,
                   uint64_t pressure_bytes, on_sealed, on_pressure, admit_wait, map_error, dict errors,
-                  lease_expired=None, reserve=None):
+                  lease_expired=None, reserve=None, uint64_t tail_limit=0, tail_wait=None):
         pthread_mutex_init(&self.append_mutex, NULL)
         self.mutex_ready = True
         self.ring = ring
@@ -428,6 +437,8 @@ cdef class AppendPath:
         self.errors = errors
         self.lease_expired = lease_expired
         self.reserve = reserve
+        self.tail_limit = tail_limit if tail_wait is not None else 0
+        self.tail_wait = tail_wait
         self.cb_cond = threading.Condition()
         self.cb_heap = []
 
@@ -476,6 +487,8 @@ cdef class AppendPath:
                 raise self.refusal[0](self.refusal[1])
             if self.uncommitted + n > self.admit_limit:
                 self.admit_wait(n)
+            if self.tail_limit and w.tail and w.tail + n > self.tail_limit:
+                self.tail_wait(w, n)
             fut = AppendFuture.__new__(AppendFuture)
             fut.path = self
             fut.count = count
@@ -524,6 +537,7 @@ cdef class AppendPath:
                             w.slice = s
                         seal = self.cache.insert(s, base, count, data, n, pos, wal_end, True, held_owner(payload, n)) == 1
                         self.uncommitted += n
+                        w.tail += n
                         w._push_pending(wal_end, base + count)
                         if seal:
                             sealed = self.cache._seal_locked()

@@ -284,7 +284,8 @@ cdef class CacheBlock:
 
 
 def encode_slices(list slices, size_t block_size, bytearray into=None, size_t gather_min=0) -> tuple:
-    """Encode one object straight from sealed slices (stream ids strictly ascending): (bytes,
+    """Encode one object straight from sealed slices (stream ids ascending; slices of one stream
+    in a row must be contiguous in offsets, as a stream's slices of consecutive blocks are): (bytes,
     index entries), byte for byte what objcodec.encode_object makes of the same batches; with
     `into`, a memoryview of that reused bytearray instead of new bytes (release it before the
     next use); with `into` and `gather_min`, a GatheredObject if any payload has at least
@@ -293,14 +294,18 @@ def encode_slices(list slices, size_t block_size, bytearray into=None, size_t ga
     cdef size_t npieces = 0, k = 0, i
     cdef Piece* pieces
     cdef CacheSlice s
-    cdef uint64_t prev = 0
+    cdef uint64_t prev = 0, prev_end = 0
     for j, obj in enumerate(slices):
         s = <CacheSlice?>obj
         if s.n == 0:
             raise ValueError(f"stream {s.stream_id} has no batches")
-        if j and s.stream_id <= prev:
-            raise ValueError(f"stream ids must be strictly ascending ({prev} then {s.stream_id})")
+        if j and s.stream_id < prev:
+            raise ValueError(f"stream ids must be ascending ({prev} then {s.stream_id})")
+        if j and s.stream_id == prev and s.bases[0] != prev_end:
+            raise ValueError(f"slices of stream {s.stream_id} must be contiguous: one ends at {prev_end}, "
+                             f"the next starts at {s.bases[0]}")
         prev = s.stream_id
+        prev_end = s.bases[s.n - 1] + s.counts[s.n - 1]
         npieces += s.n
     pieces = <Piece*>malloc((npieces or 1) * sizeof(Piece))
     if pieces == NULL:
@@ -479,6 +484,25 @@ cdef class LogCache:
             out = [block for block in self.blocks if block.state == SEALED and stream_id in block.streams]
             if stream_id in self.active.streams:
                 out.append(self.active)
+            return out
+        finally:
+            self.release()
+
+    def uncommitted_slices(self, uint64_t stream_id, uint64_t epoch) -> list:
+        """The stream's slices written at `epoch` in blocks not yet committed (sealed ones, then
+        the active one), in block order: its un-uploaded tail, contiguous in offsets. A slice of
+        the active block keeps growing while the stream takes appends."""
+        cdef CacheBlock block
+        cdef CacheSlice s
+        self.acquire()
+        try:
+            out = []
+            for block in list(self.blocks) + [self.active]:
+                if block.state == COMMITTED:
+                    continue
+                s = block.streams.get(stream_id)
+                if s is not None and s.epoch == epoch and s.n:
+                    out.append(s)
             return out
         finally:
             self.release()

@@ -66,6 +66,14 @@ def is_dead(stream: StreamMeta | None, end_offset: int) -> bool:
     return stream is None or stream.state == StreamState.DELETED or end_offset <= stream.start_offset
 
 
+def referenced(source: ObjectMeta, e: IndexEntry) -> bool:
+    """Whether metadata says `source` holds the data of index entry `e`. An object may hold
+    blocks no range of it names (a StreamSetObject committed without the ranges of streams
+    fenced meanwhile, or whose tails their close had committed already): those are garbage."""
+    return any(r.stream_id == e.stream_id and r.start_offset <= e.start_offset and e.end_offset <= r.end_offset
+               for r in source.ranges)
+
+
 def dead_bytes(index: Sequence[IndexEntry], streams: dict[int, StreamMeta]) -> int:
     return sum(e.block_size for e in index if is_dead(streams.get(e.stream_id), e.end_offset))
 
@@ -155,7 +163,7 @@ def plan_group(inputs: Sequence[tuple[ObjectMeta, Sequence[IndexEntry]]],
     for source, index in inputs:
         per_stream: dict[int, list[IndexEntry]] = {}
         for e in index:
-            if is_dead(streams.get(e.stream_id), e.end_offset):
+            if is_dead(streams.get(e.stream_id), e.end_offset) or not referenced(source, e):
                 plan.dropped_bytes += e.block_size
             else:
                 per_stream.setdefault(e.stream_id, []).append(e)

@@ -36,7 +36,7 @@ from .read import Reader
 from .recordbatch import FetchResult
 from .recovery import close_node_streams, replay_wal
 from .stream import Stream
-from .upload import Uploader
+from .upload import UploadAborted, Uploader
 from .walopen import epoch_checker, is_object_wal, open_node_wal, registered_location
 
 if TYPE_CHECKING:
@@ -134,6 +134,9 @@ class StreamClient:
         # and the seconds they waited in all: a stall of appends with a cause to name.
         self._admit_waits = 0
         self._admit_wait_ns = 0
+        self._tail_waiters = 0               # appenders waiting for their stream's tail (guarded by _admit_cond)
+        self._tail_waits = 0
+        self._tail_wait_ns = 0
         self._recovering = True
         object_wal = is_object_wal(wal_path)
         if not object_wal and not isinstance(wal_path, (str, os.PathLike)):
@@ -213,7 +216,8 @@ class StreamClient:
             self._uploader.submit, self._on_wal_pressure, self._admit, self._map_wal_error,
             dict(invalid_batch=InvalidBatchError, closed=StreamClosedError, fenced=StreamFencedError,
                  append_failed=AppendFailedError, timeout=OperationTimeoutError),
-            self._lease_expired_error, self._reserve_offsets)  # type: ignore[arg-type]  # a Stream is its writer
+            self._lease_expired_error, self._reserve_offsets,  # type: ignore[arg-type]  # a Stream is its writer
+            self.config.stream_tail_limit or 0, self._tail_wait)
         # Extends streams' offset reservations ahead of their appends (one thread, idle mostly).
         self._reserver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="s3stream-reserve")
         self._reserving: set[int] = set()
@@ -373,10 +377,16 @@ class StreamClient:
             return self._streams.get(stream_id)
 
     def unuploaded_bytes(self, stream: Stream) -> int:
-        """Bytes of the stream still only in the WAL and log cache."""
-        return sum(b.streams[stream.stream_id].size for b in self._cache.pending_blocks_with(stream.stream_id))
+        """Bytes of the stream still only in the WAL and log cache (its un-uploaded tail, bounded
+        by Config.stream_tail_limit): what its close uploads."""
+        return stream.tail
 
     def _register(self, meta: StreamMeta) -> Stream:
+        # The active block may still hold this stream's slice of an earlier epoch here (closed
+        # here, its tail uploaded by that close): seal it, so this epoch starts a slice of its own.
+        sealed = self._cache.seal(meta.stream_id)
+        if sealed is not None:
+            self._uploader.submit(sealed)
         stream = Stream(self, meta)
         with self._lock:
             self._streams[meta.stream_id] = stream
@@ -425,6 +435,38 @@ class StreamClient:
             finally:
                 self._admit_waits += 1
                 self._admit_wait_ns += time.monotonic_ns() - started
+
+    def _tail_wait(self, stream: Stream, nbytes: int) -> None:
+        """Backpressure per stream (the append path calls it when an append would take the
+        stream's un-uploaded tail past Config.stream_tail_limit): seal the active block if it
+        holds some of the tail, so that it uploads now, and wait until the tail has room;
+        WALFullError after append_timeout. Uploads count as behind meanwhile (`_uploads_behind`)."""
+        limit = self.config.stream_tail_limit or 0
+        if stream.tail + nbytes <= limit or not stream.tail:
+            return
+        sealed = self._cache.seal(stream.stream_id)
+        if sealed is not None:
+            self._uploader.submit(sealed)
+        deadline = time.monotonic() + self.config.append_timeout
+        started = time.monotonic_ns()
+        with self._admit_cond:
+            self._tail_waiters += 1
+            try:
+                # A stream that is closing (or closed, fenced) stops waiting: its append is refused
+                # with the reason right after (its tail may never be committed here again).
+                while stream.tail and stream.tail + nbytes > limit and stream.is_open:
+                    self._check_usable()
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise WALFullError(
+                            f"backpressure: stream {stream.stream_id} has {stream.tail} bytes not yet uploaded "
+                            f"(stream_tail_limit {limit}) after {self.config.append_timeout} s; "
+                            + self._why_uploads_lag())
+                    self._admit_cond.wait(min(left, 0.5))
+            finally:
+                self._tail_waiters -= 1
+                self._tail_waits += 1
+                self._tail_wait_ns += time.monotonic_ns() - started
 
     def _reserve_offsets(self, stream: Stream, need_end: int) -> None:
         """Append path hook: an append needs `stream`'s offsets up to `need_end`, past its soft
@@ -486,7 +528,8 @@ class StreamClient:
         wal_pressure (also while recovering, with no append path yet): uploads must not wait
         for idle cores then."""
         path = self._append_path
-        return path is None or 2 * path.uncommitted > path.admit_limit or path.untrimmed_bytes() > path.pressure_bytes
+        return (path is None or self._tail_waiters > 0 or 2 * path.uncommitted > path.admit_limit
+                or path.untrimmed_bytes() > path.pressure_bytes)
 
     def _wait_wal_durable(self, wal_end: int) -> None:
         """Uploader hook: block until the WAL holds everything before `wal_end` durably."""
@@ -521,10 +564,22 @@ class StreamClient:
             return InvalidBatchError(str(error))
         return WALError(str(error))
 
+    def force_upload(self, timeout: float | None = None) -> None:
+        """Upload everything appended so far (the active block, sealed at whatever size) and
+        return once it is all committed; OperationTimeoutError after `timeout`."""
+        self._check_usable()
+        sealed = self._cache.seal()
+        if sealed is not None:
+            self._uploader.submit(sealed)
+        pending = self._uploader.pending_block_ids()
+        if pending:
+            self._uploader.wait_committed(max(pending), timeout)
+
     def close_streams(self, streams: list[Stream], timeout: float | None = None) -> None:
-        """Close several streams with one force upload: wait for their pending appends, seal the
-        log cache once, wait until every block holding their tails is committed, then mark them
-        CLOSED in metadata. Only their un-uploaded tails move (and whatever shares the block).
+        """Close several streams together: wait for their pending appends, then upload their
+        un-uploaded tails only (each at most about Config.stream_tail_limit; nothing of other
+        streams, nothing older), on this thread ahead of the background uploads, and commit
+        them with the streams' CLOSED state in one metadata transaction (Uploader.upload_and_close).
 
         Says only what happened: a stream is closed here once it is CLOSED in metadata. If a
         step fails this raises, and the streams not marked CLOSED serve again (open, appends
@@ -532,20 +587,50 @@ class StreamClient:
         closing = [s for s in streams if s._begin_close(timeout)]
         closed: set[int] = set()
         try:
-            sealed = self._cache.seal()
-            if sealed is not None:
-                self._uploader.submit(sealed)
-            pending = [b.block_id for s in closing for b in self._cache.pending_blocks_with(s.stream_id)]
-            if pending:
-                self._uploader.wait_committed(max(pending), timeout)
             if self._uploader.failure is not None:
                 raise self._upload_failure()
-            for s in closing:
-                self._meta_call(self._meta.close_stream, s.stream_id, s.epoch, self.node_id, stream=s)
-                closed.add(s.stream_id)
+            if closing:
+                try:
+                    self._uploader.upload_and_close([(s.stream_id, s.epoch) for s in closing], timeout)
+                    closed.update(s.stream_id for s in closing)
+                    self._seal_closed_tails(closing)
+                except StreamFencedError as e:
+                    # One of them moved away (or the node was fenced): each is closed on its own,
+                    # and the fenced ones say so.
+                    fenced = e
+                    for s in closing:
+                        try:
+                            if len(closing) > 1:
+                                self._uploader.upload_and_close([(s.stream_id, s.epoch)], timeout)
+                                closed.add(s.stream_id)
+                                self._seal_closed_tails([s])
+                                continue
+                        except StreamFencedError as one:
+                            fenced = one
+                        s._fence()
+                    raise fenced from None
+                except UploadAborted:
+                    if self._uploader.failure is not None:
+                        raise self._upload_failure() from None
+                    raise
         finally:
             for s in closing:
                 s._end_close(s.stream_id in closed)
+
+    def _seal_closed_tails(self, streams: list[Stream]) -> None:
+        """After a close: their tails are committed (they leave the tail count; appenders
+        waiting on it wake and are refused). The active block may hold slices of those tails:
+        seal it, so it uploads without them (nothing waits for it) and the WAL behind it can be
+        trimmed, rather than staying until other appends fill it."""
+        for s in streams:
+            s._tail_committed(s.tail)
+        with self._admit_cond:
+            self._admit_cond.notify_all()
+        for s in streams:
+            sealed = self._cache.seal(s.stream_id)
+            if sealed is not None:
+                self._uploader.submit(sealed)
+                return
 
     def _on_committed(self, block: CacheBlock, result: CommitResult) -> None:
         with self._lock:
@@ -553,6 +638,7 @@ class StreamClient:
                 stream = self._streams.get(stream_id)
                 if stream is not None and stream.epoch == slice_.epoch:
                     stream._committed(slice_.end_offset)
+                    stream._tail_committed(slice_.size)
         self._release(block.admitted)
 
     def _on_upload_failure(self, error: BaseException) -> None:
@@ -793,6 +879,15 @@ class StreamClient:
         errors: list[BaseException] = []
         closed: list[int] = []
         left: list[int] = []
+        # Everything up at once first (one upload of the whole cache, not an object per stream):
+        # the closes below then find no tail left and only mark their streams CLOSED.
+        sealed = self._cache.seal()
+        if sealed is not None:
+            self._uploader.submit(sealed)
+            try:
+                self._uploader.wait_committed(sealed.block_id, remaining())
+            except S3StreamError as e:
+                log.warning("client of node %d: the last uploads before closing did not finish: %s", self.node_id, e)
         for addon in list(self._addons.values()):
             close_addon = getattr(addon, "close", None)
             if close_addon is not None:
@@ -850,7 +945,8 @@ class StreamClient:
         engine = dict(node_id=self.node_id, node_epoch=self.node_epoch, open_streams=len(self._streams),
                       uncommitted_bytes=path.uncommitted, cache=self._cache.stats(),
                       append=dict(path.stats(), admission_waits=self._admit_waits,
-                                  admission_wait_seconds=self._admit_wait_ns / 1e9),
+                                  admission_wait_seconds=self._admit_wait_ns / 1e9,
+                                  tail_waits=self._tail_waits, tail_wait_seconds=self._tail_wait_ns / 1e9),
                       upload=dict(self._uploader.stats),
                       read=self._reader.snapshot(), wal=self._wal.stats(),
                       lease=dict(remaining_seconds=self.lease_remaining, fenced=self._fenced))

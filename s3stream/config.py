@@ -71,6 +71,15 @@ class Config:
     upload_pipeline: sealed blocks uploading at once (plan, prepare, encode, PUT); their commits
         stay in block order. With a 150 ms PUT latency and 4 upload threads, 1 gave 210 MB/s and
         2-4 about 300 MB/s here; 3 leaves room for slower stores.
+    stream_tail_limit: most bytes of one stream durable in the WAL but not yet uploaded (its
+        un-uploaded tail), whatever the load: an append that would pass it seals the active block
+        (if it holds some of the tail) and waits until uploads commit enough (backpressure on that
+        stream only). A stream's close uploads its tail on the closing thread, so this bounds what
+        a migration moves and how long its close takes (issue 28: at most about 8 MiB to PUT).
+        A stream's throughput is at most about stream_tail_limit per upload round trip (seal to
+        commit): with 8 MiB and a ~40 ms round trip on a local store, ~200 MB/s per stream; raise
+        it for streams that must go faster on a slow store. None (default): 8 MiB, or a quarter
+        of cache_size if smaller, at least max_batch_bytes. 0: no bound but cache_size.
     wal_pressure: fraction of the WAL's capacity; when the untrimmed part of the WAL passes it,
         the active block is sealed and uploaded whatever its size (if it holds at least half of
         the untrimmed span), so small records that fill the WAL faster than the cache (each
@@ -107,6 +116,7 @@ class Config:
     upload_nice: int = 10
     upload_idle: bool = True
     upload_pipeline: int = 3
+    stream_tail_limit: int | None = None
     wal_pressure: float = 0.5
     prepared_ttl: float = 3600.0
     append_timeout: float = 60.0
@@ -136,6 +146,15 @@ class Config:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.stream_tail_limit is None and isinstance(self.cache_size, int) and isinstance(self.max_batch_bytes, int):
+            object.__setattr__(self, "stream_tail_limit", max(self.max_batch_bytes, min(8 * MiB, self.cache_size // 4)))
+        if self.stream_tail_limit != 0 and (
+                isinstance(self.stream_tail_limit, bool) or not isinstance(self.stream_tail_limit, int)
+                or not self.max_batch_bytes <= self.stream_tail_limit <= self.cache_size // 2):
+            raise ConfigError(
+                f"stream_tail_limit must be an integer from max_batch_bytes ({self.max_batch_bytes}) to half of "
+                f"cache_size ({self.cache_size // 2}), 0 (no bound) or None (the default), got "
+                f"{self.stream_tail_limit!r}")
         if self.split_size > self.upload_threshold:
             raise ConfigError(
                 f"split_size ({self.split_size}) > upload_threshold ({self.upload_threshold}): no stream "

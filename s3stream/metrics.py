@@ -114,6 +114,10 @@ class ClientMetrics:
                   append["admission_waits"])
         f.counter("append_admission_wait_seconds", "Seconds appends waited for cache_size to free", node,
                   append["admission_wait_seconds"])
+        f.counter("append_tail_waits", "Appends that waited for their stream's un-uploaded tail to fall below "
+                  "stream_tail_limit (uploads behind that stream)", node, append["tail_waits"])
+        f.counter("append_tail_wait_seconds", "Seconds appends waited for their stream's tail", node,
+                  append["tail_wait_seconds"])
         f.histogram("append_latency_seconds", "Append latency, submission to durable in the WAL, of one append "
                     "in 64 (sampled; _count counts samples, not appends)", node, self.append_latency.snapshot())
         w = stats["wal"]

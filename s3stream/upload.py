@@ -15,6 +15,16 @@ Steps 1-3 of up to `Config.upload_pipeline` blocks run at once (a slow PUT slows
 once the cache bound is reached); commits (4-5) stay strictly in block order, so the WAL is
 trimmed only below what is committed.
 
+A close goes first (`upload_and_close`, on the closing caller's thread, not the pool's): it
+uploads only the closing streams' un-uploaded tails, their slices in every uncommitted block, as
+one StreamObject per stream, and commits them with the streams' close in ONE metadata
+transaction, without waiting for older blocks. Commits are serialised by a gate (a block's, or a
+close's, one at a time), which keeps a tail and a block from committing the same offsets: a
+close whose tail was partly committed by a block during its PUT uploads again while holding the
+gate. Once a close committed, the blocks holding its streams' slices leave them out (not
+uploaded if not yet planned, their ranges dropped from the commit if already PUT); the WAL is
+trimmed in block order as before, and recovery skips records below a stream's committed end.
+
 The encode-and-PUT threads run below the appenders: at `upload_nice`, and with `upload_idle`
 under SCHED_IDLE while uploads keep up (`behind()` false), so an appender or the WAL writer that
 wakes takes the core at once; behind, they return to `upload_nice` so a busy host cannot starve
@@ -256,6 +266,12 @@ class Uploader:
         self._queue: deque[CacheBlock] = deque()       # sealed, not started
         self._inflight: deque[_InFlight] = deque()     # started, not committed (block order)
         self._committed_id = -1          # highest block id committed (blocks commit in id order)
+        # One metadata commit at a time, a block's or a close's (see the module docstring).
+        self._gate = threading.Lock()
+        # Tails uploaded by a close: (stream id, epoch) -> (its end offset, the last block that
+        # may hold a slice of it); blocks up to that one leave those slices out. Written under
+        # the gate; read by the planner without it (an entry exists only once committed).
+        self._closed_tails: dict[tuple[int, int], tuple[int, int]] = {}
         self._failure: BaseException | None = None
         self._stopping = False
         self._aborted = False
@@ -291,7 +307,8 @@ class Uploader:
                           write_requests=0, max_inflight=0, priority_switches=0,
                           **{f"{step}_retries": 0 for step in RETRY_STEPS},
                           unexpected_retries=0, retry_episodes=0, retrying=0, expired_reuploads=0,
-                          encode_buffers_replaced=0)
+                          encode_buffers_replaced=0, closes=0, close_objects=0, close_bytes=0,
+                          close_conflicts=0, closed_tail_bytes_skipped=0)
         self._thread.start()
 
     # ---- queueing and waiting ------------------------------------------------------------------
@@ -330,6 +347,11 @@ class Uploader:
             if self._episode_start is None or last is None or last[1] is None:
                 return None
             return RetryEpisode(last[0], last[1], self._clock() - self._episode_start, self._episode_retries)
+
+    def pending_block_ids(self) -> list[int]:
+        """Ids of the blocks sealed but not yet committed."""
+        with self._cond:
+            return [b.block_id for b in self._queue] + [job.block.block_id for job in self._inflight]
 
     @property
     def pending_blocks(self) -> int:
@@ -410,7 +432,14 @@ class Uploader:
         block = job.block
         stream_set, stream_objects = self._retry(f"plan of block {block.block_id}",
                                                  lambda: block.plan(self._config.split_size), "plan")
+        if self._closed_tails:
+            stream_set = [s for s in stream_set if not self._uploaded_by_close(s)]
+            stream_objects = [s for s in stream_objects if not self._uploaded_by_close(s)]
         n = len(stream_objects) + (1 if stream_set else 0)
+        job.prepared_at = self._clock()
+        if n == 0:                      # every slice was a closed stream's tail, committed already
+            job.puts = []
+            return
         ttl_ns = int(self._config.prepared_ttl * 1e9)
         ids = iter(self._retry(f"prepare of {n} object ids for block {block.block_id}",
                                lambda: self._meta.prepare_objects(n, ttl_ns), "prepare"))
@@ -517,32 +546,187 @@ class Uploader:
                     lambda: self._wait_durable(block.wal_end), "durable")
         sso = next((e for e in entries if isinstance(e, CommitSSO)), None)
         sos = tuple(e for e in entries if isinstance(e, CommitStreamObject))
-        try:
-            result = self._commit(CommitRequest(self._node_id, self._node_epoch, sso=sso, stream_objects=sos), job)
-        except _PreparedExpired:
-            log.warning("block %d was not committed before its object ids expired (prepared_ttl %g s) while "
-                        "uploads were failing; uploading it again under new ids", block.block_id,
-                        self._config.prepared_ttl)
-            with self._retry_lock:
-                self.stats["expired_reuploads"] += 1
-            self._launch(job)
-            return
-        self.stats["blocks"] += 1
-        self.stats["objects"] += len(entries)
-        self.stats["stream_objects"] += len(sos)
-        self.stats["stream_set_objects"] += 1 if sso else 0
-        self.stats["bytes"] += sum(e.size for e in entries)
-        self.stats["write_requests"] += sum(write_requests(e.size, *self._parts) for e in entries)
-        self._cache.mark_committed(block)
-        self._on_committed(block, result)
+        with self._gate:
+            request = self._without_closed_tails(CommitRequest(self._node_id, self._node_epoch, sso=sso,
+                                                               stream_objects=sos))
+            try:
+                result = self._commit(request, job) if request is not None else CommitResult()
+            except _PreparedExpired:
+                log.warning("block %d was not committed before its object ids expired (prepared_ttl %g s) while "
+                            "uploads were failing; uploading it again under new ids", block.block_id,
+                            self._config.prepared_ttl)
+                with self._retry_lock:
+                    self.stats["expired_reuploads"] += 1
+                self._launch(job)
+                return
+            self.stats["blocks"] += 1
+            self.stats["objects"] += len(entries)
+            self.stats["stream_objects"] += len(sos)
+            self.stats["stream_set_objects"] += 1 if sso else 0
+            self.stats["bytes"] += sum(e.size for e in entries)
+            self.stats["write_requests"] += sum(write_requests(e.size, *self._parts) for e in entries)
+            self._cache.mark_committed(block)
+            self._on_committed(block, result)
+            with self._cond:
+                self._committed_id = block.block_id
+            for key in [k for k, (_, last) in self._closed_tails.items() if last <= block.block_id]:
+                del self._closed_tails[key]
         try:
             self._trim_wal(block.wal_end)
         except Exception:   # noqa: BLE001 - the WAL failing is reported by its own appends
             log.exception("WAL trim to %d failed", block.wal_end)
         with self._cond:
             self._inflight.popleft()
-            self._committed_id = block.block_id
             self._cond.notify_all()
+
+    # ---- a close's own upload -------------------------------------------------------------------
+
+    def _uploaded_by_close(self, s: CacheSlice) -> bool:
+        """Whether slice `s` lies in a tail a close has committed already."""
+        done = self._closed_tails.get((s.stream_id, s.epoch))
+        if done is None or s.end_offset > done[0]:
+            return False
+        with self._retry_lock:
+            self.stats["closed_tail_bytes_skipped"] += s.size
+        return True
+
+    def _without_closed_tails(self, request: CommitRequest) -> CommitRequest | None:
+        """`request` without the ranges a close committed already (gate held); None if nothing
+        is left. An SSO keeps its object (its bytes of those ranges are never referenced); a
+        StreamObject left out stays PREPARED and the reclaimer deletes it after expiry."""
+        if not self._closed_tails:
+            return request
+
+        def keep(r: CommitRange) -> bool:
+            done = self._closed_tails.get((r.stream_id, r.epoch))
+            return done is None or r.end_offset > done[0]
+
+        sso = request.sso
+        if sso is not None and not all(keep(r) for r in sso.ranges):
+            ranges = tuple(r for r in sso.ranges if keep(r))
+            sso = CommitSSO(sso.object_id, sso.size, ranges) if ranges else None
+        sos = tuple(so for so in request.stream_objects if keep(so.range))
+        if sso is None and not sos:
+            return None
+        if sso is request.sso and len(sos) == len(request.stream_objects):
+            return request
+        return CommitRequest(request.node_id, request.node_epoch, sso=sso, stream_objects=sos)
+
+    def upload_and_close(self, streams: list[tuple[int, int]], timeout: float | None) -> CommitResult:
+        """Close `streams` ((stream id, epoch), whose appends have stopped and are durable): PUT
+        each one's un-uploaded tail as a StreamObject on the calling thread, ahead of the
+        background uploads, and commit them with the streams' close in one metadata
+        transaction, without waiting for older blocks (module docstring). Store and metadata
+        errors are retried until `timeout` (None: no bound), then OperationTimeoutError;
+        StreamFencedError if a stream moved away; UploadAborted if uploads stopped for good."""
+        deadline = None if timeout is None else self._clock() + timeout
+        hold = False
+        while True:
+            held = False
+            try:
+                if hold:
+                    self._enter_gate(deadline)
+                    held = True
+                tails = {key: self._cache.uncommitted_slices(*key) for key in streams}
+                tails = {key: slices for key, slices in tails.items() if slices}
+                entries = self._put_tails(tails, deadline)
+                if not held:
+                    self._enter_gate(deadline)
+                    held = True
+                # Gate held from here: no block commits until this close has.
+                if any(s.block_id <= self._committed_id for slices in tails.values() for s in slices):
+                    # A block committed part of a tail during the PUTs: upload what is left
+                    # again, this time holding the gate throughout (the orphans expire).
+                    assert not hold, "a block committed while a close held the gate"
+                    with self._retry_lock:
+                        self.stats["close_conflicts"] += 1
+                    hold = True
+                    continue
+                request = CommitRequest(self._node_id, self._node_epoch, stream_objects=tuple(entries),
+                                        closes=tuple(streams))
+                result = self._until(deadline, f"commit of the close of streams {[k[0] for k in streams]}",
+                                     lambda: self._meta.commit(request), "commit")
+                for key, slices in tails.items():
+                    self._closed_tails[key] = (slices[-1].end_offset, slices[-1].block_id)
+                with self._retry_lock:
+                    self.stats["closes"] += 1
+                    self.stats["objects"] += len(entries)
+                    self.stats["stream_objects"] += len(entries)
+                    self.stats["bytes"] += sum(e.size for e in entries)
+                    self.stats["close_objects"] += len(entries)
+                    self.stats["close_bytes"] += sum(e.size for e in entries)
+                    self.stats["write_requests"] += sum(write_requests(e.size, *self._parts) for e in entries)
+                return result
+            finally:
+                if held:
+                    self._gate.release()
+
+    def _enter_gate(self, deadline: float | None) -> None:
+        """Take the commit gate (a block's commit holds it while it runs), within `deadline`."""
+        left = -1 if deadline is None else max(0.0, deadline - self._clock())
+        if not self._gate.acquire(timeout=left):
+            raise OperationTimeoutError(
+                "a close could not commit within its timeout: a block's commit kept the gate (the metadata "
+                f"store is not answering: {self._why()}); the data stays in the WAL and the log cache")
+
+    def _why(self) -> str:
+        episode = self.retrying
+        return f"{episode.what}: {episode.error}" if episode else "no failure recorded"
+
+    def _put_tails(self, tails: dict[tuple[int, int], list[CacheSlice]], deadline: float | None) -> list:
+        """Prepare ids for and PUT one StreamObject per tail; their commit entries."""
+        if not tails:
+            return []
+        ttl_ns = int(self._config.prepared_ttl * 1e9)
+        ids = self._until(deadline, f"prepare of {len(tails)} object ids for a close",
+                          lambda: self._meta.prepare_objects(len(tails), ttl_ns), "prepare")
+        entries = []
+        for object_id, ((stream_id, epoch), slices) in zip(ids, sorted(tails.items())):
+            data, _ = encode_slices(slices, self._config.object_block_size, bytearray(), GATHER_MIN_BYTES)
+            try:
+                self._until(deadline, f"PUT {object_key(object_id)} (the tail of stream {stream_id})",
+                            lambda: self._put(object_key(object_id), data), "put")
+                size = data_size(data)
+            finally:
+                _release(data)
+            entries.append(CommitStreamObject(
+                object_id, size, CommitRange(stream_id, epoch, slices[0].start_offset, slices[-1].end_offset)))
+        return entries
+
+    def _until(self, deadline: float | None, what: str, call: Callable[[], T], step: str) -> T:
+        """`call()` until it returns, retrying what `_retry` retries (counted in stats as
+        "<step>_retries"), within `deadline`."""
+        failures = 0
+        while True:
+            if self._failure is not None or self._aborted:
+                raise UploadAborted(f"uploads stopped ({self._failure or 'the client closed'}) while {what} "
+                                    "was pending")
+            try:
+                return call()
+            except ObjectStorePermanentError as e:
+                # As in the background: a store refusing for good stops uploads for good.
+                log.error("%s failed for good; uploads stop (the data stays in the WAL): %s", what, e)
+                with self._cond:
+                    if self._failure is None:
+                        self._failure = e
+                    self._cond.notify_all()
+                self._on_failure(e)
+                raise
+            except _NOT_RETRIED:
+                raise
+            except Exception as e:   # noqa: BLE001 - transient, as in _retry
+                failures += 1
+                last = f"{type(e).__name__}: {e}"
+                with self._retry_lock:
+                    self.stats[f"{step}_retries"] += 1
+                    self.stats["unexpected_retries"] += _unexpected(e)
+            delay = min(RETRY_BACKOFF_CAP, RETRY_BACKOFF_FIRST * 2 ** min(failures - 1, 16))
+            if deadline is not None and self._clock() + delay > deadline:
+                raise OperationTimeoutError(f"{what} kept failing ({failures} attempts) until the timeout; the "
+                                            f"last error: {last}. Its data stays in the WAL and the log cache: a "
+                                            "later close, or the node's next start, uploads it")
+            with self._cond:
+                self._cond.wait_for(lambda: self._aborted, delay * (0.5 + 0.5 * self._rng.random()))
 
     def _retry(self, what: str, call: Callable[[], T], step: str | Callable[[], str]) -> T:
         """`call()` until it returns: every error but PERMANENT_ERRORS is retried with backoff

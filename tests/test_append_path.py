@@ -40,6 +40,12 @@ def read_all(stream):
 
 # ---- futures and callbacks -----------------------------------------------------------------------
 
+
+def upload_all(c) -> None:
+    """Seal the active block and wait until every block is committed: the background uploads
+    (a stream's close uploads only its own tail, on its own thread, and leaves those out)."""
+    c.force_upload(30)
+
 def test_callback_that_appends_and_waits_does_not_stop_acknowledgements(tmp_path):
     """The old engine ran callbacks on the WAL's dispatcher: this one wedged the node for good."""
     c = client(tmp_path)
@@ -259,6 +265,7 @@ def test_slow_puts_keep_several_blocks_in_flight_and_commit_in_order(tmp_path):
             futs.append((s.stream_id, s.append(RecordBatch(payload, 1)), payload))
         for sid, f, payload in futs:
             expected[sid].append((f.result(10).base_offset, payload))
+        upload_all(c)
         for s in streams:
             s.close(timeout=30)
         assert c._uploader.stats["max_inflight"] >= 2
@@ -287,6 +294,7 @@ def test_upload_threads_run_at_the_configured_lower_priority(tmp_path, nice):
         s = c.create_stream()
         for i in range(40):
             s.append(RecordBatch(bytes([i]) * 4000, 1))
+        upload_all(c)
         s.close(timeout=30)
         puts = list(c._uploader._pool._threads)       # this client's (other tests' may linger)
         assert puts, "no upload thread ran"
@@ -319,6 +327,7 @@ def test_upload_threads_idle_while_uploads_keep_up(tmp_path):
         s = c.create_stream()
         for i in range(40):
             s.append(RecordBatch(bytes([i]) * 4000, 1)).result()
+        upload_all(c)
         s.close(timeout=30)
         puts = list(c._uploader._pool._threads)
         assert puts and _policies(puts) == {os.SCHED_IDLE}
@@ -340,8 +349,10 @@ def test_upload_threads_idle_while_uploads_keep_up(tmp_path):
 
 def test_uploads_behind_follows_the_cache(tmp_path):
     """The hook that takes upload threads out of SCHED_IDLE: false on an idle client, true once
-    half of cache_size is uncommitted (here with the PUTs held), false again once committed."""
-    cfg = small_config(upload_threshold=1 * MiB, split_size=1 * MiB, cache_size=4 * MiB, max_batch_bytes=1 * MiB)
+    half of cache_size is uncommitted (here with the PUTs held), false again once committed.
+    (No per-stream tail bound here: that one would hold the third append.)"""
+    cfg = small_config(upload_threshold=1 * MiB, split_size=1 * MiB, cache_size=4 * MiB, max_batch_bytes=1 * MiB,
+                       stream_tail_limit=0)
     c = client(tmp_path, config=cfg)
     release = threading.Event()
     put = c._uploader._put
@@ -356,6 +367,10 @@ def test_uploads_behind_follows_the_cache(tmp_path):
         assert c._uploads_behind()
         release.set()
         s.close(timeout=30)
+        # The close uploaded the stream's tail itself; the blocks that held it commit after.
+        deadline = time.monotonic() + 30
+        while c._uploader.pending_blocks and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert c._append_path.uncommitted == 0 and not c._uploads_behind()
     finally:
         release.set()
@@ -374,6 +389,7 @@ def test_upload_threads_stay_at_nice_without_the_right_to_leave_idle(tmp_path, m
         s = c.create_stream()
         for i in range(40):
             s.append(RecordBatch(bytes([i]) * 4000, 1))
+        upload_all(c)
         s.close(timeout=30)
         puts = list(c._uploader._pool._threads)
         assert puts and _policies(puts) <= {os.SCHED_OTHER}
@@ -399,7 +415,7 @@ def test_admission_waits_are_counted(tmp_path):
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.parser import text_string_to_metric_families
     store = FaultInjectingObjectStore(LocalObjectStore(str(tmp_path / "objects")))
-    cfg = small_config(upload_threshold=128 * KiB, split_size=32 * KiB, cache_size=256 * KiB)
+    cfg = small_config(upload_threshold=128 * KiB, split_size=32 * KiB, cache_size=256 * KiB, stream_tail_limit=0)
     registry = CollectorRegistry()
     c = StreamClient(1, tmp_path / "node1.wal", store, f"sqlite:///{tmp_path}/meta.db", cfg, metrics=registry)
     try:
@@ -433,6 +449,7 @@ def test_upload_stats_count_the_write_requests_s3_would_bill(tmp_path):
         streams = [c.create_stream() for _ in range(3)]
         for i in range(120):
             streams[i % 3].append(RecordBatch(bytes([i]) * (2000 if i % 3 else 9000), 1))
+        upload_all(c)
         for s in streams:
             s.close(timeout=30)
         objects = c._meta.list_objects()
@@ -532,6 +549,7 @@ def test_appends_hold_large_bytes_and_copy_other_buffers(tmp_path):
         assert read_all(s) == [(0, big), (1, original)]
         s.close()                                           # uploaded: the objects hold the same bytes
         reopened = c.open_stream(s.stream_id)
+        upload_all(c)
         c._cache.drop_stream(s.stream_id)                  # read back from the object store
         assert read_all(reopened) == [(0, big), (1, original)]
         assert c.stats()["read"]["object_reads"] > 0

@@ -370,7 +370,7 @@ def test_read_partition_reads_committed_records_without_opening(tmp_path, metada
             p.append(RecordBatch(b"r%d" % i, 1)).result(10)
         with pytest.raises(s3stream.StreamNotFoundError, match="no committed checkpoint yet|no partition"):
             c.clients[2].read_partition("p")                    # nothing uploaded yet
-        c.clients[1].close_streams([])                          # force upload: seals the cache
+        c.clients[1].force_upload(10)
         deadline = time.monotonic() + 10
         while c.meta.get_stream(p.log.stream_id).end_offset < 5 and time.monotonic() < deadline:
             time.sleep(0.01)

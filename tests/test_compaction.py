@@ -71,10 +71,9 @@ class Node:
             self.model[stream.stream_id].append((f.result(10).base_offset, count, payload))
 
     def upload(self):
-        """Close and reopen every stream: closing force-uploads its tail (public API only)."""
-        for stream_id in list(self.streams):
-            self.streams[stream_id].close(20)
-            self.streams[stream_id] = self.client.open_stream(stream_id)
+        """Upload everything appended so far, as the background does (blocks into
+        StreamSetObjects and split StreamObjects): StreamClient.force_upload."""
+        self.client.force_upload(20)
 
     def flush(self, rng):
         """Wait until every block appended so far is committed, including blocks of streams

@@ -177,6 +177,8 @@ def run_cell(tmp_path, store_kind: str, url: str, metadata_url: str, op: str, fa
             time.sleep(0.01)
         terminator.stop.set()
         terminator.join()
+    if op == "DeleteObjects":
+        client.force_upload(120)              # in the background's split StreamObjects, several per stream
     client.close_streams(streams, timeout=120)
     stats = client.stats()["upload"]
     fired = {"put": (_events(store, "put", "ok") if fault == "hang" else        # each waited 0.5 s

@@ -224,6 +224,42 @@ def test_create_open_close_reopen_epochs_and_ranges(store):
     assert [x.stream_id for x in store.list_streams()] == [s.stream_id]
 
 
+def test_commit_closes_streams_in_the_same_transaction(store):
+    """A partition's close: its tails' objects committed and its streams CLOSED at once; a
+    retry is a no-op; a fenced close changes nothing, objects included."""
+    n1 = store.register_node(1, "w1")
+    n2 = store.register_node(2, "w2")
+    a = store.create_stream(1, n1.node_epoch)
+    b = store.create_stream(1, n1.node_epoch)
+    c = store.create_stream(1, n1.node_epoch)
+    request = upload(store, n1, sos=[rng(a, 0, 10)])
+    request = CommitRequest(request.node_id, request.node_epoch, stream_objects=request.stream_objects,
+                            closes=((a.stream_id, 0), (b.stream_id, 0)))
+    result = store.commit(request)
+    assert result.end_offsets[a.stream_id] == 10 and not result.already_committed
+    for sid, end in ((a.stream_id, 10), (b.stream_id, 0)):
+        m = store.get_stream(sid)
+        assert (m.state, m.owner_node_id, m.end_offset) == (StreamState.CLOSED, None, end)
+    assert store.get_stream(c.stream_id).state == StreamState.OPENED
+    assert store.commit(request).already_committed          # a retry after a timeout
+    assert store.get_stream(a.stream_id).state == StreamState.CLOSED
+    # Closes alone (no tail to upload).
+    store.commit(CommitRequest(1, n1.node_epoch, closes=((c.stream_id, 0),)))
+    assert store.get_stream(c.stream_id).state == StreamState.CLOSED
+    # Fenced: b moved to node 2; node 1's commit of a tail for it with its close changes nothing.
+    store.open_stream(b.stream_id, 2, n2.node_epoch)
+    stale = upload(store, n1, sos=[rng(b, 0, 5)])
+    before = snapshot(store)
+    with pytest.raises(StreamFencedError):
+        store.commit(CommitRequest(1, n1.node_epoch, stream_objects=stale.stream_objects,
+                                   closes=((b.stream_id, 0),)))
+    with pytest.raises(StreamFencedError):
+        store.commit(CommitRequest(1, n1.node_epoch, closes=((b.stream_id, 1),)))
+    assert snapshot(store) == before
+    with pytest.raises(MetadataError, match="closes a stream twice"):
+        store.commit(CommitRequest(1, n1.node_epoch, closes=((a.stream_id, 0), (a.stream_id, 0))))
+
+
 def test_open_refused_while_another_node_holds_it(store):
     n1 = store.register_node(1, "w1")
     n2 = store.register_node(2, "w2")

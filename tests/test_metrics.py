@@ -113,7 +113,7 @@ def test_scrape_after_appends_fetches_and_uploads(tmp_path, local):
         assert value(after_reads, "s3stream_log_cache_hits_total", node="1") == hits + 3
         assert value(after_reads, "s3stream_fetch_latency_seconds_count", node="1") == 3
 
-        stream.close()                                       # force upload and commit of its tail
+        client.force_upload(10)                              # upload and commit what is in the cache
         wait_for(lambda: value(scrape(registry), "s3stream_wal_used_bytes", node="1") < used_before,
                  "the WAL to be trimmed after the commit")
         samples = scrape(registry)
@@ -362,9 +362,7 @@ def test_compaction_rounds_and_objects(tmp_path, local):
         for _ in range(3):
             for s in streams:
                 s.append(RecordBatch(b"c" * 900)).result(10)
-            for s in streams:
-                s.close(10)                                   # one more StreamSetObject each time
-            streams = [client.open_stream(s.stream_id) for s in streams]
+            client.force_upload(10)                           # one more StreamSetObject each time
         samples = scrape(registry)
         assert value(samples, "s3stream_objects", node="1", type="stream_set") >= 3
         assert value(samples, "s3stream_compaction_rounds_total", node="1") == 0

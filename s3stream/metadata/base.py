@@ -182,12 +182,19 @@ class CommitRequest:
 
     `compacted_ids` (compaction only) are COMMITTED objects the new ones replace: they are marked
     for destruction in the same transaction.
+
+    `closes` (stream id, epoch): streams the same transaction closes once its ranges are
+    applied, each as `close_stream` would (the node holds it OPENED at that epoch, else
+    StreamFencedError; already CLOSED at that epoch: nothing to do). A node's close of a
+    partition uploads the streams' tails and closes them in this one transaction; a request may
+    hold closes and no object at all.
     """
     node_id: int
     node_epoch: int
     sso: CommitSSO | None = None
     stream_objects: tuple[CommitStreamObject, ...] = ()
     compacted_ids: tuple[int, ...] = ()
+    closes: tuple[tuple[int, int], ...] = ()
 
     def object_ids(self) -> list[int]:
         ids = [so.object_id for so in self.stream_objects]
@@ -366,7 +373,8 @@ class MetadataStore(abc.ABC):
         StreamFencedError), and its ranges are contiguous from its end offset. Ranges of DELETED
         streams are ignored. Effects: objects COMMITTED (type, size, commit time; the SSO joins
         the node's SSO list with the next order id); SOs join their streams; each stream's end
-        offset and its last range's end advance; `compacted_ids` are marked for destruction."""
+        offset and its last range's end advance; `compacted_ids` are marked for destruction;
+        the streams of `closes` are CLOSED (see CommitRequest)."""
 
     @abc.abstractmethod
     def get_object(self, object_id: int) -> ObjectMeta:

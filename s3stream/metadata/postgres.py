@@ -600,7 +600,7 @@ class PostgresMetadataStore(MetadataStore):
             object_ids = request.object_ids()
             _check_request_shape(request, object_ids)
             ranges = request.all_ranges()
-            stream_ids = {r.stream_id for r in ranges}
+            stream_ids = {r.stream_id for r in ranges} | {sid for sid, _ in request.closes}
             if request.compacted_ids:
                 # A compaction checks the streams of the objects it replaces too. Those rows are
                 # written once, by the commit that committed the object.
@@ -619,7 +619,7 @@ class PostgresMetadataStore(MetadataStore):
                 if object_id not in rows:
                     raise MetadataError(f"commit names object {object_id}, which does not exist "
                                         f"(never prepared, or expired and removed)")
-            wanted = sorted({r.stream_id for r in ranges})
+            wanted = sorted({r.stream_id for r in ranges} | {sid for sid, _ in request.closes})
             streams = {m.stream_id: m for m in _load_streams(db, "WHERE stream_id = ANY(?)", (wanted,))}
             for stream_id in wanted:
                 if stream_id not in streams:

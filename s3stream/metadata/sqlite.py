@@ -458,7 +458,7 @@ class SqliteMetadataStore(MetadataStore):
                 rows[object_id] = row
             ranges = request.all_ranges()
             streams = {}
-            for stream_id in {r.stream_id for r in ranges}:
+            for stream_id in {r.stream_id for r in ranges} | {sid for sid, _ in request.closes}:
                 try:
                     streams[stream_id] = _load_stream(db, stream_id)
                 except StreamNotFoundError:
@@ -620,6 +620,7 @@ def _apply_commit(db: _Connection, request: CommitRequest, now: int, rows: dict[
                 f" in state {rows[not_prepared[0]][0]}: a commit's objects must all be "
                 f"PREPARED, or all COMMITTED by an earlier attempt of the same commit")
         _check_retry(db, request, streams)
+        _apply_closes(db, request, streams)
         return CommitResult(end_offsets, already_committed=True)
     for object_id in object_ids:
         if rows[object_id][1] <= now:
@@ -667,7 +668,27 @@ def _apply_commit(db: _Connection, request: CommitRequest, now: int, rows: dict[
                 end_offsets[stream_id] = ends[-1][1]
         if ends:
             set_ends(db, ends)
+    _apply_closes(db, request, streams)
     return CommitResult(end_offsets)
+
+
+def _apply_closes(db: _Connection, request: CommitRequest, streams: dict[int, StreamMeta]) -> None:
+    """Close the request's `closes` (after its ranges are applied), as close_stream does."""
+    to_close = []
+    for stream_id, epoch in request.closes:
+        stream = streams[stream_id]
+        if stream.state == StreamState.CLOSED and stream.epoch == epoch:
+            continue
+        if (stream.state != StreamState.OPENED or stream.epoch != epoch
+                or stream.owner_node_id != request.node_id):
+            raise StreamFencedError(
+                f"stream {stream_id} epoch {epoch} on node {request.node_id} is fenced: the stream "
+                f"is {stream.state.value} at epoch {stream.epoch} on node "
+                f"{stream.owner_node_id}; reopen it to continue")
+        to_close.append(stream_id)
+    if to_close:
+        db.executemany("UPDATE streams SET state = ?, owner_node_id = NULL WHERE stream_id = ?",
+                       [(StreamState.CLOSED.value, stream_id) for stream_id in to_close])
 
 
 def _set_stream_ends(db: _Connection, ends: list[tuple[int, int, int]]) -> None:
@@ -811,8 +832,13 @@ def _mark_destroyed(db: _Connection, now: int, object_ids: Sequence[int]) -> Non
 
 def _check_request_shape(request: CommitRequest, object_ids: list[int]) -> None:
     """Checks that need no database: a malformed request is a caller bug."""
-    if not object_ids and not request.compacted_ids:
-        raise MetadataError("commit request has no objects and no compacted ids")
+    if not object_ids and not request.compacted_ids and not request.closes:
+        raise MetadataError("commit request has no objects, no compacted ids and no closes")
+    if request.closes and request.compacted_ids:
+        raise MetadataError("a compaction's commit closes no stream")
+    closed = [stream_id for stream_id, _ in request.closes]
+    if len(set(closed)) != len(closed):
+        raise MetadataError(f"commit request closes a stream twice: {closed}")
     named = object_ids + list(request.compacted_ids)
     if len(set(named)) != len(named):
         raise MetadataError(f"commit request names an object twice: {named}")

@@ -1,0 +1,258 @@
+"""Issue 28: a close uploads only its own streams' tails, goes first, and a stream's tail stays
+bounded whatever the load; nothing acknowledged is lost if the node dies during such a close."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from s3stream import RecordBatch, StreamClient
+from s3stream.metadata import ObjectState, ObjectType, SqliteMetadataStore
+from s3stream.objectstore import LocalObjectStore
+
+from close_kill_child import ThreadGatedStore, digest
+from conftest import KiB, MiB, small_config
+
+HERE = Path(__file__).parent
+
+
+def client(tmp_path, store, **overrides):
+    cfg = small_config(reclaim_interval=None, **overrides)
+    return StreamClient(1, tmp_path / "node1.wal", store, f"sqlite:///{tmp_path}/meta.db", cfg)
+
+
+def read_stream(c, stream_id):
+    """Every committed batch of the stream, as [(base, payload)]."""
+    out, pos = [], 0
+    end = c.metadata.get_stream(stream_id).end_offset
+    while pos < end:
+        res = c.fetch_committed(stream_id, pos, end)
+        out += [(b.base_offset, bytes(b.payload)) for b in res.batches]
+        pos = res.end_offset
+    return out
+
+
+def test_close_uploads_only_its_streams_while_background_uploads_stall(tmp_path):
+    """Stream A closes while B keeps the node loaded and every background PUT is stalled: the
+    close returns (it does not wait behind B's blocks), its own PUTs hold exactly A's tail and
+    nothing of B, one StreamObject per closed stream, committed with A CLOSED; B's blocks commit
+    later without A's ranges, and every byte of both reads back."""
+    store = ThreadGatedStore(LocalObjectStore(str(tmp_path / "objects")), hang_background=1.5)
+    c = client(tmp_path, store, upload_threshold=256 * KiB, split_size=64 * KiB, stream_tail_limit=2 * MiB)
+    try:
+        a, b = c.create_stream(), c.create_stream()
+        written = {a.stream_id: [], b.stream_id: []}
+        for i in range(60):
+            for s in (a, b):
+                payload = os.urandom(2000 + 13 * i)
+                written[s.stream_id].append((s.append(RecordBatch(payload, 1)).result(10).base_offset, payload))
+        tail = c.unuploaded_bytes(a)
+        assert tail == sum(len(p) for _, p in written[a.stream_id])     # nothing of A is up yet
+        t0 = time.monotonic()
+        a.close(timeout=10)
+        took = time.monotonic() - t0
+        assert took < 1.5, f"the close waited for the stalled background uploads ({took:.2f} s)"
+        mine = [(key, size) for name, key, size in store.puts if not name.startswith("s3stream-put")]
+        assert len(mine) == 1                                           # one SO: A's tail
+        stats = c.stats()["upload"]
+        assert stats["closes"] == 1 and stats["close_objects"] == 1 and stats["close_bytes"] == mine[0][1]
+        meta = c.metadata
+        assert meta.get_stream(a.stream_id).state.value == "CLOSED"
+        assert meta.get_stream(a.stream_id).end_offset == 60
+        so = [o for o in meta.list_objects(state=ObjectState.COMMITTED, type=ObjectType.STREAM_OBJECT)
+              if o.key == mine[0][0]]
+        assert len(so) == 1
+        refs = meta.get_object_refs(a.stream_id, 0, 60)
+        assert [(r.key, r.start_offset, r.end_offset) for r in refs] == [(mine[0][0], 0, 60)]
+        assert not meta.get_object_refs(b.stream_id, 0, 60)             # B's data is not up yet
+        # The object holds A's tail and no byte of B: A's payloads plus the format's framing.
+        assert tail < mine[0][1] < tail + 16 * KiB
+        for i in range(20):
+            payload = os.urandom(3000)
+            written[b.stream_id].append((b.append(RecordBatch(payload, 1)).result(10).base_offset, payload))
+        b.close(timeout=30)
+        c.force_upload(30)
+        assert c._uploader.stats["closed_tail_bytes_skipped"] > 0      # later blocks left A's (and B's) tails out
+        for sid, batches in written.items():
+            assert read_stream(c, sid) == batches
+    finally:
+        c.close()
+
+
+def test_a_stream_tail_stays_bounded_under_a_store_slower_than_the_producer(tmp_path):
+    """A producer that outruns the store (every background PUT takes 60 ms): the stream's
+    un-uploaded tail never exceeds stream_tail_limit plus the batches in flight, appends wait
+    for it (counted), and a close at any moment has at most that much to upload."""
+    limit = 512 * KiB
+    store = ThreadGatedStore(LocalObjectStore(str(tmp_path / "objects")), hang_background=0.06)
+    c = client(tmp_path, store, upload_threshold=1 * MiB, split_size=256 * KiB, stream_tail_limit=limit)
+    seen: list[int] = []
+    stop = threading.Event()
+    try:
+        s = c.create_stream()
+        batch = 16 * KiB
+
+        def sample() -> None:
+            while not stop.is_set():
+                seen.append(c.unuploaded_bytes(s))
+                time.sleep(0.002)
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        futures = []
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 2.0:
+            futures.append(s.append(RecordBatch(os.urandom(batch), 1)))
+            if len(futures) > 8:
+                futures.pop(0).result(30)
+        for f in futures:
+            f.result(30)
+        stop.set()
+        sampler.join()
+        appended = s.next_offset * batch
+        assert appended > 4 * limit                       # the producer did outrun the uploads
+        assert max(seen) <= limit + batch, f"tail reached {max(seen)} bytes (limit {limit})"
+        assert c.stats()["append"]["tail_waits"] > 0
+        before = c.unuploaded_bytes(s)
+        assert before <= limit + batch
+        s.close(timeout=30)
+        assert c.stats()["upload"]["close_bytes"] <= before + 64 * KiB
+    finally:
+        stop.set()
+        c.close()
+
+
+def test_a_stream_reopened_on_the_same_node_after_its_close_takes_appends(tmp_path):
+    """Closed here (its tail still in the active block), reopened here at epoch + 1: the new
+    epoch gets a slice of its own; both epochs' records read back."""
+    c = client(tmp_path, f"file://{tmp_path}/objects")
+    try:
+        s = c.create_stream()
+        first = [os.urandom(1000) for _ in range(5)]
+        for p in first:
+            s.append(RecordBatch(p, 1)).result(10)
+        s.close(timeout=10)
+        again = c.open_stream(s.stream_id)
+        second = [os.urandom(1000) for _ in range(5)]
+        for p in second:
+            again.append(RecordBatch(p, 1)).result(10)
+        again.close(timeout=10)
+        assert read_stream(c, s.stream_id) == list(enumerate(first + second))
+    finally:
+        c.close()
+
+
+def test_a_close_racing_a_block_commit_uploads_only_what_is_left(tmp_path):
+    """A block holding part of the tail commits while the close's own PUT is in flight: the close
+    notices, uploads the rest again holding the commit gate, and the stream stays dense."""
+    store = ThreadGatedStore(LocalObjectStore(str(tmp_path / "objects")), hang_others=0.3)
+    c = client(tmp_path, store, upload_threshold=128 * KiB, split_size=32 * KiB, upload_idle=False)
+    try:
+        s = c.create_stream()
+        written = []
+        gate = threading.Event()
+        put = c._uploader._put
+
+        def slow_background_put(key, data):
+            gate.wait(10)                     # background PUTs wait until the close has begun its own
+            put(key, data)
+
+        c._uploader._put = slow_background_put
+        for i in range(50):
+            payload = os.urandom(4000)
+            written.append((s.append(RecordBatch(payload, 1)).result(10).base_offset, payload))
+        closer = threading.Thread(target=s.close, kwargs=dict(timeout=20))
+        closer.start()
+        time.sleep(0.05)
+        gate.set()                            # the sealed block commits during the close's PUT
+        closer.join(30)
+        assert not closer.is_alive()
+        assert c._uploader.stats["close_conflicts"] == 1
+        assert c.metadata.get_stream(s.stream_id).state.value == "CLOSED"
+        assert read_stream(c, s.stream_id) == written
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("mode", ["close-put", "close-done"])
+def test_kill_9_during_a_scoped_close_loses_nothing(tmp_path, mode):
+    """kill -9 while a close uploads its tail (its PUT hangs), or right after it committed (the
+    blocks holding that tail still in the WAL, uncommitted): the restart's recovery replays the
+    WAL, skips what the close committed, and every acknowledged record of both streams reads
+    back, once, at its offset."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
+    child = subprocess.Popen([sys.executable, str(HERE / "close_kill_child.py"), str(tmp_path), mode],
+                             stdout=subprocess.PIPE, text=True, env=env)
+    acks: dict[int, dict[int, str]] = {}
+    wait_for = "closing" if mode == "close-put" else "closed"
+    try:
+        assert child.stdout is not None
+        for line in child.stdout:
+            word, *rest = line.split()
+            if word == "ids":
+                acks = {int(x): {} for x in rest}
+            elif word == "ack":
+                acks[int(rest[0])][int(rest[1])] = rest[2]
+            elif word == wait_for:
+                break
+        else:
+            pytest.fail(f"the child exited early ({child.wait()})")
+        if mode == "close-put":
+            time.sleep(0.3)                   # inside the close's hanging PUT
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait()
+    assert acks and all(len(v) == 120 for v in acks.values())
+    c = client(tmp_path, f"file://{tmp_path}/objects", upload_threshold=256 * KiB, split_size=64 * KiB)
+    try:
+        for sid, expected in acks.items():
+            got = read_stream(c, sid)
+            assert [base for base, _ in got] == list(range(len(got)))           # dense, no duplicate
+            assert {base: digest(p) for base, p in got} == expected
+        meta = SqliteMetadataStore(str(tmp_path / "meta.db"))
+        a = min(acks)
+        assert meta.get_stream(a).end_offset == 120
+        meta.close()
+    finally:
+        c.close()
+
+
+def test_an_append_waiting_on_its_tail_is_refused_when_its_stream_closes(tmp_path):
+    """An appender held by the tail bound (background PUTs stalled) while its stream closes: the
+    close uploads the tail itself, and the waiting append is refused at once as closed, instead
+    of waiting out append_timeout for a tail that is no longer this node's to upload."""
+    import s3stream
+    store = ThreadGatedStore(LocalObjectStore(str(tmp_path / "objects")), hang_background=3)
+    c = client(tmp_path, store, upload_threshold=1 * MiB, split_size=256 * KiB, stream_tail_limit=256 * KiB,
+               append_timeout=60)
+    try:
+        s = c.create_stream()
+        outcome: list[BaseException | None] = []
+
+        def produce() -> None:
+            try:
+                while True:
+                    s.append(RecordBatch(os.urandom(64 * KiB), 1)).result(30)
+            except BaseException as e:      # noqa: BLE001 - the outcome is the test's
+                outcome.append(e)
+
+        producer = threading.Thread(target=produce)
+        producer.start()
+        deadline = time.monotonic() + 10
+        while c.stats()["append"]["tail_waits"] == 0 and c._tail_waiters == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert c._tail_waiters == 1                       # held by the bound
+        s.close(timeout=10)
+        producer.join(10)                                 # liveness bound (append_timeout is 60 s)
+        assert not producer.is_alive()
+        assert isinstance(outcome[0], s3stream.StreamClosedError), outcome
+        assert c.metadata.get_stream(s.stream_id).end_offset == s.next_offset
+    finally:
+        c.close(timeout=1)

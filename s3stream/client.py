@@ -217,7 +217,7 @@ class StreamClient:
             dict(invalid_batch=InvalidBatchError, closed=StreamClosedError, fenced=StreamFencedError,
                  append_failed=AppendFailedError, timeout=OperationTimeoutError),
             self._lease_expired_error, self._reserve_offsets,  # type: ignore[arg-type]  # a Stream is its writer
-            self.config.stream_tail_limit or 0, self._tail_wait)
+            self.config.stream_tail_limit or 0, self._tail_wait)  # type: ignore[arg-type]
         # Extends streams' offset reservations ahead of their appends (one thread, idle mostly).
         self._reserver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="s3stream-reserve")
         self._reserving: set[int] = set()

@@ -60,6 +60,8 @@ def test_spark_migration_smoke_loses_nothing(tmp_path):
     assert report["throughput_ratio"] == pytest.approx(migrating["mb_s"] / quiet["mb_s"])
     after = report["quiet_after"]
     assert after["whole_seconds"] == 2 and after["mb_s"] > 0 and after["start_s"] > migrating["end_s"]
+    both = (quiet["mb_s"] + after["mb_s"]) / 2
+    assert report["throughput_ratio_both_quiet"] == pytest.approx(migrating["mb_s"] / both)
     assert report["verification"]["acknowledged"] > 0
     assert report["verification"]["lost"] == 0
     assert not report["failures"]

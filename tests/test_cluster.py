@@ -104,6 +104,10 @@ def test_partition_checkpoint_survives_moves(tmp_path, metadata_url):
         rep = c.cluster.migrate("p", 2)
         assert (rep.source, rep.target, rep.leader_epoch, rep.failed_over) == (1, 2, 2, False)
         assert rep.tail_bytes == 10            # the five un-uploaded records, nothing older
+        assert set(rep.phases) == {"to_close", "close", "to_open", "open", "to_seen"}
+        assert rep.phases["close"] == rep.close_seconds and rep.phases["open"] == rep.open_seconds
+        assert all(v > -0.005 for v in rep.phases.values())               # one host: one wall clock
+        assert sum(rep.phases.values()) <= rep.seconds + 0.005              # they lie inside the migration
         p2 = c.partition("p")
         assert p2.checkpoint.streams == p.checkpoint.streams
         assert [x for _, x in read_partition(c, "p")] == [b"x%d" % i for i in range(5)]

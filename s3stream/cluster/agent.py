@@ -332,9 +332,10 @@ class NodeAgent:
                 self._submit(name, self._close, partition, version)
 
     def _publish_opened(self, name: str, version: int, leader_epoch: int, seconds: float) -> None:
+        at = self.runtime.wall_ns() / 1e9
         put_json(self.client.metadata, f"opened/{name}", {
             "node": self.node_id, "node_epoch": self.node_epoch, "version": version, "leader_epoch": leader_epoch,
-            "at": self.runtime.wall_ns() / 1e9, "seconds": seconds})
+            "at": at, "started": at - seconds, "seconds": seconds})
         self._published[name] = version
 
     def _submit(self, name: str, fn, *args, **kwargs) -> None:
@@ -414,6 +415,7 @@ class NodeAgent:
             self._open_failures.pop((name, version), None)
 
     def _close(self, partition, version: int) -> None:
+        started = self.runtime.wall_ns() / 1e9
         try:
             report = partition.close()
         except Exception:
@@ -423,7 +425,8 @@ class NodeAgent:
         self._published.pop(partition.name, None)
         put_json(self.client.metadata, f"closed/{partition.name}",
                  {"node": self.node_id, "node_epoch": self.node_epoch, "version": version,
-                  "tail_bytes": report.tail_bytes, "seconds": report.seconds, "at": self.runtime.wall_ns() / 1e9})
+                  "tail_bytes": report.tail_bytes, "seconds": report.seconds, "started": started,
+                  "at": self.runtime.wall_ns() / 1e9})
 
 
 __all__ = ["NodeAgent"]

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from ..config import Config
@@ -84,6 +84,11 @@ class MigrationReport:
     close_seconds: float = 0.0   # the source's close (wait for appends, force upload, commit)
     open_seconds: float = 0.0    # the target's open (epoch + 1, checkpoint read and write)
     version: int = 0             # the assignment version the target opened
+    #: Where the time went, in seconds, from the nodes' and the driver's wall clocks (one host:
+    #: exact; several hosts: within their clock skew): "to_close" (assignment written -> the
+    #: source's agent starts the close), "close", "to_open" (the close's end -> the target's
+    #: open that succeeded starts), "open", "to_seen" (the target published it -> migrate saw it).
+    phases: dict = field(default_factory=dict)
 
 
 def get_json(meta: MetadataStore, key: str) -> dict | None:
@@ -229,6 +234,7 @@ class Cluster:
         source = current["node"] if current else None
         t0 = self.monotonic()
         version = self.assign(name, to_node, guard=guard)
+        assigned_at = self.runtime.wall_ns() / 1e9
         opened = self.wait_open(name, version, timeout, node=to_node)
         failed_over = False
         if not self._opened_by_current(opened, version, to_node) and source is not None and source != to_node:
@@ -247,9 +253,14 @@ class Cluster:
         assert opened is not None
         closed = get_json(self.meta, f"closed/{name}")
         mine = closed if closed and closed["version"] == version else {}
+        seen_at = self.runtime.wall_ns() / 1e9
+        phases = {}
+        if "started" in mine and "started" in opened:
+            phases = dict(to_close=mine["started"] - assigned_at, close=mine["seconds"],
+                          to_open=opened["started"] - mine["at"], open=opened["seconds"], to_seen=seen_at - opened["at"])
         report = MigrationReport(name, source, to_node, (self.monotonic() - t0) / 1e9, mine.get("tail_bytes", 0),
                                  opened["leader_epoch"], failed_over, mine.get("seconds", 0.0),
-                                 opened.get("seconds", 0.0), version)
+                                 opened.get("seconds", 0.0), version, phases)
         MIGRATION_SECONDS.observe(report.seconds)
         return report
 

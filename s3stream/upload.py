@@ -103,6 +103,11 @@ RETRY_BACKOFF_FIRST = 0.02
 #: client's own timeouts and retries, see S3ObjectStore).
 RETRY_BACKOFF_CAP = 0.5
 
+#: Object ids prepared ahead for closes (topped up when half are used), so that a close commits
+#: without a prepare transaction of its own. Unused ones expire as PREPARED (prepared_ttl) and
+#: the reclaimer removes them.
+CLOSE_SPARE_IDS = 8
+
 #: Steps whose failures are retried, each counted in `Uploader.stats` as "<step>_retries".
 RETRY_STEPS = ("plan", "prepare", "encode", "put", "durable", "commit")
 
@@ -272,6 +277,11 @@ class Uploader:
         # may hold a slice of it); blocks up to that one leave those slices out. Written under
         # the gate; read by the planner without it (an entry exists only once committed).
         self._closed_tails: dict[tuple[int, int], tuple[int, int]] = {}
+        # Object ids prepared ahead for closes, (id, prepared at), so that a close's one metadata
+        # transaction is its commit: topped up by the blocks' own prepare calls (no extra
+        # transaction) and by a close that finds too few; used within half of prepared_ttl.
+        self._spare_ids: deque[tuple[int, float]] = deque()
+        self._spare_lock = threading.Lock()
         self._failure: BaseException | None = None
         self._stopping = False
         self._aborted = False
@@ -441,8 +451,11 @@ class Uploader:
             job.puts = []
             return
         ttl_ns = int(self._config.prepared_ttl * 1e9)
-        ids = iter(self._retry(f"prepare of {n} object ids for block {block.block_id}",
-                               lambda: self._meta.prepare_objects(n, ttl_ns), "prepare"))
+        spares = self._spares_wanted()
+        prepared = self._retry(f"prepare of {n} object ids for block {block.block_id}",
+                               lambda: self._meta.prepare_objects(n + spares, ttl_ns), "prepare")
+        self._keep_spares(prepared[n:], job.prepared_at)
+        ids = iter(prepared[:n])
         job.prepared_at = self._clock()
         puts = []
         if stream_set:
@@ -673,13 +686,36 @@ class Uploader:
         episode = self.retrying
         return f"{episode.what}: {episode.error}" if episode else "no failure recorded"
 
+    def _spares_wanted(self) -> int:
+        """How many ids to prepare ahead for closes along with a prepare call (0 if enough)."""
+        with self._spare_lock:
+            return CLOSE_SPARE_IDS if len(self._spare_ids) < CLOSE_SPARE_IDS // 2 else 0
+
+    def _keep_spares(self, ids: list[int], prepared_at: float) -> None:
+        with self._spare_lock:
+            self._spare_ids.extend((i, prepared_at) for i in ids)
+
+    def _close_ids(self, n: int, deadline: float | None) -> list[int]:
+        """`n` prepared object ids for a close: spares prepared ahead if there are enough young
+        ones (no metadata transaction), else `n` more (and spares) prepared now."""
+        now = self._clock()
+        with self._spare_lock:
+            while self._spare_ids and now - self._spare_ids[0][1] >= self._config.prepared_ttl / 2:
+                self._spare_ids.popleft()          # too old to be committed surely in time
+            if len(self._spare_ids) >= n:
+                return [self._spare_ids.popleft()[0] for _ in range(n)]
+        ttl_ns = int(self._config.prepared_ttl * 1e9)
+        spares = self._spares_wanted()
+        prepared = self._until(deadline, f"prepare of {n} object ids for a close",
+                               lambda: self._meta.prepare_objects(n + spares, ttl_ns), "prepare")
+        self._keep_spares(prepared[n:], now)
+        return prepared[:n]
+
     def _put_tails(self, tails: dict[tuple[int, int], list[CacheSlice]], deadline: float | None) -> list:
-        """Prepare ids for and PUT one StreamObject per tail; their commit entries."""
+        """PUT one StreamObject per tail (ids prepared ahead); their commit entries."""
         if not tails:
             return []
-        ttl_ns = int(self._config.prepared_ttl * 1e9)
-        ids = self._until(deadline, f"prepare of {len(tails)} object ids for a close",
-                          lambda: self._meta.prepare_objects(len(tails), ttl_ns), "prepare")
+        ids = self._close_ids(len(tails), deadline)
         entries = []
         for object_id, ((stream_id, epoch), slices) in zip(ids, sorted(tails.items())):
             data, _ = encode_slices(slices, self._config.object_block_size, bytearray(), GATHER_MIN_BYTES)

@@ -256,3 +256,28 @@ def test_an_append_waiting_on_its_tail_is_refused_when_its_stream_closes(tmp_pat
         assert c.metadata.get_stream(s.stream_id).end_offset == s.next_offset
     finally:
         c.close(timeout=1)
+
+
+def test_a_close_is_one_metadata_transaction(tmp_path):
+    """Once the background has prepared object ids ahead (with a block's own prepare call), a
+    stream's close writes metadata once: the commit of its tail with its CLOSED state."""
+    c = client(tmp_path, f"file://{tmp_path}/objects")
+    try:
+        s = c.create_stream()
+        s.append(RecordBatch(os.urandom(2000), 1)).result(10)
+        c.force_upload(10)                                 # a block's prepare took spares too
+        s.append(RecordBatch(os.urandom(2000), 1)).result(10)
+        calls: list[str] = []
+        meta = c._uploader._meta
+        for name in ("prepare_objects", "commit", "close_stream"):
+            real = getattr(meta, name)
+            setattr(meta, name, lambda *a, _real=real, _name=name, **k: (calls.append(_name), _real(*a, **k))[1])
+        try:
+            s.close(timeout=10)
+        finally:
+            for name in ("prepare_objects", "commit", "close_stream"):
+                delattr(meta, name)
+        assert calls == ["commit"]
+        assert c.metadata.get_stream(s.stream_id).end_offset == 2
+    finally:
+        c.close()

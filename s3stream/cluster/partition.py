@@ -166,7 +166,7 @@ class Partition:
                     # streams' tails and the checkpoint together.
                     done = Checkpoint(self.checkpoint.streams, self.checkpoint.leader_epoch, True,
                                       {role: s.start_offset for role, s in self.streams.items()})
-                    _write_checkpoint(self.meta_stream, done, timeout)
+                    _write_checkpoint(self.meta_stream, done, timeout, trim=False)
                     self.checkpoint = done
                 self._client.close_streams(open_streams, timeout)
             except BaseException as e:
@@ -307,10 +307,15 @@ def open_partition(client: StreamClient, table: PartitionTable, name: str) -> Pa
     return Partition(client, table, name, meta, streams, opened)
 
 
-def _write_checkpoint(meta: "Stream", checkpoint: Checkpoint, timeout: float | None = None) -> None:
-    """Append a snapshot and trim the older ones, keeping the newest committed one too: if this
-    node dies with its WAL (`node forget --wal-lost`), a committed checkpoint stays readable."""
+def _write_checkpoint(meta: "Stream", checkpoint: Checkpoint, timeout: float | None = None,
+                      trim: bool = True) -> None:
+    """Append a snapshot and (`trim`) trim the older ones, keeping the newest committed one too:
+    if this node dies with its WAL (`node forget --wal-lost`), a committed checkpoint stays
+    readable. A close does not trim (its one metadata transaction is its commit): the next
+    open's checkpoint trims what the close left."""
     base = meta.append(RecordBatch(checkpoint.encode(), 1)).result(timeout).base_offset
+    if not trim:
+        return
     committed = _last_committed(meta.metadata())
     keep = base if committed is None else min(base, committed)
     if keep > meta.start_offset:

@@ -90,7 +90,7 @@ def test_spark_migration_half_load_calibrates_then_paces(tmp_path):
     assert report["migrating"]["mb_s"] > 0
     assert all(r["migrations"] == 2 and r["failed_over"] == 0 for r in report["histories"])
     assert report["verification"]["acknowledged"] > 0 and report["verification"]["lost"] == 0
-    assert not report["failures"] and not report["node_errors"]
+    assert not report["failures"] and not report["node_errors"], (report["failures"], report["node_errors"])
 
 
 def test_spark_balance_smoke_converges_and_loses_nothing(tmp_path):

@@ -419,9 +419,25 @@ def summarize(args, histories, baseline, moves, windows, results, lost, failures
                 moves=[dict(partition=m["report"].partition, source=m["report"].source, target=m["report"].target,
                             start_s=m["start_s"], end_s=m["end_s"], seconds=m["report"].seconds,
                             tail_bytes=m["report"].tail_bytes, close_seconds=m["report"].close_seconds,
-                            open_seconds=m["report"].open_seconds, failed_over=m["report"].failed_over)
+                            open_seconds=m["report"].open_seconds, failed_over=m["report"].failed_over,
+                            phases=m["report"].phases)
                        for m in moves],
+                phases=_phase_summary([m["report"].phases for m in moves]),
                 timeline=sorted(timeline.items()), verification=lost, failures=failures)
+
+
+#: The phases of a migration (MigrationReport.phases), in order.
+PHASES = ("to_close", "close", "to_open", "open", "to_seen")
+
+
+def _phase_summary(phases: list[dict]) -> dict:
+    """Per phase, p50 and max seconds over the migrations that recorded it."""
+    out = {}
+    for name in PHASES:
+        values = sorted(p[name] for p in phases if name in p)
+        if values:
+            out[name] = dict(p50_s=values[len(values) // 2], max_s=values[-1])
+    return out
 
 
 def _mb_s(value: float | None) -> str:
@@ -469,6 +485,11 @@ def format_report(report: dict) -> str:
                  f"close/open: the source's close and the target's open, p50 s; MB/s: acknowledged by the producers "
                  f"in the seconds that history's migrations touched; upload threshold (block size) "
                  f"{report['upload_threshold'] / MiB:g} MiB")
+    if report.get("phases"):
+        lines.append("  where the time went (p50 / max s over every migration): " + ", ".join(
+            f"{name} {v['p50_s']:.3f} / {v['max_s']:.3f}" for name, v in report["phases"].items())
+            + " (to_close: assignment -> the source's close starts; to_open: the close's end -> the target's open "
+              "starts; to_seen: the target published it -> the driver saw it)")
     failed_over = sum(r["failed_over"] for r in report["histories"])
     if failed_over:
         lines.append(f"  {failed_over} migration(s) fell back to failing the source over (it did not let go in time)")

@@ -282,6 +282,7 @@ class Uploader:
         # transaction) and by a close that finds too few; used within half of prepared_ttl.
         self._spare_ids: deque[tuple[int, float]] = deque()
         self._spare_lock = threading.Lock()
+        self._close_prepares = 0         # closes that found no spare id (guarded by _spare_lock)
         self._failure: BaseException | None = None
         self._stopping = False
         self._aborted = False
@@ -380,6 +381,19 @@ class Uploader:
             self.abort()
             self._thread.join()
         self._pool.shutdown(wait=True)
+        self._discard_spares()
+
+    def _discard_spares(self) -> None:
+        """Let go of the ids prepared ahead for closes (never PUT), so that a clean shutdown
+        leaves no PREPARED object behind; if metadata is unreachable they expire instead."""
+        with self._spare_lock:
+            ids = [i for i, _ in self._spare_ids]
+            self._spare_ids.clear()
+        if ids:
+            try:
+                self._meta.remove_objects(ids, unused_prepared=True)
+            except Exception as e:   # noqa: BLE001 - they expire after prepared_ttl and are reclaimed
+                log.info("the %d object ids prepared ahead for closes stay PREPARED until they expire: %s", len(ids), e)
 
     def abort(self) -> None:
         with self._cond:
@@ -687,8 +701,12 @@ class Uploader:
         return f"{episode.what}: {episode.error}" if episode else "no failure recorded"
 
     def _spares_wanted(self) -> int:
-        """How many ids to prepare ahead for closes along with a prepare call (0 if enough)."""
+        """How many ids to prepare ahead for closes along with a prepare call: none until this
+        node has closed a stream (a node that never moves anything keeps no PREPARED ids), then
+        CLOSE_SPARE_IDS whenever fewer than half are left."""
         with self._spare_lock:
+            if not self._close_prepares:
+                return 0
             return CLOSE_SPARE_IDS if len(self._spare_ids) < CLOSE_SPARE_IDS // 2 else 0
 
     def _keep_spares(self, ids: list[int], prepared_at: float) -> None:
@@ -705,6 +723,8 @@ class Uploader:
             if len(self._spare_ids) >= n:
                 return [self._spare_ids.popleft()[0] for _ in range(n)]
         ttl_ns = int(self._config.prepared_ttl * 1e9)
+        with self._spare_lock:
+            self._close_prepares += 1
         spares = self._spares_wanted()
         prepared = self._until(deadline, f"prepare of {n} object ids for a close",
                                lambda: self._meta.prepare_objects(n + spares, ttl_ns), "prepare")

@@ -405,9 +405,11 @@ class MetadataStore(abc.ABC):
         deletes their store objects, then calls `remove_objects`."""
 
     @abc.abstractmethod
-    def remove_objects(self, object_ids: Sequence[int]) -> list[int]:
+    def remove_objects(self, object_ids: Sequence[int], unused_prepared: bool = False) -> list[int]:
         """Remove the rows of objects that are still expired-PREPARED or MARK_DESTROYED;
-        returns the ids removed (an object committed meanwhile is kept)."""
+        returns the ids removed (an object committed meanwhile is kept). `unused_prepared`: the
+        caller prepared these ids and never PUT them (ids prepared ahead for closes, let go at
+        shutdown): PREPARED rows are removed before they expire too."""
 
     # ---- KV --------------------------------------------------------------------------------
 

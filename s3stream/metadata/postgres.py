@@ -697,7 +697,7 @@ class PostgresMetadataStore(MetadataStore):
                 (_PREPARED, now, limit, _MARK_DESTROYED, now - destroy_delay_ns, limit, limit)))
             return _load_objects(db, "o.object_id = ANY(?)", (sorted(ids),)) if ids else []
 
-    def remove_objects(self, object_ids: Sequence[int]) -> list[int]:
+    def remove_objects(self, object_ids: Sequence[int], unused_prepared: bool = False) -> list[int]:
         removed = []
         with self._transaction(write=True) as db:
             now = self._clock()
@@ -706,7 +706,8 @@ class PostgresMetadataStore(MetadataStore):
             for object_id in wanted:
                 row = db.execute("SELECT state, expire_ns FROM objects WHERE object_id = ?",
                                  (object_id,)).fetchone()
-                if row is None or not (row[0] == _MARK_DESTROYED or (row[0] == _PREPARED and row[1] <= now)):
+                if row is None or not (row[0] == _MARK_DESTROYED
+                                       or (row[0] == _PREPARED and (unused_prepared or row[1] <= now))):
                     continue
                 for table in ("sso_ranges", "stream_objects", "objects"):
                     db.execute(f"DELETE FROM {table} WHERE object_id = ?", (object_id,))

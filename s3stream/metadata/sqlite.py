@@ -535,7 +535,7 @@ class SqliteMetadataStore(MetadataStore):
                     "ORDER BY 1 LIMIT ?)",
                 (_PREPARED, now, _MARK_DESTROYED, now - destroy_delay_ns, -1 if limit is None else limit))
 
-    def remove_objects(self, object_ids: Sequence[int]) -> list[int]:
+    def remove_objects(self, object_ids: Sequence[int], unused_prepared: bool = False) -> list[int]:
         removed = []
         with self._transaction(write=True) as db:
             now = self._clock()
@@ -543,7 +543,7 @@ class SqliteMetadataStore(MetadataStore):
                 row = db.execute("SELECT state, expire_ns FROM objects WHERE object_id = ?",
                                  (object_id,)).fetchone()
                 if row is None or not (row[0] == _MARK_DESTROYED
-                                       or (row[0] == _PREPARED and row[1] <= now)):
+                                       or (row[0] == _PREPARED and (unused_prepared or row[1] <= now))):
                     continue
                 for table in ("sso_ranges", "stream_objects", "objects"):
                     db.execute(f"DELETE FROM {table} WHERE object_id = ?", (object_id,))

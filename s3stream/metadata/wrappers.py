@@ -146,8 +146,8 @@ class InstrumentedMetadataStore(MetadataStore):
     def objects_to_delete(self, destroy_delay_ns: int, limit: int | None = None) -> list[ObjectMeta]:
         return self._timed("objects_to_delete", self.inner.objects_to_delete, destroy_delay_ns, limit)
 
-    def remove_objects(self, object_ids: Sequence[int]) -> list[int]:
-        return self._timed("remove_objects", self.inner.remove_objects, object_ids)
+    def remove_objects(self, object_ids: Sequence[int], unused_prepared: bool = False) -> list[int]:
+        return self._timed("remove_objects", self.inner.remove_objects, object_ids, unused_prepared)
 
     def get_kv(self, key: str) -> bytes | None:
         return self._timed("get_kv", self.inner.get_kv, key)

@@ -68,7 +68,6 @@ cdef class CacheBlock:
 
 cdef class LogCache:
     cdef readonly uint64_t threshold
-    cdef readonly uint64_t slice_seal    # a stream with this many bytes in the active block seals it (0: off)
     cdef readonly uint64_t cache_size
     cdef object clock
     cdef object batch_type

@@ -11,9 +11,8 @@ k + 1 in the WAL, which is what lets the WAL be trimmed to block k's end once k 
 record is readable only once durable: the stream's confirm offset (kept by the append path)
 bounds every read.
 
-When the active block reaches the upload threshold, or one stream has `slice_seal` bytes in it
-(sealing early, so that no stream's un-uploaded tail waits for a block the others fill), or an
-interval passes, or the WAL fills up, it is *sealed*: it never changes again, so the uploader plans and encodes it
+When the active block reaches the upload threshold (or an interval passes, or a stream closes,
+or the WAL fills up) it is *sealed*: it never changes again, so the uploader plans and encodes it
 without the GIL. Blocks are committed in seal order; committed blocks stay as a tail cache for
 readers until evicted by size, oldest first. Uncommitted blocks are never evicted (append
 admission and the WAL bound them).
@@ -332,12 +331,10 @@ cdef class LogCache:
     `batch_type(base, count, payload)` builds what `read` returns; `clock()` gives block ages in ns.
     """
 
-    def __cinit__(self, uint64_t upload_threshold, uint64_t cache_size, clock, batch_type=tuple,
-                  uint64_t slice_seal=0):
+    def __cinit__(self, uint64_t upload_threshold, uint64_t cache_size, clock, batch_type=tuple):
         pthread_mutex_init(&self.mutex, NULL)
         self.mutex_ready = True
         self.threshold = upload_threshold
-        self.slice_seal = slice_seal
         self.cache_size = cache_size
         self.clock = clock
         self.batch_type = batch_type
@@ -375,7 +372,7 @@ cdef class LogCache:
                     object owner=None) except -1:
         """Add a batch to `s`, a slice of the active block (lock held); with `owner`, by
         reference (see CacheSlice.add). Returns 1 when the block has reached the upload
-        threshold or `s` the slice_seal bytes (the caller seals it), else 0."""
+        threshold (the caller seals it), else 0."""
         cdef CacheBlock block = self.active
         s.add(base, count, data, length, owner)
         if block.wal_end == 0:          # the block's first record
@@ -386,7 +383,7 @@ cdef class LogCache:
         if wal_end > block.wal_end:
             block.wal_end = wal_end
         self.nbytes += length
-        return 1 if block.size >= self.threshold or (self.slice_seal and s.size >= self.slice_seal) else 0
+        return 1 if block.size >= self.threshold else 0
 
     cdef CacheBlock _seal_locked(self):
         cdef CacheBlock block = self.active

@@ -575,7 +575,7 @@ class StreamClient:
         if pending:
             self._uploader.wait_committed(max(pending), timeout)
 
-    def close_streams(self, streams: list[Stream], timeout: float | None = None) -> None:
+    def close_streams(self, streams: list[Stream], timeout: float | None = None, timing: dict | None = None) -> None:
         """Close several streams together: wait for their pending appends, then upload their
         un-uploaded tails only (each at most about Config.stream_tail_limit; nothing of other
         streams, nothing older), on this thread ahead of the background uploads, and commit
@@ -583,7 +583,8 @@ class StreamClient:
 
         Says only what happened: a stream is closed here once it is CLOSED in metadata. If a
         step fails this raises, and the streams not marked CLOSED serve again (open, appends
-        accepted), so that calling it again does every step left."""
+        accepted), so that calling it again does every step left. `timing`, if given, receives
+        where the upload's time went (Uploader.upload_and_close)."""
         closing = [s for s in streams if s._begin_close(timeout)]
         closed: set[int] = set()
         try:
@@ -591,7 +592,7 @@ class StreamClient:
                 raise self._upload_failure()
             if closing:
                 try:
-                    self._uploader.upload_and_close([(s.stream_id, s.epoch) for s in closing], timeout)
+                    self._uploader.upload_and_close([(s.stream_id, s.epoch) for s in closing], timeout, timing)
                     closed.update(s.stream_id for s in closing)
                     self._seal_closed_tails(closing)
                 except StreamFencedError as e:

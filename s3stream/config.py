@@ -72,10 +72,10 @@ class Config:
         stay in block order. With a 150 ms PUT latency and 4 upload threads, 1 gave 210 MB/s and
         2-4 about 300 MB/s here; 3 leaves room for slower stores.
     stream_tail_limit: most bytes of one stream durable in the WAL but not yet uploaded (its
-        un-uploaded tail), whatever the load: a stream with half of it in the active block seals
-        that block (sealing early: at a paced load the tail would otherwise be the stream's share
-        of a block the others fill, its whole share moving at a close), and an append that would
-        pass it waits until uploads commit enough (backpressure on that stream only). A stream's close uploads its tail on the closing thread, so this bounds what
+        un-uploaded tail), whatever the load: an append that would pass it seals the active block
+        (if it holds some of the tail) and waits until uploads commit enough (backpressure on that
+        stream only). (Sealing a block as soon as one stream had half of it in the block was
+        tried: smaller blocks, more commits, and larger tails in the migration bench.) A stream's close uploads its tail on the closing thread, so this bounds what
         a migration moves and how long its close takes (issue 28: at most about 8 MiB to PUT).
         A stream's throughput is at most about stream_tail_limit per upload round trip (seal to
         commit): with 8 MiB and a ~40 ms round trip on a local store, ~200 MB/s per stream; raise

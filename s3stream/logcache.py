@@ -18,7 +18,5 @@ __all__ = ["ACTIVE", "COMMITTED", "SEALED", "CacheBlock", "CacheSlice", "LogCach
 
 
 def new_log_cache(config: Config, clock: Callable[[], int]) -> LogCache:
-    """The log cache a client (or a failover) uses under `config`; reads return FetchedBatch. A
-    stream with half of stream_tail_limit in the active block seals it (see Config)."""
-    return LogCache(config.upload_threshold, config.cache_size, clock, FetchedBatch,
-                    (config.stream_tail_limit or 0) // 2)
+    """The log cache a client (or a failover) uses under `config`; reads return FetchedBatch."""
+    return LogCache(config.upload_threshold, config.cache_size, clock, FetchedBatch)

@@ -639,27 +639,39 @@ class Uploader:
             return request
         return CommitRequest(request.node_id, request.node_epoch, sso=sso, stream_objects=sos)
 
-    def upload_and_close(self, streams: list[tuple[int, int]], timeout: float | None) -> CommitResult:
+    def upload_and_close(self, streams: list[tuple[int, int]], timeout: float | None,
+                         timing: dict | None = None) -> CommitResult:
         """Close `streams` ((stream id, epoch), whose appends have stopped and are durable): PUT
         each one's un-uploaded tail as a StreamObject on the calling thread, ahead of the
         background uploads, and commit them with the streams' close in one metadata
         transaction, without waiting for older blocks (module docstring). Store and metadata
         errors are retried until `timeout` (None: no bound), then OperationTimeoutError;
-        StreamFencedError if a stream moved away; UploadAborted if uploads stopped for good."""
+        StreamFencedError if a stream moved away; UploadAborted if uploads stopped for good.
+        `timing`, if given, receives the seconds spent: "put" (ids, encode, PUTs), "gate"
+        (waiting for a block's commit to end), "commit"."""
         deadline = None if timeout is None else self._clock() + timeout
+        timing = {} if timing is None else timing
+        for key in ("put", "gate", "commit"):
+            timing.setdefault(key, 0.0)
         hold = False
         while True:
             held = False
             try:
+                t0 = time.perf_counter()
                 if hold:
                     self._enter_gate(deadline)
                     held = True
+                t1 = time.perf_counter()
                 tails = {key: self._cache.uncommitted_slices(*key) for key in streams}
                 tails = {key: slices for key, slices in tails.items() if slices}
                 entries = self._put_tails(tails, deadline)
+                t2 = time.perf_counter()
                 if not held:
                     self._enter_gate(deadline)
                     held = True
+                t3 = time.perf_counter()
+                timing["put"] += t2 - t1
+                timing["gate"] += (t1 - t0) + (t3 - t2)
                 # Gate held from here: no block commits until this close has.
                 if any(s.block_id <= self._committed_id for slices in tails.values() for s in slices):
                     # A block committed part of a tail during the PUTs: upload what is left
@@ -673,6 +685,7 @@ class Uploader:
                                         closes=tuple(streams))
                 result = self._until(deadline, f"commit of the close of streams {[k[0] for k in streams]}",
                                      lambda: self._meta.commit(request), "commit")
+                timing["commit"] += time.perf_counter() - t3
                 for key, slices in tails.items():
                     self._closed_tails[key] = (slices[-1].end_offset, slices[-1].block_id)
                 with self._retry_lock:

@@ -427,7 +427,8 @@ def summarize(args, histories, baseline, moves, windows, results, lost, failures
 
 
 #: The phases of a migration (MigrationReport.phases), in order.
-PHASES = ("to_close", "close", "to_open", "open", "to_seen")
+PHASES = ("to_close", "close", "close.flush", "close.checkpoint", "close.upload", "close.upload.put",
+          "close.upload.gate", "close.upload.commit", "to_open", "open", "to_seen")
 
 
 def _phase_summary(phases: list[dict]) -> dict:

@@ -426,6 +426,7 @@ class NodeAgent:
         put_json(self.client.metadata, f"closed/{partition.name}",
                  {"node": self.node_id, "node_epoch": self.node_epoch, "version": version,
                   "tail_bytes": report.tail_bytes, "seconds": report.seconds, "started": started,
+                  "phases": report.phases,
                   "at": self.runtime.wall_ns() / 1e9})
 
 

@@ -87,7 +87,8 @@ class MigrationReport:
     #: Where the time went, in seconds, from the nodes' and the driver's wall clocks (one host:
     #: exact; several hosts: within their clock skew): "to_close" (assignment written -> the
     #: source's agent starts the close), "close", "to_open" (the close's end -> the target's
-    #: open that succeeded starts), "open", "to_seen" (the target published it -> migrate saw it).
+    #: open that succeeded starts), "open", "to_seen" (the target published it -> migrate saw it);
+    #: and the close's own (CloseReport.phases) as "close.flush", "close.checkpoint", "close.upload".
     phases: dict = field(default_factory=dict)
 
 
@@ -258,6 +259,7 @@ class Cluster:
         if "started" in mine and "started" in opened:
             phases = dict(to_close=mine["started"] - assigned_at, close=mine["seconds"],
                           to_open=opened["started"] - mine["at"], open=opened["seconds"], to_seen=seen_at - opened["at"])
+            phases.update({f"close.{k}": v for k, v in mine.get("phases", {}).items()})
         report = MigrationReport(name, source, to_node, (self.monotonic() - t0) / 1e9, mine.get("tail_bytes", 0),
                                  opened["leader_epoch"], failed_over, mine.get("seconds", 0.0),
                                  opened.get("seconds", 0.0), version, phases)

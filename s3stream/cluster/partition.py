@@ -73,9 +73,13 @@ def _kv_key(name: str) -> str:
 
 @dataclass
 class CloseReport:
-    """What closing a partition cost: the un-uploaded tail it forced up, and how long."""
+    """What closing a partition cost: the un-uploaded tail it forced up, and how long; `phases`
+    (seconds): "flush" (its pending appends acknowledged), "checkpoint" (the clean checkpoint
+    appended and acknowledged), "upload" (its streams' tails PUT and committed with their close),
+    and of the upload "upload.put", "upload.gate", "upload.commit" (Uploader.upload_and_close)."""
     tail_bytes: int
     seconds: float
+    phases: dict = field(default_factory=dict)
 
 
 class Partition:
@@ -160,6 +164,7 @@ class Partition:
                 for s in self.streams.values():
                     if s.is_open:
                         s.flush(timeout)
+                t1 = time.perf_counter()
                 tail = sum(self._client.unuploaded_bytes(s) for s in self.streams.values())
                 if self.meta_stream.is_open:
                     # Into the meta stream first, so that one force upload carries the data
@@ -168,13 +173,17 @@ class Partition:
                                       {role: s.start_offset for role, s in self.streams.items()})
                     _write_checkpoint(self.meta_stream, done, timeout, trim=False)
                     self.checkpoint = done
-                self._client.close_streams(open_streams, timeout)
+                t2 = time.perf_counter()
+                timing: dict = {}
+                self._client.close_streams(open_streams, timeout, timing)
             except BaseException as e:
                 self.close_error = e
                 # Serve again if every stream still can; else keep refusing until a close finishes.
                 self._closing = not all(s.is_open for s in (self.meta_stream, *self.streams.values()))
                 raise
-            self._closed = CloseReport(tail, time.perf_counter() - t0)
+            t3 = time.perf_counter()
+            self._closed = CloseReport(tail, t3 - t0, dict(flush=t1 - t0, checkpoint=t2 - t1, upload=t3 - t2,
+                                                           **{f"upload.{k}": v for k, v in timing.items()}))
             self._closing = False
             self.close_error = None
         self._table.forget(self)

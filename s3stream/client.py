@@ -371,6 +371,21 @@ class StreamClient:
                     out.append(max(0, done - submitted) / 1e9)
             return out
 
+    def open_streams(self, stream_ids: list[int]) -> list[Stream]:
+        """Open several existing streams on this node, each with epoch + 1, in ONE metadata
+        transaction (all of them or none: StreamNotClosedError if another node holds one open,
+        StreamNotFoundError if one does not exist). A partition's open uses it."""
+        for stream_id in stream_ids:
+            check_int("stream_id", stream_id)
+        self._check_usable()
+        with self._lock:
+            here = [sid for sid in stream_ids if sid in self._streams]
+        if here:
+            raise StreamNotClosedError(f"streams {here} are already open on this client")
+        metas = self._meta_call(self._meta.open_streams, list(stream_ids), self.node_id, self.node_epoch,
+                                self.config.offset_reservation)
+        return [self._register(meta) for meta in metas]
+
     def opened(self, stream_id: int) -> Stream | None:
         """The handle of stream `stream_id` if it is open on this client, else None."""
         with self._lock:

@@ -651,8 +651,8 @@ class Uploader:
         (waiting for a block's commit to end), "commit"."""
         deadline = None if timeout is None else self._clock() + timeout
         timing = {} if timing is None else timing
-        for key in ("put", "gate", "commit"):
-            timing.setdefault(key, 0.0)
+        for phase in ("put", "gate", "commit"):
+            timing.setdefault(phase, 0.0)
         hold = False
         while True:
             held = False

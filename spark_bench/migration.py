@@ -427,7 +427,7 @@ def summarize(args, histories, baseline, moves, windows, results, lost, failures
 
 
 #: The phases of a migration (MigrationReport.phases), in order.
-PHASES = ("to_close", "close", "close.flush", "close.checkpoint", "close.upload", "close.upload.put",
+PHASES = ("assign", "to_close", "close", "close.flush", "close.checkpoint", "close.upload", "close.upload.put",
           "close.upload.gate", "close.upload.commit", "to_open", "open", "to_seen")
 
 

@@ -408,22 +408,33 @@ class SimMetadata(MetadataStore):
         return self._call("create_stream", apply)
 
     def open_stream(self, stream_id: int, node_id: int, node_epoch: int, reserve: int = 0) -> StreamMeta:
-        def apply() -> StreamMeta:
+        return self._open([stream_id], node_id, node_epoch, reserve, "open_stream")[0]
+
+    def open_streams(self, stream_ids, node_id: int, node_epoch: int, reserve: int = 0) -> list[StreamMeta]:
+        return self._open(list(stream_ids), node_id, node_epoch, reserve, "open_streams")
+
+    def _open(self, stream_ids: list[int], node_id: int, node_epoch: int, reserve: int, op: str) -> list[StreamMeta]:
+        def apply() -> list[StreamMeta]:
             self._check_epoch(node_id, node_epoch)
-            s = self._stream(stream_id)
-            if s.state == StreamState.DELETED:
-                raise StreamNotFoundError(f"stream {stream_id} was deleted")
-            if s.state == StreamState.OPENED and s.owner != node_id:
-                raise StreamNotClosedError(f"stream {stream_id} is open on node {s.owner}")
-            s.epoch += 1
-            last = s.ranges[-1]
-            if last[2] == last[3] and not last[4]:
-                s.ranges[-1] = [node_id, s.epoch, s.end, s.end, False]
-            else:
-                s.ranges.append([node_id, s.epoch, s.end, s.end, False])
-            s.state, s.owner, s.reserved = StreamState.OPENED, node_id, s.end + reserve
-            return self.meta_of(s)
-        return self._call("open_stream", apply)
+            for stream_id in stream_ids:             # all or none
+                s = self._stream(stream_id)
+                if s.state == StreamState.DELETED:
+                    raise StreamNotFoundError(f"stream {stream_id} was deleted")
+                if s.state == StreamState.OPENED and s.owner != node_id:
+                    raise StreamNotClosedError(f"stream {stream_id} is open on node {s.owner}")
+            out = []
+            for stream_id in stream_ids:
+                s = self._stream(stream_id)
+                s.epoch += 1
+                last = s.ranges[-1]
+                if last[2] == last[3] and not last[4]:
+                    s.ranges[-1] = [node_id, s.epoch, s.end, s.end, False]
+                else:
+                    s.ranges.append([node_id, s.epoch, s.end, s.end, False])
+                s.state, s.owner, s.reserved = StreamState.OPENED, node_id, s.end + reserve
+                out.append(self.meta_of(s))
+            return out
+        return self._call(op, apply)
 
     def reserve_offsets(self, stream_id: int, epoch: int, node_id: int, node_epoch: int,
                         reserved_end: int) -> StreamMeta:
@@ -917,6 +928,27 @@ class SimClient:
         meta = self.metadata.open_stream(stream_id, self.node_id, self.node_epoch, self.config.offset_reservation)
         stream = self.streams[stream_id] = SimStream(self, meta)
         return stream
+
+    def open_streams(self, stream_ids: list[int]) -> list[SimStream]:
+        self._check_usable()
+        if any(sid in self.streams for sid in stream_ids):
+            raise StreamNotClosedError(f"streams {stream_ids} are already open here")
+        metas = self.metadata.open_streams(stream_ids, self.node_id, self.node_epoch, self.config.offset_reservation)
+        for meta in metas:
+            self.streams[meta.stream_id] = SimStream(self, meta)
+        return [self.streams[meta.stream_id] for meta in metas]
+
+    def fetch_committed(self, stream_id: int, start: int, end: int | None = None,
+                        max_bytes: int = 1 << 20) -> FetchResult:
+        """What is committed in the world's store (a reader that is not the owner)."""
+        stored = self.world.streams[stream_id]
+        end = stored.end if end is None else end
+        out, pos = [], start
+        while pos < end and pos in stored.data:
+            count, payload = stored.data[pos]
+            out.append(FetchedBatch(pos, count, memoryview(payload)))
+            pos += count
+        return FetchResult(out)
 
     def opened(self, stream_id: int) -> SimStream | None:
         return self.streams.get(stream_id)

@@ -286,3 +286,36 @@ def test_a_close_is_one_metadata_transaction(tmp_path):
     meta = SqliteMetadataStore(str(tmp_path / "meta.db"))
     assert meta.list_objects(state=ObjectState.PREPARED) == []
     meta.close()
+
+
+def test_a_partition_open_is_one_metadata_write(tmp_path):
+    """A partition closed on node 1 opens on node 2 with one metadata write (its streams opened
+    together) besides reads; the older checkpoints are trimmed only every few moves."""
+    store = f"file://{tmp_path}/objects"
+    one = StreamClient(1, tmp_path / "n1.wal", store, f"sqlite:///{tmp_path}/meta.db", small_config())
+    two = StreamClient(2, tmp_path / "n2.wal", store, f"sqlite:///{tmp_path}/meta.db", small_config())
+    writes = ("open_streams", "open_stream", "create_stream", "trim_stream", "commit", "close_stream",
+              "reserve_offsets", "prepare_objects", "put_kv", "put_kv_if_absent")
+    try:
+        p = one.open_partition("p")
+        p.append(RecordBatch(b"r0", 1)).result(10)
+        p.close(timeout=10)
+        calls: list[str] = []
+        meta = two.metadata
+        for name in writes:
+            real = getattr(meta, name)
+            setattr(meta, name, lambda *a, _real=real, _name=name, **k: (calls.append(_name), _real(*a, **k))[1])
+        try:
+            q = two.open_partition("p")
+        finally:
+            for name in writes:
+                delattr(meta, name)
+        assert calls == ["open_streams"]
+        assert q.checkpoint.leader_epoch == 2 and q.log.next_offset == 1
+        for i in range(6):                                 # moves back and forth: the meta stream stays short
+            q.close(timeout=10)
+            q = (one if i % 2 == 0 else two).open_partition("p")
+        assert q.meta_stream.confirm_offset - q.meta_stream.start_offset <= 8
+    finally:
+        one.close()
+        two.close()

@@ -104,7 +104,7 @@ def test_partition_checkpoint_survives_moves(tmp_path, metadata_url):
         rep = c.cluster.migrate("p", 2)
         assert (rep.source, rep.target, rep.leader_epoch, rep.failed_over) == (1, 2, 2, False)
         assert rep.tail_bytes == 10            # the five un-uploaded records, nothing older
-        assert set(rep.phases) == {"to_close", "close", "to_open", "open", "to_seen", "close.flush",
+        assert set(rep.phases) == {"assign", "to_close", "close", "to_open", "open", "to_seen", "close.flush",
                                    "close.checkpoint", "close.upload", "close.upload.put", "close.upload.gate",
                                    "close.upload.commit"}
         assert sum(v for k, v in rep.phases.items() if k.count(".") == 1) <= rep.phases["close"] + 1e-6

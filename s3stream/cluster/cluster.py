@@ -85,7 +85,8 @@ class MigrationReport:
     open_seconds: float = 0.0    # the target's open (epoch + 1, checkpoint read and write)
     version: int = 0             # the assignment version the target opened
     #: Where the time went, in seconds, from the nodes' and the driver's wall clocks (one host:
-    #: exact; several hosts: within their clock skew): "to_close" (assignment written -> the
+    #: exact; several hosts: within their clock skew): "assign" (writing the assignment),
+    #: "to_close" (assignment written -> the
     #: source's agent starts the close), "close", "to_open" (the close's end -> the target's
     #: open that succeeded starts), "open", "to_seen" (the target published it -> migrate saw it);
     #: and the close's own (CloseReport.phases) as "close.flush", "close.checkpoint", "close.upload".
@@ -235,6 +236,7 @@ class Cluster:
         source = current["node"] if current else None
         t0 = self.monotonic()
         version = self.assign(name, to_node, guard=guard)
+        assign_seconds = (self.monotonic() - t0) / 1e9
         assigned_at = self.runtime.wall_ns() / 1e9
         opened = self.wait_open(name, version, timeout, node=to_node)
         failed_over = False
@@ -257,7 +259,7 @@ class Cluster:
         seen_at = self.runtime.wall_ns() / 1e9
         phases = {}
         if "started" in mine and "started" in opened:
-            phases = dict(to_close=mine["started"] - assigned_at, close=mine["seconds"],
+            phases = dict(assign=assign_seconds, to_close=mine["started"] - assigned_at, close=mine["seconds"],
                           to_open=opened["started"] - mine["at"], open=opened["seconds"], to_seen=seen_at - opened["at"])
             phases.update({f"close.{k}": v for k, v in mine.get("phases", {}).items()})
         report = MigrationReport(name, source, to_node, (self.monotonic() - t0) / 1e9, mine.get("tail_bytes", 0),

@@ -26,14 +26,19 @@ from typing import TYPE_CHECKING
 
 from ..client import StreamClient
 from ..errors import (
-    LeaseExpiredError, OffsetsLostError, S3StreamError, StreamClosedError, StreamFencedError, StreamNotFoundError,
+    LeaseExpiredError, OffsetsLostError, S3StreamError, StreamClosedError, StreamFencedError, StreamNotClosedError,
+    StreamNotFoundError,
 )
-from ..metadata import StreamMeta
+from ..metadata import StreamMeta, StreamState
 from ..recordbatch import AppendFuture, FetchResult, RecordBatch
 from .loadreport import SAMPLE_EVERY, TrafficMeter
 
 if TYPE_CHECKING:
     from ..stream import Stream
+
+#: Checkpoints a partition's meta stream may hold before an open trims them (an open and a
+#: close each append one): its ranges, and so its metadata, stay bounded by this many moves.
+CHECKPOINTS_KEPT = 8
 
 #: Roles of a partition's data streams; "log" carries the records.
 DATA_ROLES = ("log",)
@@ -205,14 +210,12 @@ class PartitionReader:
         if raw is None:
             raise StreamNotFoundError(f"there is no partition {name!r} (no KV key {_kv_key(name)!r})")
         self.meta_stream_id = int(raw)
-        meta = client.metadata.get_stream(self.meta_stream_id)
-        last = _last_committed(meta)
-        if last is None:
+        checkpoint = _committed_checkpoint(client, client.metadata.get_stream(self.meta_stream_id))
+        if checkpoint is None:
             raise StreamNotFoundError(
                 f"partition {name!r} has no committed checkpoint yet (its owner has not uploaded it): "
                 "retry after the owner's next upload")
-        res = client.fetch_committed(self.meta_stream_id, last, last + 1)
-        self.checkpoint = Checkpoint.decode(res.batches[-1].payload)
+        self.checkpoint = checkpoint
         self.log_stream_id = self.checkpoint.streams["log"]
 
     @property
@@ -291,42 +294,86 @@ def open_partition(client: StreamClient, table: PartitionTable, name: str) -> Pa
             candidate.destroy()
             meta = client.opened(winner) or client.open_stream(winner)
     else:
+        together = _open_all(client, int(meta_kv))
+        if together is not None:
+            return _opened(client, table, name, *together, trim_later=True)
         meta = client.opened(int(meta_kv)) or client.open_stream(int(meta_kv))
     streams: dict[str, Stream] = {}
     try:
-        checkpoint = _last_checkpoint(meta)
-        if checkpoint is None:
+        last = _last_checkpoint(meta)
+        if last is None:
             streams = {role: client.create_stream() for role in DATA_ROLES}
             checkpoint = Checkpoint({role: s.stream_id for role, s in streams.items()})
         else:
+            checkpoint = last
             for role, sid in checkpoint.streams.items():
                 # A handle left open here by an open that failed half-way is reused.
                 streams[role] = client.opened(sid) or client.open_stream(sid)
+    except BaseException:
+        _let_go(client, meta, streams)
+        raise
+    return _opened(client, table, name, meta, streams, checkpoint, trim_later=False)
+
+
+def _let_go(client: StreamClient, meta: "Stream", streams: dict[str, "Stream"]) -> None:
+    """An open failed: nothing was acknowledged through these handles; closing them (not just
+    dropping them) leaves the streams CLOSED for the next try, here or on another node."""
+    try:
+        client.close_streams([meta, *streams.values()])
+    except S3StreamError:
+        pass
+
+
+def _open_all(client: StreamClient, meta_id: int) -> tuple["Stream", dict[str, "Stream"], Checkpoint] | None:
+    """The usual open of a partition that exists, closed elsewhere: its last committed
+    checkpoint names its streams, which are opened together in ONE metadata transaction. None
+    when that does not apply (a handle already open here, no committed checkpoint): the caller
+    opens them one by one. StreamNotClosedError while another node holds it."""
+    meta_meta = client.metadata.get_stream(meta_id)
+    if meta_meta.state == StreamState.OPENED and meta_meta.owner_node_id != client.node_id:
+        raise StreamNotClosedError(f"stream {meta_id} is open on node {meta_meta.owner_node_id} at epoch "
+                                   f"{meta_meta.epoch}; close it there or fail that node over first")
+    if client.opened(meta_id) is not None:
+        return None
+    checkpoint = _committed_checkpoint(client, meta_meta)
+    if checkpoint is None or any(client.opened(sid) is not None for sid in checkpoint.streams.values()):
+        return None
+    roles = list(checkpoint.streams)
+    handles = client.open_streams([meta_id, *(checkpoint.streams[r] for r in roles)])
+    return handles[0], dict(zip(roles, handles[1:])), checkpoint
+
+
+def _opened(client: StreamClient, table: "PartitionTable", name: str, meta: "Stream", streams: dict[str, "Stream"],
+            checkpoint: Checkpoint, trim_later: bool) -> Partition:
+    """Append the open's checkpoint (leader epoch + 1) and serve. `trim_later`: older
+    checkpoints are trimmed only once CHECKPOINTS_KEPT of them piled up (one open in a few
+    trims), so that the usual open writes metadata once (its streams' open)."""
+    try:
         opened = Checkpoint(checkpoint.streams, checkpoint.leader_epoch + 1, False,
                             {role: s.start_offset for role, s in streams.items()})
-        _write_checkpoint(meta, opened)
+        _write_checkpoint(meta, opened, trim=not trim_later or meta.confirm_offset - meta.start_offset >= CHECKPOINTS_KEPT)
     except BaseException:
-        # Nothing was acknowledged through these handles: closing them (not just dropping them)
-        # leaves the streams CLOSED for the next try, here or on another node.
-        try:
-            client.close_streams([meta, *streams.values()])
-        except S3StreamError:
-            pass
+        _let_go(client, meta, streams)
         raise
     return Partition(client, table, name, meta, streams, opened)
 
 
 def _write_checkpoint(meta: "Stream", checkpoint: Checkpoint, timeout: float | None = None,
                       trim: bool = True) -> None:
-    """Append a snapshot and (`trim`) trim the older ones, keeping the newest committed one too:
+    """Append a snapshot and (`trim`) trim the older ones (`_trim_checkpoints`). A close does not
+    trim (its one metadata transaction is its commit): the next open trims what it left."""
+    meta.append(RecordBatch(checkpoint.encode(), 1)).result(timeout)
+    if trim:
+        _trim_checkpoints(meta)
+
+
+def _trim_checkpoints(meta: "Stream") -> None:
+    """Trim the meta stream below its newest checkpoint, keeping the newest committed one too:
     if this node dies with its WAL (`node forget --wal-lost`), a committed checkpoint stays
-    readable. A close does not trim (its one metadata transaction is its commit): the next
-    open's checkpoint trims what the close left."""
-    base = meta.append(RecordBatch(checkpoint.encode(), 1)).result(timeout).base_offset
-    if not trim:
-        return
+    readable."""
+    newest = meta.confirm_offset - 1
     committed = _last_committed(meta.metadata())
-    keep = base if committed is None else min(base, committed)
+    keep = newest if committed is None else min(newest, committed)
     if keep > meta.start_offset:
         meta.trim(keep)
 
@@ -343,6 +390,16 @@ def _last_checkpoint(meta: "Stream") -> Checkpoint | None:
             continue
         return Checkpoint.decode(res.batches[-1].payload)
     return None
+
+
+def _committed_checkpoint(client: StreamClient, meta: StreamMeta) -> Checkpoint | None:
+    """The newest checkpoint committed to objects in meta stream `meta` (read without opening
+    it), or None if none is."""
+    last = _last_committed(meta)
+    if last is None:
+        return None
+    res = client.fetch_committed(meta.stream_id, last, last + 1)
+    return Checkpoint.decode(res.batches[-1].payload)
 
 
 def _last_committed(meta: StreamMeta) -> int | None:

@@ -295,6 +295,12 @@ class MetadataStore(abc.ABC):
         the node epoch is stale."""
 
     @abc.abstractmethod
+    def open_streams(self, stream_ids: Sequence[int], node_id: int, node_epoch: int,
+                     reserve: int = 0) -> list[StreamMeta]:
+        """`open_stream` of several streams in one transaction (all or none), in that order: a
+        partition's open (its meta stream and data streams) is one metadata write."""
+
+    @abc.abstractmethod
     def reserve_offsets(self, stream_id: int, epoch: int, node_id: int, node_epoch: int,
                         reserved_end: int) -> StreamMeta:
         """Raise the stream's reserved end to `reserved_end` (a lower value changes nothing).

@@ -320,23 +320,28 @@ class SqliteMetadataStore(MetadataStore):
             return _load_stream(db, stream_id)
 
     def open_stream(self, stream_id: int, node_id: int, node_epoch: int, reserve: int = 0) -> StreamMeta:
+        return self.open_streams([stream_id], node_id, node_epoch, reserve)[0]
+
+    def open_streams(self, stream_ids: Sequence[int], node_id: int, node_epoch: int,
+                     reserve: int = 0) -> list[StreamMeta]:
         with self._transaction(write=True) as db:
             _check_node_epoch(db, node_id, node_epoch)
-            stream = _live_stream(db, stream_id)
-            if stream.state == StreamState.OPENED and stream.owner_node_id != node_id:
-                raise StreamNotClosedError(
-                    f"stream {stream_id} is open on node {stream.owner_node_id} at epoch "
-                    f"{stream.epoch}; close it there or fail that node over first")
-            epoch = stream.epoch + 1
-            last = stream.ranges[-1]
-            # An empty last range recorded nothing: the new holder takes its place.
-            index = last.index if last.start_offset == last.end_offset else last.index + 1
-            db.execute(f"INSERT OR REPLACE INTO ranges ({_RANGE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)",
-                       (stream_id, index, node_id, epoch, stream.end_offset, stream.end_offset))
-            db.execute("UPDATE streams SET epoch = ?, state = ?, owner_node_id = ?, reserved_end = ? "
-                       "WHERE stream_id = ?",
-                       (epoch, StreamState.OPENED.value, node_id, stream.end_offset + reserve, stream_id))
-            return _load_stream(db, stream_id)
+            for stream_id in stream_ids:
+                stream = _live_stream(db, stream_id)
+                if stream.state == StreamState.OPENED and stream.owner_node_id != node_id:
+                    raise StreamNotClosedError(
+                        f"stream {stream_id} is open on node {stream.owner_node_id} at epoch "
+                        f"{stream.epoch}; close it there or fail that node over first")
+                epoch = stream.epoch + 1
+                last = stream.ranges[-1]
+                # An empty last range recorded nothing: the new holder takes its place.
+                index = last.index if last.start_offset == last.end_offset else last.index + 1
+                db.execute(f"INSERT OR REPLACE INTO ranges ({_RANGE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)",
+                           (stream_id, index, node_id, epoch, stream.end_offset, stream.end_offset))
+                db.execute("UPDATE streams SET epoch = ?, state = ?, owner_node_id = ?, reserved_end = ? "
+                           "WHERE stream_id = ?",
+                           (epoch, StreamState.OPENED.value, node_id, stream.end_offset + reserve, stream_id))
+            return [_load_stream(db, stream_id) for stream_id in stream_ids]
 
     def reserve_offsets(self, stream_id: int, epoch: int, node_id: int, node_epoch: int,
                         reserved_end: int) -> StreamMeta:

@@ -17,7 +17,7 @@ _T = TypeVar("_T")
 #: method name is the operation's name in latencies() and in the metrics' `operation` label.
 TIMED_OPERATIONS = (
     "register_node", "get_node", "list_nodes", "heartbeat", "fence_node",
-    "create_stream", "open_stream", "reserve_offsets", "abandon_stream", "close_stream", "trim_stream",
+    "create_stream", "open_stream", "open_streams", "reserve_offsets", "abandon_stream", "close_stream", "trim_stream",
     "delete_stream", "get_stream",
     "get_streams", "list_streams",
     "prepare_objects", "commit", "get_object", "list_objects", "get_object_refs", "node_stream_set_objects",
@@ -101,6 +101,10 @@ class InstrumentedMetadataStore(MetadataStore):
 
     def abandon_stream(self, stream_id: int, epoch: int, node_id: int) -> StreamMeta:
         return self._timed("abandon_stream", self.inner.abandon_stream, stream_id, epoch, node_id)
+
+    def open_streams(self, stream_ids: Sequence[int], node_id: int, node_epoch: int,
+                     reserve: int = 0) -> list[StreamMeta]:
+        return self._timed("open_streams", self.inner.open_streams, stream_ids, node_id, node_epoch, reserve)
 
     def close_stream(self, stream_id: int, epoch: int, node_id: int, node_epoch: int | None = None) -> StreamMeta:
         return self._timed("close_stream", self.inner.close_stream, stream_id, epoch, node_id, node_epoch)

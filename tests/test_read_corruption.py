@@ -41,6 +41,7 @@ def written(tmp_path_factory):
         for payload in batches:
             s.append(RecordBatch(payload, 1 + len(payload) % 3))
         data[s.stream_id] = batches
+    client.force_upload(30)             # the background's objects (SSOs, split SOs), not closes' tails
     for s in streams:
         s.close()
     client.close()

@@ -83,7 +83,8 @@ class Balancer:
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread is not None:
+        # A stop may come (a signal) between the thread's creation and its start.
+        if self._thread is not None and self._thread.ident is not None:
             self._thread.join()
         try:
             self.lease.release()

@@ -82,6 +82,11 @@ class NodeAgent:
             self._lease_thread = self.runtime.spawn(f"node-lease-{self.node_id}", self._keep_lease)
             self._threads.append(self.runtime.spawn(f"node-agent-{self.node_id}", self._run))
 
+    @property
+    def stopped(self) -> bool:
+        """Whether `stop()` was called."""
+        return self._stop.is_set()
+
     def stop(self) -> None:
         """Stop moving partitions and judging peers. The lease is kept until the client is
         closed (or fenced): a client closing after its agent stopped still acknowledges the

@@ -93,51 +93,51 @@ def test_scrape_after_appends_fetches_and_uploads(tmp_path, local):
     store_url, meta_url = local
     registry = CollectorRegistry()
     own = InstrumentedObjectStore(open_object_store(store_url))
-    client = StreamClient(1, tmp_path / "n1.wal", own, meta_url, small_config(), metrics=registry)
+    client = StreamClient(71, tmp_path / "n1.wal", own, meta_url, small_config(), metrics=registry)
     try:
         stream = client.create_stream()
         futures = [stream.append(RecordBatch(bytes([i % 256]) * 1000, count=2)) for i in range(300)]
         futures[-1].result()
         before = scrape(registry)
-        assert value(before, "s3stream_appends_total", node="1") == 300
-        assert value(before, "s3stream_append_bytes_total", node="1") == 300_000
-        assert value(before, "s3stream_wal_records_total", node="1") == 300
-        used_before = value(before, "s3stream_wal_used_bytes", node="1")
+        assert value(before, "s3stream_appends_total", node="71") == 300
+        assert value(before, "s3stream_append_bytes_total", node="71") == 300_000
+        assert value(before, "s3stream_wal_records_total", node="71") == 300
+        used_before = value(before, "s3stream_wal_used_bytes", node="71")
         assert used_before >= 300_000
-        assert value(before, "s3stream_upload_blocks_total", node="1") == 0
+        assert value(before, "s3stream_upload_blocks_total", node="71") == 0
 
-        hits = value(before, "s3stream_log_cache_hits_total", node="1")
+        hits = value(before, "s3stream_log_cache_hits_total", node="71")
         for _ in range(3):                                   # tail reads: the log cache serves them
             assert stream.fetch(stream.confirm_offset - 2).batches
         after_reads = scrape(registry)
-        assert value(after_reads, "s3stream_log_cache_hits_total", node="1") == hits + 3
-        assert value(after_reads, "s3stream_fetch_latency_seconds_count", node="1") == 3
+        assert value(after_reads, "s3stream_log_cache_hits_total", node="71") == hits + 3
+        assert value(after_reads, "s3stream_fetch_latency_seconds_count", node="71") == 3
 
         client.force_upload(10)                              # upload and commit what is in the cache
-        wait_for(lambda: value(scrape(registry), "s3stream_wal_used_bytes", node="1") < used_before,
+        wait_for(lambda: value(scrape(registry), "s3stream_wal_used_bytes", node="71") < used_before,
                  "the WAL to be trimmed after the commit")
         samples = scrape(registry)
-        blocks = value(samples, "s3stream_upload_blocks_total", node="1")
+        blocks = value(samples, "s3stream_upload_blocks_total", node="71")
         assert blocks >= 1
         # One metadata commit per uploaded block, and the wrapper saw each one.
-        assert value(samples, "s3stream_metadata_latency_seconds_count", node="1", operation="commit") == blocks
-        assert value(samples, "s3stream_metadata_latency_seconds_count", node="1",
+        assert value(samples, "s3stream_metadata_latency_seconds_count", node="71", operation="commit") == blocks
+        assert value(samples, "s3stream_metadata_latency_seconds_count", node="71",
                      operation="prepare_objects") == blocks
         # The client's PUTs are exactly the ones the caller's own instrumented store counted.
         mine = own.stats()
         assert mine["put"] >= 1
-        assert value(samples, "s3stream_object_store_calls_total", node="1", operation="put") == mine["put"]
-        assert value(samples, "s3stream_object_store_written_bytes_total", node="1") == mine["bytes_written"]
-        assert value(samples, "s3stream_object_store_latency_seconds_count", node="1", operation="put") == mine["put"]
-        assert value(samples, "s3stream_upload_bytes_total", node="1") == mine["bytes_written"]
-        assert value(samples, "s3stream_object_store_inflight", node="1", operation="put") == 0
-        objects = (value(samples, "s3stream_upload_objects_total", node="1", type="stream_set")
-                   + value(samples, "s3stream_upload_objects_total", node="1", type="stream"))
+        assert value(samples, "s3stream_object_store_calls_total", node="71", operation="put") == mine["put"]
+        assert value(samples, "s3stream_object_store_written_bytes_total", node="71") == mine["bytes_written"]
+        assert value(samples, "s3stream_object_store_latency_seconds_count", node="71", operation="put") == mine["put"]
+        assert value(samples, "s3stream_upload_bytes_total", node="71") == mine["bytes_written"]
+        assert value(samples, "s3stream_object_store_inflight", node="71", operation="put") == 0
+        objects = (value(samples, "s3stream_upload_objects_total", node="71", type="stream_set")
+                   + value(samples, "s3stream_upload_objects_total", node="71", type="stream"))
         assert objects == mine["put"]
-        assert value(samples, "s3stream_upload_queue_blocks", node="1") == 0
+        assert value(samples, "s3stream_upload_queue_blocks", node="71") == 0
     finally:
         client.close()
-    assert not any(dict(labels).get("node") == "1" for _, labels in scrape(registry))
+    assert not any(dict(labels).get("node") == "71" for _, labels in scrape(registry))
 
 
 def test_instrumented_metadata_store_times_the_whole_contract(local):
@@ -387,16 +387,16 @@ def test_agent_metrics_come_from_the_cluster_layer(tmp_path, local):
     from s3stream.metadata import open_metadata
     store_url, meta_url = local
     registry = CollectorRegistry()
-    client = StreamClient(1, tmp_path / "n1.wal", store_url, meta_url, small_config(), metrics=registry)
+    client = StreamClient(72, tmp_path / "n1.wal", store_url, meta_url, small_config(), metrics=registry)
     meta = open_metadata(meta_url)
     agent = NodeAgent(client, Cluster(meta, None, ClusterConfig(heartbeat_interval=0.1, heartbeat_timeout=1.0)))
     try:
-        wait_for(lambda: value(scrape(registry), "s3stream_agent_heartbeats_total", node="1") >= 3,
+        wait_for(lambda: value(scrape(registry), "s3stream_agent_heartbeats_total", node="72") >= 3,
                  "three heartbeats")
         samples = scrape(registry)
-        assert value(samples, "s3stream_node_serving", node="1") == 1.0
-        assert 0 < value(samples, "s3stream_lease_remaining_seconds", node="1") <= 0.5
-        assert value(samples, "s3stream_agent_handed_on_total", node="1") == 0
+        assert value(samples, "s3stream_node_serving", node="72") == 1.0
+        assert 0 < value(samples, "s3stream_lease_remaining_seconds", node="72") <= 0.5
+        assert value(samples, "s3stream_agent_handed_on_total", node="72") == 0
     finally:
         agent.stop()
         client.close()

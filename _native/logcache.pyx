@@ -476,18 +476,6 @@ cdef class LogCache:
         finally:
             self.release()
 
-    def pending_blocks_with(self, uint64_t stream_id) -> list:
-        """Uncommitted blocks holding the stream (the active one included)."""
-        cdef CacheBlock block
-        self.acquire()
-        try:
-            out = [block for block in self.blocks if block.state == SEALED and stream_id in block.streams]
-            if stream_id in self.active.streams:
-                out.append(self.active)
-            return out
-        finally:
-            self.release()
-
     def uncommitted_slices(self, uint64_t stream_id, uint64_t epoch) -> list:
         """The stream's slices written at `epoch` in blocks not yet committed (sealed ones, then
         the active one), in block order: its un-uploaded tail, contiguous in offsets. A slice of

@@ -434,22 +434,26 @@ class StreamClient:
         """Backpressure (called by the append path when admission is full): wait while
         uncommitted data would exceed the cache size; WALFullError after append_timeout."""
         path = self._appends()
-        deadline = time.monotonic() + self.config.append_timeout
         started = time.monotonic_ns()
+        try:
+            self._wait_for_room(lambda: path.uncommitted + nbytes > path.admit_limit and path.uncommitted > 0,
+                                lambda: f"backpressure: {path.uncommitted} bytes not yet uploaded (cache_size "
+                                        f"{self.config.cache_size}) for {self.config.append_timeout} s; ")
+        finally:
+            self._admit_waits += 1
+            self._admit_wait_ns += time.monotonic_ns() - started
+
+    def _wait_for_room(self, blocked: Callable[[], bool], why: Callable[[], str]) -> None:
+        """Wait on the admission condition (notified as blocks commit) while `blocked()`, at most
+        append_timeout; then WALFullError saying `why()` and what keeps uploads behind."""
+        deadline = time.monotonic() + self.config.append_timeout
         with self._admit_cond:
-            try:
-                while path.uncommitted + nbytes > path.admit_limit and path.uncommitted > 0:
-                    self._check_usable()
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise WALFullError(
-                            f"backpressure: {path.uncommitted} bytes not yet uploaded (cache_size "
-                            f"{self.config.cache_size}) for {self.config.append_timeout} s; "
-                            + self._why_uploads_lag())
-                    self._admit_cond.wait(min(left, 0.5))
-            finally:
-                self._admit_waits += 1
-                self._admit_wait_ns += time.monotonic_ns() - started
+            while blocked():
+                self._check_usable()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise WALFullError(why() + self._why_uploads_lag())
+                self._admit_cond.wait(min(left, 0.5))
 
     def _tail_wait(self, stream: Stream, nbytes: int) -> None:
         """Backpressure per stream (the append path calls it when an append would take the
@@ -462,26 +466,20 @@ class StreamClient:
         sealed = self._cache.seal(stream.stream_id)
         if sealed is not None:
             self._uploader.submit(sealed)
-        deadline = time.monotonic() + self.config.append_timeout
         started = time.monotonic_ns()
         with self._admit_cond:
             self._tail_waiters += 1
-            try:
-                # A stream that is closing (or closed, fenced) stops waiting: its append is refused
-                # with the reason right after (its tail may never be committed here again).
-                while stream.tail and stream.tail + nbytes > limit and stream.is_open:
-                    self._check_usable()
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise WALFullError(
-                            f"backpressure: stream {stream.stream_id} has {stream.tail} bytes not yet uploaded "
-                            f"(stream_tail_limit {limit}) after {self.config.append_timeout} s; "
-                            + self._why_uploads_lag())
-                    self._admit_cond.wait(min(left, 0.5))
-            finally:
+        try:
+            # A stream that is closing (or closed, fenced) stops waiting: its append is refused
+            # with the reason right after (its tail may never be committed here again).
+            self._wait_for_room(lambda: bool(stream.tail) and stream.tail + nbytes > limit and stream.is_open,
+                                lambda: f"backpressure: stream {stream.stream_id} has {stream.tail} bytes not yet "
+                                        f"uploaded (stream_tail_limit {limit}) after {self.config.append_timeout} s; ")
+        finally:
+            with self._admit_cond:
                 self._tail_waiters -= 1
-                self._tail_waits += 1
-                self._tail_wait_ns += time.monotonic_ns() - started
+            self._tail_waits += 1
+            self._tail_wait_ns += time.monotonic_ns() - started
 
     def _reserve_offsets(self, stream: Stream, need_end: int) -> None:
         """Append path hook: an append needs `stream`'s offsets up to `need_end`, past its soft

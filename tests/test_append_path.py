@@ -501,7 +501,10 @@ def test_cache_reads_only_what_it_holds(tmp_path):
     assert [(b.base_offset, b.payload) for b in got] == [(12, b"p1"), (14, b"p2"), (16, b"p3")]
     assert [b.base_offset for b in cache.read(5, 10, 30, 5)] == [10, 12]  # max_bytes, at least one
     assert cache.read(6, 0, 10, 100) == []
-    assert [b.block_id for b in cache.pending_blocks_with(5)] == [cache.seal().block_id]
+    last = cache.read(5, 10, 1 << 40, 1 << 30)[-1]
+    # Nothing sealed yet: the stream's un-uploaded tail is the active block's slice, to its last batch.
+    assert [s.end_offset for s in cache.uncommitted_slices(5, 1)] == [last.base_offset + last.count]
+    assert cache.uncommitted_slices(5, 2) == [] and cache.uncommitted_slices(6, 1) == []
 
 
 def test_large_bytes_payloads_are_held_not_copied_and_released_on_eviction():

@@ -5,6 +5,7 @@ URLs. Tests about SQLite files and PostgreSQL servers as such run on their own b
 from __future__ import annotations
 
 import os
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -1116,16 +1117,13 @@ def test_postgres_lock_timeout_is_a_busy_error(pg_url):
 # ---- pushed KV changes (ChangeFeed) ----------------------------------------------------------
 
 def test_change_feed_wakes_on_writes_under_its_prefixes(store, open_same, meta_url):
-    """PostgreSQL pushes a committed KV write to every feed listening for its prefix (another
-    store, as another process would be); SQLite's feed does not push: callers poll."""
+    """Both stores push a committed KV write to every feed listening for its prefix (another
+    store, as another process would be): PostgreSQL by LISTEN/NOTIFY, SQLite by datagrams
+    between the processes of its host."""
     feed = store.kv_changes(("assignment/", "closed/"))
     other = open_same()
     try:
-        if not feed.pushes:
-            assert not feed.wait(0.05)
-            feed.wake()
-            assert feed.wait(5)
-            return
+        assert feed.pushes
         assert not feed.wait(0.1)
         t0 = time.monotonic()
         other.put_kv("assignment/p1", b"1")
@@ -1143,6 +1141,53 @@ def test_change_feed_wakes_on_writes_under_its_prefixes(store, open_same, meta_u
         assert feed.wait(5)
     finally:
         feed.close()
+
+
+def test_sqlite_change_feed_is_woken_by_another_process(tmp_path):
+    """A KV write committed by another process wakes the feed at once; a socket left by a
+    process that died is removed by the next write; a closed feed leaves no socket."""
+    from s3stream.metadata.hostfeed import feed_directory
+    path = str(tmp_path / "meta.db")
+    store = SqliteMetadataStore(path)
+    feed = store.kv_changes(("assignment/",))
+    directory = feed_directory(path)
+    stale = os.path.join(directory, "999999-dead.sock")
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    dead.bind(stale)
+    dead.close()                            # the file stays, nobody listens: a process that died
+    try:
+        writer = ("from s3stream.metadata import SqliteMetadataStore\n"
+                  f"s = SqliteMetadataStore({path!r}); s.put_kv('assignment/p1', b'1'); s.close()\n")
+        t0 = time.monotonic()
+        subprocess.run([sys.executable, "-c", writer], check=True, timeout=60)
+        assert feed.wait(5)
+        assert time.monotonic() - t0 < 30
+        assert not os.path.exists(stale)
+        subprocess.run([sys.executable, "-c", writer.replace("assignment/", "opened/")], check=True, timeout=60)
+        assert not feed.wait(0.3)           # not under its prefixes
+    finally:
+        feed.close()
+        store.close()
+    assert not os.path.exists(feed.path) and not os.path.exists(directory)
+
+
+def test_sqlite_change_feed_polls_where_no_socket_fits(tmp_path, monkeypatch):
+    """A temporary directory too long for a socket address: the feed does not push (callers
+    poll), and writes still succeed."""
+    import tempfile
+    deep = tmp_path / ("d" * 100)
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    store = SqliteMetadataStore(str(tmp_path / "meta.db"))
+    try:
+        feed = store.kv_changes(("assignment/",))
+        assert not feed.pushes
+        store.put_kv("assignment/p1", b"1")
+        assert store.get_kv("assignment/p1") == b"1"
+        feed.wake()
+        assert feed.wait(1)
+    finally:
+        store.close()
 
 
 def test_pg_change_feed_survives_a_lost_connection(pg_url):

@@ -20,9 +20,11 @@ class ClusterConfig:
         reaches the metadata store, after which a live node fails the silent one over (if
         auto_failover). After the judge's own outage every peer gets the whole timeout again.
     agent_interval: seconds between a node agent's passes when the metadata store cannot push
-        changes (SQLite: assignment changes are seen within it). push_fallback_interval: with a
-        store that pushes KV changes (PostgreSQL LISTEN/NOTIFY), agents and migrations wake on
-        each change and pass at least this often anyway.
+        changes (PostgreSQL behind a transaction-mode pooler without listen_url; SQLite where no
+        socket can be made): assignment changes are seen within it. push_fallback_interval: with
+        a store that pushes KV changes (PostgreSQL LISTEN/NOTIFY; SQLite between the processes
+        of its host, s3stream.metadata.hostfeed), agents and migrations wake on each change and
+        pass at least this often anyway.
     migration_timeout: seconds a migration waits for the source to let go before fencing and
         failing it over.
     max_parallel_moves: partitions a node opens or closes at once (the agent's thread bound).

@@ -219,8 +219,9 @@ class ChangeFeed:
     migrations react to a change at once instead of polling for it.
 
     `pushes` says whether writes by other processes wake it. This base feed does not push: its
-    `wait` only sleeps, and callers keep polling (SQLite). A store that can push (PostgreSQL
-    LISTEN/NOTIFY) returns its own feed from `MetadataStore.kv_changes`. A wake-up only says
+    `wait` only sleeps, and callers keep polling. A store that can push (PostgreSQL
+    LISTEN/NOTIFY; SQLite by datagrams between the processes of its host) returns its own feed
+    from `MetadataStore.kv_changes`. A wake-up only says
     "look again": it may be spurious, and callers always re-read the keys they care about, so a
     notification lost with a connection costs a poll interval, never a decision."""
 

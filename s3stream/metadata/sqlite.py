@@ -72,9 +72,10 @@ import tenacity
 
 from ..errors import (ConfigError, MetadataBusyError, MetadataError, NodeAliveError, StreamFencedError,
                       StreamNotClosedError, StreamNotFoundError)
-from .base import (CommitRange, CommitRequest, CommitResult, MetadataStore, NodeMeta, ObjectMeta,
+from .base import (ChangeFeed, CommitRange, CommitRequest, CommitResult, MetadataStore, NodeMeta, ObjectMeta,
                    ObjectRef, ObjectState, ObjectType, Range, StreamMeta, StreamRange, StreamState,
                    object_key)
+from .hostfeed import HostNotifier
 
 SCHEMA_VERSION = 2
 
@@ -182,6 +183,7 @@ class SqliteMetadataStore(MetadataStore):
         except BaseException:
             self.close()
             raise
+        self._notifier = HostNotifier(path)
 
     # ---- connection and transactions -------------------------------------------------------
 
@@ -272,6 +274,8 @@ class SqliteMetadataStore(MetadataStore):
                 self._closed = True
                 if self._pid == os.getpid():
                     self._conn.close()
+                if hasattr(self, "_notifier"):
+                    self._notifier.close()
 
     # ---- nodes -----------------------------------------------------------------------------
 
@@ -562,14 +566,21 @@ class SqliteMetadataStore(MetadataStore):
             row = db.execute("SELECT value FROM kv WHERE key = ?", (key,)).fetchone()
         return None if row is None else bytes(row[0])
 
+    # Every KV write that changed something wakes the feeds of this host's processes
+    # (kv_changes) once it has committed.
+
     def put_kv(self, key: str, value: bytes) -> None:
         with self._transaction(write=True) as db:
             db.execute("INSERT OR REPLACE INTO kv VALUES (?, ?)", (key, bytes(value)))
+        self._notifier.notify(key)
 
     def put_kv_if_absent(self, key: str, value: bytes) -> bytes:
         with self._transaction(write=True) as db:
-            db.execute("INSERT OR IGNORE INTO kv VALUES (?, ?)", (key, bytes(value)))
-            return bytes(db.execute("SELECT value FROM kv WHERE key = ?", (key,)).fetchone()[0])
+            inserted = db.execute("INSERT OR IGNORE INTO kv VALUES (?, ?)", (key, bytes(value))).rowcount
+            stored = bytes(db.execute("SELECT value FROM kv WHERE key = ?", (key,)).fetchone()[0])
+        if inserted:
+            self._notifier.notify(key)
+        return stored
 
     def replace_kv(self, key: str, expected: bytes | None, value: bytes,
                    guard: tuple[str, bytes] | None = None) -> bool:
@@ -577,11 +588,20 @@ class SqliteMetadataStore(MetadataStore):
             if not _kv_holds(db, key, expected, guard):
                 return False
             db.execute("INSERT OR REPLACE INTO kv VALUES (?, ?)", (key, bytes(value)))
-            return True
+        self._notifier.notify(key)
+        return True
 
     def delete_kv(self, key: str) -> None:
         with self._transaction(write=True) as db:
-            db.execute("DELETE FROM kv WHERE key = ?", (key,))
+            deleted = db.execute("DELETE FROM kv WHERE key = ?", (key,)).rowcount
+        if deleted:
+            self._notifier.notify(key)
+
+    def kv_changes(self, prefixes: Sequence[str]) -> ChangeFeed:
+        """Pushed KV changes from every process of this host on the same database file
+        (s3stream.metadata.hostfeed: UNIX datagram sockets); a polling feed where none can be
+        made."""
+        return self._notifier.feed(prefixes)
 
     def list_kv(self, prefix: str) -> dict[str, bytes]:
         # A range scan on the primary key: [prefix, prefix + U+10FFFF) holds every key with it.

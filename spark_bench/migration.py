@@ -12,12 +12,15 @@ copy baseline (issue 28).
    run's saturating acknowledged rate, then paces every producer so that the total is `load` x
    that rate, split evenly across the partitions.
 4. Two Spark tasks act as nodes 1 and 2, the partitions assigned to them in turn; producers
-   write to every partition wherever it is open. Once the load has built up, a quiet phase
-   (`--quiet-seconds`, no migrations) measures the acknowledged throughput without migrations;
-   then the driver migrates each partition back and forth `--migrations` times and records each
-   migration, with the tail the source's close uploaded; then `--quiet-seconds` more without
-   migrations (a drift check). Every node's per-second timeline is on the driver's clock, so the
-   throughput with and without migrations comes from the same run.
+   write to every partition wherever it is open. After `--warmup-seconds` of load, quiet windows
+   (`--quiet-seconds` each, no migrations) alternate with `--windows` migrating windows, starting
+   and ending quiet; in all, the driver migrates each partition back and forth `--migrations`
+   times and records each migration, with the tail the source's close uploaded. Every node's
+   timeline (100 ms steps) is on the driver's clock. The throughput ratio compares each migrating
+   window with the mean of the quiet windows on either side of it, so a rate that drifts by
+   itself (it does here: a saturated job acknowledged 620-670 MB/s in its seconds 3-5 and about
+   320 MB/s from second 8 on, without a single migration) is not counted as the migrations'
+   cost. The calibration (`--load` below 1) also measures after the warm-up.
 5. Every acknowledged record (the calibration's too) is read back by the driver's own client,
    after the nodes closed their partitions (nothing of the nodes' is read), and checked byte for
    byte.
@@ -28,6 +31,11 @@ throughput during the migrations >= 0.8 x the same run's throughput without them
 anchors beside ours: AutoMQ, about 1.5 s per partition reassignment (their docs); Apache Kafka,
 the time to copy the history (measured here). The tail a migration moved is measured (mean and
 max per history), not assumed from the upload threshold.
+
+The nodes run with `--tail-limit` (Config.stream_tail_limit) 4 MiB by default, half the engine's
+default: on this VM a close's PUT of its tail costs about 4 ms per MiB under load (new page
+cache pages are costly in the guest: the writev, not the fsync), and the half-load target needs
+the smaller tail. `--tail-limit 8M` measures the engine's default.
 
 `--meta postgres` starts a throwaway PostgreSQL server on 127.0.0.1 for the run and stops it
 after (s3stream.pgserver); `--meta postgresql://user@host/db` uses a server of yours.
@@ -61,8 +69,6 @@ ANCHORS = dict(automq_s=1.5, automq="AutoMQ: about 1.5 s per partition reassignm
 BUILDER_NODE_ID, COPIER_NODE_ID = 100, 101
 #: The nodes' cluster settings (the driver's Cluster uses the same).
 CLUSTER = dict(agent_interval=0.01, heartbeat_interval=0.5, heartbeat_timeout=30.0, migration_timeout=30.0)
-#: Seconds of load after every partition opened before anything is measured.
-BUILD_UP = 1.0
 #: Seconds the driver waits for a job's nodes to serve the partitions assigned to them.
 START_TIMEOUT = 300.0
 
@@ -79,6 +85,10 @@ def parse(argv):
     ap.add_argument("--tail", dest="upload_threshold", type=parse_size, default=argparse.SUPPRESS,
                     help="alias of --upload-threshold, kept for old command lines: the log cache block size, "
                          "not a bound on the tail a migration moves (the report measures that)")
+    ap.add_argument("--tail-limit", dest="stream_tail_limit", type=parse_size, default=4 * MiB,
+                    help="the nodes' Config.stream_tail_limit: most un-uploaded bytes per stream, what a close "
+                         "uploads at most (default 4 MiB, half the Config default: a close's PUT costs ~4 ms per MiB "
+                         "on this VM under load, and the half-load target needs the smaller tail; 0: no bound)")
     ap.add_argument("--migrations", type=int, default=10, help="migrations per partition")
     ap.add_argument("--pause", type=float, default=0.3, help="seconds of load between rounds of migrations")
     ap.add_argument("--inflight", type=int, default=8, help="appends in flight per producer")
@@ -88,14 +98,20 @@ def parse(argv):
                          "producer is paced so that the total is LOAD x that rate")
     ap.add_argument("--calibration-seconds", type=int, default=4,
                     help="whole seconds of flat-out load the calibration job measures (--load below 1)")
-    ap.add_argument("--quiet-seconds", type=int, default=3,
-                    help="whole seconds of load without migrations before the first one: the throughput the "
-                         "migrations' is compared with")
+    ap.add_argument("--quiet-seconds", type=float, default=2.0,
+                    help="seconds of each window without migrations (one before, between and after the migrating "
+                         "windows): the throughput the migrations' is compared with")
+    ap.add_argument("--windows", type=int, default=3,
+                    help="migrating windows, each between two quiet ones; the rounds of migrations are split among them")
+    ap.add_argument("--warmup-seconds", type=float, default=6.0,
+                    help="seconds of load after every partition opened before anything is measured (here the "
+                         "rate of a fresh job falls for its first 5-8 s, migrations or not)")
     args = ap.parse_args(argv)
     if not 0 < args.load <= 1:
         ap.error(f"--load is a fraction of the saturating load, in (0, 1]; got {args.load:g}")
-    if args.calibration_seconds < 1 or args.quiet_seconds < 1:
-        ap.error("--calibration-seconds and --quiet-seconds must be at least 1")
+    if args.calibration_seconds < 1 or args.quiet_seconds < 0.5 or args.windows < 1 or args.warmup_seconds < 0:
+        ap.error("--calibration-seconds must be at least 1, --quiet-seconds at least 0.5, --windows at least 1 and "
+                 "--warmup-seconds at least 0")
     return args
 
 
@@ -213,6 +229,7 @@ def run_job(args, dep, cluster, meta, histories: dict[str, int], script: Callabl
                        inflight=args.inflight, run_id=run_id) for n in (1, 2)]
     for spec in specs:
         spec["origin"] = origin
+        spec["stream_tail_limit"] = args.stream_tail_limit
         if rates is not None:
             spec["rates"] = rates
     assign_metrics_ports(specs, args.metrics_port)
@@ -260,13 +277,47 @@ def wait_until(clock: Callable[[], float], halt: threading.Event, at: float) -> 
         raise RuntimeError("the nodes stopped before the driver was done with them")
 
 
-def total_timeline(results: list[dict]) -> dict[int, int]:
-    """Bytes acknowledged by every node in each second of the job's clock."""
+def total_timeline(results: list[dict], key: str = "timeline") -> dict[int, int]:
+    """Bytes acknowledged by every node in each second of the job's clock (in each 100 ms with
+    key="timeline_100ms")."""
     total: collections.Counter = collections.Counter()
     for r in results:
-        for second, nbytes in r["timeline"]:
-            total[second] += nbytes
+        for step, nbytes in r[key]:
+            total[step] += nbytes
     return dict(total)
+
+
+def window_rate(ticks: dict[int, int], kind: str, start: float, end: float) -> dict:
+    """The acknowledged bytes and MB/s in the 100 ms steps of the job's clock inside [start, end)."""
+    first, last = math.ceil(start * 10 - 1e-9), math.floor(end * 10 + 1e-9)
+    steps = max(0, last - first)
+    nbytes = sum(ticks.get(k, 0) for k in range(first, last))
+    return dict(kind=kind, start_s=start, end_s=end, seconds=steps / 10, bytes=nbytes,
+                mb_s=nbytes / (steps / 10) / 1e6 if steps else None)
+
+
+def interleaved_ratio(windows: list[dict]) -> float | None:
+    """Bytes acknowledged in the migrating windows / what the quiet windows on either side of
+    each would have acknowledged in its time (their mean rate): a drift of the rate by itself
+    cancels out."""
+    done = expected = 0.0
+    for i, w in enumerate(windows):
+        if w["kind"] != "migrating" or not w["seconds"]:
+            continue
+        around = [q["mb_s"] for q in (windows[i - 1] if i else None, windows[i + 1] if i + 1 < len(windows) else None)
+                  if q and q["kind"] == "quiet" and q["mb_s"]]
+        if not around:
+            continue
+        done += w["bytes"]
+        expected += sum(around) / len(around) * 1e6 * w["seconds"]
+    return done / expected if expected else None
+
+
+def aggregate(windows: list[dict], kind: str) -> dict | None:
+    """The windows of `kind` taken together: their seconds, bytes and MB/s."""
+    mine = [w for w in windows if w["kind"] == kind]
+    seconds, nbytes = sum(w["seconds"] for w in mine), sum(w["bytes"] for w in mine)
+    return dict(windows=len(mine), seconds=seconds, mb_s=nbytes / seconds / 1e6 if seconds else None) if mine else None
 
 
 def acked_rate(timeline: dict[int, int], start: float, end: float) -> dict:
@@ -286,7 +337,7 @@ def calibrate(args, dep, cluster, meta, histories: dict[str, int]) -> tuple[dict
     window: dict[str, int] = {}
 
     def script(clock, halt) -> None:
-        start = math.ceil(clock() + BUILD_UP)
+        start = math.ceil(clock() + args.warmup_seconds)
         wait_until(clock, halt, start)
         wait_until(clock, halt, start + args.calibration_seconds)
         window.update(start=start, end=start + args.calibration_seconds)
@@ -324,35 +375,38 @@ def _run(args, dep, histories: dict[str, int]) -> dict:
         progress(f"  saturating: {calibration['mb_s']:.0f} MB/s acknowledged; load {args.load:g}: producers paced "
                  f"at {paced / 1e6:.0f} MB/s in all, {paced / len(histories) / 1e6:.1f} MB/s per partition")
     moves: list[dict] = []
-    windows: dict[str, tuple[float, float]] = {}
+    windows: list[tuple[str, float, float]] = []
     bar = progress_bar(total=args.migrations * len(histories), desc="migrations", unit="move")
+    # The rounds (each partition moves once) of each migrating window, as even as they split.
+    groups = [n for n in (args.migrations // args.windows + (i < args.migrations % args.windows)
+                          for i in range(args.windows)) if n]
+
+    def quiet_window(clock, halt, start: float) -> float:
+        start = math.ceil(start * 10) / 10        # on the nodes' 100 ms steps: all of it is measured
+        end = start + args.quiet_seconds
+        wait_until(clock, halt, end + 0.1)        # the nodes' last 100 ms step is whole
+        windows.append(("quiet", start, end))
+        return clock()
 
     def script(clock, halt) -> None:
-        quiet = math.ceil(clock() + BUILD_UP)
-        wait_until(clock, halt, quiet)
-        wait_until(clock, halt, quiet + args.quiet_seconds)
-        windows["quiet"] = (quiet, quiet + args.quiet_seconds)
-        for _ in range(args.migrations):
-            for name in histories:
-                if halt.is_set():
-                    raise RuntimeError(f"the nodes stopped after {len(moves)} migrations")
-                target = 2 if cluster.owner(name) == 1 else 1
-                began = clock()
-                report = cluster.migrate(name, target)
-                moves.append(dict(report=report, start_s=began, end_s=clock()))
-                bar.update()                                 # after the migration's own clock stopped
-                halt.wait(args.pause / len(histories))
+        at = math.ceil(clock() + args.warmup_seconds)
+        wait_until(clock, halt, at)
+        for rounds in groups:
+            at = quiet_window(clock, halt, at)
+            for _ in range(rounds):
+                for name in histories:
+                    if halt.is_set():
+                        raise RuntimeError(f"the nodes stopped after {len(moves)} migrations")
+                    target = 2 if cluster.owner(name) == 1 else 1
+                    began = clock()
+                    report = cluster.migrate(name, target)
+                    moves.append(dict(report=report, start_s=began, end_s=clock()))
+                    bar.update()                                 # after the migration's own clock stopped
+                    halt.wait(args.pause / len(histories))
+            windows.append(("migrating", at, clock()))
+            at = clock()
             progress(f"  migrations: {len(moves)} of {args.migrations * len(histories)}")
-        if moves:
-            # from the first migration's start, which is the quiet phase's end (a whole second
-            # of the job's clock, so that none of the phase is cut off), to the last one's end
-            windows["migrating"] = (windows["quiet"][1], moves[-1]["end_s"])
-            # As many seconds without migrations after them, from the second after the last one's
-            # end (so every second a migration touched is whole in the timeline too): a rate that
-            # drifts by itself shows here, not only during the migrations.
-            after = math.floor(moves[-1]["end_s"]) + 1
-            wait_until(clock, halt, after + args.quiet_seconds + 0.1)
-            windows["quiet_after"] = (after, after + args.quiet_seconds)
+        quiet_window(clock, halt, at)
 
     try:
         progress(f"2 nodes under load {args.load:g} on {dep.master}: {args.quiet_seconds} s without migrations, "
@@ -369,6 +423,15 @@ def _run(args, dep, histories: dict[str, int]) -> dict:
     report["node_errors"] = [e for r in earlier + results for e in r["errors"]][:20]
     report.update(dep.describe(), placement=where)
     return report
+
+
+def node_tail_limit(args) -> int:
+    """The stream_tail_limit the nodes run with (spark_bench.node's Config for these arguments)."""
+    import s3stream
+    return s3stream.Config(upload_threshold=args.upload_threshold, split_size=min(8 * MiB, args.upload_threshold),
+                           cache_size=max(4 * args.upload_threshold, 256 * MiB),
+                           max_batch_bytes=max(args.batch, MiB), stream_tail_limit=args.stream_tail_limit,
+                           ).stream_tail_limit
 
 
 def _median(values: list[float]) -> float | None:
@@ -401,20 +464,19 @@ def summarize(args, histories, baseline, moves, windows, results, lost, failures
                          p99_met=p99 is not None and p99 < target))
     by_size = sorted((r for r in rows if r["p99_s"]), key=lambda r: r["history_bytes"])
     flat = by_size[-1]["p99_s"] / by_size[0]["p99_s"] if len(by_size) >= 2 else None
-    quiet = acked_rate(timeline, *windows["quiet"]) if "quiet" in windows else None
-    migrating = acked_rate(timeline, *windows["migrating"]) if "migrating" in windows else None
-    quiet_after = acked_rate(timeline, *windows["quiet_after"]) if "quiet_after" in windows else None
-    # against both quiet phases: less sensitive to a rate that drifts or bursts by itself
-    both = [q["mb_s"] for q in (quiet, quiet_after) if q and q["mb_s"]]
-    ratio_both = migrating["mb_s"] / (sum(both) / len(both)) if migrating and migrating["mb_s"] and both else None
-    ratio = (migrating["mb_s"] / quiet["mb_s"] if quiet and migrating and quiet["mb_s"] and migrating["mb_s"]
-             else None)
+    ticks = total_timeline(results, "timeline_100ms")
+    measured = [window_rate(ticks, *w) for w in windows]
+    quiet, migrating = aggregate(measured, "quiet"), aggregate(measured, "migrating")
+    ratio = interleaved_ratio(measured)
+    # the plain one, all migrating windows against all quiet ones (drift not corrected)
+    plain = migrating["mb_s"] / quiet["mb_s"] if quiet and migrating and quiet["mb_s"] and migrating["mb_s"] else None
     produced = sum(r["bytes"] for r in results)
     return dict(kind="migration", targets=TARGETS, anchors=ANCHORS, load=args.load, inflight=args.inflight,
                 p99_target_s=target, p99_target_applies=applies, calibration=calibration,
-                upload_threshold=args.upload_threshold, histories=rows, flatness=flat,
-                quiet=quiet, migrating=migrating, quiet_after=quiet_after, throughput_ratio=ratio,
-                throughput_ratio_both_quiet=ratio_both,
+                upload_threshold=args.upload_threshold, stream_tail_limit=node_tail_limit(args),
+                histories=rows, flatness=flat,
+                warmup_seconds=args.warmup_seconds, windows=measured, quiet=quiet, migrating=migrating,
+                throughput_ratio=ratio, throughput_ratio_plain=plain,
                 load_mb_s=produced / max(r["seconds"] for r in results) / 1e6 if results else 0,
                 moves=[dict(partition=m["report"].partition, source=m["report"].source, target=m["report"].target,
                             start_s=m["start_s"], end_s=m["end_s"], seconds=m["report"].seconds,
@@ -463,14 +525,15 @@ def format_report(report: dict) -> str:
     quiet, migrating, ratio = report["quiet"], report["migrating"], report["throughput_ratio"]
     if quiet and migrating:
         least = t["throughput_ratio_during_migrations"]
-        lines.append(f"acknowledged throughput: {_mb_s(quiet['mb_s'])} MB/s without migrations "
-                     f"({quiet['whole_seconds']} s), {_mb_s(migrating['mb_s'])} MB/s during them "
-                     f"({migrating['whole_seconds']} whole s of {migrating['end_s'] - migrating['start_s']:.1f}); "
-                     f"ratio {_ratio(ratio)} (target >= {least}: {verdict(ratio is not None and ratio >= least)})")
-        if report["quiet_after"]:
-            lines.append(f"  and {_mb_s(report['quiet_after']['mb_s'])} MB/s without migrations after them "
-                         f"({report['quiet_after']['whole_seconds']} s; a drift check): during / mean of before and "
-                         f"after = {_ratio(report['throughput_ratio_both_quiet'])} (the target is on before)")
+        lines.append(f"acknowledged throughput after {report['warmup_seconds']:g} s of warm-up: "
+                     f"{_mb_s(quiet['mb_s'])} MB/s without migrations ({quiet['windows']} windows, "
+                     f"{quiet['seconds']:.1f} s), {_mb_s(migrating['mb_s'])} MB/s during them ({migrating['windows']} "
+                     f"windows, {migrating['seconds']:.1f} s); ratio, each migrating window against the quiet ones "
+                     f"on either side: {_ratio(ratio)} (target >= {least}: "
+                     f"{verdict(ratio is not None and ratio >= least)}; all against all: "
+                     f"{_ratio(report['throughput_ratio_plain'])})")
+        lines.append("  windows (MB/s): " + ", ".join(
+            f"{'Q' if w['kind'] == 'quiet' else 'M'} {_mb_s(w['mb_s'])}" for w in report["windows"]))
     else:
         lines.append("acknowledged throughput with and without migrations: not measured (the job ended early)")
     lines.append(f"{'history':>10} {'moves':>5} {'p50 s':>7} {'p99 s':>7} {'max s':>7} {'tail MiB':>9} {'max MiB':>8} "
@@ -485,7 +548,7 @@ def format_report(report: dict) -> str:
     lines.append(f"  p99 target: {report['p99_target_applies']}. tail: what the source's close uploaded (mean, max); "
                  f"close/open: the source's close and the target's open, p50 s; MB/s: acknowledged by the producers "
                  f"in the seconds that history's migrations touched; upload threshold (block size) "
-                 f"{report['upload_threshold'] / MiB:g} MiB")
+                 f"{report['upload_threshold'] / MiB:g} MiB, stream tail limit {report['stream_tail_limit'] / MiB:g} MiB")
     if report.get("phases"):
         lines.append("  where the time went (p50 / max s over every migration): " + ", ".join(
             f"{name} {v['p50_s']:.3f} / {v['max_s']:.3f}" for name, v in report["phases"].items())
@@ -556,15 +619,20 @@ def plot(report: dict, out: str) -> list[str]:
         # one step per second of the job, [s, s + 1) holding what was acknowledged in it; a second
         # without acknowledgements (a stall) is absent from the timeline and drawn as 0
         acked = dict(report["timeline"])
-        ends = [report[key]["end_s"] for key in ("quiet", "migrating", "quiet_after") if report.get(key)]
+        ends = [w["end_s"] for w in report["windows"]]
         seconds = list(range(min(acked), math.ceil(max([max(acked) + 1] + ends)) + 1))
         rates = [acked.get(s, 0) / 1e6 for s in seconds]
         load.step(seconds, rates, where="post", label="acknowledged MB/s")
-    for key, color, label in (("quiet", "tab:green", "without migrations"), ("migrating", "tab:orange", "migrations"),
-                              ("quiet_after", "tab:olive", "after them")):
-        if report.get(key):
-            load.axvspan(report[key]["start_s"], report[key]["end_s"], color=color, alpha=0.15,
-                         label=f"{label}: {_mb_s(report[key]['mb_s'])} MB/s")
+    labelled = set()
+    for w in report["windows"]:
+        quiet = w["kind"] == "quiet"
+        key = "quiet" if quiet else "migrating"
+        label = None
+        if key not in labelled and report.get(key):
+            labelled.add(key)
+            label = (f"{'without migrations' if quiet else 'migrations'}: {_mb_s(report[key]['mb_s'])} MB/s "
+                     f"({report[key]['windows']} windows)")
+        load.axvspan(w["start_s"], w["end_s"], color="tab:green" if quiet else "tab:orange", alpha=0.15, label=label)
     if report["calibration"]:
         load.axhline(report["calibration"]["paced_mb_s"], color="grey", ls=":", lw=1, label="paced rate")
     load.set_xlabel("seconds of the job")

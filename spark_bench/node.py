@@ -6,7 +6,8 @@ per partition of the test, which appends while the partition is open here and id
 elsewhere. It stops after `duration` seconds or when the driver sets the KV key
 `bench/<run_id>/stop`.
 It returns its measurements: bytes, latencies, a per-second timeline (bytes acknowledged in
-each 1-second interval since the node started, by the time each append completed), (if asked)
+each 1-second interval since the node started, by the time each append completed) and the same
+in 100 ms intervals (`timeline_100ms`, for windows that do not fall on whole seconds), (if asked)
 every acknowledgement as (partition, base offset, node, sequence number, digest), so the driver
 can read each back and compare it with `payload_for`, and where it ran (host, pids, WAL path).
 
@@ -124,7 +125,7 @@ def run_node(spec: dict) -> dict:
     reclaim = dict(reclaim_interval=0.25, destroy_delay=0.5) if retention else {}
     cfg = s3stream.Config(upload_threshold=spec["upload_threshold"], split_size=min(spec["split_size"], spec["upload_threshold"]),
                           cache_size=max(4 * spec["upload_threshold"], 256 * MiB), max_batch_bytes=max(spec["batch"], 1 * MiB),
-                          upload_interval=spec.get("upload_interval"),
+                          upload_interval=spec.get("upload_interval"), stream_tail_limit=spec.get("stream_tail_limit"),
                           wal=wal.WALConfig(capacity=spec["wal_capacity"], full_timeout=60), **reclaim)
     ccfg = ClusterConfig(**spec["cluster"])
     own_dir = spec.get("wal_dir") is None
@@ -148,6 +149,7 @@ def run_node(spec: dict) -> dict:
     latencies: list[int] = []
     acks: list[tuple[str, int, str]] = []
     timeline: collections.Counter = collections.Counter()
+    ticks: collections.Counter = collections.Counter()      # the same per 100 ms
     sent = [0]
     start_ns = time.monotonic_ns()
     start = start_ns / 1e9                  # the same clock as time.monotonic()
@@ -215,6 +217,7 @@ def run_node(spec: dict) -> dict:
             latencies.append(done - t0)
             sent[0] += len(data)
             timeline[(acked - origin_ns) // 1_000_000_000] += len(data)
+            ticks[(acked - origin_ns) // 100_000_000] += len(data)
             if keep_acks:
                 acks.append((name, base, node_id, seq, digest(data)))
 
@@ -277,7 +280,7 @@ def run_node(spec: dict) -> dict:
     meta.close()
     store.close()
     return dict(node_id=node_id, bytes=sent[0], seconds=elapsed, latencies=latencies, acks=acks,
-                timeline=sorted(timeline.items()), errors=errors + list(agent.errors)[:20],
+                timeline=sorted(timeline.items()), timeline_100ms=sorted(ticks.items()), errors=errors + list(agent.errors)[:20],
                 upload=stats["upload"], wal=stats["wal"], wal_path=wal_path, executor=where_am_i(), trims=trimmed[0],
                 balancer=None if balancer is None else dict(history=list(balancer.history), rounds=balancer.rounds,
                                                             moves=balancer.moves, errors=list(balancer.errors)))

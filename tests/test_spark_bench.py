@@ -37,13 +37,14 @@ def test_spark_throughput_retention_keeps_the_store_small_and_loses_nothing(tmp_
 
 
 def test_spark_migration_smoke_loses_nothing(tmp_path):
-    """Saturating load: the report holds the throughput without and during the migrations (whole
-    seconds of the same job), the measured tail and the producers' rate per history, and every
-    acknowledged record reads back."""
+    """Saturating load: quiet windows alternate with migrating ones (each migration inside one),
+    the ratio weighs each migrating window against the quiet ones on either side, the report
+    holds the measured tail and the producers' rate per history, and every acknowledged record
+    reads back."""
     from spark_bench import main
     report = main(["migration", "--histories", "4M,16M", "--migrations", "3", "--tail", "4M", "--pause", "1.0",
-                   "--quiet-seconds", "2", "--out", str(tmp_path), "--store", f"file://{tmp_path}/objects",
-                   "--wal-capacity", "64M"])
+                   "--quiet-seconds", "1", "--windows", "2", "--warmup-seconds", "1", "--out", str(tmp_path),
+                   "--store", f"file://{tmp_path}/objects", "--wal-capacity", "64M"])
     assert report["upload_threshold"] == 4 << 20             # --tail is the upload threshold's alias
     assert report["load"] == 1.0 and report["calibration"] is None and report["p99_target_s"] == 0.1
     assert all(r["migrations"] == 3 and r["failed_over"] == 0 for r in report["histories"])
@@ -55,15 +56,18 @@ def test_spark_migration_smoke_loses_nothing(tmp_path):
         assert 0 < r["tail_bytes_max"] and r["tail_bytes_mean"] <= r["tail_bytes_max"], r
         assert r["tail_bytes_max"] == max(m["tail_bytes"] for m in moves if m["partition"] == r["partition"])
         assert r["producers_mb_s"] > 0 and r["p50_s"] <= r["p99_s"] <= r["max_s"], r
-    quiet, migrating = report["quiet"], report["migrating"]
-    assert quiet["whole_seconds"] == 2 and quiet["mb_s"] > 0
-    assert quiet["end_s"] == migrating["start_s"] and migrating["end_s"] == moves[-1]["end_s"]
-    assert migrating["whole_seconds"] >= 2 and migrating["mb_s"] > 0
-    assert report["throughput_ratio"] == pytest.approx(migrating["mb_s"] / quiet["mb_s"])
-    after = report["quiet_after"]
-    assert after["whole_seconds"] == 2 and after["mb_s"] > 0 and after["start_s"] > migrating["end_s"]
-    both = (quiet["mb_s"] + after["mb_s"]) / 2
-    assert report["throughput_ratio_both_quiet"] == pytest.approx(migrating["mb_s"] / both)
+    windows = report["windows"]
+    assert [w["kind"] for w in windows] == ["quiet", "migrating", "quiet", "migrating", "quiet"]
+    assert all(a["end_s"] <= b["start_s"] for a, b in zip(windows, windows[1:]))
+    assert all(w["seconds"] == pytest.approx(1.0) and w["mb_s"] > 0 for w in windows if w["kind"] == "quiet")
+    migrating = [w for w in windows if w["kind"] == "migrating"]
+    # rounds split 2 + 1: four moves in the first migrating window, two in the second
+    assert [sum(w["start_s"] <= m["start_s"] and m["end_s"] <= w["end_s"] for m in moves) for w in migrating] == [4, 2]
+    expected = sum((windows[i - 1]["mb_s"] + windows[i + 1]["mb_s"]) / 2 * 1e6 * windows[i]["seconds"]
+                   for i in (1, 3))
+    assert report["throughput_ratio"] == pytest.approx(sum(w["bytes"] for w in migrating) / expected)
+    assert report["quiet"]["windows"] == 3 and report["migrating"]["windows"] == 2
+    assert report["throughput_ratio_plain"] == pytest.approx(report["migrating"]["mb_s"] / report["quiet"]["mb_s"])
     assert report["verification"]["acknowledged"] > 0
     assert report["verification"]["lost"] == 0
     assert not report["failures"]
@@ -77,7 +81,7 @@ def test_spark_migration_half_load_calibrates_then_paces(tmp_path):
     """--load 0.5: a calibration job measures the saturating rate, then every producer is paced
     at half of it in all (the quiet phase cannot run much above that), and nothing is lost."""
     from spark_bench import main
-    report = main(["migration", "--histories", "4M,8M", "--migrations", "2", "--load", "0.5",
+    report = main(["migration", "--histories", "4M,8M", "--migrations", "2", "--load", "0.5", "--warmup-seconds", "1",
                    "--calibration-seconds", "2", "--quiet-seconds", "2", "--upload-threshold", "4M", "--pause", "1.0",
                    "--out", str(tmp_path), "--store", f"file://{tmp_path}/objects", "--wal-capacity", "64M"])
     calibration = report["calibration"]

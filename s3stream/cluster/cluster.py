@@ -254,15 +254,18 @@ class Cluster:
             raise S3StreamError(f"partition {name!r} was not opened by node {to_node} at version {version} within "
                                 f"{timeout} s{' after failing the source over' if failed_over else ''}; found {found}")
         assert opened is not None
+        # The migration is over once the target is seen serving; reading the source's record of
+        # its close is bookkeeping for the report, not part of the move.
+        seconds = (self.monotonic() - t0) / 1e9
+        seen_at = self.runtime.wall_ns() / 1e9
         closed = get_json(self.meta, f"closed/{name}")
         mine = closed if closed and closed["version"] == version else {}
-        seen_at = self.runtime.wall_ns() / 1e9
         phases = {}
         if "started" in mine and "started" in opened:
             phases = dict(assign=assign_seconds, to_close=mine["started"] - assigned_at, close=mine["seconds"],
                           to_open=opened["started"] - mine["at"], open=opened["seconds"], to_seen=seen_at - opened["at"])
             phases.update({f"close.{k}": v for k, v in mine.get("phases", {}).items()})
-        report = MigrationReport(name, source, to_node, (self.monotonic() - t0) / 1e9, mine.get("tail_bytes", 0),
+        report = MigrationReport(name, source, to_node, seconds, mine.get("tail_bytes", 0),
                                  opened["leader_epoch"], failed_over, mine.get("seconds", 0.0),
                                  opened.get("seconds", 0.0), version, phases)
         MIGRATION_SECONDS.observe(report.seconds)

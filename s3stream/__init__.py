@@ -10,9 +10,11 @@ from .errors import (
     AppendFailedError, ConfigError, CorruptDataError, FencedLeaderError, InvalidArgumentError, InvalidBatchError, LeaseExpiredError,
     MetadataBusyError, MetadataError, NodeConflictError, ObjectNotFoundError, ObjectStoreError, ObjectStorePermanentError,
     OffsetOutOfRangeError, OffsetsLostError, OperationTimeoutError, S3StreamError, StreamClosedError, StreamFencedError, StreamNotClosedError,
-    StreamNotFoundError, UnsupportedFormatError, WALCorruptError, WALError, WALFullError,
+    StreamNotFoundError, UnsupportedFormatError, WALCorruptError, WALError, WALFullError, InvalidRecordBatchError,
+    RecordBatchChecksumError, RecordBatchLengthError, UnsupportedCompressionError, UnsupportedMagicError,
 )
 from .recordbatch import AppendFuture, AppendResult, FetchedBatch, FetchResult, RecordBatch
+from .records import ConsumedRecord, Record
 from .stream import Stream
 
 __all__ = [
@@ -22,4 +24,6 @@ __all__ = [
     "ObjectStorePermanentError", "OffsetOutOfRangeError", "OffsetsLostError", "OperationTimeoutError", "RecordBatch",
     "S3StreamError", "StaleGenerationError", "Stream", "StreamClient", "StreamClosedError", "StreamFencedError", "StreamNotClosedError",
     "StreamNotFoundError", "UnsupportedFormatError", "WALCorruptError", "WALError", "WALFullError",
+    "Record", "ConsumedRecord", "InvalidRecordBatchError", "RecordBatchChecksumError", "RecordBatchLengthError",
+    "UnsupportedCompressionError", "UnsupportedMagicError",
 ]

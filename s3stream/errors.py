@@ -182,3 +182,35 @@ class AppendFailedError(S3StreamError):
     """An append reached the WAL but could not enter the log cache (out of memory): the stream
     takes no more appends on this node. Close it and open it again; the WAL record is recovered
     by the node's restart or failover."""
+
+
+class InvalidRecordBatchError(InvalidBatchError):
+    """A Kafka record batch (s3stream.records) that does not decode: malformed records, a bad
+    varint, a payload that does not decompress. Nothing was returned from it.
+
+    An InvalidBatchError rather than a CorruptDataError: these bytes come from a producer (or a
+    fetch of Kafka data), not from s3stream's own storage, whose objects and WAL records carry
+    checksums of their own; the remedy is to refuse the batch (Kafka's CORRUPT_MESSAGE) and have
+    its producer send it again, as for any other batch that cannot be appended. The subclasses
+    name the common causes."""
+
+
+class UnsupportedMagicError(InvalidRecordBatchError):
+    """A record batch whose magic byte is not 2: an older message format (magic 0 or 1) or not a
+    record batch at all. Only record batch format v2 (Kafka 0.11 and later) is read."""
+
+
+class RecordBatchChecksumError(InvalidRecordBatchError):
+    """A record batch whose CRC-32C (over attributes to the end of the batch) does not match the
+    one it carries: it was damaged after its producer wrote it. Have the producer resend it."""
+
+
+class RecordBatchLengthError(InvalidRecordBatchError):
+    """A record batch whose batchLength disagrees with the buffer: the buffer ends before the
+    batch does (truncated), the length is too small for a batch header, or bytes follow the
+    batch where decode_batch expects exactly one (use iter_batches for several)."""
+
+
+class UnsupportedCompressionError(InvalidRecordBatchError):
+    """A record batch whose attributes name a compression codec other than none, gzip, snappy,
+    lz4 and zstd (ids 0-4): written by a newer or broken client. Nothing was decompressed."""

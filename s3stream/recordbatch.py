@@ -6,17 +6,19 @@ bytes-like or a count outside [1, 2**32).
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from _native import appendpath
 from _native.appendpath import AppendFuture, AppendResult, RecordBatch
 
-from .errors import InvalidBatchError
+from .errors import InvalidBatchError, InvalidRecordBatchError
+from .records import ConsumedRecord, Record, decode_batch, encode_batch
 
 appendpath.set_error_types(invalid_batch=InvalidBatchError)
 
-__all__ = ["AppendFuture", "AppendResult", "FetchResult", "FetchedBatch", "RecordBatch"]
+__all__ = ["AppendFuture", "AppendResult", "FetchResult", "FetchedBatch", "RecordBatch", "records_batch"]
 
 
 class FetchedBatch(NamedTuple):
@@ -33,6 +35,29 @@ class FetchedBatch(NamedTuple):
     @property
     def end_offset(self) -> int:
         return self.base_offset + self.count
+
+    def records(self) -> Iterator[ConsumedRecord]:
+        """The records of a batch appended with append_records (a Kafka record batch, v2), each
+        with its offset in the stream: base_offset, base_offset + 1, ... InvalidRecordBatchError
+        (or a subclass naming the cause) if the payload is not such a batch, or holds another
+        number of records than the batch was appended with."""
+        decoded = decode_batch(self.payload)
+        if len(decoded.records) != self.count or decoded.last_offset_delta != self.count - 1:
+            raise InvalidRecordBatchError(
+                f"the batch at offset {self.base_offset} was appended as {self.count} records, but its payload is a "
+                f"record batch of {len(decoded.records)} (last offset delta {decoded.last_offset_delta}): it was not "
+                f"appended with append_records; read it as bytes (payload)")
+        shift = self.base_offset - decoded.base_offset
+        for record in decoded.records:
+            yield record._replace(offset=record.offset + shift)
+
+
+def records_batch(records: Iterable[Record], compression: str | None = None) -> RecordBatch:
+    """The RecordBatch that append_records appends: `records` as one Kafka record batch (v2,
+    s3stream.records), one offset per record. InvalidArgumentError for bad records or an unknown
+    compression (nothing is appended)."""
+    records = records if isinstance(records, (list, tuple)) else list(records)
+    return RecordBatch(encode_batch(records, compression=compression), len(records))
 
 
 @dataclass(frozen=True)

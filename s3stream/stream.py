@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from _native import appendpath
@@ -9,7 +10,8 @@ from _native.appendpath import StreamWriter
 
 from .errors import OffsetOutOfRangeError, StreamClosedError, StreamFencedError, check_int
 from .metadata import StreamMeta
-from .recordbatch import FetchResult
+from .recordbatch import AppendFuture, FetchResult, records_batch
+from .records import Record
 
 if TYPE_CHECKING:
     from .client import StreamClient
@@ -28,7 +30,8 @@ class Stream(StreamWriter):
 
     `append(batch)` (native, see _native/appendpath.pyx) returns an AppendFuture whose
     `result()` is an AppendResult once the batch is durable in the WAL; `append_many(batches)`
-    appends several in one call. Appends complete in offset order. Thread-safe.
+    appends several in one call; `append_records(records)` appends Records as one Kafka record
+    batch (read back with FetchedBatch.records()). Appends complete in offset order. Thread-safe.
     """
 
     OPEN, CLOSING, CLOSED, FENCED = "open", "closing", "closed", "fenced"
@@ -67,6 +70,13 @@ class Stream(StreamWriter):
     @property
     def is_open(self) -> bool:
         return self._writer_state() == appendpath.OPEN
+
+    def append_records(self, records: Iterable[Record], *, compression: str | None = None) -> AppendFuture:
+        """Append `records` (s3stream.Record) as one Kafka record batch (v2, compressed with
+        `compression`: None, "gzip", "snappy", "lz4" or "zstd"), one offset per record; the
+        AppendResult's base offset is the first record's. InvalidArgumentError for a bad record
+        or codec, before anything is appended."""
+        return self.append(records_batch(records, compression))
 
     # ---- fetch --------------------------------------------------------------------------------
 

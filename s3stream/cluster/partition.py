@@ -22,6 +22,7 @@ import json
 import threading
 import time
 from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from ..client import StreamClient
@@ -30,7 +31,8 @@ from ..errors import (
     StreamNotFoundError,
 )
 from ..metadata import StreamMeta, StreamState
-from ..recordbatch import AppendFuture, FetchResult, RecordBatch
+from ..recordbatch import AppendFuture, FetchResult, RecordBatch, records_batch
+from ..records import Record
 from .loadreport import SAMPLE_EVERY, TrafficMeter
 
 if TYPE_CHECKING:
@@ -142,6 +144,10 @@ class Partition:
         if sample:
             m.append_samples.append((submitted, future))
         return future
+
+    def append_records(self, records: Iterable[Record], *, compression: str | None = None) -> AppendFuture:
+        """Append `records` as one Kafka record batch, one offset per record (Stream.append_records)."""
+        return self.append(records_batch(records, compression))
 
     def fetch(self, start_offset: int, end_offset: int | None = None, max_bytes: int = 1 << 20) -> FetchResult:
         m = self.meter

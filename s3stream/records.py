@@ -1,0 +1,556 @@
+"""Kafka record batches, format v2 (magic 2): a pure-Python encoder and decoder.
+
+Not to be confused with `recordbatch.RecordBatch`, the opaque unit s3stream appends: this module
+reads and writes the bytes a Kafka producer sends and a Kafka consumer fetches, byte for byte as
+Kafka 0.11+ does (the protocol's "Record Batch" section, KIP-98's producer fields).
+
+Batch (big-endian; offsets in bytes)::
+
+     0 baseOffset int64          first record's offset
+     8 batchLength int32         bytes after this field (a batch is batchLength + 12 bytes)
+    12 partitionLeaderEpoch int32  -1 from producers; the leader stamps it (not under the CRC)
+    16 magic int8 = 2
+    17 crc uint32                CRC-32C of bytes 21..end (attributes to the end of the batch)
+    21 attributes int16          bits 0-2 codec (0 none, 1 gzip, 2 snappy, 3 lz4, 4 zstd),
+                                 bit 3 timestamp type (0 CreateTime, 1 LogAppendTime),
+                                 bit 4 transactional, bit 5 control, bit 6 delete horizon
+    23 lastOffsetDelta int32     offset delta of the last record
+    27 baseTimestamp int64       first record's timestamp (ms since the epoch)
+    35 maxTimestamp int64        largest record timestamp
+    43 producerId int64, 51 producerEpoch int16, 53 baseSequence int32   (-1: none)
+    57 recordsCount int32
+    61 records                   compressed as one payload when the codec is not none
+
+Record (varints are zigzag, as in protobuf): length varint (bytes after it), attributes int8
+(0), timestampDelta varlong, offsetDelta varint, keyLength varint (-1: null) + key,
+valueLength varint (-1: null) + value, headerCount varint, then per header a keyLength varint +
+UTF-8 key and a valueLength varint (-1: null) + value.
+
+Compression (cramjam, as Kafka's Java client frames it): gzip is a gzip stream; snappy is
+xerial-framed on encode ("\\x82SNAPPY\\x00", two int32s, then 32 KiB blocks each as an int32
+length and a raw snappy block), and decoding reads xerial or raw snappy; lz4 is an LZ4 frame with
+independent 64 KiB blocks and no checksums; zstd is a zstd frame (level 3, Kafka's default).
+
+Decoding never trusts a length: every read is checked against the end of the batch (a cursor
+over a memoryview), the batchLength against the buffer, the CRC before anything else is parsed,
+each record's length against what its fields took, the record count against the payload (no
+byte may be left over), varints against their maximal size. A batch of 0 records (compaction
+keeps such batches for their producer state) has its payload left unread, as Kafka does. It raises InvalidRecordBatchError
+or one of its subclasses (UnsupportedMagicError, RecordBatchChecksumError,
+RecordBatchLengthError, UnsupportedCompressionError) and returns nothing of a bad batch.
+Encoding checks its arguments (types, int ranges, at least one record, the batch under 2 GiB)
+and raises InvalidArgumentError naming the value.
+
+A native twin may come later: tests will then compare the two byte for byte, as they do the
+WAL's and the object codec's.
+"""
+from __future__ import annotations
+
+import struct
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import cramjam
+
+from _native.checksum import crc32c
+
+from .errors import (
+    InvalidArgumentError, InvalidRecordBatchError, RecordBatchChecksumError, RecordBatchLengthError, UnsupportedCompressionError,
+    UnsupportedMagicError, check_int,
+)
+
+__all__ = [
+    "COMPRESSION_CODECS", "ConsumedRecord", "DecodedBatch", "LOG_APPEND_TIME", "CREATE_TIME", "MAGIC", "Record",
+    "decode_batch", "encode_batch", "iter_batches",
+]
+
+MAGIC = 2
+#: Timestamp types (attributes bit 3).
+CREATE_TIME = 0
+LOG_APPEND_TIME = 1
+#: Codec names by id (attributes bits 0-2); None is no compression.
+COMPRESSION_CODECS: tuple[str | None, ...] = (None, "gzip", "snappy", "lz4", "zstd")
+
+_HEADER = struct.Struct(">qiibIhiqqqhii")
+HEADER_SIZE = _HEADER.size  # 61
+_LENGTH_END = 12           # baseOffset + batchLength: not counted by batchLength
+_MAGIC_AT = 16
+_CRC_AT = 17
+_CRC_FROM = 21             # the CRC covers attributes to the end
+_MIN_BATCH_LENGTH = HEADER_SIZE - _LENGTH_END
+_INT32 = struct.Struct(">i")
+_UINT32 = struct.Struct(">I")
+
+_CODEC_MASK = 0x07
+_TIMESTAMP_TYPE_BIT = 0x08
+_TRANSACTIONAL_BIT = 0x10
+_CONTROL_BIT = 0x20
+_DELETE_HORIZON_BIT = 0x40
+
+_MAX_INT16 = (1 << 15) - 1
+_MAX_INT32 = (1 << 31) - 1
+_MAX_INT64 = (1 << 63) - 1
+
+_XERIAL_MAGIC = b"\x82SNAPPY\x00"
+# Version 1, compatible with version 1, as xerial's SnappyOutputStream (Kafka's Java client) writes.
+_XERIAL_HEADER = _XERIAL_MAGIC + struct.pack(">ii", 1, 1)
+_XERIAL_BLOCK = 32 * 1024
+_ZSTD_LEVEL = 3
+# LZ4 frame: magic, FLG 0x60 (version 1, independent blocks, no checksums, no content size), BD
+# 0x40 (64 KiB blocks), and the descriptor's checksum (second byte of its xxh32), a constant here.
+_LZ4_FRAME_HEADER = b"\x04\x22\x4d\x18\x60\x40\x82"
+_LZ4_BLOCK = 64 * 1024
+_LZ4_BLOCK_SIZE = struct.Struct("<I")
+_LZ4_UNCOMPRESSED = 0x80000000
+
+_BYTES_LIKE = (bytes, bytearray, memoryview)
+
+
+def _as_bytes(name: str, value: object) -> bytes | None:
+    if value is None or isinstance(value, bytes):
+        return value
+    if isinstance(value, (bytearray, memoryview)):
+        return bytes(value)
+    raise InvalidArgumentError(
+        f"record {name} must be bytes (or bytearray, memoryview) or None, got {type(value).__name__} {value!r:.60}; "
+        f"serialise it first, e.g. {name}.encode() for a str")
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """A record to encode. `timestamp` is in ms since the epoch; None takes the batch's time of
+    encoding. Keys and values are bytes or None (bytearray and memoryview are copied to bytes);
+    `headers` are (str key, bytes-or-None value) pairs, a list is kept as a tuple."""
+    key: bytes | None = None
+    value: bytes | None = None
+    timestamp: int | None = None
+    headers: tuple[tuple[str, bytes | None], ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", _as_bytes("key", self.key))
+        object.__setattr__(self, "value", _as_bytes("value", self.value))
+        if self.timestamp is not None:
+            check_int("record timestamp (ms since the epoch)", self.timestamp, 0, _MAX_INT64)
+        headers: tuple[tuple[object, ...], ...] = self.headers
+        if type(headers) is not tuple or any(type(h) is not tuple for h in headers):
+            try:
+                headers = tuple(tuple(h) for h in headers)
+            except TypeError:
+                raise InvalidArgumentError(
+                    f"record headers must be a sequence of (str, bytes or None) pairs, got {self.headers!r:.80}") from None
+        checked = []
+        for header in headers:
+            if len(header) != 2 or not isinstance(header[0], str):
+                raise InvalidArgumentError(
+                    f"a record header must be a (str key, bytes or None value) pair, got {header!r:.80}; "
+                    f"decode a bytes key first (header keys are UTF-8 strings)")
+            checked.append((header[0], _as_bytes(f"header {header[0]!r} value", header[1])))
+        object.__setattr__(self, "headers", tuple(checked))
+
+
+class ConsumedRecord(NamedTuple):
+    """A decoded record: its absolute offset (the batch's base offset + its offset delta) and
+    timestamp (with LogAppendTime, the batch's maxTimestamp, as Kafka's consumers read it)."""
+    offset: int
+    timestamp: int
+    key: bytes | None
+    value: bytes | None
+    headers: tuple[tuple[str, bytes | None], ...]
+
+
+@dataclass(frozen=True)
+class DecodedBatch:
+    """A decoded batch: its header fields as stored and its records. `size` is the batch's size
+    in bytes (batch_length + 12)."""
+    base_offset: int
+    batch_length: int
+    partition_leader_epoch: int
+    crc: int
+    attributes: int
+    last_offset_delta: int
+    base_timestamp: int
+    max_timestamp: int
+    producer_id: int
+    producer_epoch: int
+    base_sequence: int
+    records: list[ConsumedRecord]
+
+    @property
+    def magic(self) -> int:
+        return MAGIC
+
+    @property
+    def size(self) -> int:
+        return self.batch_length + _LENGTH_END
+
+    @property
+    def compression(self) -> str | None:
+        return COMPRESSION_CODECS[self.attributes & _CODEC_MASK]
+
+    @property
+    def timestamp_type(self) -> int:
+        return LOG_APPEND_TIME if self.attributes & _TIMESTAMP_TYPE_BIT else CREATE_TIME
+
+    @property
+    def is_transactional(self) -> bool:
+        return bool(self.attributes & _TRANSACTIONAL_BIT)
+
+    @property
+    def is_control(self) -> bool:
+        return bool(self.attributes & _CONTROL_BIT)
+
+    @property
+    def has_delete_horizon(self) -> bool:
+        """KIP-534: base_timestamp holds the delete horizon a compaction set."""
+        return bool(self.attributes & _DELETE_HORIZON_BIT)
+
+    @property
+    def last_offset(self) -> int:
+        return self.base_offset + self.last_offset_delta
+
+    @property
+    def next_offset(self) -> int:
+        return self.last_offset + 1
+
+
+# ---- encoding -------------------------------------------------------------------------------
+
+def _put_varint(out: bytearray, value: int) -> None:
+    """Append `value` zigzag-encoded as a varint (varlong for int64 values: same encoding)."""
+    zigzag = value << 1 if value >= 0 else (-value << 1) - 1
+    while zigzag >= 0x80:
+        out.append((zigzag & 0x7F) | 0x80)
+        zigzag >>= 7
+    out.append(zigzag)
+
+
+def _put_bytes(out: bytearray, data: bytes | None) -> None:
+    if data is None:
+        out.append(1)  # zigzag(-1)
+    else:
+        _put_varint(out, len(data))
+        out += data
+
+
+def _encode_record(out: bytearray, record: Record, timestamp_delta: int, offset_delta: int) -> None:
+    body = bytearray(b"\x00")  # record attributes: unused, always 0
+    _put_varint(body, timestamp_delta)
+    _put_varint(body, offset_delta)
+    _put_bytes(body, record.key)
+    _put_bytes(body, record.value)
+    _put_varint(body, len(record.headers))
+    for header_key, header_value in record.headers:
+        key = header_key.encode("utf-8")
+        _put_varint(body, len(key))
+        body += key
+        _put_bytes(body, header_value)
+    _put_varint(out, len(body))
+    out += body
+
+
+def _xerial_snappy(data: bytes | bytearray) -> bytes:
+    view = memoryview(data)
+    parts = [_XERIAL_HEADER]
+    for start in range(0, len(view), _XERIAL_BLOCK):
+        block = bytes(cramjam.snappy.compress_raw(view[start:start + _XERIAL_BLOCK]))
+        parts.append(_INT32.pack(len(block)))
+        parts.append(block)
+    return b"".join(parts)
+
+
+def _lz4_frame(data: bytes | bytearray) -> bytes:
+    """An LZ4 frame as Kafka's Java client writes one: independent 64 KiB blocks, no block or
+    content checksum, no content size (its reader requires independent blocks)."""
+    view = memoryview(data)
+    parts = [_LZ4_FRAME_HEADER]
+    for start in range(0, len(view), _LZ4_BLOCK):
+        chunk = view[start:start + _LZ4_BLOCK]
+        block = bytes(cramjam.lz4.compress_block(chunk, store_size=False))
+        if len(block) < len(chunk):
+            parts += (_LZ4_BLOCK_SIZE.pack(len(block)), block)
+        else:  # incompressible: stored as is, flagged by the size's high bit
+            parts += (_LZ4_BLOCK_SIZE.pack(len(chunk) | _LZ4_UNCOMPRESSED), bytes(chunk))
+    parts.append(_LZ4_BLOCK_SIZE.pack(0))  # end mark
+    return b"".join(parts)
+
+
+def _compress(codec: int, data: bytearray) -> bytes:
+    if codec == 1:
+        return bytes(cramjam.gzip.compress(data))
+    if codec == 2:
+        return _xerial_snappy(data)
+    if codec == 3:
+        return _lz4_frame(data)
+    return bytes(cramjam.zstd.compress(data, level=_ZSTD_LEVEL))
+
+
+def _codec_id(compression: object) -> int:
+    if compression is None:
+        return 0
+    if isinstance(compression, str) and compression in COMPRESSION_CODECS:
+        return COMPRESSION_CODECS.index(compression)
+    raise InvalidArgumentError(
+        f"compression must be None or one of 'gzip', 'snappy', 'lz4', 'zstd', got {compression!r}")
+
+
+def encode_batch(records: Iterable[Record], *, base_offset: int = 0, compression: str | None = None,
+                 producer_id: int = -1, producer_epoch: int = -1, base_sequence: int = -1,
+                 is_transactional: bool = False, timestamp_type: int = CREATE_TIME,
+                 partition_leader_epoch: int = -1, now_ms: int | None = None) -> bytes:
+    """One record batch (magic 2) of `records`, at offsets base_offset, base_offset + 1, ...
+
+    Records without a timestamp take `now_ms` (default: the wall clock at this call). The
+    batch's baseTimestamp is the first record's timestamp, maxTimestamp the largest. With a
+    `compression` ("gzip", "snappy", "lz4", "zstd") the records are compressed as one payload,
+    even when that does not make them smaller. Raises InvalidArgumentError for an empty batch,
+    a record that is not a Record, a value out of its field's range, or a batch of 2 GiB or more."""
+    records = records if isinstance(records, (list, tuple)) else list(records)
+    if not records:
+        raise InvalidArgumentError("a record batch needs at least one record; got none (send nothing instead)")
+    codec = _codec_id(compression)
+    check_int("base_offset", base_offset, 0, _MAX_INT64 - (len(records) - 1))
+    check_int("producer_id", producer_id, -1, _MAX_INT64)
+    check_int("producer_epoch", producer_epoch, -1, _MAX_INT16)
+    check_int("base_sequence", base_sequence, -1, _MAX_INT32)
+    check_int("partition_leader_epoch", partition_leader_epoch, -1, _MAX_INT32)
+    check_int("timestamp_type (0 CreateTime, 1 LogAppendTime)", timestamp_type, CREATE_TIME, LOG_APPEND_TIME)
+    if len(records) - 1 > _MAX_INT32:
+        raise InvalidArgumentError(f"a record batch holds at most {_MAX_INT32 + 1} records, got {len(records)}; split it")
+    if is_transactional and producer_id < 0:
+        raise InvalidArgumentError(
+            f"a transactional batch needs the producer id of its transaction, got producer_id={producer_id}")
+    if now_ms is None:
+        now_ms = int(time.time() * 1000)
+    else:
+        check_int("now_ms", now_ms, 0, _MAX_INT64)
+
+    timestamps = []
+    for record in records:
+        if not isinstance(record, Record):
+            raise InvalidArgumentError(
+                f"records must be s3stream.records.Record instances, got {type(record).__name__} {record!r:.60}")
+        timestamps.append(now_ms if record.timestamp is None else record.timestamp)
+    base_timestamp = timestamps[0]
+
+    body = bytearray()
+    for offset_delta, record in enumerate(records):
+        _encode_record(body, record, timestamps[offset_delta] - base_timestamp, offset_delta)
+    payload = _compress(codec, body) if codec else body
+
+    batch_length = HEADER_SIZE - _LENGTH_END + len(payload)
+    if batch_length > _MAX_INT32:
+        raise InvalidArgumentError(
+            f"the batch would be {batch_length + _LENGTH_END} bytes, over the format's 2 GiB; split the records "
+            f"over several batches")
+    attributes = codec | (_TIMESTAMP_TYPE_BIT if timestamp_type == LOG_APPEND_TIME else 0)
+    attributes |= _TRANSACTIONAL_BIT if is_transactional else 0
+    out = bytearray(HEADER_SIZE)
+    _HEADER.pack_into(out, 0, base_offset, batch_length, partition_leader_epoch, MAGIC, 0, attributes,
+                      len(records) - 1, base_timestamp, max(timestamps), producer_id, producer_epoch, base_sequence,
+                      len(records))
+    out += payload
+    _UINT32.pack_into(out, _CRC_AT, crc32c(memoryview(out)[_CRC_FROM:]))
+    return bytes(out)
+
+
+# ---- decoding -------------------------------------------------------------------------------
+
+def _malformed(batch_at: int, what: str) -> InvalidRecordBatchError:
+    return InvalidRecordBatchError(
+        f"record batch at byte {batch_at}: {what}; its CRC matched, so its producer wrote it so: refuse the batch "
+        f"and fix or replace that producer")
+
+
+def _read_varint(buf: memoryview, pos: int, end: int, max_bytes: int, batch_at: int) -> tuple[int, int]:
+    """(value, next position) of the zigzag varint at `pos`, at most `max_bytes` long (5: int32,
+    10: int64) and ending before `end`."""
+    result = 0
+    shift = 0
+    limit = min(end, pos + max_bytes)
+    while pos < limit:
+        byte = buf[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return (result >> 1) ^ -(result & 1), pos
+        shift += 7
+    if pos >= end:
+        raise _malformed(batch_at, "a record ends in the middle of a varint")
+    raise _malformed(batch_at, f"a varint is longer than {max_bytes} bytes")
+
+
+def _read_nullable_bytes(buf: memoryview, pos: int, end: int, batch_at: int,
+                         what: str) -> tuple[bytes | None, int]:
+    length, pos = _read_varint(buf, pos, end, 5, batch_at)
+    if length < 0:
+        if length != -1:
+            raise _malformed(batch_at, f"{what} length is {length} (only -1, null, may be negative)")
+        return None, pos
+    if length > end - pos:
+        raise _malformed(batch_at, f"{what} of {length} bytes runs past its record ({end - pos} bytes left)")
+    return bytes(buf[pos:pos + length]), pos + length
+
+
+def _unxerial(payload: memoryview, batch_at: int) -> bytes:
+    out = bytearray()
+    pos, end = len(_XERIAL_HEADER), len(payload)
+    while pos < end:
+        if end - pos < 4:
+            raise _malformed(batch_at, f"the xerial snappy payload ends inside a block length ({end - pos} bytes left)")
+        (length,) = _INT32.unpack_from(payload, pos)
+        pos += 4
+        if length < 0 or length > end - pos:
+            raise _malformed(batch_at, f"a xerial snappy block of {length} bytes does not fit the payload "
+                                       f"({end - pos} bytes left)")
+        out += cramjam.snappy.decompress_raw(payload[pos:pos + length])
+        pos += length
+    return bytes(out)
+
+
+def _decompress(codec: int, payload: memoryview, batch_at: int) -> memoryview:
+    name = COMPRESSION_CODECS[codec]
+    data: bytes | cramjam.Buffer
+    try:
+        if codec == 1:
+            data = cramjam.gzip.decompress(payload)
+        elif codec == 2:
+            if payload[:len(_XERIAL_MAGIC)] == _XERIAL_MAGIC and len(payload) >= len(_XERIAL_HEADER):
+                data = _unxerial(payload, batch_at)
+            else:
+                data = cramjam.snappy.decompress_raw(payload)
+        elif codec == 3:
+            data = cramjam.lz4.decompress(payload)
+        else:
+            data = cramjam.zstd.decompress(payload)
+    except cramjam.DecompressionError as e:
+        raise _malformed(batch_at, f"its {name} payload ({len(payload)} bytes) does not decompress ({e})") from e
+    return memoryview(data).cast("B")
+
+
+def _decode_records(buf: memoryview, pos: int, end: int, count: int, base_offset: int, base_timestamp: int,
+                    log_append_time: int | None, batch_at: int) -> list[ConsumedRecord]:
+    records: list[ConsumedRecord] = []
+    append = records.append
+    for _ in range(count):
+        if pos >= end:
+            raise _malformed(batch_at, f"it says {count} records but its records end after {len(records)}")
+        length, pos = _read_varint(buf, pos, end, 5, batch_at)
+        if length < 0 or length > end - pos:
+            raise _malformed(batch_at, f"record {len(records)} claims {length} bytes, {end - pos} are left")
+        record_end = pos + length
+        if pos >= record_end:
+            raise _malformed(batch_at, f"record {len(records)} is empty")
+        pos += 1  # record attributes: unused
+        timestamp_delta, pos = _read_varint(buf, pos, record_end, 10, batch_at)
+        offset_delta, pos = _read_varint(buf, pos, record_end, 5, batch_at)
+        key, pos = _read_nullable_bytes(buf, pos, record_end, batch_at, "a key")
+        value, pos = _read_nullable_bytes(buf, pos, record_end, batch_at, "a value")
+        header_count, pos = _read_varint(buf, pos, record_end, 5, batch_at)
+        if header_count < 0 or header_count > record_end - pos:
+            raise _malformed(batch_at, f"record {len(records)} claims {header_count} headers in "
+                                       f"{record_end - pos} bytes")
+        headers = []
+        for _ in range(header_count):
+            key_length, pos = _read_varint(buf, pos, record_end, 5, batch_at)
+            if key_length < 0 or key_length > record_end - pos:
+                raise _malformed(batch_at, f"a header key of {key_length} bytes does not fit its record "
+                                           f"({record_end - pos} bytes left)")
+            try:
+                header_key = str(buf[pos:pos + key_length], "utf-8")
+            except UnicodeDecodeError as e:
+                raise _malformed(batch_at, f"a header key is not UTF-8 ({e})") from None
+            header_value, pos = _read_nullable_bytes(buf, pos + key_length, record_end, batch_at, "a header value")
+            headers.append((header_key, header_value))
+        if pos != record_end:
+            raise _malformed(batch_at, f"record {len(records)} says {length} bytes but its fields take "
+                                       f"{length - (record_end - pos)}")
+        timestamp = base_timestamp + timestamp_delta if log_append_time is None else log_append_time
+        append(ConsumedRecord(base_offset + offset_delta, timestamp, key, value, tuple(headers)))
+    if pos != end:
+        raise _malformed(batch_at, f"{end - pos} bytes follow its {count} records")
+    return records
+
+
+def _decode_at(buf: memoryview, at: int, whole: bool) -> DecodedBatch:
+    """The batch starting at byte `at` of `buf`; with `whole`, it must end where `buf` does."""
+    available = len(buf) - at
+    if available < _LENGTH_END:
+        raise RecordBatchLengthError(
+            f"record batch at byte {at}: the buffer ends after {available} bytes, inside the batch's first 12 "
+            f"(baseOffset, batchLength); pass the whole batch (it was truncated)")
+    (batch_length,) = _INT32.unpack_from(buf, at + 8)
+    if batch_length < _MAGIC_AT + 1 - _LENGTH_END:
+        raise RecordBatchLengthError(
+            f"record batch at byte {at}: batchLength is {batch_length}, too small for any batch (a v2 batch has "
+            f"{_MIN_BATCH_LENGTH} or more); these bytes are not a record batch or its length was damaged")
+    end = at + _LENGTH_END + batch_length
+    if end > len(buf):
+        raise RecordBatchLengthError(
+            f"record batch at byte {at}: batchLength {batch_length} says the batch is {batch_length + _LENGTH_END} "
+            f"bytes but the buffer holds {available}; the batch was truncated: pass all of it")
+    if whole and end != len(buf):
+        raise RecordBatchLengthError(
+            f"record batch at byte {at}: batchLength {batch_length} says the batch is {batch_length + _LENGTH_END} "
+            f"bytes but the buffer holds {available}; pass exactly one batch, or several to iter_batches")
+    magic = buf[at + _MAGIC_AT]
+    if magic != MAGIC:
+        raise UnsupportedMagicError(
+            f"record batch at byte {at}: magic byte is {magic if magic < 128 else magic - 256}, only 2 (record batch "
+            f"v2, Kafka 0.11+) is read; upgrade the producer or have it use message format v2")
+    if batch_length < _MIN_BATCH_LENGTH:
+        raise RecordBatchLengthError(
+            f"record batch at byte {at}: batchLength is {batch_length}, shorter than the v2 header "
+            f"({_MIN_BATCH_LENGTH}); its length was damaged: have the producer resend the batch")
+    (base_offset, _, leader_epoch, _, stored_crc, attributes, last_offset_delta, base_timestamp, max_timestamp,
+     producer_id, producer_epoch, base_sequence, count) = _HEADER.unpack_from(buf, at)
+    actual_crc = crc32c(buf[at + _CRC_FROM:end])
+    if actual_crc != stored_crc:
+        raise RecordBatchChecksumError(
+            f"record batch at byte {at}: CRC-32C of its {end - at - _CRC_FROM} bytes after the CRC is "
+            f"{actual_crc:#010x}, the batch says {stored_crc:#010x}; it was damaged after it was written: "
+            f"have the producer resend it (or read another copy)")
+    codec = attributes & _CODEC_MASK
+    if codec >= len(COMPRESSION_CODECS):
+        raise UnsupportedCompressionError(
+            f"record batch at byte {at}: compression codec id {codec} (attributes {attributes:#06x}) is not one of "
+            f"0 none, 1 gzip, 2 snappy, 3 lz4, 4 zstd; have the producer use one of those")
+    if count < 0:
+        raise _malformed(at, f"its record count is {count}")
+    log_append_time = max_timestamp if attributes & _TIMESTAMP_TYPE_BIT else None
+    if count == 0:  # emptied by compaction, kept for its producer state: Kafka reads no payload
+        records = []
+    elif codec:
+        records_buf = _decompress(codec, buf[at + HEADER_SIZE:end], at)
+        records = _decode_records(records_buf, 0, len(records_buf), count, base_offset, base_timestamp,
+                                  log_append_time, at)
+    else:
+        records = _decode_records(buf, at + HEADER_SIZE, end, count, base_offset, base_timestamp, log_append_time, at)
+    return DecodedBatch(base_offset, batch_length, leader_epoch, stored_crc, attributes, last_offset_delta,
+                        base_timestamp, max_timestamp, producer_id, producer_epoch, base_sequence, records)
+
+
+def _view(buf: bytes | bytearray | memoryview) -> memoryview:
+    if not isinstance(buf, _BYTES_LIKE):
+        raise InvalidArgumentError(f"a record batch is bytes, bytearray or memoryview, got {type(buf).__name__}")
+    view = memoryview(buf)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def decode_batch(buf: bytes | bytearray | memoryview) -> DecodedBatch:
+    """The one record batch that `buf` holds, checked (see the module docstring); raises
+    InvalidRecordBatchError or a subclass of it if it is malformed, and RecordBatchLengthError if
+    bytes follow it (iter_batches reads several)."""
+    return _decode_at(_view(buf), 0, whole=True)
+
+
+def iter_batches(buf: bytes | bytearray | memoryview) -> Iterator[DecodedBatch]:
+    """Every batch of `buf`, which holds whole batches back to back, in order. A bad batch
+    raises when it is reached (the ones before it were yielded); so does a truncated last one."""
+    view = _view(buf)
+    at = 0
+    while at < len(view):
+        batch = _decode_at(view, at, whole=False)
+        yield batch
+        at += batch.size

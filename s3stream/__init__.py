@@ -13,6 +13,7 @@ from .errors import (
     StreamNotFoundError, UnsupportedFormatError, WALCorruptError, WALError, WALFullError, InvalidRecordBatchError,
     RecordBatchChecksumError, RecordBatchLengthError, UnsupportedCompressionError, UnsupportedMagicError,
 )
+from .reader import StreamReader, open_reader
 from .recordbatch import AppendFuture, AppendResult, FetchedBatch, FetchResult, RecordBatch
 from .records import ConsumedRecord, Record
 from .stream import Stream
@@ -24,6 +25,6 @@ __all__ = [
     "ObjectStorePermanentError", "OffsetOutOfRangeError", "OffsetsLostError", "OperationTimeoutError", "RecordBatch",
     "S3StreamError", "StaleGenerationError", "Stream", "StreamClient", "StreamClosedError", "StreamFencedError", "StreamNotClosedError",
     "StreamNotFoundError", "UnsupportedFormatError", "WALCorruptError", "WALError", "WALFullError",
-    "Record", "ConsumedRecord", "InvalidRecordBatchError", "RecordBatchChecksumError", "RecordBatchLengthError",
+    "Record", "ConsumedRecord", "StreamReader", "open_reader", "InvalidRecordBatchError", "RecordBatchChecksumError", "RecordBatchLengthError",
     "UnsupportedCompressionError", "UnsupportedMagicError",
 ]

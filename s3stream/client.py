@@ -23,16 +23,17 @@ from _native.appendpath import AppendPath
 
 from .config import Config
 from .errors import (
-    AppendFailedError, ConfigError, InvalidBatchError, LeaseExpiredError, NodeConflictError, OffsetOutOfRangeError,
+    AppendFailedError, ConfigError, InvalidBatchError, LeaseExpiredError, NodeConflictError,
     OperationTimeoutError, S3StreamError, StreamClosedError, StreamFencedError, StreamNotClosedError, StreamNotFoundError, WALCorruptError,
     WALError, WALFullError, check_int,
 )
 from .lifecycle import ObjectReclaimer, ReclaimerThread
 from .logcache import CacheBlock, new_log_cache
-from .metadata import CommitResult, MetadataStore, StreamMeta, StreamState, open_metadata
+from .metadata import CommitResult, MetadataStore, StreamMeta, open_metadata
 from .objectstore import ObjectStore, open_object_store
 from .failover import fail_over
 from .read import Reader
+from .reader import fetch_committed
 from .recordbatch import FetchResult
 from .recovery import close_node_streams, replay_wal
 from .stream import Stream
@@ -273,23 +274,8 @@ class StreamClient:
         hold acknowledged records beyond it in its owner's WAL, readable here once uploaded.
         StreamNotFoundError for a stream that does not exist or was deleted; OffsetOutOfRangeError
         outside that range."""
-        check_int("stream_id", stream_id)
-        check_int("start_offset", start_offset)
-        if end_offset is not None:
-            check_int("end_offset", end_offset)
-        check_int("max_bytes", max_bytes, minimum=1)
         self._check_usable()
-        meta = self._meta_call(self._meta.get_stream, stream_id)
-        if meta.state == StreamState.DELETED:
-            raise StreamNotFoundError(f"stream {stream_id} was deleted")
-        end = meta.end_offset if end_offset is None else end_offset
-        if start_offset < meta.start_offset or end > meta.end_offset or start_offset > end:
-            raise OffsetOutOfRangeError(
-                f"stream {stream_id}: fetch [{start_offset}, {end}) is outside its committed range "
-                f"[{meta.start_offset}, {meta.end_offset}]")
-        if start_offset == end:
-            return FetchResult([])
-        return FetchResult(self._reader.read(stream_id, start_offset, end, max_bytes))
+        return fetch_committed(self._meta, self._reader, stream_id, start_offset, end_offset, max_bytes)
 
     # ---- partitions (the cluster layer's, reached through an add-on) ------------------------------
 

@@ -23,7 +23,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from ..client import StreamClient
 from ..errors import (
@@ -37,6 +37,7 @@ from .loadreport import SAMPLE_EVERY, TrafficMeter
 
 if TYPE_CHECKING:
     from ..stream import Stream
+    from ..metadata import MetadataStore
 
 #: Checkpoints a partition's meta stream may hold before an open trims them (an open and a
 #: close each append one): its ranges, and so its metadata, stay bounded by this many moves.
@@ -201,6 +202,17 @@ class Partition:
         return self._closed
 
 
+class CommittedSource(Protocol):
+    """What reads committed records without opening anything: a StreamClient, or a reader
+    that is not a node (s3stream.reader.StreamReader)."""
+
+    @property
+    def metadata(self) -> "MetadataStore": ...
+
+    def fetch_committed(self, stream_id: int, start_offset: int, end_offset: int | None = None,
+                        max_bytes: int = 1 << 20) -> FetchResult: ...
+
+
 class PartitionReader:
     """A partition's committed records, read without opening it (StreamClient.read_partition).
 
@@ -209,7 +221,7 @@ class PartitionReader:
     keeps appending and uploading). A partition created moments ago whose first checkpoint is
     still in its owner's WAL is not readable yet (StreamNotFoundError says so)."""
 
-    def __init__(self, client: StreamClient, name: str) -> None:
+    def __init__(self, client: CommittedSource, name: str) -> None:
         self._client = client
         self.name = name
         raw = client.metadata.get_kv(_kv_key(name))
@@ -398,7 +410,7 @@ def _last_checkpoint(meta: "Stream") -> Checkpoint | None:
     return None
 
 
-def _committed_checkpoint(client: StreamClient, meta: StreamMeta) -> Checkpoint | None:
+def _committed_checkpoint(client: CommittedSource, meta: StreamMeta) -> Checkpoint | None:
     """The newest checkpoint committed to objects in meta stream `meta` (read without opening
     it), or None if none is."""
     last = _last_committed(meta)

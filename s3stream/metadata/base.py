@@ -214,6 +214,19 @@ class CommitResult:
     already_committed: bool = False
 
 
+def commit_key(stream_id: int) -> str:
+    """The change-feed key a commit that extends stream `stream_id` notifies (not a KV key: no
+    value is stored under it). A tailing reader waits on kv_changes((commit_key(id),))."""
+    return f"commit/{stream_id}"
+
+
+def extended_streams(request: "CommitRequest") -> list[int]:
+    """The streams whose committed end a commit moves (a compaction moves none)."""
+    if request.compacted_ids:
+        return []
+    return sorted({r.stream_id for r in request.all_ranges()})
+
+
 class ChangeFeed:
     """Wakes a waiter when KV keys under its prefixes may have changed, so that node agents and
     migrations react to a change at once instead of polling for it.
@@ -447,8 +460,9 @@ class MetadataStore(abc.ABC):
         """Every key starting with `prefix` and its value, keys ascending."""
 
     def kv_changes(self, prefixes: Sequence[str]) -> ChangeFeed:
-        """A ChangeFeed for KV keys starting with any of `prefixes` (see ChangeFeed). Open it
-        before reading the state it guards, so that no change in between goes unseen."""
+        """A ChangeFeed for KV keys starting with any of `prefixes` (see ChangeFeed), and for
+        commits: a commit that extends a stream notifies commit_key(stream id). Open it before
+        reading the state it guards, so that no change in between goes unseen."""
         return ChangeFeed(prefixes)
 
     def close(self) -> None:

@@ -77,7 +77,7 @@ import psycopg.conninfo
 from psycopg_pool import ConnectionPool
 
 from ..errors import (ConfigError, MetadataBusyError, MetadataError, StreamFencedError, StreamNotClosedError)
-from .base import (ChangeFeed, redact_url, CommitRequest, CommitResult, MetadataStore, NodeMeta, ObjectMeta, ObjectRef, ObjectState,
+from .base import (ChangeFeed, commit_key, extended_streams, redact_url, CommitRequest, CommitResult, MetadataStore, NodeMeta, ObjectMeta, ObjectRef, ObjectState,
                    ObjectType, StreamMeta, StreamState, object_key)
 # The checks and loaders are the SQLite store's own: both stores must decide alike. They take any
 # connection-like object whose execute() takes qmark SQL; _Db adapts a psycopg connection.
@@ -629,7 +629,10 @@ class PostgresMetadataStore(MetadataStore):
             for stream_id in wanted:
                 if stream_id not in streams:
                     raise MetadataError(f"commit names stream {stream_id}, which does not exist")
-            return _apply_commit(db, request, now, rows, streams, _set_stream_ends)
+            result = _apply_commit(db, request, now, rows, streams, _set_stream_ends)
+            for stream_id in extended_streams(request):   # tailing readers, once it commits
+                _notify(db, commit_key(stream_id))
+            return result
 
     def get_object(self, object_id: int) -> ObjectMeta:
         with self._transaction(write=False) as db:

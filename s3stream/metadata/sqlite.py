@@ -72,7 +72,7 @@ import tenacity
 
 from ..errors import (ConfigError, MetadataBusyError, MetadataError, NodeAliveError, StreamFencedError,
                       StreamNotClosedError, StreamNotFoundError)
-from .base import (ChangeFeed, CommitRange, CommitRequest, CommitResult, MetadataStore, NodeMeta, ObjectMeta,
+from .base import (ChangeFeed, commit_key, extended_streams, CommitRange, CommitRequest, CommitResult, MetadataStore, NodeMeta, ObjectMeta,
                    ObjectRef, ObjectState, ObjectType, Range, StreamMeta, StreamRange, StreamState,
                    object_key)
 from .hostfeed import HostNotifier
@@ -452,6 +452,12 @@ class SqliteMetadataStore(MetadataStore):
             return ids
 
     def commit(self, request: CommitRequest) -> CommitResult:
+        result = self._commit(request)
+        for stream_id in extended_streams(request):       # tailing readers (commit_key)
+            self._notifier.notify(commit_key(stream_id))
+        return result
+
+    def _commit(self, request: CommitRequest) -> CommitResult:
         with self._transaction(write=True) as db:
             now = self._clock()
             _check_node_epoch(db, request.node_id, request.node_epoch)

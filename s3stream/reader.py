@@ -1,0 +1,166 @@
+"""A reader that is not a node: committed records of any stream or partition, from any host.
+
+`open_reader(metadata=URL, object_store=URL)` needs neither a WAL nor a node id: it registers
+nothing, opens no stream and writes nothing, to metadata or to the store, so any number of
+processes on any hosts can read while the streams' owners keep appending. It reads what is
+committed to objects (what metadata names): a stream open on some node may hold acknowledged
+records beyond that in its owner's WAL, readable here once they are uploaded.
+
+- `fetch_committed(stream_id, start, end)`: as StreamClient.fetch_committed.
+- `read_partition(name)`: a PartitionReader (its log's committed records).
+- `tail(stream_id, start)`: every committed batch from `start` on, as it is committed. It waits
+  on the metadata store's pushed changes where it has them (commits notify `commit/<stream id>`:
+  PostgreSQL LISTEN/NOTIFY, SQLite between the processes of its host) and polls every
+  `poll_interval` otherwise, and in any case at least that often.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from .config import Config
+from .errors import ConfigError, OffsetOutOfRangeError, S3StreamError, StreamNotFoundError, check_int
+from .logcache import new_log_cache
+from .metadata import MetadataStore, StreamState, commit_key, open_metadata
+from .objectstore import ObjectStore, open_object_store
+from .read import Reader
+from .recordbatch import FetchedBatch, FetchResult
+
+if TYPE_CHECKING:
+    from .cluster.partition import PartitionReader
+
+__all__ = ["StreamReader", "open_reader", "fetch_committed"]
+
+
+def fetch_committed(meta: MetadataStore, reader: Reader, stream_id: int, start_offset: int,
+                    end_offset: int | None, max_bytes: int) -> FetchResult:
+    """A stream's committed batches in [start_offset, end_offset) (default: its committed end),
+    read through `reader` without opening the stream (StreamClient.fetch_committed's contract)."""
+    check_int("stream_id", stream_id)
+    check_int("start_offset", start_offset)
+    if end_offset is not None:
+        check_int("end_offset", end_offset)
+    check_int("max_bytes", max_bytes, minimum=1)
+    stream = meta.get_stream(stream_id)
+    if stream.state == StreamState.DELETED:
+        raise StreamNotFoundError(f"stream {stream_id} was deleted")
+    end = stream.end_offset if end_offset is None else end_offset
+    if start_offset < stream.start_offset or end > stream.end_offset or start_offset > end:
+        raise OffsetOutOfRangeError(
+            f"stream {stream_id}: fetch [{start_offset}, {end}) is outside its committed range "
+            f"[{stream.start_offset}, {stream.end_offset}]")
+    if start_offset == end:
+        return FetchResult([])
+    return FetchResult(reader.read(stream_id, start_offset, end, max_bytes))
+
+
+class StreamReader:
+    """Committed records of any stream, read without being a node (module docstring).
+    Thread-safe; close() it (or use it as a context manager) to stop its read-ahead threads."""
+
+    def __init__(self, metadata: str | MetadataStore, object_store: str | ObjectStore,
+                 config: Config | None = None) -> None:
+        self.config = config or Config()
+        if not isinstance(self.config, Config):
+            raise ConfigError(f"config must be an s3stream.Config, got {type(self.config).__name__}")
+        for name, value, kind in (("metadata", metadata, MetadataStore), ("object_store", object_store, ObjectStore)):
+            if not isinstance(value, (str, kind)):
+                raise ConfigError(f"{name} must be a URL or a {kind.__name__}, got {type(value).__name__} {value!r:.60}")
+        self._owns_meta, self._owns_store = isinstance(metadata, str), isinstance(object_store, str)
+        self._meta: MetadataStore = open_metadata(metadata) if isinstance(metadata, str) else metadata
+        try:
+            self._store: ObjectStore = (open_object_store(object_store) if isinstance(object_store, str)
+                                        else object_store)
+        except BaseException:
+            if self._owns_meta:
+                self._meta.close()
+            raise
+        # An empty log cache: this reader holds no un-uploaded data, so every read goes to objects.
+        self._reader = Reader(self._store, self._meta, new_log_cache(self.config, time.monotonic_ns), self.config)
+        self._closed = threading.Event()
+        self._partitions: Any = None
+
+    @property
+    def metadata(self) -> MetadataStore:
+        """The metadata store read (shared: do not close it)."""
+        return self._meta
+
+    @property
+    def stats(self) -> dict:
+        return self._reader.snapshot()
+
+    def _check_open(self) -> None:
+        if self._closed.is_set():
+            raise S3StreamError("this reader is closed; open another with s3stream.open_reader")
+
+    def fetch_committed(self, stream_id: int, start_offset: int, end_offset: int | None = None,
+                        max_bytes: int = 1 << 20) -> FetchResult:
+        """Batches of the stream's committed records from the one holding `start_offset` towards
+        `end_offset` (default: the committed end), up to `max_bytes` (at least one batch).
+        StreamNotFoundError for a stream that does not exist or was deleted, OffsetOutOfRangeError
+        outside its committed range."""
+        self._check_open()
+        return fetch_committed(self._meta, self._reader, stream_id, start_offset, end_offset, max_bytes)
+
+    def read_partition(self, name: str) -> "PartitionReader":
+        """The named partition's committed records (PartitionReader). StreamNotFoundError if
+        there is no such partition or its first checkpoint is not committed yet."""
+        self._check_open()
+        from .cluster.partition import PartitionReader
+        return PartitionReader(self, name)
+
+    def tail(self, stream_id: int, start_offset: int = 0, *, max_bytes: int = 1 << 20,
+             poll_interval: float = 0.1, idle_timeout: float | None = None) -> Iterator[FetchedBatch]:
+        """Every committed batch of the stream from the one holding `start_offset` on, in order,
+        as commits make them readable; it ends when the reader closes, the stream is deleted
+        (StreamNotFoundError), or no commit came for `idle_timeout` seconds (None: never).
+        OffsetOutOfRangeError if the records it needs next were trimmed away."""
+        check_int("start_offset", start_offset)
+        if not poll_interval > 0:
+            raise ConfigError(f"poll_interval must be positive seconds, got {poll_interval!r}")
+        self._check_open()
+        feed = self._meta.kv_changes((commit_key(stream_id),))
+        try:
+            position = start_offset
+            idle_since = time.monotonic()
+            while not self._closed.is_set():
+                end = self._meta.get_stream(stream_id).end_offset
+                if position < end:
+                    result = self.fetch_committed(stream_id, position, end, max_bytes)
+                    for batch in result.batches:
+                        yield batch
+                    position = result.end_offset if result.end_offset is not None else end
+                    idle_since = time.monotonic()
+                    continue
+                if idle_timeout is not None and time.monotonic() - idle_since >= idle_timeout:
+                    return
+                wait = poll_interval if idle_timeout is None else min(
+                    poll_interval, max(0.0, idle_timeout - (time.monotonic() - idle_since)))
+                feed.wait(wait) if feed.pushes else self._closed.wait(wait)
+        finally:
+            feed.close()
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._reader.close()
+        if self._owns_store:
+            self._store.close()
+        if self._owns_meta:
+            self._meta.close()
+
+    def __enter__(self) -> "StreamReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def open_reader(metadata: str | MetadataStore, object_store: str | ObjectStore,
+                config: Config | None = None) -> StreamReader:
+    """A StreamReader on the cluster whose metadata and object store these are (URLs as
+    StreamClient takes them, or open stores, which stay the caller's to close)."""
+    return StreamReader(metadata, object_store, config)

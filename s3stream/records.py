@@ -1,4 +1,4 @@
-"""Kafka record batches, format v2 (magic 2): a pure-Python encoder and decoder.
+"""Kafka record batches, format v2 (magic 2): the encoder and decoder.
 
 Not to be confused with `recordbatch.RecordBatch`, the opaque unit s3stream appends: this module
 reads and writes the bytes a Kafka producer sends and a Kafka consumer fetches, byte for byte as
@@ -32,29 +32,32 @@ length and a raw snappy block), and decoding reads xerial or raw snappy; lz4 is 
 independent 64 KiB blocks and no checksums; zstd is a zstd frame (level 3, Kafka's default).
 
 Decoding never trusts a length: every read is checked against the end of the batch (a cursor
-over a memoryview), the batchLength against the buffer, the CRC before anything else is parsed,
+over the buffer), the batchLength against the buffer, the CRC before anything else is parsed,
 each record's length against what its fields took, the record count against the payload (no
-byte may be left over), varints against their maximal size. A batch of 0 records (compaction
-keeps such batches for their producer state) has its payload left unread, as Kafka does. It raises InvalidRecordBatchError
+byte may be left over), varints against their maximal size and their type (5 bytes of an int32
+hold at most 32 bits, 10 bytes of an int64 64). A batch of 0 records (compaction keeps such
+batches for their producer state) has its payload left unread, as Kafka does. It raises InvalidRecordBatchError
 or one of its subclasses (UnsupportedMagicError, RecordBatchChecksumError,
 RecordBatchLengthError, UnsupportedCompressionError) and returns nothing of a bad batch.
 Encoding checks its arguments (types, int ranges, at least one record, the batch under 2 GiB)
 and raises InvalidArgumentError naming the value.
 
-A native twin may come later: tests will then compare the two byte for byte, as they do the
-WAL's and the object codec's.
+The per-record work (varints, keys, values, headers), the 61-byte header and the CRC are native
+(_native/kafkarecords.pyx); compression is cramjam's, called from here, so the native core only
+sees uncompressed record sections. s3stream/records_reference.py is the pure-Python twin: tests
+compare the two byte for byte and error for error, as they do the WAL's and the object codec's.
 """
 from __future__ import annotations
 
 import struct
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import cramjam
 
-from _native.checksum import crc32c
+from _native import kafkarecords
 
 from .errors import (
     InvalidArgumentError, InvalidRecordBatchError, RecordBatchChecksumError, RecordBatchLengthError, UnsupportedCompressionError,
@@ -73,15 +76,13 @@ LOG_APPEND_TIME = 1
 #: Codec names by id (attributes bits 0-2); None is no compression.
 COMPRESSION_CODECS: tuple[str | None, ...] = (None, "gzip", "snappy", "lz4", "zstd")
 
-_HEADER = struct.Struct(">qiibIhiqqqhii")
-HEADER_SIZE = _HEADER.size  # 61
+HEADER_SIZE = kafkarecords.HEADER_SIZE  # 61
 _LENGTH_END = 12           # baseOffset + batchLength: not counted by batchLength
 _MAGIC_AT = 16
 _CRC_AT = 17
 _CRC_FROM = 21             # the CRC covers attributes to the end
 _MIN_BATCH_LENGTH = HEADER_SIZE - _LENGTH_END
 _INT32 = struct.Struct(">i")
-_UINT32 = struct.Struct(">I")
 
 _CODEC_MASK = 0x07
 _TIMESTAMP_TYPE_BIT = 0x08
@@ -146,6 +147,12 @@ class Record:
                 raise InvalidArgumentError(
                     f"a record header must be a (str key, bytes or None value) pair, got {header!r:.80}; "
                     f"decode a bytes key first (header keys are UTF-8 strings)")
+            try:
+                header[0].encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise InvalidArgumentError(
+                    f"record header key {header[0]!r:.80} is not valid UTF-8 text ({e.reason}); header keys are "
+                    f"UTF-8 strings: remove lone surrogates") from None
             checked.append((header[0], _as_bytes(f"header {header[0]!r} value", header[1])))
         object.__setattr__(self, "headers", tuple(checked))
 
@@ -215,39 +222,9 @@ class DecodedBatch:
         return self.last_offset + 1
 
 
-# ---- encoding -------------------------------------------------------------------------------
-
-def _put_varint(out: bytearray, value: int) -> None:
-    """Append `value` zigzag-encoded as a varint (varlong for int64 values: same encoding)."""
-    zigzag = value << 1 if value >= 0 else (-value << 1) - 1
-    while zigzag >= 0x80:
-        out.append((zigzag & 0x7F) | 0x80)
-        zigzag >>= 7
-    out.append(zigzag)
-
-
-def _put_bytes(out: bytearray, data: bytes | None) -> None:
-    if data is None:
-        out.append(1)  # zigzag(-1)
-    else:
-        _put_varint(out, len(data))
-        out += data
-
-
-def _encode_record(out: bytearray, record: Record, timestamp_delta: int, offset_delta: int) -> None:
-    body = bytearray(b"\x00")  # record attributes: unused, always 0
-    _put_varint(body, timestamp_delta)
-    _put_varint(body, offset_delta)
-    _put_bytes(body, record.key)
-    _put_bytes(body, record.value)
-    _put_varint(body, len(record.headers))
-    for header_key, header_value in record.headers:
-        key = header_key.encode("utf-8")
-        _put_varint(body, len(key))
-        body += key
-        _put_bytes(body, header_value)
-    _put_varint(out, len(body))
-    out += body
+# ---- shared with the pure-Python twin (records_reference) -------------------------------------
+# Arguments, compression and the batch-by-batch walk are the same for both codecs; only the
+# bytes-level work differs.
 
 
 def _xerial_snappy(data: bytes | bytearray) -> bytes:
@@ -276,7 +253,9 @@ def _lz4_frame(data: bytes | bytearray) -> bytes:
     return b"".join(parts)
 
 
-def _compress(codec: int, data: bytearray) -> bytes:
+def compress_payload(codec: int, data: bytes | bytearray) -> bytes:
+    """The records section `data` compressed with codec id `codec` (1-4), framed as Kafka's Java
+    client frames it."""
     if codec == 1:
         return bytes(cramjam.gzip.compress(data))
     if codec == 2:
@@ -295,17 +274,11 @@ def _codec_id(compression: object) -> int:
         f"compression must be None or one of 'gzip', 'snappy', 'lz4', 'zstd', got {compression!r}")
 
 
-def encode_batch(records: Iterable[Record], *, base_offset: int = 0, compression: str | None = None,
-                 producer_id: int = -1, producer_epoch: int = -1, base_sequence: int = -1,
-                 is_transactional: bool = False, timestamp_type: int = CREATE_TIME,
-                 partition_leader_epoch: int = -1, now_ms: int | None = None) -> bytes:
-    """One record batch (magic 2) of `records`, at offsets base_offset, base_offset + 1, ...
-
-    Records without a timestamp take `now_ms` (default: the wall clock at this call). The
-    batch's baseTimestamp is the first record's timestamp, maxTimestamp the largest. With a
-    `compression` ("gzip", "snappy", "lz4", "zstd") the records are compressed as one payload,
-    even when that does not make them smaller. Raises InvalidArgumentError for an empty batch,
-    a record that is not a Record, a value out of its field's range, or a batch of 2 GiB or more."""
+def prepare_batch(records: Iterable[Record], compression: str | None, base_offset: int, producer_id: int,
+                  producer_epoch: int, base_sequence: int, is_transactional: bool, timestamp_type: int,
+                  partition_leader_epoch: int, now_ms: int | None) -> tuple[list[Record] | tuple[Record, ...], int, int]:
+    """encode_batch's arguments checked: (records as a list or tuple, the batch's attributes,
+    now_ms). The records themselves are checked by the codec, after these."""
     records = records if isinstance(records, (list, tuple)) else list(records)
     if not records:
         raise InvalidArgumentError("a record batch needs at least one record; got none (send nothing instead)")
@@ -325,72 +298,17 @@ def encode_batch(records: Iterable[Record], *, base_offset: int = 0, compression
         now_ms = int(time.time() * 1000)
     else:
         check_int("now_ms", now_ms, 0, _MAX_INT64)
-
-    timestamps = []
-    for record in records:
-        if not isinstance(record, Record):
-            raise InvalidArgumentError(
-                f"records must be s3stream.records.Record instances, got {type(record).__name__} {record!r:.60}")
-        timestamps.append(now_ms if record.timestamp is None else record.timestamp)
-    base_timestamp = timestamps[0]
-
-    body = bytearray()
-    for offset_delta, record in enumerate(records):
-        _encode_record(body, record, timestamps[offset_delta] - base_timestamp, offset_delta)
-    payload = _compress(codec, body) if codec else body
-
-    batch_length = HEADER_SIZE - _LENGTH_END + len(payload)
-    if batch_length > _MAX_INT32:
-        raise InvalidArgumentError(
-            f"the batch would be {batch_length + _LENGTH_END} bytes, over the format's 2 GiB; split the records "
-            f"over several batches")
     attributes = codec | (_TIMESTAMP_TYPE_BIT if timestamp_type == LOG_APPEND_TIME else 0)
     attributes |= _TRANSACTIONAL_BIT if is_transactional else 0
-    out = bytearray(HEADER_SIZE)
-    _HEADER.pack_into(out, 0, base_offset, batch_length, partition_leader_epoch, MAGIC, 0, attributes,
-                      len(records) - 1, base_timestamp, max(timestamps), producer_id, producer_epoch, base_sequence,
-                      len(records))
-    out += payload
-    _UINT32.pack_into(out, _CRC_AT, crc32c(memoryview(out)[_CRC_FROM:]))
-    return bytes(out)
+    return records, attributes, now_ms
 
 
-# ---- decoding -------------------------------------------------------------------------------
-
-def _malformed(batch_at: int, what: str) -> InvalidRecordBatchError:
+def malformed(batch_at: int, what: str) -> InvalidRecordBatchError:
+    """The error of a batch at byte `batch_at` whose CRC matched but whose contents do not
+    decode: `what` says why."""
     return InvalidRecordBatchError(
         f"record batch at byte {batch_at}: {what}; its CRC matched, so its producer wrote it so: refuse the batch "
         f"and fix or replace that producer")
-
-
-def _read_varint(buf: memoryview, pos: int, end: int, max_bytes: int, batch_at: int) -> tuple[int, int]:
-    """(value, next position) of the zigzag varint at `pos`, at most `max_bytes` long (5: int32,
-    10: int64) and ending before `end`."""
-    result = 0
-    shift = 0
-    limit = min(end, pos + max_bytes)
-    while pos < limit:
-        byte = buf[pos]
-        pos += 1
-        result |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return (result >> 1) ^ -(result & 1), pos
-        shift += 7
-    if pos >= end:
-        raise _malformed(batch_at, "a record ends in the middle of a varint")
-    raise _malformed(batch_at, f"a varint is longer than {max_bytes} bytes")
-
-
-def _read_nullable_bytes(buf: memoryview, pos: int, end: int, batch_at: int,
-                         what: str) -> tuple[bytes | None, int]:
-    length, pos = _read_varint(buf, pos, end, 5, batch_at)
-    if length < 0:
-        if length != -1:
-            raise _malformed(batch_at, f"{what} length is {length} (only -1, null, may be negative)")
-        return None, pos
-    if length > end - pos:
-        raise _malformed(batch_at, f"{what} of {length} bytes runs past its record ({end - pos} bytes left)")
-    return bytes(buf[pos:pos + length]), pos + length
 
 
 def _unxerial(payload: memoryview, batch_at: int) -> bytes:
@@ -398,18 +316,20 @@ def _unxerial(payload: memoryview, batch_at: int) -> bytes:
     pos, end = len(_XERIAL_HEADER), len(payload)
     while pos < end:
         if end - pos < 4:
-            raise _malformed(batch_at, f"the xerial snappy payload ends inside a block length ({end - pos} bytes left)")
+            raise malformed(batch_at, f"the xerial snappy payload ends inside a block length ({end - pos} bytes left)")
         (length,) = _INT32.unpack_from(payload, pos)
         pos += 4
         if length < 0 or length > end - pos:
-            raise _malformed(batch_at, f"a xerial snappy block of {length} bytes does not fit the payload "
+            raise malformed(batch_at, f"a xerial snappy block of {length} bytes does not fit the payload "
                                        f"({end - pos} bytes left)")
         out += cramjam.snappy.decompress_raw(payload[pos:pos + length])
         pos += length
     return bytes(out)
 
 
-def _decompress(codec: int, payload: memoryview, batch_at: int) -> memoryview:
+def decompress_payload(codec: int, payload: memoryview, batch_at: int) -> memoryview:
+    """The records section of a batch at byte `batch_at` whose payload, compressed with codec id
+    `codec` (1-4), is `payload`; InvalidRecordBatchError if it does not decompress."""
     name = COMPRESSION_CODECS[codec]
     data: bytes | cramjam.Buffer
     try:
@@ -425,132 +345,67 @@ def _decompress(codec: int, payload: memoryview, batch_at: int) -> memoryview:
         else:
             data = cramjam.zstd.decompress(payload)
     except cramjam.DecompressionError as e:
-        raise _malformed(batch_at, f"its {name} payload ({len(payload)} bytes) does not decompress ({e})") from e
+        raise malformed(batch_at, f"its {name} payload ({len(payload)} bytes) does not decompress ({e})") from e
     return memoryview(data).cast("B")
 
 
-def _decode_records(buf: memoryview, pos: int, end: int, count: int, base_offset: int, base_timestamp: int,
-                    log_append_time: int | None, batch_at: int) -> list[ConsumedRecord]:
-    records: list[ConsumedRecord] = []
-    append = records.append
-    for _ in range(count):
-        if pos >= end:
-            raise _malformed(batch_at, f"it says {count} records but its records end after {len(records)}")
-        length, pos = _read_varint(buf, pos, end, 5, batch_at)
-        if length < 0 or length > end - pos:
-            raise _malformed(batch_at, f"record {len(records)} claims {length} bytes, {end - pos} are left")
-        record_end = pos + length
-        if pos >= record_end:
-            raise _malformed(batch_at, f"record {len(records)} is empty")
-        pos += 1  # record attributes: unused
-        timestamp_delta, pos = _read_varint(buf, pos, record_end, 10, batch_at)
-        offset_delta, pos = _read_varint(buf, pos, record_end, 5, batch_at)
-        key, pos = _read_nullable_bytes(buf, pos, record_end, batch_at, "a key")
-        value, pos = _read_nullable_bytes(buf, pos, record_end, batch_at, "a value")
-        header_count, pos = _read_varint(buf, pos, record_end, 5, batch_at)
-        if header_count < 0 or header_count > record_end - pos:
-            raise _malformed(batch_at, f"record {len(records)} claims {header_count} headers in "
-                                       f"{record_end - pos} bytes")
-        headers = []
-        for _ in range(header_count):
-            key_length, pos = _read_varint(buf, pos, record_end, 5, batch_at)
-            if key_length < 0 or key_length > record_end - pos:
-                raise _malformed(batch_at, f"a header key of {key_length} bytes does not fit its record "
-                                           f"({record_end - pos} bytes left)")
-            try:
-                header_key = str(buf[pos:pos + key_length], "utf-8")
-            except UnicodeDecodeError as e:
-                raise _malformed(batch_at, f"a header key is not UTF-8 ({e})") from None
-            header_value, pos = _read_nullable_bytes(buf, pos + key_length, record_end, batch_at, "a header value")
-            headers.append((header_key, header_value))
-        if pos != record_end:
-            raise _malformed(batch_at, f"record {len(records)} says {length} bytes but its fields take "
-                                       f"{length - (record_end - pos)}")
-        timestamp = base_timestamp + timestamp_delta if log_append_time is None else log_append_time
-        append(ConsumedRecord(base_offset + offset_delta, timestamp, key, value, tuple(headers)))
-    if pos != end:
-        raise _malformed(batch_at, f"{end - pos} bytes follow its {count} records")
-    return records
-
-
-def _decode_at(buf: memoryview, at: int, whole: bool) -> DecodedBatch:
-    """The batch starting at byte `at` of `buf`; with `whole`, it must end where `buf` does."""
-    available = len(buf) - at
-    if available < _LENGTH_END:
-        raise RecordBatchLengthError(
-            f"record batch at byte {at}: the buffer ends after {available} bytes, inside the batch's first 12 "
-            f"(baseOffset, batchLength); pass the whole batch (it was truncated)")
-    (batch_length,) = _INT32.unpack_from(buf, at + 8)
-    if batch_length < _MAGIC_AT + 1 - _LENGTH_END:
-        raise RecordBatchLengthError(
-            f"record batch at byte {at}: batchLength is {batch_length}, too small for any batch (a v2 batch has "
-            f"{_MIN_BATCH_LENGTH} or more); these bytes are not a record batch or its length was damaged")
-    end = at + _LENGTH_END + batch_length
-    if end > len(buf):
-        raise RecordBatchLengthError(
-            f"record batch at byte {at}: batchLength {batch_length} says the batch is {batch_length + _LENGTH_END} "
-            f"bytes but the buffer holds {available}; the batch was truncated: pass all of it")
-    if whole and end != len(buf):
-        raise RecordBatchLengthError(
-            f"record batch at byte {at}: batchLength {batch_length} says the batch is {batch_length + _LENGTH_END} "
-            f"bytes but the buffer holds {available}; pass exactly one batch, or several to iter_batches")
-    magic = buf[at + _MAGIC_AT]
-    if magic != MAGIC:
-        raise UnsupportedMagicError(
-            f"record batch at byte {at}: magic byte is {magic if magic < 128 else magic - 256}, only 2 (record batch "
-            f"v2, Kafka 0.11+) is read; upgrade the producer or have it use message format v2")
-    if batch_length < _MIN_BATCH_LENGTH:
-        raise RecordBatchLengthError(
-            f"record batch at byte {at}: batchLength is {batch_length}, shorter than the v2 header "
-            f"({_MIN_BATCH_LENGTH}); its length was damaged: have the producer resend the batch")
-    (base_offset, _, leader_epoch, _, stored_crc, attributes, last_offset_delta, base_timestamp, max_timestamp,
-     producer_id, producer_epoch, base_sequence, count) = _HEADER.unpack_from(buf, at)
-    actual_crc = crc32c(buf[at + _CRC_FROM:end])
-    if actual_crc != stored_crc:
-        raise RecordBatchChecksumError(
-            f"record batch at byte {at}: CRC-32C of its {end - at - _CRC_FROM} bytes after the CRC is "
-            f"{actual_crc:#010x}, the batch says {stored_crc:#010x}; it was damaged after it was written: "
-            f"have the producer resend it (or read another copy)")
-    codec = attributes & _CODEC_MASK
-    if codec >= len(COMPRESSION_CODECS):
-        raise UnsupportedCompressionError(
-            f"record batch at byte {at}: compression codec id {codec} (attributes {attributes:#06x}) is not one of "
-            f"0 none, 1 gzip, 2 snappy, 3 lz4, 4 zstd; have the producer use one of those")
-    if count < 0:
-        raise _malformed(at, f"its record count is {count}")
-    log_append_time = max_timestamp if attributes & _TIMESTAMP_TYPE_BIT else None
-    if count == 0:  # emptied by compaction, kept for its producer state: Kafka reads no payload
-        records = []
-    elif codec:
-        records_buf = _decompress(codec, buf[at + HEADER_SIZE:end], at)
-        records = _decode_records(records_buf, 0, len(records_buf), count, base_offset, base_timestamp,
-                                  log_append_time, at)
-    else:
-        records = _decode_records(buf, at + HEADER_SIZE, end, count, base_offset, base_timestamp, log_append_time, at)
-    return DecodedBatch(base_offset, batch_length, leader_epoch, stored_crc, attributes, last_offset_delta,
-                        base_timestamp, max_timestamp, producer_id, producer_epoch, base_sequence, records)
-
-
-def _view(buf: bytes | bytearray | memoryview) -> memoryview:
+def as_view(buf: bytes | bytearray | memoryview) -> memoryview:
+    """`buf` as a flat memoryview of bytes; InvalidArgumentError if it is not bytes-like."""
     if not isinstance(buf, _BYTES_LIKE):
         raise InvalidArgumentError(f"a record batch is bytes, bytearray or memoryview, got {type(buf).__name__}")
     view = memoryview(buf)
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
+def iterate_batches(buf: bytes | bytearray | memoryview,
+                    decode_at: Callable[[memoryview, int, bool], DecodedBatch]) -> Iterator[DecodedBatch]:
+    """iter_batches over `decode_at(view, at, whole)`, the batch at byte `at` of `view`."""
+    view = as_view(buf)
+    at = 0
+    while at < len(view):
+        batch = decode_at(view, at, False)
+        yield batch
+        at += batch.size
+
+
+# ---- the native codec -----------------------------------------------------------------------
+
+kafkarecords.set_record_types(record=Record, consumed=ConsumedRecord)
+kafkarecords.set_error_types(invalid_argument=InvalidArgumentError, invalid=InvalidRecordBatchError,
+                             magic=UnsupportedMagicError, checksum=RecordBatchChecksumError,
+                             length=RecordBatchLengthError, compression=UnsupportedCompressionError)
+
+
+def encode_batch(records: Iterable[Record], *, base_offset: int = 0, compression: str | None = None,
+                 producer_id: int = -1, producer_epoch: int = -1, base_sequence: int = -1,
+                 is_transactional: bool = False, timestamp_type: int = CREATE_TIME,
+                 partition_leader_epoch: int = -1, now_ms: int | None = None) -> bytes:
+    """One record batch (magic 2) of `records`, at offsets base_offset, base_offset + 1, ...
+
+    Records without a timestamp take `now_ms` (default: the wall clock at this call). The
+    batch's baseTimestamp is the first record's timestamp, maxTimestamp the largest. With a
+    `compression` ("gzip", "snappy", "lz4", "zstd") the records are compressed as one payload,
+    even when that does not make them smaller. Raises InvalidArgumentError for an empty batch,
+    a record that is not a Record, a value out of its field's range, or a batch of 2 GiB or more."""
+    records, attributes, now_ms = prepare_batch(records, compression, base_offset, producer_id, producer_epoch,
+                                                base_sequence, is_transactional, timestamp_type, partition_leader_epoch,
+                                                now_ms)
+    return kafkarecords.encode_batch(records, now_ms, base_offset, attributes, partition_leader_epoch, producer_id,
+                                     producer_epoch, base_sequence, compress_payload)
+
+
+def _decode_at(view: memoryview, at: int, whole: bool) -> DecodedBatch:
+    return DecodedBatch(*kafkarecords.decode_batch(view, at, whole, decompress_payload))
+
+
 def decode_batch(buf: bytes | bytearray | memoryview) -> DecodedBatch:
     """The one record batch that `buf` holds, checked (see the module docstring); raises
     InvalidRecordBatchError or a subclass of it if it is malformed, and RecordBatchLengthError if
     bytes follow it (iter_batches reads several)."""
-    return _decode_at(_view(buf), 0, whole=True)
+    return _decode_at(as_view(buf), 0, True)
 
 
 def iter_batches(buf: bytes | bytearray | memoryview) -> Iterator[DecodedBatch]:
     """Every batch of `buf`, which holds whole batches back to back, in order. A bad batch
     raises when it is reached (the ones before it were yielded); so does a truncated last one."""
-    view = _view(buf)
-    at = 0
-    while at < len(view):
-        batch = _decode_at(view, at, whole=False)
-        yield batch
-        at += batch.size
+    return iterate_batches(buf, _decode_at)

@@ -87,6 +87,8 @@ def test_record_rejects_values_that_are_not_bytes():
         Record(value="text")
     with pytest.raises(InvalidArgumentError):
         Record(headers=[(b"bytes-key", b"v")])
+    with pytest.raises(InvalidArgumentError, match="UTF-8"):
+        Record(headers=[("\udc80", b"v")])                   # a lone surrogate cannot be encoded
 
 
 def test_partition_append_records(client):

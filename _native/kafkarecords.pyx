@@ -1,0 +1,599 @@
+# cython: language_level=3
+"""Kafka record batches v2 (magic 2): the native core of s3stream.records.
+
+It encodes records into a batch (header, records section, CRC-32C) and decodes a batch into its
+header fields and record tuples. Compression is not here: s3stream.records passes a `compress`
+callable to encode_batch and a `decompress` one to decode_batch, so this module only reads and
+writes uncompressed records sections. The format, the checks and every error message are those of
+the pure-Python twin, s3stream/records_reference.py (tests compare the two byte for byte and error
+for error); s3stream/records.py documents the format.
+
+Bytes are read through a Cursor (pointer and end): every varint, key, value and header is checked
+against the end of its record, every record against the end of the section, before it is read.
+"""
+from libc.stdint cimport int16_t, int32_t, int64_t, uint16_t, uint32_t, uint64_t, INT32_MAX, INT64_MAX, INT64_MIN
+from libc.stdlib cimport calloc, free
+from libc.string cimport memcpy
+from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE
+from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING, PyBytes_GET_SIZE, PyBytes_Check
+from cpython.long cimport PyLong_Check
+from cpython.object cimport PyObject, PyTypeObject
+from cpython.ref cimport Py_INCREF, Py_XDECREF
+from cpython.tuple cimport PyTuple_New, PyTuple_SET_ITEM, PyTuple_GET_ITEM, PyTuple_GET_SIZE, PyTuple_Check
+from cpython.unicode cimport PyUnicode_AsUTF8AndSize, PyUnicode_DecodeUTF8, PyUnicode_Check
+
+from _native.checksum cimport crc32c_update
+
+from types import MemberDescriptorType
+
+cdef extern from "Python.h":
+    # tp_alloc of a tuple subclass without fields of its own (a NamedTuple): how tuple.__new__
+    # makes one, without building a plain tuple first.
+    object PyType_GenericAlloc(PyTypeObject* type, Py_ssize_t nitems)
+    ctypedef struct PyMemberDescrObject:
+        PyMemberDef* d_member
+
+cdef extern from "structmember.h":
+    ctypedef struct PyMemberDef:
+        int type
+        Py_ssize_t offset
+    int T_OBJECT_EX
+
+cdef enum:
+    LENGTH_END = 12               # baseOffset, batchLength: not counted by batchLength
+    MAGIC_AT = 16
+    CRC_AT = 17
+    CRC_FROM = 21                 # the CRC covers attributes to the end of the batch
+    MIN_BATCH_LENGTH = BATCH_HEADER - LENGTH_END
+    MAGIC = 2
+    CODEC_MASK = 0x07
+    CODECS = 5                    # none, gzip, snappy, lz4, zstd
+    TIMESTAMP_TYPE_BIT = 0x08
+
+HEADER_SIZE = BATCH_HEADER
+
+# ---- the Python types this module makes and raises ------------------------------------------
+
+#: The exception types raised, by kind; s3stream.records names its own (set_error_types).
+_error_types = {"invalid_argument": ValueError, "invalid": ValueError, "magic": ValueError,
+                "checksum": ValueError, "length": ValueError, "compression": ValueError}
+cdef object _record_type = None       # s3stream.records.Record
+cdef object _consumed_type = None     # s3stream.records.ConsumedRecord (a NamedTuple)
+
+# Where a Record keeps its fields: the offsets of its slots (__slots__, as dataclass(slots=True)
+# makes them), read straight from an instance of exactly that class; -1 where a field is not
+# such a slot. Four attribute lookups a record were a third of the encoder's time.
+cdef Py_ssize_t _key_slot = -1, _value_slot = -1, _timestamp_slot = -1, _headers_slot = -1
+
+
+def set_error_types(**types) -> None:
+    """Name the exception types raised: invalid_argument (encode_batch's records), invalid (a
+    batch whose records do not decode), magic, checksum, length, compression (its header)."""
+    unknown = set(types) - set(_error_types)
+    if unknown:
+        raise ValueError(f"unknown error kinds {sorted(unknown)}")
+    _error_types.update(types)
+
+
+def set_record_types(record, consumed) -> None:
+    """The record class encode_batch takes and the tuple subclass decode_batch returns."""
+    global _record_type, _consumed_type, _key_slot, _value_slot, _timestamp_slot, _headers_slot
+    if not (isinstance(consumed, type) and issubclass(consumed, tuple)
+            and consumed.__basicsize__ == tuple.__basicsize__ and consumed.__itemsize__ == tuple.__itemsize__):
+        raise TypeError(f"{consumed!r} is not a tuple subclass without fields of its own (a NamedTuple)")
+    _record_type, _consumed_type = record, consumed
+    _key_slot, _value_slot = _slot_offset(record, "key"), _slot_offset(record, "value")
+    _timestamp_slot, _headers_slot = _slot_offset(record, "timestamp"), _slot_offset(record, "headers")
+
+
+cdef Py_ssize_t _slot_offset(object cls, str name) except -2:
+    """The offset of slot `name` in instances of `cls`, or -1 if it is not a plain slot of it."""
+    descriptor = cls.__dict__.get(name) if isinstance(cls, type) else None
+    if type(descriptor) is not MemberDescriptorType or descriptor.__objclass__ is not cls:
+        return -1
+    if (<PyMemberDescrObject*>descriptor).d_member.type != T_OBJECT_EX:
+        return -1
+    return (<PyMemberDescrObject*>descriptor).d_member.offset
+
+
+cdef inline object _field(object record, Py_ssize_t slot, str name):
+    """record.<name>, from its slot when the record is exactly a Record."""
+    cdef PyObject* value
+    if slot >= 0 and type(record) is _record_type:
+        value = (<PyObject**>(<char*><PyObject*>record + slot))[0]
+        if value != NULL:
+            return <object>value
+    return getattr(record, name)             # a subclass, or a slot never set (AttributeError)
+
+
+cdef object _error(str kind, str message):
+    return _error_types[kind](message)
+
+
+cdef object _malformed(Py_ssize_t batch_at, str what):
+    return _error("invalid", f"record batch at byte {batch_at}: {what}; its CRC matched, so its producer wrote it "
+                             f"so: refuse the batch and fix or replace that producer")
+
+
+# ---- big-endian fields and zigzag varints ---------------------------------------------------
+
+cdef inline void store_be16(unsigned char* p, uint16_t v) noexcept nogil:
+    p[0] = (v >> 8) & 0xFF
+    p[1] = v & 0xFF
+
+
+cdef inline void store_be32(unsigned char* p, uint32_t v) noexcept nogil:
+    store_be16(p, <uint16_t>(v >> 16))
+    store_be16(p + 2, <uint16_t>(v & 0xFFFF))
+
+
+cdef inline void store_be64(unsigned char* p, uint64_t v) noexcept nogil:
+    store_be32(p, <uint32_t>(v >> 32))
+    store_be32(p + 4, <uint32_t>(v & 0xFFFFFFFFu))
+
+
+cdef inline uint16_t load_be16(const unsigned char* p) noexcept nogil:
+    return <uint16_t>((p[0] << 8) | p[1])
+
+
+cdef inline uint32_t load_be32(const unsigned char* p) noexcept nogil:
+    return (<uint32_t>load_be16(p) << 16) | load_be16(p + 2)
+
+
+cdef inline uint64_t load_be64(const unsigned char* p) noexcept nogil:
+    return (<uint64_t>load_be32(p) << 32) | load_be32(p + 4)
+
+
+cdef inline uint64_t zigzag(int64_t value) noexcept nogil:
+    return (<uint64_t>value << 1) ^ (<uint64_t>0 - (<uint64_t>value >> 63))
+
+
+cdef size_t varint_size(int64_t value) noexcept nogil:
+    """Bytes of `value` as a zigzag varint."""
+    cdef uint64_t z = zigzag(value)
+    cdef size_t n = 1
+    while z >= 0x80:
+        z >>= 7
+        n += 1
+    return n
+
+
+cdef unsigned char* put_varint(unsigned char* p, int64_t value) noexcept nogil:
+    """Write `value` zigzag-encoded at `p` (varint_size(value) bytes); returns the byte after it."""
+    cdef uint64_t z = zigzag(value)
+    while z >= 0x80:
+        p[0] = <unsigned char>((z & 0x7F) | 0x80)
+        p += 1
+        z >>= 7
+    p[0] = <unsigned char>z
+    return p + 1
+
+
+cdef int read_varint(Cursor* cursor, const unsigned char* end, int max_bytes, int64_t* value) except -1:
+    """The zigzag varint at the cursor, at most `max_bytes` long (5: int32, 10: int64), ending
+    before `end`, its value within 32 (64) bits: stored in `value`, the cursor moved past it."""
+    cdef const unsigned char* p = cursor.pos
+    cdef const unsigned char* limit = end if end - p < max_bytes else p + max_bytes
+    cdef int bits = 32 if max_bytes == 5 else 64
+    cdef int shift = 0
+    cdef uint64_t raw = 0
+    cdef unsigned char byte
+    while p < limit:
+        byte = p[0]
+        p += 1
+        if byte < 0x80:
+            if shift + 7 > bits and byte >> (bits - shift):
+                raise _malformed(cursor.batch_at, f"a varint's value does not fit {bits} bits")
+            raw |= <uint64_t>byte << shift
+            cursor.pos = p
+            value[0] = <int64_t>(raw >> 1) ^ -<int64_t>(raw & 1)
+            return 0
+        raw |= <uint64_t>(byte & 0x7F) << shift
+        shift += 7
+    if p >= end:
+        raise _malformed(cursor.batch_at, "a record ends in the middle of a varint")
+    raise _malformed(cursor.batch_at, f"a varint is longer than {max_bytes} bytes")
+
+
+cdef void pack_header(unsigned char* p, const BatchHeader* header) noexcept nogil:
+    store_be64(p, <uint64_t>header.base_offset)
+    store_be32(p + 8, <uint32_t>header.batch_length)
+    store_be32(p + 12, <uint32_t>header.partition_leader_epoch)
+    p[MAGIC_AT] = MAGIC
+    store_be32(p + CRC_AT, header.crc)
+    store_be16(p + 21, <uint16_t>header.attributes)
+    store_be32(p + 23, <uint32_t>header.last_offset_delta)
+    store_be64(p + 27, <uint64_t>header.base_timestamp)
+    store_be64(p + 35, <uint64_t>header.max_timestamp)
+    store_be64(p + 43, <uint64_t>header.producer_id)
+    store_be16(p + 51, <uint16_t>header.producer_epoch)
+    store_be32(p + 53, <uint32_t>header.base_sequence)
+    store_be32(p + 57, <uint32_t>header.count)
+
+
+cdef void unpack_header(const unsigned char* p, BatchHeader* header) noexcept nogil:
+    header.base_offset = <int64_t>load_be64(p)
+    header.batch_length = <int32_t>load_be32(p + 8)
+    header.partition_leader_epoch = <int32_t>load_be32(p + 12)
+    header.crc = load_be32(p + CRC_AT)
+    header.attributes = <int16_t>load_be16(p + 21)
+    header.last_offset_delta = <int32_t>load_be32(p + 23)
+    header.base_timestamp = <int64_t>load_be64(p + 27)
+    header.max_timestamp = <int64_t>load_be64(p + 35)
+    header.producer_id = <int64_t>load_be64(p + 43)
+    header.producer_epoch = <int16_t>load_be16(p + 51)
+    header.base_sequence = <int32_t>load_be32(p + 53)
+    header.count = <int32_t>load_be32(p + 57)
+
+
+cdef void seal_batch(unsigned char* batch, size_t size) noexcept nogil:
+    """Store the CRC-32C of the `size`-byte batch (its attributes to its end) in its header."""
+    store_be32(batch + CRC_AT, crc32c_update(0, batch + CRC_FROM, size - CRC_FROM))
+
+
+# ---- encoding -------------------------------------------------------------------------------
+
+# One record, planned before it is written: the objects it writes (owned references, NULL for a
+# null key or value), its timestamp and the size of its body (the bytes after its length).
+cdef struct Planned:
+    PyObject* key
+    PyObject* value
+    PyObject* headers
+    int64_t timestamp
+    size_t body
+
+
+cdef inline size_t _bytes_size(object data) except? 0:
+    if data is None:
+        return 1                                     # length -1
+    if not PyBytes_Check(data):
+        raise TypeError(f"a record's key, value or header value is bytes or None, got {type(data).__name__}")
+    return varint_size(PyBytes_GET_SIZE(data)) + <size_t>PyBytes_GET_SIZE(data)
+
+
+cdef inline unsigned char* _put_bytes(unsigned char* p, PyObject* data) noexcept:
+    cdef Py_ssize_t length
+    if data == NULL or <object>data is None:
+        return put_varint(p, -1)
+    length = PyBytes_GET_SIZE(<object>data)
+    p = put_varint(p, length)
+    memcpy(p, PyBytes_AS_STRING(<object>data), <size_t>length)
+    return p + length
+
+
+cdef inline PyObject* _owned(object data) noexcept:
+    """A new reference to bytes, NULL for None."""
+    if data is None:
+        return NULL
+    Py_INCREF(data)
+    return <PyObject*>data
+
+
+cdef size_t _plan_record(object record, Planned* plan, Py_ssize_t offset_delta, int64_t base_timestamp) except 0:
+    """Take the record's key, value and headers (checked) into `plan`; returns its size in the
+    section (length varint and body)."""
+    cdef object key = _field(record, _key_slot, "key"), value = _field(record, _value_slot, "value")
+    cdef object headers = _field(record, _headers_slot, "headers")
+    cdef size_t body = 1                             # attributes: unused, always 0
+    cdef Py_ssize_t i, key_length
+    body += varint_size(plan.timestamp - base_timestamp) + varint_size(offset_delta)
+    body += _bytes_size(key) + _bytes_size(value)
+    if not PyTuple_Check(headers):
+        raise TypeError(f"record headers are a tuple of (str, bytes or None) pairs, got {type(headers).__name__}")
+    body += varint_size(PyTuple_GET_SIZE(headers))
+    for i in range(PyTuple_GET_SIZE(headers)):
+        header = <object>PyTuple_GET_ITEM(headers, i)
+        if (not PyTuple_Check(header) or PyTuple_GET_SIZE(header) != 2
+                or not PyUnicode_Check(<object>PyTuple_GET_ITEM(header, 0))):
+            raise TypeError(f"a record header is a (str key, bytes or None value) pair, got {header!r:.80}")
+        # The str keeps its UTF-8 form: _write_record gets it again without a copy.
+        PyUnicode_AsUTF8AndSize(<object>PyTuple_GET_ITEM(header, 0), &key_length)
+        body += varint_size(key_length) + <size_t>key_length + _bytes_size(<object>PyTuple_GET_ITEM(header, 1))
+    plan.key = _owned(key)
+    plan.value = _owned(value)
+    Py_INCREF(headers)
+    plan.headers = <PyObject*>headers
+    plan.body = body
+    return varint_size(<int64_t>body) + body
+
+
+cdef unsigned char* _write_record(unsigned char* p, const Planned* plan, Py_ssize_t offset_delta,
+                                  int64_t base_timestamp) except NULL:
+    cdef Py_ssize_t i, key_length
+    cdef const char* key
+    cdef object headers = <object>plan.headers
+    p = put_varint(p, <int64_t>plan.body)
+    p[0] = 0
+    p = put_varint(p + 1, plan.timestamp - base_timestamp)
+    p = put_varint(p, offset_delta)
+    p = _put_bytes(p, plan.key)
+    p = _put_bytes(p, plan.value)
+    p = put_varint(p, PyTuple_GET_SIZE(headers))
+    for i in range(PyTuple_GET_SIZE(headers)):
+        header = <object>PyTuple_GET_ITEM(headers, i)
+        key = PyUnicode_AsUTF8AndSize(<object>PyTuple_GET_ITEM(header, 0), &key_length)
+        p = put_varint(p, key_length)
+        memcpy(p, key, <size_t>key_length)
+        p = _put_bytes(p + key_length, PyTuple_GET_ITEM(header, 1))
+    return p
+
+
+cdef bytes _new_batch(size_t payload):
+    """An uninitialised batch of a `payload`-byte records section, or the error of one too big."""
+    cdef size_t batch_length = MIN_BATCH_LENGTH + payload
+    if batch_length > INT32_MAX:
+        raise _error("invalid_argument", f"the batch would be {batch_length + LENGTH_END} bytes, over the format's "
+                                         f"2 GiB; split the records over several batches")
+    return PyBytes_FromStringAndSize(NULL, <Py_ssize_t>(batch_length + LENGTH_END))
+
+
+def encode_batch(records, int64_t now_ms, int64_t base_offset, int16_t attributes, int32_t partition_leader_epoch,
+                 int64_t producer_id, int16_t producer_epoch, int32_t base_sequence, compress) -> bytes:
+    """One batch of `records` (Records, at least one), its arguments checked by the caller
+    (s3stream.records.prepare_batch). Records without a timestamp take `now_ms`. With a codec in
+    `attributes`, the records section is passed to `compress(codec, section)`, whose result (a
+    bytes-like object) becomes the batch's payload."""
+    cdef tuple items = records if type(records) is tuple else tuple(records)
+    cdef Py_ssize_t n = len(items), i
+    cdef int codec = attributes & CODEC_MASK
+    cdef Planned* plan
+    cdef BatchHeader header
+    cdef size_t section = 0
+    cdef unsigned char* out
+    cdef unsigned char* p
+    cdef Py_buffer compressed
+    if n == 0 or n - 1 > INT32_MAX:
+        raise ValueError(f"a record batch holds 1 to {<int64_t>INT32_MAX + 1} records, got {n}")
+    if _record_type is None:
+        raise RuntimeError("set_record_types() was not called (s3stream.records calls it)")
+    plan = <Planned*>calloc(<size_t>n, sizeof(Planned))
+    if plan == NULL:
+        raise MemoryError()
+    try:
+        # Every record is checked before any is encoded, as the twin does.
+        for i in range(n):
+            record = <object>PyTuple_GET_ITEM(items, i)
+            if type(record) is not _record_type and not isinstance(record, _record_type):
+                raise _error("invalid_argument", f"records must be s3stream.records.Record instances, got "
+                                                 f"{type(record).__name__} {record!r:.60}")
+            timestamp = _field(record, _timestamp_slot, "timestamp")
+            if timestamp is None:
+                plan[i].timestamp = now_ms
+            elif PyLong_Check(timestamp):
+                plan[i].timestamp = timestamp
+            else:
+                raise TypeError(f"a record's timestamp is an int or None, got {type(timestamp).__name__}")
+            if plan[i].timestamp < 0:
+                raise _error("invalid_argument", f"record timestamp must be 0 or more, got {timestamp}")
+        header.base_timestamp = header.max_timestamp = plan[0].timestamp
+        for i in range(n):
+            if plan[i].timestamp > header.max_timestamp:
+                header.max_timestamp = plan[i].timestamp
+            section += _plan_record(<object>PyTuple_GET_ITEM(items, i), &plan[i], i, header.base_timestamp)
+        if codec:
+            body = PyBytes_FromStringAndSize(NULL, <Py_ssize_t>section)
+            p = <unsigned char*>PyBytes_AS_STRING(body)
+        else:
+            result = _new_batch(section)
+            p = <unsigned char*>PyBytes_AS_STRING(result) + BATCH_HEADER
+        out = p
+        for i in range(n):
+            p = _write_record(p, &plan[i], i, header.base_timestamp)
+        if <size_t>(p - out) != section:
+            raise SystemError(f"kafkarecords: planned {section} bytes of records, wrote {p - out}")
+        if codec:
+            PyObject_GetBuffer(compress(codec, body), &compressed, PyBUF_SIMPLE)
+            try:
+                result = _new_batch(<size_t>compressed.len)
+                memcpy(PyBytes_AS_STRING(result) + BATCH_HEADER, compressed.buf, <size_t>compressed.len)
+            finally:
+                PyBuffer_Release(&compressed)
+    finally:
+        for i in range(n):
+            Py_XDECREF(plan[i].key)
+            Py_XDECREF(plan[i].value)
+            Py_XDECREF(plan[i].headers)
+        free(plan)
+    out = <unsigned char*>PyBytes_AS_STRING(result)
+    header.base_offset = base_offset
+    header.batch_length = <int32_t>(PyBytes_GET_SIZE(result) - LENGTH_END)
+    header.partition_leader_epoch = partition_leader_epoch
+    header.crc = 0
+    header.attributes = attributes
+    header.last_offset_delta = <int32_t>(n - 1)
+    header.producer_id = producer_id
+    header.producer_epoch = producer_epoch
+    header.base_sequence = base_sequence
+    header.count = <int32_t>n
+    pack_header(out, &header)
+    seal_batch(out, <size_t>PyBytes_GET_SIZE(result))
+    return result
+
+
+# ---- decoding -------------------------------------------------------------------------------
+
+cdef inline object _sum(int64_t a, int64_t b):
+    """a + b as an int, past int64 if it must be (a damaged base offset or timestamp): the
+    twin's Python ints do not wrap."""
+    cdef object big
+    if (b > 0 and a > INT64_MAX - b) or (b < 0 and a < INT64_MIN - b):
+        big = a
+        return big + b
+    return a + b
+
+
+cdef inline object _consumed(object offset, object timestamp, object key, object value, object headers):
+    cdef object record = PyType_GenericAlloc(<PyTypeObject*>_consumed_type, 5)
+    # PyTuple_SET_ITEM steals a reference: each item gets one first.
+    Py_INCREF(offset)
+    PyTuple_SET_ITEM(record, 0, offset)
+    Py_INCREF(timestamp)
+    PyTuple_SET_ITEM(record, 1, timestamp)
+    Py_INCREF(key)
+    PyTuple_SET_ITEM(record, 2, key)
+    Py_INCREF(value)
+    PyTuple_SET_ITEM(record, 3, value)
+    Py_INCREF(headers)
+    PyTuple_SET_ITEM(record, 4, headers)
+    return record
+
+
+cdef object _read_nullable(Cursor* cursor, const unsigned char* end, str what):
+    cdef int64_t length
+    read_varint(cursor, end, 5, &length)
+    if length < 0:
+        if length != -1:
+            raise _malformed(cursor.batch_at, f"{what} length is {length} (only -1, null, may be negative)")
+        return None
+    if length > end - cursor.pos:
+        raise _malformed(cursor.batch_at, f"{what} of {length} bytes runs past its record ({end - cursor.pos} bytes "
+                                          f"left)")
+    data = PyBytes_FromStringAndSize(<const char*>cursor.pos, <Py_ssize_t>length)
+    cursor.pos += length
+    return data
+
+
+cdef list decode_records(Cursor* cursor, const BatchHeader* header):
+    """The header.count records from the cursor to its end (an uncompressed records section),
+    as ConsumedRecords; the section must hold exactly those."""
+    cdef list records = []
+    cdef int32_t count = header.count, i
+    cdef int64_t length, timestamp_delta, offset_delta, header_count, key_length, j
+    cdef const unsigned char* record_end
+    cdef Py_ssize_t at = cursor.batch_at
+    cdef object log_append_time = header.max_timestamp if header.attributes & TIMESTAMP_TYPE_BIT else None
+    cdef object headers
+    for i in range(count):
+        if cursor.pos >= cursor.end:
+            raise _malformed(at, f"it says {count} records but its records end after {i}")
+        read_varint(cursor, cursor.end, 5, &length)
+        if length < 0 or length > cursor.end - cursor.pos:
+            raise _malformed(at, f"record {i} claims {length} bytes, {cursor.end - cursor.pos} are left")
+        record_end = cursor.pos + length
+        if cursor.pos >= record_end:
+            raise _malformed(at, f"record {i} is empty")
+        cursor.pos += 1                              # record attributes: unused
+        read_varint(cursor, record_end, 10, &timestamp_delta)
+        read_varint(cursor, record_end, 5, &offset_delta)
+        key = _read_nullable(cursor, record_end, "a key")
+        value = _read_nullable(cursor, record_end, "a value")
+        read_varint(cursor, record_end, 5, &header_count)
+        if header_count < 0 or header_count > record_end - cursor.pos:
+            raise _malformed(at, f"record {i} claims {header_count} headers in {record_end - cursor.pos} bytes")
+        headers = PyTuple_New(<Py_ssize_t>header_count)
+        for j in range(header_count):
+            read_varint(cursor, record_end, 5, &key_length)
+            if key_length < 0 or key_length > record_end - cursor.pos:
+                raise _malformed(at, f"a header key of {key_length} bytes does not fit its record "
+                                     f"({record_end - cursor.pos} bytes left)")
+            try:
+                header_key = PyUnicode_DecodeUTF8(<char*>cursor.pos, <Py_ssize_t>key_length, NULL)
+            except UnicodeDecodeError as e:
+                raise _malformed(at, f"a header key is not UTF-8 ({e})") from None
+            cursor.pos += key_length
+            pair = (header_key, _read_nullable(cursor, record_end, "a header value"))
+            Py_INCREF(pair)
+            PyTuple_SET_ITEM(headers, <Py_ssize_t>j, pair)
+        if cursor.pos != record_end:
+            raise _malformed(at, f"record {i} says {length} bytes but its fields take "
+                                 f"{length - (record_end - cursor.pos)}")
+        records.append(_consumed(
+            _sum(header.base_offset, offset_delta),
+            _sum(header.base_timestamp, timestamp_delta) if log_append_time is None else log_append_time,
+            key, value, headers))
+    if cursor.pos != cursor.end:
+        raise _malformed(at, f"{cursor.end - cursor.pos} bytes follow its {count} records")
+    return records
+
+
+cdef int _check_header(const unsigned char* data, Py_ssize_t size, Py_ssize_t at, bint whole,
+                       BatchHeader* header) except -1:
+    """The header of the batch at byte `at` of data[:size], every check before its records."""
+    cdef Py_ssize_t available = size - at, end
+    cdef Py_ssize_t batch_length                     # int32 in the batch; + 12 must not wrap
+    cdef int magic
+    cdef uint32_t actual_crc
+    cdef int codec
+    if available < LENGTH_END:
+        raise _error("length", f"record batch at byte {at}: the buffer ends after {available} bytes, inside the "
+                               f"batch's first 12 (baseOffset, batchLength); pass the whole batch (it was truncated)")
+    batch_length = <int32_t>load_be32(data + at + 8)
+    if batch_length < MAGIC_AT + 1 - LENGTH_END:
+        raise _error("length", f"record batch at byte {at}: batchLength is {batch_length}, too small for any batch "
+                               f"(a v2 batch has {MIN_BATCH_LENGTH} or more); these bytes are not a record batch or "
+                               f"its length was damaged")
+    end = at + LENGTH_END + batch_length
+    if end > size:
+        raise _error("length", f"record batch at byte {at}: batchLength {batch_length} says the batch is "
+                               f"{batch_length + LENGTH_END} bytes but the buffer holds {available}; the batch was "
+                               f"truncated: pass all of it")
+    if whole and end != size:
+        raise _error("length", f"record batch at byte {at}: batchLength {batch_length} says the batch is "
+                               f"{batch_length + LENGTH_END} bytes but the buffer holds {available}; pass exactly "
+                               f"one batch, or several to iter_batches")
+    magic = data[at + MAGIC_AT]
+    if magic != MAGIC:
+        raise _error("magic", f"record batch at byte {at}: magic byte is {magic if magic < 128 else magic - 256}, "
+                              f"only 2 (record batch v2, Kafka 0.11+) is read; upgrade the producer or have it use "
+                              f"message format v2")
+    if batch_length < MIN_BATCH_LENGTH:
+        raise _error("length", f"record batch at byte {at}: batchLength is {batch_length}, shorter than the v2 "
+                               f"header ({MIN_BATCH_LENGTH}); its length was damaged: have the producer resend the "
+                               f"batch")
+    unpack_header(data + at, header)
+    actual_crc = crc32c_update(0, data + at + CRC_FROM, <size_t>(end - at - CRC_FROM))
+    if actual_crc != header.crc:
+        raise _error("checksum", f"record batch at byte {at}: CRC-32C of its {end - at - CRC_FROM} bytes after the "
+                                 f"CRC is {actual_crc:#010x}, the batch says {header.crc:#010x}; it was damaged after "
+                                 f"it was written: have the producer resend it (or read another copy)")
+    codec = header.attributes & CODEC_MASK
+    if codec >= CODECS:
+        raise _error("compression", f"record batch at byte {at}: compression codec id {codec} (attributes "
+                                    f"{header.attributes:#06x}) is not one of 0 none, 1 gzip, 2 snappy, 3 lz4, 4 "
+                                    f"zstd; have the producer use one of those")
+    if header.count < 0:
+        raise _malformed(at, f"its record count is {header.count}")
+    return 0
+
+
+def decode_batch(buf, Py_ssize_t at, bint whole, decompress) -> tuple:
+    """The batch at byte `at` of `buf` (which must end where the batch does, with `whole`):
+    (base_offset, batch_length, partition_leader_epoch, crc, attributes, last_offset_delta,
+    base_timestamp, max_timestamp, producer_id, producer_epoch, base_sequence, records). A
+    compressed payload is passed to `decompress(codec, payload, at)` (payload: a slice of
+    memoryview(buf)), which returns the records section as a bytes-like object."""
+    cdef Py_buffer view, section
+    cdef BatchHeader header
+    cdef Cursor cursor
+    cdef int codec
+    cdef list records
+    if at < 0:
+        raise ValueError(f"a batch's position is 0 or more, got {at}")
+    if _consumed_type is None:
+        raise RuntimeError("set_record_types() was not called (s3stream.records calls it)")
+    PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE)
+    try:
+        _check_header(<const unsigned char*>view.buf, view.len, at, whole, &header)
+        codec = header.attributes & CODEC_MASK
+        cursor.batch_at = at
+        if header.count == 0:        # emptied by compaction, kept for its producer state: Kafka reads no payload
+            records = []
+        elif codec:
+            whole_view = buf if isinstance(buf, memoryview) else memoryview(buf)
+            payload = whole_view[at + BATCH_HEADER:at + LENGTH_END + header.batch_length]
+            PyObject_GetBuffer(decompress(codec, payload, at), &section, PyBUF_SIMPLE)
+            try:
+                cursor.pos = <const unsigned char*>section.buf
+                cursor.end = cursor.pos + section.len
+                records = decode_records(&cursor, &header)
+            finally:
+                PyBuffer_Release(&section)
+        else:
+            cursor.pos = <const unsigned char*>view.buf + at + BATCH_HEADER
+            cursor.end = <const unsigned char*>view.buf + at + LENGTH_END + header.batch_length
+            records = decode_records(&cursor, &header)
+    finally:
+        PyBuffer_Release(&view)
+    return (header.base_offset, header.batch_length, header.partition_leader_epoch, header.crc, header.attributes,
+            header.last_offset_delta, header.base_timestamp, header.max_timestamp, header.producer_id,
+            header.producer_epoch, header.base_sequence, records)

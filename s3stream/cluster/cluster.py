@@ -48,6 +48,9 @@ FAILOVER_SECONDS = LatencyHistogram(DURATION_BUCKETS)
 HISTORY_PREFIX = "history/"
 #: History entries kept (the oldest are removed beyond this).
 HISTORY_KEPT = 2000
+#: Seconds a migration's report waits, after the target is seen serving, for the source's record of
+#: its close (the report's tail and close phases come from it).
+CLOSE_RECORD_WAIT = 2.0
 
 
 @dataclass
@@ -194,13 +197,19 @@ class Cluster:
         """The `opened/` record of `name` once some node (`node`, if given) reports `version`
         open; None after `timeout`. Woken by the store's pushes where it has them, else polling
         every 2 ms."""
+        return self._wait_record(
+            f"opened/{name}", lambda o: o["version"] >= version and (node is None or o["node"] == node), timeout)
+
+    def _wait_record(self, key: str, wanted: Callable[[dict], bool], timeout: float) -> dict | None:
+        """The JSON record at `key` once `wanted(record)`; None after `timeout`. Woken by the
+        store's pushes where it has them, else polling every 2 ms."""
         deadline = self.monotonic() + int(timeout * 1e9)
-        feed = self.meta.kv_changes((f"opened/{name}",))
+        feed = self.meta.kv_changes((key,))
         try:
             while True:
-                o = get_json(self.meta, f"opened/{name}")
-                if o and o["version"] >= version and (node is None or o["node"] == node):
-                    return o
+                record = get_json(self.meta, key)
+                if record and wanted(record):
+                    return record
                 left = (deadline - self.monotonic()) / 1e9
                 if left <= 0:
                     return None
@@ -259,6 +268,10 @@ class Cluster:
         seconds = (self.monotonic() - t0) / 1e9
         seen_at = self.runtime.wall_ns() / 1e9
         closed = get_json(self.meta, f"closed/{name}")
+        if source is not None and source != to_node and not failed_over and (not closed or closed["version"] < version):
+            # The target may open as soon as the close's commit marks the streams CLOSED, before
+            # the source's agent records its close (closed/): wait a little for that record.
+            closed = self._wait_record(f"closed/{name}", lambda c: c["version"] >= version, CLOSE_RECORD_WAIT)
         mine = closed if closed and closed["version"] == version else {}
         phases = {}
         if "started" in mine and "started" in opened:

@@ -16,7 +16,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -27,8 +26,6 @@ from wal.benchkit import log_line, parse_size, percentiles, progress_over
 
 KiB, MiB, GiB = 1024, 1024 ** 2, 1024 ** 3
 
-#: Node id of the driver's own client that reads the acknowledged records back.
-VERIFIER_NODE_ID = 102
 #: Seconds the driver waits for a cluster to give it one executor per node.
 EXECUTOR_WAIT = 90.0
 
@@ -307,9 +304,9 @@ def format_placement(where: dict) -> str:
 
 
 def verify_acks(store: str, meta: str, results: list[dict], batch: int) -> dict:
-    """Read every acknowledged record back through a client of the driver's own (its WAL in a
-    temp dir of the driver, the same metadata and store) and compare it byte for byte with the
-    payload its node sent. Call it after the nodes closed their partitions: what they
+    """Read every acknowledged record back through a reader of the driver's own
+    (s3stream.open_reader: no WAL, no node, nothing written; the same metadata and store) and
+    compare it byte for byte with the payload its node sent. Call it after the nodes closed their partitions: what they
     acknowledged is then committed to objects, and no node's files are read.
 
     Returns acknowledged, lost (not read back, or different), mismatched (read back different),
@@ -319,51 +316,46 @@ def verify_acks(store: str, meta: str, results: list[dict], batch: int) -> dict:
     with read_partition, which opens nothing: the verifier changes no epoch and writes no
     checkpoint."""
     import s3stream
-    import wal
     from .node import digest, payload_for
     acks: dict[str, dict[int, tuple[int, int, str]]] = {}
     for r in results:
         for name, base, node, seq, d in r["acks"]:
             acks.setdefault(name, {})[base] = (node, seq, d)
-    # it writes nothing: a small WAL does
-    cfg = s3stream.Config(upload_threshold=16 * MiB, cache_size=256 * MiB,
-                          wal=wal.WALConfig(capacity=64 * MiB, full_timeout=60))
     lost: dict[str, int] = {}
     mismatched = trimmed = 0
     unreadable: dict[str, str] = {}
-    with tempfile.TemporaryDirectory(prefix="s3stream-verifier-") as wal_dir:
-        client = s3stream.StreamClient(VERIFIER_NODE_ID, os.path.join(wal_dir, "verifier.wal"), store, meta, cfg)
-        try:
-            for name, expected in acks.items():
-                try:
-                    p = client.read_partition(name)      # read-only: the partition is not opened
-                    start = p.start_offset
-                    pos = max(min(expected), start)
-                    end = min(max(expected) + 1, p.end_offset)
-                except s3stream.S3StreamError as e:
-                    unreadable[name] = str(e)
-                    lost[name] = len(expected)
-                    continue
-                good = bad = 0
-                gone = sum(1 for base in expected if base < start)
-                trimmed += gone
-                while pos < end:
-                    res = p.fetch(pos, end, max_bytes=8 * MiB)
-                    if not res.batches:
-                        break
-                    for b in res.batches:
-                        if b.base_offset not in expected:
-                            continue
-                        node, seq, d = expected[b.base_offset]
-                        if digest(b.payload) == d and b.payload == payload_for(name, node, seq, batch):
-                            good += 1
-                        else:
-                            bad += 1
-                    pos = res.end_offset
-                mismatched += bad
-                lost[name] = len(expected) - gone - good
-        finally:
-            client.close(retire=True)
+    reader = s3stream.open_reader(meta, store)
+    try:
+        for name, expected in acks.items():
+            try:
+                p = reader.read_partition(name)      # read-only: the partition is not opened
+                start = p.start_offset
+                pos = max(min(expected), start)
+                end = min(max(expected) + 1, p.end_offset)
+            except s3stream.S3StreamError as e:
+                unreadable[name] = str(e)
+                lost[name] = len(expected)
+                continue
+            good = bad = 0
+            gone = sum(1 for base in expected if base < start)
+            trimmed += gone
+            while pos < end:
+                res = p.fetch(pos, end, max_bytes=8 * MiB)
+                if not res.batches:
+                    break
+                for b in res.batches:
+                    if b.base_offset not in expected:
+                        continue
+                    node, seq, d = expected[b.base_offset]
+                    if digest(b.payload) == d and b.payload == payload_for(name, node, seq, batch):
+                        good += 1
+                    else:
+                        bad += 1
+                pos = res.end_offset
+            mismatched += bad
+            lost[name] = len(expected) - gone - good
+    finally:
+        reader.close()
     return dict(acknowledged=sum(len(v) for v in acks.values()), lost=sum(lost.values()), mismatched=mismatched,
                 trimmed=trimmed, by_partition=lost, unreadable=unreadable)
 

@@ -55,8 +55,6 @@ PARTITIONS = 16
 SOURCE_ALIAS = "A"
 FLOW = "A->target"
 GROUP = "bench-consumer"
-#: Node ids of the driver's own clients: the consumer's (in both clusters) and the verifier's.
-CONSUMER_NODE_ID, VERIFIER_NODE_ID = 103, 104
 SAMPLE_INTERVAL = 0.2
 
 
@@ -101,13 +99,11 @@ def engine_config(spec: dict, upload_interval: float | None = 0.2):
                            wal=wal.WALConfig(capacity=spec["wal_capacity"], full_timeout=60))
 
 
-def reader_client(node_id: int, store: str, meta: str, wal_dir: str, side: str):
-    """A client of the `side` cluster that only reads (read_partition): a small WAL in `wal_dir`."""
+def reader_client(store: str, meta: str):
+    """A reader of a cluster (read_partition, its metadata for consumer groups): not a node, no
+    WAL, nothing written but what the caller writes through its metadata (s3stream.open_reader)."""
     import s3stream
-    import wal
-    cfg = s3stream.Config(upload_threshold=16 * MiB, cache_size=128 * MiB,
-                          wal=wal.WALConfig(capacity=32 * MiB, full_timeout=60))
-    return s3stream.StreamClient(node_id, os.path.join(wal_dir, f"{side}-reader-{node_id}.wal"), store, meta, cfg)
+    return s3stream.open_reader(meta, store)
 
 
 def wall_ns(monotonic_ns: int) -> int:
@@ -439,51 +435,50 @@ class FailoverConsumer(threading.Thread):
         from s3stream.cluster.consumer import ConsumerGroups
         from s3stream.mirror import sync_checkpoints
         u = self.urls
-        with tempfile.TemporaryDirectory(prefix="s3stream-consumer-", dir=self.work) as wal_dir:
-            source = reader_client(CONSUMER_NODE_ID, u["source_store"], u["source_meta"], wal_dir, "source")
-            target = reader_client(CONSUMER_NODE_ID, u["target_store"], u["target_meta"], wal_dir, "target")
-            try:
-                groups = ConsumerGroups(source.metadata)
-                generation = groups.join(GROUP, "consumer-1")
-                positions: dict[str, int] = {}
-                last_commit = 0.0
-                while time.time() < self.failover_at and not self.abort.is_set():
-                    read = self._read(source, {n: n for n in self.names}, positions, "source")
-                    if time.time() - last_commit >= 1.0:
-                        for name, pos in positions.items():
-                            groups.commit(GROUP, name, pos, generation)
-                        last_commit = time.time()
-                    if not read:
-                        time.sleep(0.05)
-                for name, pos in positions.items():
-                    groups.commit(GROUP, name, pos, generation)
-                self.committed_source = dict(positions)
-                self.failed_over_at = time.time()
-                self._wait_for_checkpoint(target.metadata)
-                if self.synced_by is None:
-                    sync_checkpoints(source.metadata, target.metadata, FLOW, groups=[GROUP])
-                    self.synced_by = "driver (the leader's sync did not land in time)"
-                self.sync_wait_s = time.time() - self.failed_over_at
-                target_groups = ConsumerGroups(target.metadata)
-                self.target_offsets = target_groups.offsets(GROUP)
-                target_generation = target_groups.join(GROUP, "consumer-1")   # the group is the consumers' now
-                names = {n: f"{SOURCE_ALIAS}.{n}" for n in self.names}
-                tpos = {n: self.target_offsets[t] for n, t in names.items() if t in self.target_offsets}
-                last_commit = 0.0
-                while not self.abort.is_set():
-                    draining = self.drain.is_set()
-                    read = self._read(target, names, tpos, "target")
-                    if time.time() - last_commit >= 1.0 or draining:
-                        for name, pos in tpos.items():
-                            target_groups.commit(GROUP, names[name], pos, target_generation)
-                        last_commit = time.time()
-                    if draining:          # the target was complete before this pass: it read to the end
-                        break
-                    if not read:
-                        time.sleep(0.05)
-            finally:
-                source.close(retire=True)
-                target.close(retire=True)
+        source = reader_client(u["source_store"], u["source_meta"])
+        target = reader_client(u["target_store"], u["target_meta"])
+        try:
+            groups = ConsumerGroups(source.metadata)
+            generation = groups.join(GROUP, "consumer-1")
+            positions: dict[str, int] = {}
+            last_commit = 0.0
+            while time.time() < self.failover_at and not self.abort.is_set():
+                read = self._read(source, {n: n for n in self.names}, positions, "source")
+                if time.time() - last_commit >= 1.0:
+                    for name, pos in positions.items():
+                        groups.commit(GROUP, name, pos, generation)
+                    last_commit = time.time()
+                if not read:
+                    time.sleep(0.05)
+            for name, pos in positions.items():
+                groups.commit(GROUP, name, pos, generation)
+            self.committed_source = dict(positions)
+            self.failed_over_at = time.time()
+            self._wait_for_checkpoint(target.metadata)
+            if self.synced_by is None:
+                sync_checkpoints(source.metadata, target.metadata, FLOW, groups=[GROUP])
+                self.synced_by = "driver (the leader's sync did not land in time)"
+            self.sync_wait_s = time.time() - self.failed_over_at
+            target_groups = ConsumerGroups(target.metadata)
+            self.target_offsets = target_groups.offsets(GROUP)
+            target_generation = target_groups.join(GROUP, "consumer-1")   # the group is the consumers' now
+            names = {n: f"{SOURCE_ALIAS}.{n}" for n in self.names}
+            tpos = {n: self.target_offsets[t] for n, t in names.items() if t in self.target_offsets}
+            last_commit = 0.0
+            while not self.abort.is_set():
+                draining = self.drain.is_set()
+                read = self._read(target, names, tpos, "target")
+                if time.time() - last_commit >= 1.0 or draining:
+                    for name, pos in tpos.items():
+                        target_groups.commit(GROUP, names[name], pos, target_generation)
+                    last_commit = time.time()
+                if draining:          # the target was complete before this pass: it read to the end
+                    break
+                if not read:
+                    time.sleep(0.05)
+        finally:
+            source.close()
+            target.close()
 
     def _wait_for_checkpoint(self, target_meta) -> None:
         """Until every position committed on the source is on the target, translated exactly by
@@ -559,21 +554,20 @@ def _run(args, dep) -> dict:
         consumer.abort.set()
         consumer.join(30)
     progress("reading both clusters whole")
-    verification = verify(urls, names, dep.work)
+    verification = verify(urls, names)
     return summarize(args, dep, urls, results, verification, monitor, consumer, origin, kill_at)
 
 
-def verify(urls: dict, names: list[str], work: str) -> dict:
+def verify(urls: dict, names: list[str]) -> dict:
     """Every batch of both clusters, per source partition name: (base, count, digest, bytes)."""
-    with tempfile.TemporaryDirectory(prefix="s3stream-verifier-", dir=work) as wal_dir:
-        source = reader_client(VERIFIER_NODE_ID, urls["source_store"], urls["source_meta"], wal_dir, "source")
-        target = reader_client(VERIFIER_NODE_ID, urls["target_store"], urls["target_meta"], wal_dir, "target")
-        try:
-            return dict(source={n: read_batches(source.read_partition(n)) for n in names},
-                        target={n: read_batches(target.read_partition(f"{SOURCE_ALIAS}.{n}")) for n in names})
-        finally:
-            source.close(retire=True)
-            target.close(retire=True)
+    source = reader_client(urls["source_store"], urls["source_meta"])
+    target = reader_client(urls["target_store"], urls["target_meta"])
+    try:
+        return dict(source={n: read_batches(source.read_partition(n)) for n in names},
+                    target={n: read_batches(target.read_partition(f"{SOURCE_ALIAS}.{n}")) for n in names})
+    finally:
+        source.close()
+        target.close()
 
 
 def compare(source: list, target: list) -> dict:

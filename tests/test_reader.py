@@ -142,3 +142,26 @@ def test_tail_follows_commits_in_order(node, store_url, metadata_url):
     assert [o for o, _ in seen] == list(range(30))
     assert [p for _, p in seen] == [b"r%d-%d" % (r, i) for r in range(3) for i in range(10)]
     print(f"tail visibility after force_upload returned: {[round(d * 1000, 1) for d in delays]} ms")
+
+
+@pytest.mark.parametrize("store_url", ["local"], indirect=True)
+def test_consumer_groups_work_with_a_reader(node, store_url, metadata_url):
+    """A consumer that is not a node: reads a partition through a reader, commits its position
+    in a consumer group (the only thing written, by the caller, through the reader's metadata),
+    and a second reader resumes from it."""
+    from s3stream import ConsumerGroups
+    p = node.open_partition("events")
+    for i in range(6):
+        p.append_records([Record(b"%d" % i)]).result(10)
+    node.force_upload(30)
+    with open_reader(metadata_url, store_url) as reader:
+        groups = ConsumerGroups(reader.metadata)
+        generation = groups.join("g", "consumer-1")
+        part = reader.read_partition("events")
+        first = [r for b in part.fetch(part.start_offset, part.start_offset + 3).batches for r in b.records()][:3]
+        groups.commit("g", "events", first[-1].offset + 1, generation)
+    with open_reader(metadata_url, store_url) as reader:
+        position = ConsumerGroups(reader.metadata).offsets("g")["events"]
+        part = reader.read_partition("events")
+        rest = [r for b in part.fetch(position).batches for r in b.records()]
+    assert [r.key for r in first + rest] == [b"%d" % i for i in range(6)]

@@ -60,6 +60,7 @@ import functools
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable
 from typing import Any, Callable, TypeVar
 
 from .client import StreamClient
@@ -67,7 +68,8 @@ from .config import Config
 from .metadata import MetadataStore
 from .objectstore import ObjectStore
 from .cluster.partition import CloseReport, Partition
-from .recordbatch import AppendFuture, AppendResult, FetchResult, RecordBatch
+from .recordbatch import AppendFuture, AppendResult, FetchResult, RecordBatch, records_batch
+from .records import Record
 from .stream import Stream
 
 __all__ = ["DEFAULT_EXECUTOR_THREADS", "AsyncPartition", "AsyncStream", "AsyncStreamClient"]
@@ -308,6 +310,10 @@ class AsyncStream:
         module docstring)."""
         return await self.append_nowait(batch)
 
+    async def append_records(self, records: Iterable[Record], *, compression: str | None = None) -> AppendResult:
+        """Stream.append_records (one Kafka record batch, one offset per record), awaited."""
+        return await self.append_nowait(records_batch(records, compression))
+
     async def fetch(self, start_offset: int, end_offset: int | None = None, max_bytes: int = 1 << 20) -> FetchResult:
         """Stream.fetch: inline when the log cache serves it, else on the executor."""
         cached = self.sync.fetch_cached(start_offset, end_offset, max_bytes)
@@ -355,6 +361,10 @@ class AsyncPartition:
 
     async def append(self, batch: RecordBatch) -> AppendResult:
         return await self.append_nowait(batch)
+
+    async def append_records(self, records: Iterable[Record], *, compression: str | None = None) -> AppendResult:
+        """Partition.append_records, awaited."""
+        return await self.append_nowait(records_batch(records, compression))
 
     async def fetch(self, start_offset: int, end_offset: int | None = None, max_bytes: int = 1 << 20) -> FetchResult:
         """Partition.fetch on the executor (it meters every fetch)."""

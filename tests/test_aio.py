@@ -295,3 +295,18 @@ async def test_wrap_and_appends_from_another_loop(tmp_path):
         await stream.close()
     with pytest.raises(StreamClosedError):
         sync_client.create_stream()
+
+
+async def test_append_records_on_streams_and_partitions(tmp_path):
+    from s3stream import Record
+    async with make_client(tmp_path) as client:
+        stream = await client.create_stream()
+        r = await stream.append_records([Record(b"a", b"1"), Record(b"b", b"2")], compression="lz4")
+        assert r.base_offset == 0 and stream.sync.next_offset == 2
+        res = await stream.fetch(0)
+        assert [(x.offset, x.key) for b in res.batches for x in b.records()] == [(0, b"a"), (1, b"b")]
+        async with await client.open_partition("orders") as partition:
+            r = await partition.append_records([Record(b"id", b"{}")])
+            res = await partition.fetch(r.base_offset)
+            assert [x.key for b in res.batches for x in b.records()] == [b"id"]
+        await stream.close()

@@ -400,7 +400,9 @@ def _run(args, dep, histories: dict[str, int]) -> dict:
                     target = 2 if cluster.owner(name) == 1 else 1
                     began = clock()
                     report = cluster.migrate(name, target)
-                    moves.append(dict(report=report, start_s=began, end_s=clock()))
+                    ended = clock()
+                    # the source's record of its close, if the target served first (bookkeeping)
+                    moves.append(dict(report=cluster.with_close_record(report), start_s=began, end_s=ended))
                     bar.update()                                 # after the migration's own clock stopped
                     halt.wait(args.pause / len(histories))
             windows.append(("migrating", at, clock()))
@@ -490,7 +492,8 @@ def summarize(args, histories, baseline, moves, windows, results, lost, failures
 
 #: The phases of a migration (MigrationReport.phases), in order.
 PHASES = ("assign", "to_close", "close", "close.flush", "close.checkpoint", "close.upload", "close.upload.put",
-          "close.upload.gate", "close.upload.commit", "to_open", "open", "to_seen")
+          "close.upload.gate", "close.upload.commit", "to_open", "open", "open.read", "open.streams", "open.checkpoint",
+          "to_seen")
 
 
 def _phase_summary(phases: list[dict]) -> dict:

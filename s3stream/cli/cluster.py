@@ -4,6 +4,7 @@ failover history."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections import Counter, defaultdict
 
@@ -164,13 +165,13 @@ def migrate(partition: str, node: int, meta_url: str, store_url: str, timeout: f
                 click.echo(f"partition {partition!r} is already open on node {node}: nothing to do")
             return
         try:
-            report = cluster.migrate(partition, node, timeout=timeout)
+            report = cluster.with_close_record(cluster.migrate(partition, node, timeout=timeout))
         except S3StreamError as e:
             raise click.ClickException(
                 f"{e}. Is node {node} running a NodeAgent? The partition stays assigned to node {node} and "
                 "opens there once its agent runs; or migrate it to another node.") from e
     if as_json:
-        emit_json(dict(vars(report), moved=True))
+        emit_json(dict({f.name: getattr(report, f.name) for f in dataclasses.fields(report) if f.repr}, moved=True))
     else:
         click.echo(format_migration(report))
 

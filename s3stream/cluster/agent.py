@@ -330,17 +330,18 @@ class NodeAgent:
                     self._submit(name, self._open, name, version)
             elif self._published.get(name, 0) < version and partition.is_open and serving:
                 # Re-assigned to the node that already serves it: confirm the new version.
-                self._publish_opened(name, version, partition.leader_epoch, 0.0)
+                self._publish_opened(name, version, partition.leader_epoch, 0.0, {})
             elif not partition.is_open and not partition.closed and name not in self._busy:
                 # Half closed (a close failed while it was assigned elsewhere) and assigned here
                 # again: finish the close, then the next pass opens it afresh.
                 self._submit(name, self._close, partition, version)
 
-    def _publish_opened(self, name: str, version: int, leader_epoch: int, seconds: float) -> None:
+    def _publish_opened(self, name: str, version: int, leader_epoch: int, seconds: float,
+                        phases: dict[str, float]) -> None:
         at = self.runtime.wall_ns() / 1e9
         put_json(self.client.metadata, f"opened/{name}", {
             "node": self.node_id, "node_epoch": self.node_epoch, "version": version, "leader_epoch": leader_epoch,
-            "at": at, "started": at - seconds, "seconds": seconds})
+            "at": at, "started": at - seconds, "seconds": seconds, "phases": phases})
         self._published[name] = version
 
     def _submit(self, name: str, fn, *args, **kwargs) -> None:
@@ -403,7 +404,8 @@ class NodeAgent:
         self._open_failures.pop((name, version), None)
         self.stats["opens"] += 1
         if partition.is_open:
-            self._publish_opened(name, version, partition.leader_epoch, (self.clock() - t0) / 1e9)
+            self._publish_opened(name, version, partition.leader_epoch, (self.clock() - t0) / 1e9,
+                                 partition.open_phases)
 
     def _hand_on(self, name: str, version: int, failures: list[str]) -> None:
         """This node failed to open `name` open_attempts times: assign it to another node that

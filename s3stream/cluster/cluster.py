@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -48,9 +49,6 @@ FAILOVER_SECONDS = LatencyHistogram(DURATION_BUCKETS)
 HISTORY_PREFIX = "history/"
 #: History entries kept (the oldest are removed beyond this).
 HISTORY_KEPT = 2000
-#: Seconds a migration's report waits, after the target is seen serving, for the source's record of
-#: its close (the report's tail and close phases come from it).
-CLOSE_RECORD_WAIT = 2.0
 
 
 @dataclass
@@ -92,8 +90,31 @@ class MigrationReport:
     #: "to_close" (assignment written -> the
     #: source's agent starts the close), "close", "to_open" (the close's end -> the target's
     #: open that succeeded starts), "open", "to_seen" (the target published it -> migrate saw it);
-    #: and the close's own (CloseReport.phases) as "close.flush", "close.checkpoint", "close.upload".
+    #: the close's own (CloseReport.phases) as "close.flush", "close.checkpoint", "close.upload"; and
+    #: the open's (Partition.open_phases) as "open.read", "open.streams", "open.checkpoint".
+    #: Empty (and tail_bytes, close_seconds 0) if the source had not recorded its close yet when
+    #: the target was seen serving (the target may open first): Cluster.with_close_record waits.
     phases: dict = field(default_factory=dict)
+    #: What the phases are computed from: the assignment's wall time and seconds, the moment the
+    #: target was seen serving (wall), and the target's opened/ record.
+    assigned_at: float = field(default=0.0, repr=False)
+    assign_seconds: float = field(default=0.0, repr=False)
+    seen_at: float = field(default=0.0, repr=False)
+    opened: dict = field(default_factory=dict, repr=False)
+
+
+def _with_close(report: MigrationReport, closed: dict | None) -> MigrationReport:
+    """`report` with what the source's close record `closed` says, if it is this version's."""
+    mine = closed if closed and closed["version"] == report.version else {}
+    opened = report.opened
+    if "started" not in mine or "started" not in opened:
+        return report
+    phases = dict(assign=report.assign_seconds, to_close=mine["started"] - report.assigned_at, close=mine["seconds"],
+                  to_open=opened["started"] - mine["at"], open=opened["seconds"], to_seen=report.seen_at - opened["at"])
+    phases.update({f"close.{k}": v for k, v in mine.get("phases", {}).items()})
+    phases.update({f"open.{k}": v for k, v in opened.get("phases", {}).items()})
+    return dataclasses.replace(report, tail_bytes=mine.get("tail_bytes", 0), close_seconds=mine.get("seconds", 0.0),
+                               phases=phases)
 
 
 def get_json(meta: MetadataStore, key: str) -> dict | None:
@@ -266,23 +287,22 @@ class Cluster:
         # The migration is over once the target is seen serving; reading the source's record of
         # its close is bookkeeping for the report, not part of the move.
         seconds = (self.monotonic() - t0) / 1e9
-        seen_at = self.runtime.wall_ns() / 1e9
-        closed = get_json(self.meta, f"closed/{name}")
-        if source is not None and source != to_node and not failed_over and (not closed or closed["version"] < version):
-            # The target may open as soon as the close's commit marks the streams CLOSED, before
-            # the source's agent records its close (closed/): wait a little for that record.
-            closed = self._wait_record(f"closed/{name}", lambda c: c["version"] >= version, CLOSE_RECORD_WAIT)
-        mine = closed if closed and closed["version"] == version else {}
-        phases = {}
-        if "started" in mine and "started" in opened:
-            phases = dict(assign=assign_seconds, to_close=mine["started"] - assigned_at, close=mine["seconds"],
-                          to_open=opened["started"] - mine["at"], open=opened["seconds"], to_seen=seen_at - opened["at"])
-            phases.update({f"close.{k}": v for k, v in mine.get("phases", {}).items()})
-        report = MigrationReport(name, source, to_node, seconds, mine.get("tail_bytes", 0),
-                                 opened["leader_epoch"], failed_over, mine.get("seconds", 0.0),
-                                 opened.get("seconds", 0.0), version, phases)
+        report = MigrationReport(name, source, to_node, seconds, 0, opened["leader_epoch"], failed_over,
+                                 open_seconds=opened.get("seconds", 0.0), version=version, assigned_at=assigned_at,
+                                 assign_seconds=assign_seconds, seen_at=self.runtime.wall_ns() / 1e9, opened=opened)
         MIGRATION_SECONDS.observe(report.seconds)
-        return report
+        return _with_close(report, get_json(self.meta, f"closed/{name}"))
+
+    def with_close_record(self, report: MigrationReport, timeout: float = 2.0) -> MigrationReport:
+        """`report` with the source's close (tail, close seconds, phases) filled in, waiting up to
+        `timeout` for the source to record it: the target may open as soon as the close's commit
+        marks the streams CLOSED, before the source's agent records the close (closed/), and
+        migrate returns as soon as the target serves. Unchanged if it is complete, or if there
+        was no source to close (a first assignment, a failover)."""
+        if report.phases or report.source is None or report.source == report.target or report.failed_over:
+            return report
+        closed = self._wait_record(f"closed/{report.partition}", lambda c: c["version"] >= report.version, timeout)
+        return _with_close(report, closed)
 
     # ---- failover ------------------------------------------------------------------------------
 

@@ -106,6 +106,10 @@ class Partition:
         self.close_error: BaseException | None = None     # why the last close failed, if it did
         self._close_lock = threading.Lock()
         self.meter = TrafficMeter()      # traffic here, for the node's load reports
+        #: Seconds the open that made this took, by step: "read" (the partition's key, its meta
+        #: stream and last committed checkpoint), "streams" (opening them), "checkpoint" (the
+        #: open's checkpoint appended and durable).
+        self.open_phases: dict[str, float] = {}
 
     @property
     def leader_epoch(self) -> int:
@@ -301,6 +305,7 @@ def open_partition(client: StreamClient, table: PartitionTable, name: str) -> Pa
     """Create the partition if it is new, else open it on this node (see module docstring)."""
     if not name or "/" in name:
         raise ValueError(f"partition names must be non-empty and contain no '/', got {name!r}")
+    timing: dict[str, float] = {"started": time.perf_counter()}
     meta_kv = client.metadata.get_kv(_kv_key(name))
     if meta_kv is None:
         # Create a meta stream and race to publish it; the loser destroys its own.
@@ -312,9 +317,9 @@ def open_partition(client: StreamClient, table: PartitionTable, name: str) -> Pa
             candidate.destroy()
             meta = client.opened(winner) or client.open_stream(winner)
     else:
-        together = _open_all(client, int(meta_kv))
+        together = _open_all(client, int(meta_kv), timing)
         if together is not None:
-            return _opened(client, table, name, *together, trim_later=True)
+            return _opened(client, table, name, *together, trim_later=True, timing=timing)
         meta = client.opened(int(meta_kv)) or client.open_stream(int(meta_kv))
     streams: dict[str, Stream] = {}
     try:
@@ -330,7 +335,7 @@ def open_partition(client: StreamClient, table: PartitionTable, name: str) -> Pa
     except BaseException:
         _let_go(client, meta, streams)
         raise
-    return _opened(client, table, name, meta, streams, checkpoint, trim_later=False)
+    return _opened(client, table, name, meta, streams, checkpoint, trim_later=False, timing=timing)
 
 
 def _let_go(client: StreamClient, meta: "Stream", streams: dict[str, "Stream"]) -> None:
@@ -342,7 +347,8 @@ def _let_go(client: StreamClient, meta: "Stream", streams: dict[str, "Stream"]) 
         pass
 
 
-def _open_all(client: StreamClient, meta_id: int) -> tuple["Stream", dict[str, "Stream"], Checkpoint] | None:
+def _open_all(client: StreamClient, meta_id: int,
+              timing: dict[str, float]) -> tuple["Stream", dict[str, "Stream"], Checkpoint] | None:
     """The usual open of a partition that exists, closed elsewhere: its last committed
     checkpoint names its streams, which are opened together in ONE metadata transaction. None
     when that does not apply (a handle already open here, no committed checkpoint): the caller
@@ -357,15 +363,17 @@ def _open_all(client: StreamClient, meta_id: int) -> tuple["Stream", dict[str, "
     if checkpoint is None or any(client.opened(sid) is not None for sid in checkpoint.streams.values()):
         return None
     roles = list(checkpoint.streams)
+    timing["read"] = time.perf_counter()
     handles = client.open_streams([meta_id, *(checkpoint.streams[r] for r in roles)])
     return handles[0], dict(zip(roles, handles[1:])), checkpoint
 
 
 def _opened(client: StreamClient, table: "PartitionTable", name: str, meta: "Stream", streams: dict[str, "Stream"],
-            checkpoint: Checkpoint, trim_later: bool) -> Partition:
+            checkpoint: Checkpoint, trim_later: bool, timing: dict[str, float]) -> Partition:
     """Append the open's checkpoint (leader epoch + 1) and serve. `trim_later`: older
     checkpoints are trimmed only once CHECKPOINTS_KEPT of them piled up (one open in a few
     trims), so that the usual open writes metadata once (its streams' open)."""
+    t_streams = time.perf_counter()
     try:
         opened = Checkpoint(checkpoint.streams, checkpoint.leader_epoch + 1, False,
                             {role: s.start_offset for role, s in streams.items()})
@@ -373,7 +381,11 @@ def _opened(client: StreamClient, table: "PartitionTable", name: str, meta: "Str
     except BaseException:
         _let_go(client, meta, streams)
         raise
-    return Partition(client, table, name, meta, streams, opened)
+    partition = Partition(client, table, name, meta, streams, opened)
+    t_read = timing.get("read", timing["started"])      # one by one (a new partition): all "streams"
+    partition.open_phases = dict(read=t_read - timing["started"], streams=t_streams - t_read,
+                                 checkpoint=time.perf_counter() - t_streams)
+    return partition
 
 
 def _write_checkpoint(meta: "Stream", checkpoint: Checkpoint, timeout: float | None = None,

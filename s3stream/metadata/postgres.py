@@ -76,7 +76,7 @@ import psycopg
 import psycopg.conninfo
 from psycopg_pool import ConnectionPool
 
-from ..errors import (ConfigError, MetadataBusyError, MetadataError, StreamFencedError, StreamNotClosedError)
+from ..errors import (ConfigError, MetadataBusyError, MetadataError, StreamFencedError)
 from .base import (ChangeFeed, commit_key, extended_streams, redact_url, CommitRequest, CommitResult, MetadataStore, NodeMeta, ObjectMeta, ObjectRef, ObjectState,
                    ObjectType, StreamMeta, StreamState, object_key)
 # The checks and loaders are the SQLite store's own: both stores must decide alike. They take any
@@ -84,7 +84,8 @@ from .base import (ChangeFeed, commit_key, extended_streams, redact_url, CommitR
 from .sqlite import (_COMMITTED, _DEAD_SSOS, _MARK_DESTROYED, _NO_OFFSET, _NODE_COLUMNS, _PREPARED, _RANGE_COLUMNS,
                      _SSO, _abandon, _check_owner, _check_unchanged,
                      _apply_commit, _check_node_epoch, _check_request_shape, _check_stream_epoch, _ids, _kv_holds,
-                     _live_stream, _load_objects, _load_stream, _load_streams, _mark_destroyed, _node_meta, _node_row)
+                     _live_stream, _load_objects, _load_stream, _load_streams, _mark_destroyed, _node_meta, _node_row,
+                     _open_rows)
 
 SCHEMA_VERSION = 2
 
@@ -463,25 +464,11 @@ class PostgresMetadataStore(MetadataStore):
             _lock_node(db, node_id, "SHARE")
             _check_node_epoch(db, node_id, node_epoch)
             _lock_rows(db, "streams", "stream_id", sorted(set(stream_ids)))
-            for stream_id in stream_ids:
-                stream = _live_stream(db, stream_id)
-                if stream.state == StreamState.OPENED and stream.owner_node_id != node_id:
-                    raise StreamNotClosedError(
-                        f"stream {stream_id} is open on node {stream.owner_node_id} at epoch "
-                        f"{stream.epoch}; close it there or fail that node over first")
-                epoch = stream.epoch + 1
-                last = stream.ranges[-1]
-                # An empty last range recorded nothing: the new holder takes its place.
-                index = last.index if last.start_offset == last.end_offset else last.index + 1
-                db.execute(f"INSERT INTO ranges ({_RANGE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?) "
-                           "ON CONFLICT (stream_id, range_index) "
-                           "DO UPDATE SET node_id = EXCLUDED.node_id, epoch = EXCLUDED.epoch, "
-                           "start_offset = EXCLUDED.start_offset, end_offset = EXCLUDED.end_offset",
-                           (stream_id, index, node_id, epoch, stream.end_offset, stream.end_offset))
-                db.execute("UPDATE streams SET epoch = ?, state = ?, owner_node_id = ?, reserved_end = ? "
-                           "WHERE stream_id = ?",
-                           (epoch, StreamState.OPENED.value, node_id, stream.end_offset + reserve, stream_id))
-            return [_load_stream(db, stream_id) for stream_id in stream_ids]
+            return _open_rows(db, stream_ids, node_id, reserve,
+                              f"INSERT INTO ranges ({_RANGE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?) "
+                              "ON CONFLICT (stream_id, range_index) "
+                              "DO UPDATE SET node_id = EXCLUDED.node_id, epoch = EXCLUDED.epoch, "
+                              "start_offset = EXCLUDED.start_offset, end_offset = EXCLUDED.end_offset")
 
     def reserve_offsets(self, stream_id: int, epoch: int, node_id: int, node_epoch: int,
                         reserved_end: int) -> StreamMeta:

@@ -330,22 +330,8 @@ class SqliteMetadataStore(MetadataStore):
                      reserve: int = 0) -> list[StreamMeta]:
         with self._transaction(write=True) as db:
             _check_node_epoch(db, node_id, node_epoch)
-            for stream_id in stream_ids:
-                stream = _live_stream(db, stream_id)
-                if stream.state == StreamState.OPENED and stream.owner_node_id != node_id:
-                    raise StreamNotClosedError(
-                        f"stream {stream_id} is open on node {stream.owner_node_id} at epoch "
-                        f"{stream.epoch}; close it there or fail that node over first")
-                epoch = stream.epoch + 1
-                last = stream.ranges[-1]
-                # An empty last range recorded nothing: the new holder takes its place.
-                index = last.index if last.start_offset == last.end_offset else last.index + 1
-                db.execute(f"INSERT OR REPLACE INTO ranges ({_RANGE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)",
-                           (stream_id, index, node_id, epoch, stream.end_offset, stream.end_offset))
-                db.execute("UPDATE streams SET epoch = ?, state = ?, owner_node_id = ?, reserved_end = ? "
-                           "WHERE stream_id = ?",
-                           (epoch, StreamState.OPENED.value, node_id, stream.end_offset + reserve, stream_id))
-            return [_load_stream(db, stream_id) for stream_id in stream_ids]
+            return _open_rows(db, stream_ids, node_id, reserve,
+                              f"INSERT OR REPLACE INTO ranges ({_RANGE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)")
 
     def reserve_offsets(self, stream_id: int, epoch: int, node_id: int, node_epoch: int,
                         reserved_end: int) -> StreamMeta:
@@ -819,6 +805,27 @@ def _load_stream(db: _Connection, stream_id: int) -> StreamMeta:
     if not found:
         raise StreamNotFoundError(f"stream {stream_id} does not exist")
     return found[0]
+
+
+def _open_rows(db: _Connection, stream_ids: Sequence[int], node_id: int, reserve: int,
+               put_range: str) -> list[StreamMeta]:
+    """open_streams once the node's epoch is checked (and, on PostgreSQL, the rows locked): each
+    stream at epoch + 1, owned by `node_id`, with a new range from its end (`put_range`: the
+    store's statement that inserts or replaces a ranges row) and `reserve` offsets reserved."""
+    for stream_id in stream_ids:
+        stream = _live_stream(db, stream_id)
+        if stream.state == StreamState.OPENED and stream.owner_node_id != node_id:
+            raise StreamNotClosedError(
+                f"stream {stream_id} is open on node {stream.owner_node_id} at epoch "
+                f"{stream.epoch}; close it there or fail that node over first")
+        epoch = stream.epoch + 1
+        last = stream.ranges[-1]
+        # An empty last range recorded nothing: the new holder takes its place.
+        index = last.index if last.start_offset == last.end_offset else last.index + 1
+        db.execute(put_range, (stream_id, index, node_id, epoch, stream.end_offset, stream.end_offset))
+        db.execute("UPDATE streams SET epoch = ?, state = ?, owner_node_id = ?, reserved_end = ? WHERE stream_id = ?",
+                   (epoch, StreamState.OPENED.value, node_id, stream.end_offset + reserve, stream_id))
+    return [_load_stream(db, stream_id) for stream_id in stream_ids]
 
 
 def _live_stream(db: _Connection, stream_id: int) -> StreamMeta:

@@ -953,7 +953,7 @@ class SimClient:
     def opened(self, stream_id: int) -> SimStream | None:
         return self.streams.get(stream_id)
 
-    def close_streams(self, streams: list, timeout: float | None = None) -> None:
+    def close_streams(self, streams: list, timeout: float | None = None, timing: dict | None = None) -> None:
         closing = [s for s in streams if s.state == "open"]
         for s in closing:
             s.state = "closing"
@@ -1093,6 +1093,7 @@ class World:
         self.signature: list[str] = []
         self.forgotten: set[int] = set()
         self.violations: list[str] = []
+        self.migrated = 0                          # migrations that reported success
         self.fault_end = int(seconds * S)
         self.buggify_rate = self.hub.rng.choice([0.0, 0.0005, 0.002])
         self.partition_acks: dict[str, int] = {}       # partition -> time of its latest acknowledgment
@@ -1300,6 +1301,7 @@ class World:
             self.hub.log(f"migrate {name} -> {node}: {type(e).__name__}")
             return
         # Said only once true: the target itself opened the partition at the version assigned.
+        self.migrated += 1
         opened = json.loads(self.kv.get(f"opened/{name}", b"{}"))
         if opened.get("node") != node or opened.get("version", 0) < report.version:
             self.violations.append(f"migrate {name} -> {node} reported success at {self.hub.now / S:.3f} s, but "
@@ -1379,7 +1381,7 @@ class World:
 
     def check(self) -> dict:
         counts = dict(acknowledged=len(self.acks), lost=0, given_up=0, overwritten=0, duplicated=0,
-                      acked_twice=0, false_failovers=0, failovers=0, not_live=0)
+                      acked_twice=0, false_failovers=0, failovers=0, not_live=0, migrated=self.migrated)
         problems: list[str] = []
         by_offset: dict[tuple[int, int], bytes] = {}
         readable = {sid: self.readable(sid) for sid in self.streams}

@@ -6,7 +6,12 @@ processes on any hosts can read while the streams' owners keep appending. It rea
 committed to objects (what metadata names): a stream open on some node may hold acknowledged
 records beyond that in its owner's WAL, readable here once they are uploaded.
 
-- `fetch_committed(stream_id, start, end)`: as StreamClient.fetch_committed.
+- `fetch_committed(stream_id, start, end)`: as StreamClient.fetch_committed. A stream's committed
+  range is read from metadata at most every RANGE_RECHECK seconds while fetches stay inside it (a
+  catch-up reader would otherwise query metadata on every fetch, which a node never does: on
+  PostgreSQL that query cost more than a 1 MiB fetch). Committed ranges only grow at the end, so
+  such a fetch never returns an offset that is not committed; a trim or delete is seen within
+  RANGE_RECHECK, or at once if the objects are gone (the read fails and metadata is asked).
 - `read_partition(name)`: a PartitionReader (its log's committed records).
 - `tail(stream_id, start)`: every committed batch from `start` on, as it is committed. It waits
   on the metadata store's pushed changes where it has them (commits notify `commit/<stream id>`:
@@ -17,13 +22,15 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from .config import Config
-from .errors import ConfigError, OffsetOutOfRangeError, S3StreamError, StreamNotFoundError, check_int
+from .errors import (ConfigError, CorruptDataError, ObjectNotFoundError, OffsetOutOfRangeError, OffsetsLostError,
+                     S3StreamError, StreamNotFoundError, check_int)
 from .logcache import new_log_cache
-from .metadata import MetadataStore, StreamState, commit_key, open_metadata
+from .metadata import MetadataStore, StreamMeta, StreamState, commit_key, open_metadata
 from .objectstore import ObjectStore, open_object_store
 from .read import Reader
 from .recordbatch import FetchedBatch, FetchResult
@@ -33,17 +40,33 @@ if TYPE_CHECKING:
 
 __all__ = ["StreamReader", "open_reader", "fetch_committed"]
 
+#: Seconds a StreamReader serves fetches inside a stream's committed range as last read from
+#: metadata before it reads the range again (module docstring).
+RANGE_RECHECK = 1.0
+#: Streams whose committed range a StreamReader remembers.
+KNOWN_RANGES = 4096
+
 
 def fetch_committed(meta: MetadataStore, reader: Reader, stream_id: int, start_offset: int,
                     end_offset: int | None, max_bytes: int) -> FetchResult:
     """A stream's committed batches in [start_offset, end_offset) (default: its committed end),
     read through `reader` without opening the stream (StreamClient.fetch_committed's contract)."""
+    _check_fetch(stream_id, start_offset, end_offset, max_bytes)
+    return _fetch_in(meta.get_stream(stream_id), reader, start_offset, end_offset, max_bytes)
+
+
+def _check_fetch(stream_id: int, start_offset: int, end_offset: int | None, max_bytes: int) -> None:
     check_int("stream_id", stream_id)
     check_int("start_offset", start_offset)
     if end_offset is not None:
         check_int("end_offset", end_offset)
     check_int("max_bytes", max_bytes, minimum=1)
-    stream = meta.get_stream(stream_id)
+
+
+def _fetch_in(stream: StreamMeta, reader: Reader, start_offset: int, end_offset: int | None,
+              max_bytes: int) -> FetchResult:
+    """fetch_committed against `stream` as metadata described it."""
+    stream_id = stream.stream_id
     if stream.state == StreamState.DELETED:
         raise StreamNotFoundError(f"stream {stream_id} was deleted")
     end = stream.end_offset if end_offset is None else end_offset
@@ -81,6 +104,9 @@ class StreamReader:
         self._reader = Reader(self._store, self._meta, new_log_cache(self.config, time.monotonic_ns), self.config)
         self._closed = threading.Event()
         self._partitions: Any = None
+        # stream id -> (its metadata, time.monotonic() when read): see RANGE_RECHECK.
+        self._known: OrderedDict[int, tuple[StreamMeta, float]] = OrderedDict()
+        self._known_lock = threading.Lock()
 
     @property
     def metadata(self) -> MetadataStore:
@@ -98,11 +124,34 @@ class StreamReader:
     def fetch_committed(self, stream_id: int, start_offset: int, end_offset: int | None = None,
                         max_bytes: int = 1 << 20) -> FetchResult:
         """Batches of the stream's committed records from the one holding `start_offset` towards
-        `end_offset` (default: the committed end), up to `max_bytes` (at least one batch).
+        `end_offset` (default: the committed end, as read from metadata at most RANGE_RECHECK
+        seconds ago), up to `max_bytes` (at least one batch).
         StreamNotFoundError for a stream that does not exist or was deleted, OffsetOutOfRangeError
         outside its committed range."""
         self._check_open()
-        return fetch_committed(self._meta, self._reader, stream_id, start_offset, end_offset, max_bytes)
+        _check_fetch(stream_id, start_offset, end_offset, max_bytes)
+        with self._known_lock:
+            known = self._known.get(stream_id)
+        if known is not None and time.monotonic() - known[1] < RANGE_RECHECK:
+            stream = known[0]
+            end = stream.end_offset if end_offset is None else end_offset
+            if stream.start_offset <= start_offset < end <= stream.end_offset:
+                try:
+                    return _fetch_in(stream, self._reader, start_offset, end, max_bytes)
+                except (CorruptDataError, ObjectNotFoundError, OffsetsLostError):
+                    pass              # trimmed or deleted since, maybe: metadata says how
+        return _fetch_in(self._stream(stream_id), self._reader, start_offset, end_offset, max_bytes)
+
+    def _stream(self, stream_id: int) -> StreamMeta:
+        """The stream's metadata, read now and remembered for fetch_committed."""
+        read_at = time.monotonic()
+        stream = self._meta.get_stream(stream_id)
+        with self._known_lock:
+            self._known[stream_id] = (stream, read_at)
+            self._known.move_to_end(stream_id)
+            if len(self._known) > KNOWN_RANGES:
+                self._known.popitem(last=False)
+        return stream
 
     def read_partition(self, name: str) -> "PartitionReader":
         """The named partition's committed records (PartitionReader). StreamNotFoundError if
@@ -126,7 +175,7 @@ class StreamReader:
             position = start_offset
             idle_since = time.monotonic()
             while not self._closed.is_set():
-                end = self._meta.get_stream(stream_id).end_offset
+                end = self._stream(stream_id).end_offset
                 if position < end:
                     result = self.fetch_committed(stream_id, position, end, max_bytes)
                     for batch in result.batches:

@@ -165,3 +165,34 @@ def test_consumer_groups_work_with_a_reader(node, store_url, metadata_url):
         part = reader.read_partition("events")
         rest = [r for b in part.fetch(position).batches for r in b.records()]
     assert [r.key for r in first + rest] == [b"%d" % i for i in range(6)]
+
+
+@pytest.mark.parametrize("store_url", ["local"], indirect=True)
+def test_fetches_inside_the_known_range_do_not_ask_metadata(node, store_url, metadata_url):
+    """A catch-up reader reads the stream's committed range from metadata once per RANGE_RECHECK,
+    not once per fetch (a node never asks), yet a fetch past that range sees a new commit at once."""
+    from s3stream.metadata import open_metadata
+    s = node.create_stream()
+    for i in range(40):
+        s.append(RecordBatch(b"%d" % i + bytes(2000), 1))
+    s.flush(10)
+    node.force_upload(30)
+    meta = open_metadata(metadata_url)
+    asked = []
+    get_stream = meta.get_stream
+    meta.get_stream = lambda stream_id: asked.append(stream_id) or get_stream(stream_id)
+    try:
+        with open_reader(meta, store_url) as reader:
+            pos = 0
+            while pos < 40:
+                pos = reader.fetch_committed(s.stream_id, pos, max_bytes=4000).end_offset
+            assert len(asked) == 1
+            assert reader.fetch_committed(s.stream_id, 40).batches == []
+            s.append(RecordBatch(b"new", 1))
+            s.flush(10)
+            node.force_upload(30)
+            assert [bytes(b.payload) for b in reader.fetch_committed(s.stream_id, 40).batches] == [b"new"]
+            with pytest.raises(OffsetOutOfRangeError):
+                reader.fetch_committed(s.stream_id, 0, 42)
+    finally:
+        meta.close()

@@ -110,6 +110,10 @@ def bench(kind: str, quick: bool, out: str | None, bench_args: tuple[str, ...]) 
     wal               wal.bench: WAL throughput and latency against the raw disk limit
     metadata          s3stream.bench_metadata: metadata operations per second with 10 and
                       100,000 streams (SQLite; PostgreSQL with --start-postgres or --meta URL)
+    records           s3stream.bench_records: Kafka record batches encoded and decoded per
+                      second (native, pure Python, kafka-python); append_records against append
+    reader            s3stream.bench_reader: a reader that is not a node against a node,
+                      catch-up MB/s; commit-to-tail visibility p50/p99 (SQLite, PostgreSQL)
 
     Other options go to the benchmark itself: `s3stream bench --kind wal --quick --capacity 256M`;
     list them with `s3stream bench --kind wal -- --help`.

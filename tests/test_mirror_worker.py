@@ -335,6 +335,37 @@ def test_exactly_one_leader_runs_checkpoints_and_heartbeats(env):
     assert HEARTBEATS in [p.name for p in other.target_client.partitions()]
 
 
+def source_nodes(env: Env) -> list[str]:
+    """Every row of the source cluster's nodes table."""
+    import sqlite3
+    conn = sqlite3.connect(env.source_url.removeprefix("sqlite:///"))
+    try:
+        return sorted(map(repr, conn.execute("SELECT * FROM nodes").fetchall()))
+    finally:
+        conn.close()
+
+
+def test_workers_leave_the_source_nodes_untouched(env):
+    """The source side is an open_reader: no node registered or heartbeated in the source, no
+    WAL for it, while the workers copy, checkpoint a consumer group and stop."""
+    for name in NAMES[:2]:
+        env.produce(name, 20)
+    src = ConsumerGroups(env.source_meta)
+    src.commit("billing", "p0", 7, src.join("billing", "consumer-1"))
+    before = source_nodes(env)
+    assert [n.node_id for n in env.source_meta.list_nodes()] == [1]      # the producer only
+    w1, w2 = env.worker(1), env.worker(2)
+    wait_for(balanced([w1, w2], [1, 1]), what="1 + 1 flows")
+    env.wait_mirrored()
+    wait_for(lambda: ConsumerGroups(env.target_meta).committed("billing", "A.p0") == 7,
+             what="the checkpoint of billing")
+    assert source_nodes(env) == before
+    for w in (w1, w2):
+        w.stop(10)
+    assert source_nodes(env) == before
+    assert sorted(os.listdir(env.tmp / "w1")) == ["target-1.wal"]
+
+
 # ---- crashes -----------------------------------------------------------------------------------------
 
 def child_main(tmp: str, worker_id: str) -> None:

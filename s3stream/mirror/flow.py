@@ -1,9 +1,10 @@
 """MirrorFlow: copy one source partition into one target partition, exactly once.
 
-A flow reads the source partition's COMMITTED batches (StreamClient.read_partition: no epoch change
-on the source, whichever node owns it there) and appends each, unchanged (same payload, same record
-count), as one batch to the target partition, which the flow holds open as its only writer. The
-offset map (offsets.py) then translates every upstream offset exactly.
+A flow reads the source partition's COMMITTED batches (read_partition of an s3stream.open_reader,
+or of a StreamClient: no epoch change on the source, whichever node owns it there) and appends
+each, unchanged (same payload, same record count), as one batch to the target partition, which
+the flow holds open as its only writer. The offset map (offsets.py) then translates every
+upstream offset exactly.
 
 Exactly once across crashes. The flow keeps no progress of its own: the target is the progress.
 1. `start()` opens the target partition on the target client (epoch + 1: an earlier holder is
@@ -55,6 +56,7 @@ from .records import PartitionRecord, load_segments, record_segment, register_fl
 
 if TYPE_CHECKING:
     from ..client import StreamClient
+    from ..reader import StreamReader
     from ..cluster.partition import Partition, PartitionReader
 
 log = logging.getLogger("s3stream.mirror")
@@ -109,9 +111,10 @@ class _InFlight(NamedTuple):
 
 
 class MirrorFlow:
-    """The copy of `source_partition` (read through `source_client`, a client of the source
-    cluster) into `target_partition` (written through `target_client`, a node of the target
-    cluster) under flow `flow_id` (one source -> target pair; see records.py for its KV).
+    """The copy of `source_partition` (read through `source_client`, a StreamReader or a
+    StreamClient of the source cluster) into `target_partition` (written through
+    `target_client`, a node of the target cluster) under flow `flow_id` (one source -> target
+    pair; see records.py for its KV).
 
     start_offset: where the first start begins (default: the source's start offset); rounded
         down to the base of its batch. Once the flow has a map it is ignored: a resume continues
@@ -126,7 +129,8 @@ class MirrorFlow:
     clock: unix time in seconds, for mirrored_as_of.
     """
 
-    def __init__(self, source_client: "StreamClient", target_client: "StreamClient", source_partition: str,
+    def __init__(self, source_client: "StreamReader | StreamClient", target_client: "StreamClient",
+                 source_partition: str,
                  target_partition: str, flow_id: str, *, source_alias: str, start_offset: int | None = None,
                  max_in_flight_bytes: int = 8 * MiB, fetch_bytes: int = 1 * MiB, poll_interval: float = 0.05,
                  skip_trimmed: bool = False, verify_resume: bool = True,
@@ -181,7 +185,8 @@ class MirrorFlow:
         self._watermarks: deque[tuple[int, float]] = deque(maxlen=1024)
 
     @classmethod
-    def for_source(cls, source_client: "StreamClient", target_client: "StreamClient", source_partition: str,
+    def for_source(cls, source_client: "StreamReader | StreamClient", target_client: "StreamClient",
+                   source_partition: str,
                    flow_id: str, *, source_alias: str, target_alias: str | None = None,
                    policy: ReplicationPolicy | None = None, **kw) -> "MirrorFlow":
         """A flow whose target partition is named by `policy` (default: "<alias>.<name>").

@@ -2,12 +2,13 @@
 
 A flow (one source cluster -> this target cluster, `flow_id`) copies every partition of the
 source. Any number of MirrorWorkers (processes, hosts) run it; each is one node of the TARGET
-cluster (node id = worker id, its WAL in `wal_dir`) and reads the source through a client of its
-own (node id = worker id + SOURCE_NODE_ID_OFFSET in the source cluster, a small WAL it never
-appends to). Each worker, every `interval` seconds:
+cluster (node id = worker id, its WAL in `wal_dir`) and reads the source through s3stream.open_reader:
+a reader that is not a node, so the worker registers nothing in the source cluster and writes
+nothing there (it reads the source's partitions, their committed records and its consumer groups'
+offsets; everything it writes goes to the target). Each worker, every `interval` seconds:
 
 1. keeps alive: writes its record `mirror/<flow>/workers/<id>` ({"at", "flows", ...}) in the
-   target's KV, heartbeats its nodes in both clusters, renews the leases it holds. A worker is
+   target's KV, heartbeats its node in the target, renews the leases it holds. A worker is
    live while its record is newer than `worker_timeout`. A flow whose lease another worker took
    (the lease record changed) stops at once; one whose renewal failed on a metadata error keeps
    running only until the lease it holds expires, since nobody else can take it before.
@@ -45,9 +46,7 @@ it open. Handover cases:
 A worker whose own node was failed over by a peer (it stalled past worker_timeout) is fenced: its
 flows stop and it stops with an error; restart it.
 
-Worker ids must be unique among the workers of a cluster (they are target node ids). The source
-reader node is retired on stop (s3stream.client.close(retire=True)) so that the source's agents
-never try to fail it over; while the worker runs it heartbeats.
+Worker ids must be unique among the workers of a cluster (they are target node ids).
 """
 from __future__ import annotations
 
@@ -62,14 +61,13 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
-import wal
-
 from ..balancer.lease import Lease, expire, is_held, read_lease
 from ..cluster import Cluster, ClusterConfig
 from ..config import Config
 from ..errors import ConfigError, InvalidArgumentError, S3StreamError, StreamFencedError, StreamNotClosedError
 from ..metadata import MetadataStore, StreamState
 from ..objectstore import ObjectStore, open_object_store
+from ..reader import StreamReader, open_reader
 from .checkpoint import sync_checkpoints
 from .errors import MirrorError
 from .flow import FAILED, MirrorFlow
@@ -86,16 +84,6 @@ log = logging.getLogger("s3stream.mirror")
 
 KiB = 1024
 MiB = 1024 * KiB
-
-#: The source reader's node id is the worker id plus this, so that it never collides with the
-#: source cluster's own nodes (small ids) nor with a worker of another flow into this source that
-#: uses the same worker id on the target (give flows distinct worker ids then, or `source_node_id`).
-SOURCE_NODE_ID_OFFSET = 1 << 32
-
-#: The source reader never appends: its WAL is the smallest that holds its node's registration.
-SOURCE_WAL_CAPACITY = 1 * MiB + 8 * KiB
-SOURCE_MAX_BATCH = 64 * KiB
-SOURCE_UPLOAD_THRESHOLD = 256 * KiB
 
 
 # ---- KV keys (target cluster), beside records.py's flow/partition/map ---------------------------
@@ -156,8 +144,8 @@ class WorkerConfig:
         others for this long before claiming it again.
     flow_stop_timeout: seconds a flow's stop waits for its copy loop (then its partition closes).
     max_in_flight_bytes, fetch_bytes, poll_interval, skip_trimmed: each flow's (MirrorFlow).
-    engine: the target node's engine Config (default Config()); the source reader uses it with a
-        small WAL, no upload interval and no object reclaimer.
+    engine: the target node's engine Config (default Config()); the source reader (open_reader)
+        uses its read settings (block cache, read-ahead, read_timeout).
     metrics: the target node's StreamClient(metrics=...): True or a prometheus_client registry
         exports its metrics (labelled with the worker id); False, none.
     """
@@ -241,8 +229,7 @@ class MirrorWorker:
     Stores and metadata are URLs or ready-made objects (shared ones are not closed here).
     `partitions`: a filter on source partition names (True: mirror it). `policy` names target
     partitions (default DefaultReplicationPolicy). `target_alias`: this cluster's alias, for the
-    heartbeats and to leave out source partitions that came from it. `source_node_id`: the
-    reader's node id in the source cluster (default worker_id + SOURCE_NODE_ID_OFFSET).
+    heartbeats and to leave out source partitions that came from it.
     `on_event`: called (on the worker's thread) with each event dict (flow started, stopped,
     released, failed; leadership; failovers), also kept in `events`. `clock`: unix seconds."""
 
@@ -250,10 +237,10 @@ class MirrorWorker:
                  target_store: str | ObjectStore, target_meta: str | MetadataStore, source_alias: str,
                  flow_id: str | None = None, wal_dir: str | os.PathLike, config: WorkerConfig | None = None,
                  policy: ReplicationPolicy | None = None, partitions: Callable[[str], bool] | None = None,
-                 target_alias: str | None = None, source_node_id: int | None = None,
+                 target_alias: str | None = None,
                  on_event: Callable[[dict], None] | None = None, clock: Callable[[], float] = time.time) -> None:
-        if isinstance(worker_id, bool) or not isinstance(worker_id, int) or not 0 <= worker_id < SOURCE_NODE_ID_OFFSET:
-            raise InvalidArgumentError(f"worker_id must be an int in [0, {SOURCE_NODE_ID_OFFSET}), got {worker_id!r}; "
+        if isinstance(worker_id, bool) or not isinstance(worker_id, int) or not 0 <= worker_id < 1 << 63:
+            raise InvalidArgumentError(f"worker_id must be an int in [0, 2**63), got {worker_id!r}; "
                                        f"it is the worker's node id in the target cluster")
         self.worker_id = worker_id
         self.source_alias = check_name("source alias", source_alias, "A")
@@ -266,10 +253,6 @@ class MirrorWorker:
         if partitions is not None and not callable(partitions):
             raise InvalidArgumentError(f"partitions must be a callable(name) -> bool or None, got {partitions!r}")
         self.partition_filter = partitions
-        self.source_node_id = worker_id + SOURCE_NODE_ID_OFFSET if source_node_id is None else source_node_id
-        if isinstance(self.source_node_id, bool) or not isinstance(self.source_node_id, int) \
-                or not 0 <= self.source_node_id < 1 << 63:
-            raise InvalidArgumentError(f"source_node_id must be a non-negative int, got {source_node_id!r}")
         if wal_dir is None or not os.fspath(wal_dir):
             raise InvalidArgumentError("wal_dir must name a directory for the worker's WALs, e.g. /var/lib/mirror/1")
         self.wal_dir = os.path.abspath(os.fspath(wal_dir))
@@ -283,7 +266,7 @@ class MirrorWorker:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._target: StreamClient | None = None
-        self._source: StreamClient | None = None
+        self._source: StreamReader | None = None
         self._flows: dict[str, MirrorFlow] = {}          # target partition -> running flow
         self._leases: dict[str, Lease] = {}              # target partition -> lease held
         self._sources: dict[str, str] = {}               # target partition -> source partition (last discovery)
@@ -312,25 +295,18 @@ class MirrorWorker:
     # ---- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> "MirrorWorker":
-        """Open both clients (the target's replays this worker's WAL if it crashed), register,
-        and run the loop on a thread of its own."""
+        """Open the target node (it replays this worker's WAL if it crashed) and the source
+        reader, register in the target, and run the loop on a thread of its own."""
         from ..client import StreamClient
         if self._thread is not None:
             raise MirrorError(f"worker {self.worker_id} was started already; create a new MirrorWorker")
         os.makedirs(self.wal_dir, exist_ok=True)
         engine = self.config.engine or Config()
-        reader = dataclasses.replace(engine, upload_interval=None, reclaim_interval=None,
-                                     max_batch_bytes=SOURCE_MAX_BATCH, upload_threshold=SOURCE_UPLOAD_THRESHOLD,
-                                     split_size=min(engine.split_size, SOURCE_UPLOAD_THRESHOLD),
-                                     cache_size=max(engine.cache_size, 2 * SOURCE_UPLOAD_THRESHOLD),
-                                     wal=wal.WALConfig(capacity=SOURCE_WAL_CAPACITY,
-                                                       max_record_bytes=SOURCE_MAX_BATCH + 64))
         s = self._stores
         target = StreamClient(self.worker_id, os.path.join(self.wal_dir, f"target-{self.worker_id}.wal"),
                               s.target_store, s.target_meta, engine, metrics=self.config.metrics)
         try:
-            source = StreamClient(self.source_node_id, os.path.join(self.wal_dir, f"source-{self.source_node_id}.wal"),
-                                  s.source_store, s.source_meta, reader)
+            source = open_reader(s.source_meta, s.source_store, engine)
         except BaseException:
             target.close(retire=True)
             raise
@@ -339,8 +315,8 @@ class MirrorWorker:
             self._adopt_previous_leases()
             self._publish()
         except BaseException:
-            for client in (source, target):
-                client.close(retire=True)
+            source.close()
+            target.close(retire=True)
             self._source = self._target = None
             raise
         replayed = target.recovered.get("replayed", 0)
@@ -349,8 +325,8 @@ class MirrorWorker:
         self._thread.start()
         return self
 
-    def _clients(self) -> tuple["StreamClient", "StreamClient"]:
-        """(source reader, target node): the clients start() opened."""
+    def _clients(self) -> tuple[StreamReader, "StreamClient"]:
+        """(source reader, target node): what start() opened."""
         source, target = self._source, self._target
         if source is None or target is None:
             raise MirrorError(f"mirror worker {self.worker_id} is not started: call start() first")
@@ -403,8 +379,8 @@ class MirrorWorker:
     def stop(self, timeout: float = 30.0) -> dict:
         """Stop every flow (each closes its target partition), release the leases, leave (the
         record is deleted, so the others take the partitions over at their next pass) and close
-        both clients. Returns within about `timeout` seconds plus the partitions' closes (a force
-        upload of each tail). Returns the final status()."""
+        the source reader and the target node. Returns within about `timeout` seconds plus the
+        partitions' closes (a force upload of each tail). Returns the final status()."""
         if self._stopped is not None:
             return self._stopped
         deadline = time.monotonic() + timeout
@@ -427,11 +403,11 @@ class MirrorWorker:
                 self.target_meta.delete_kv(worker_key(self.flow_id, self.worker_id))
             except S3StreamError as e:
                 log.warning("mirror worker %d: deleting its record: %s", self.worker_id, e)
-            for client in (self._source, self._target):
-                try:
-                    client.close(timeout=left(), retire=True)
-                except S3StreamError as e:
-                    log.warning("mirror worker %d: closing node %d: %s", self.worker_id, client.node_id, e)
+            self._source.close()
+            try:
+                self._target.close(timeout=left(), retire=True)
+            except S3StreamError as e:
+                log.warning("mirror worker %d: closing its target node: %s", self.worker_id, e)
         if self._failover_store is not None:
             self._failover_store.close()
             self._failover_store = None
@@ -471,20 +447,15 @@ class MirrorWorker:
         return flow.source_partition if flow is not None else target
 
     def _keepalive(self, force: bool = False) -> None:
-        """Heartbeat both nodes, write this worker's record and renew its leases (at most once
+        """Heartbeat the target node, write this worker's record and renew its leases (at most once
         per interval unless forced): called between slow steps so a long pass never lets them lapse."""
         now = time.monotonic()
         if not force and now - self._last_keepalive < self.config.interval:
             return
         self._last_keepalive = now
-        source_client, target_client = self._clients()
+        target_client = self.target_client
         # StreamFencedError from the target: a peer failed this node over; the loop stops.
         target_client.metadata.heartbeat(target_client.node_id, target_client.node_epoch)
-        try:
-            source_client.metadata.heartbeat(source_client.node_id, source_client.node_epoch)
-        except S3StreamError as e:      # reads need no epoch; the source's agents may log our silence
-            log.warning("mirror worker %d: heartbeat of source reader node %d: %s", self.worker_id,
-                        source_client.node_id, e)
         self._publish()
         for target in self.leases():
             lease = self._leases.get(target)

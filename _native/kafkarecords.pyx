@@ -506,15 +506,20 @@ cdef list decode_records(Cursor* cursor, const BatchHeader* header):
     return records
 
 
-cdef int _check_header(const unsigned char* data, Py_ssize_t size, Py_ssize_t at, bint whole,
+cdef int _check_header(const unsigned char* data, Py_ssize_t size, Py_ssize_t at, bint whole, bint partial_ok,
                        BatchHeader* header) except -1:
-    """The header of the batch at byte `at` of data[:size], every check before its records."""
+    """The header of the batch at byte `at` of data[:size], every check before its records: 0,
+    or 1 (header unread) if `partial_ok` and data ends inside the batch, after checking what the
+    bytes there show (its length, its magic byte)."""
     cdef Py_ssize_t available = size - at, end
+    cdef bint partial
     cdef Py_ssize_t batch_length                     # int32 in the batch; + 12 must not wrap
     cdef int magic
     cdef uint32_t actual_crc
     cdef int codec
     if available < LENGTH_END:
+        if partial_ok:
+            return 1
         raise _error("length", f"record batch at byte {at}: the buffer ends after {available} bytes, inside the "
                                f"batch's first 12 (baseOffset, batchLength); pass the whole batch (it was truncated)")
     batch_length = <int32_t>load_be32(data + at + 8)
@@ -523,11 +528,15 @@ cdef int _check_header(const unsigned char* data, Py_ssize_t size, Py_ssize_t at
                                f"(a v2 batch has {MIN_BATCH_LENGTH} or more); these bytes are not a record batch or "
                                f"its length was damaged")
     end = at + LENGTH_END + batch_length
-    if end > size:
-        raise _error("length", f"record batch at byte {at}: batchLength {batch_length} says the batch is "
-                               f"{batch_length + LENGTH_END} bytes but the buffer holds {available}; the batch was "
-                               f"truncated: pass all of it")
-    if whole and end != size:
+    partial = end > size
+    if partial:
+        if not partial_ok:
+            raise _error("length", f"record batch at byte {at}: batchLength {batch_length} says the batch is "
+                                   f"{batch_length + LENGTH_END} bytes but the buffer holds {available}; the batch "
+                                   f"was truncated: pass all of it")
+        if available <= MAGIC_AT:
+            return 1
+    elif whole and end != size:
         raise _error("length", f"record batch at byte {at}: batchLength {batch_length} says the batch is "
                                f"{batch_length + LENGTH_END} bytes but the buffer holds {available}; pass exactly "
                                f"one batch, or several to iter_batches")
@@ -540,6 +549,8 @@ cdef int _check_header(const unsigned char* data, Py_ssize_t size, Py_ssize_t at
         raise _error("length", f"record batch at byte {at}: batchLength is {batch_length}, shorter than the v2 "
                                f"header ({MIN_BATCH_LENGTH}); its length was damaged: have the producer resend the "
                                f"batch")
+    if partial:
+        return 1
     unpack_header(data + at, header)
     actual_crc = crc32c_update(0, data + at + CRC_FROM, <size_t>(end - at - CRC_FROM))
     if actual_crc != header.crc:
@@ -556,12 +567,13 @@ cdef int _check_header(const unsigned char* data, Py_ssize_t size, Py_ssize_t at
     return 0
 
 
-def decode_batch(buf, Py_ssize_t at, bint whole, decompress) -> tuple:
+def decode_batch(buf, Py_ssize_t at, bint whole, bint partial_ok, decompress, max_decompressed):
     """The batch at byte `at` of `buf` (which must end where the batch does, with `whole`):
     (base_offset, batch_length, partition_leader_epoch, crc, attributes, last_offset_delta,
-    base_timestamp, max_timestamp, producer_id, producer_epoch, base_sequence, records). A
-    compressed payload is passed to `decompress(codec, payload, at)` (payload: a slice of
-    memoryview(buf)), which returns the records section as a bytes-like object."""
+    base_timestamp, max_timestamp, producer_id, producer_epoch, base_sequence, records); None if
+    `partial_ok` and `buf` ends inside the batch. A compressed payload is passed to
+    `decompress(codec, payload, at, max_decompressed)` (payload: a slice of memoryview(buf)),
+    which returns the records section as a bytes-like object."""
     cdef Py_buffer view, section
     cdef BatchHeader header
     cdef Cursor cursor
@@ -573,7 +585,8 @@ def decode_batch(buf, Py_ssize_t at, bint whole, decompress) -> tuple:
         raise RuntimeError("set_record_types() was not called (s3stream.records calls it)")
     PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE)
     try:
-        _check_header(<const unsigned char*>view.buf, view.len, at, whole, &header)
+        if _check_header(<const unsigned char*>view.buf, view.len, at, whole, partial_ok, &header):
+            return None
         codec = header.attributes & CODEC_MASK
         cursor.batch_at = at
         if header.count == 0:        # emptied by compaction, kept for its producer state: Kafka reads no payload
@@ -581,7 +594,7 @@ def decode_batch(buf, Py_ssize_t at, bint whole, decompress) -> tuple:
         elif codec:
             whole_view = buf if isinstance(buf, memoryview) else memoryview(buf)
             payload = whole_view[at + BATCH_HEADER:at + LENGTH_END + header.batch_length]
-            PyObject_GetBuffer(decompress(codec, payload, at), &section, PyBUF_SIMPLE)
+            PyObject_GetBuffer(decompress(codec, payload, at, max_decompressed), &section, PyBUF_SIMPLE)
             try:
                 cursor.pos = <const unsigned char*>section.buf
                 cursor.end = cursor.pos + section.len

@@ -12,6 +12,7 @@ from .errors import (
     OffsetOutOfRangeError, OffsetsLostError, OperationTimeoutError, S3StreamError, StreamClosedError, StreamFencedError, StreamNotClosedError,
     StreamNotFoundError, UnsupportedFormatError, WALCorruptError, WALError, WALFullError, InvalidRecordBatchError,
     RecordBatchChecksumError, RecordBatchLengthError, UnsupportedCompressionError, UnsupportedMagicError,
+    DecompressionLimitError,
 )
 from .reader import StreamReader, open_reader
 from .recordbatch import AppendFuture, AppendResult, FetchedBatch, FetchResult, RecordBatch
@@ -26,5 +27,5 @@ __all__ = [
     "S3StreamError", "StaleGenerationError", "Stream", "StreamClient", "StreamClosedError", "StreamFencedError", "StreamNotClosedError",
     "StreamNotFoundError", "UnsupportedFormatError", "WALCorruptError", "WALError", "WALFullError",
     "Record", "ConsumedRecord", "StreamReader", "open_reader", "InvalidRecordBatchError", "RecordBatchChecksumError", "RecordBatchLengthError",
-    "UnsupportedCompressionError", "UnsupportedMagicError",
+    "UnsupportedCompressionError", "UnsupportedMagicError", "DecompressionLimitError",
 ]

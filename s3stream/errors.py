@@ -214,3 +214,10 @@ class RecordBatchLengthError(InvalidRecordBatchError):
 class UnsupportedCompressionError(InvalidRecordBatchError):
     """A record batch whose attributes name a compression codec other than none, gzip, snappy,
     lz4 and zstd (ids 0-4): written by a newer or broken client. Nothing was decompressed."""
+
+
+class DecompressionLimitError(InvalidRecordBatchError):
+    """A compressed record batch whose records decompress to more than the reader's
+    max_decompressed_bytes (s3stream.records.MAX_DECOMPRESSED_BYTES by default): a decompression
+    bomb, or a genuine batch bigger than the limit. Found without allocating the expansion; pass
+    a larger max_decompressed_bytes to read a genuine one."""

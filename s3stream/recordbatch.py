@@ -14,7 +14,7 @@ from _native import appendpath
 from _native.appendpath import AppendFuture, AppendResult, RecordBatch
 
 from .errors import InvalidBatchError, InvalidRecordBatchError
-from .records import ConsumedRecord, Record, decode_batch, encode_batch
+from .records import MAX_DECOMPRESSED_BYTES, ConsumedRecord, Record, decode_batch, encode_batch
 
 appendpath.set_error_types(invalid_batch=InvalidBatchError)
 
@@ -36,12 +36,13 @@ class FetchedBatch(NamedTuple):
     def end_offset(self) -> int:
         return self.base_offset + self.count
 
-    def records(self) -> Iterator[ConsumedRecord]:
+    def records(self, *, max_decompressed_bytes: int = MAX_DECOMPRESSED_BYTES) -> Iterator[ConsumedRecord]:
         """The records of a batch appended with append_records (a Kafka record batch, v2), each
         with its offset in the stream: base_offset, base_offset + 1, ... InvalidRecordBatchError
         (or a subclass naming the cause) if the payload is not such a batch, or holds another
-        number of records than the batch was appended with."""
-        decoded = decode_batch(self.payload)
+        number of records than the batch was appended with; DecompressionLimitError if its
+        compressed records decompress to more than `max_decompressed_bytes`."""
+        decoded = decode_batch(self.payload, max_decompressed_bytes=max_decompressed_bytes)
         if len(decoded.records) != self.count or decoded.last_offset_delta != self.count - 1:
             raise InvalidRecordBatchError(
                 f"the batch at offset {self.base_offset} was appended as {self.count} records, but its payload is a "

@@ -36,9 +36,14 @@ over the buffer), the batchLength against the buffer, the CRC before anything el
 each record's length against what its fields took, the record count against the payload (no
 byte may be left over), varints against their maximal size and their type (5 bytes of an int32
 hold at most 32 bits, 10 bytes of an int64 64). A batch of 0 records (compaction keeps such
-batches for their producer state) has its payload left unread, as Kafka does. It raises InvalidRecordBatchError
-or one of its subclasses (UnsupportedMagicError, RecordBatchChecksumError,
-RecordBatchLengthError, UnsupportedCompressionError) and returns nothing of a bad batch.
+batches for their producer state) has its payload left unread, as Kafka does. Nor does it trust a
+compressed payload: its records may decompress to max_decompressed_bytes at most
+(MAX_DECOMPRESSED_BYTES, 64 MiB, by default), found out without allocating more (snappy states its
+sizes up front; gzip, lz4 and zstd are decompressed into bounded buffers). It raises
+InvalidRecordBatchError or one of its subclasses (UnsupportedMagicError, RecordBatchChecksumError,
+RecordBatchLengthError, UnsupportedCompressionError, DecompressionLimitError) and returns nothing
+of a bad batch. iter_batches raises at a batch the buffer ends inside (stored bytes were
+truncated), unless told to skip it as Kafka's consumers skip the partial last batch of a fetch.
 Encoding checks its arguments (types, int ranges, at least one record, the batch under 2 GiB)
 and raises InvalidArgumentError naming the value.
 
@@ -60,16 +65,24 @@ import cramjam
 from _native import kafkarecords
 
 from .errors import (
-    InvalidArgumentError, InvalidRecordBatchError, RecordBatchChecksumError, RecordBatchLengthError, UnsupportedCompressionError,
-    UnsupportedMagicError, check_int,
+    DecompressionLimitError, InvalidArgumentError, InvalidRecordBatchError, RecordBatchChecksumError, RecordBatchLengthError,
+    UnsupportedCompressionError, UnsupportedMagicError, check_int,
 )
 
 __all__ = [
-    "COMPRESSION_CODECS", "ConsumedRecord", "DecodedBatch", "LOG_APPEND_TIME", "CREATE_TIME", "MAGIC", "Record",
-    "decode_batch", "encode_batch", "iter_batches",
+    "COMPRESSION_CODECS", "ConsumedRecord", "DecodedBatch", "LOG_APPEND_TIME", "CREATE_TIME", "MAGIC",
+    "MAX_DECOMPRESSED_BYTES", "Record", "decode_batch", "encode_batch", "iter_batches",
 ]
 
 MAGIC = 2
+#: The most a compressed batch's records section may decompress to, by default
+#: (max_decompressed_bytes of decode_batch, iter_batches, FetchedBatch.records): 64 MiB. A batch
+#: appended here is at most Config.max_batch_bytes (8 MiB by default), a Kafka producer's at most
+#: the broker's message.max.bytes (1 MiB by default); 64 MiB is 8x the former, room for text that
+#: compresses well, and bounds what a hostile batch of a few KiB can make a reader allocate. (Kafka
+#: itself bounds the compressed bytes only, as most of its clients do; newer ones add such a cap:
+#: franz-go's MaxDecompressedBatchBytes, the broker's max.decompressed.message.bytes.)
+MAX_DECOMPRESSED_BYTES = 64 * 1024 * 1024
 #: Timestamp types (attributes bit 3).
 CREATE_TIME = 0
 LOG_APPEND_TIME = 1
@@ -311,8 +324,25 @@ def malformed(batch_at: int, what: str) -> InvalidRecordBatchError:
         f"and fix or replace that producer")
 
 
-def _unxerial(payload: memoryview, batch_at: int) -> bytes:
-    out = bytearray()
+def _too_large(batch_at: int, name: str | None, payload: memoryview, size: int | None, limit: int) -> DecompressionLimitError:
+    grows = f"to {size} bytes" if size is not None else f"to more than {limit} bytes"
+    return DecompressionLimitError(
+        f"record batch at byte {batch_at}: its {name} payload of {len(payload)} bytes decompresses {grows}, over "
+        f"max_decompressed_bytes={limit}; nothing past the limit was decompressed. If the batch is genuine, pass a "
+        f"larger max_decompressed_bytes (decode_batch, iter_batches, FetchedBatch.records); if not, refuse it: its "
+        f"producer sent a decompression bomb")
+
+
+def _unsnappy(payload: memoryview, batch_at: int, limit: int) -> bytearray | cramjam.Buffer:
+    """A snappy payload, raw or xerial-framed: each raw block states its length up front, so
+    the total is known (and refused over `limit`) before anything is allocated or decompressed."""
+    if not (payload[:len(_XERIAL_MAGIC)] == _XERIAL_MAGIC and len(payload) >= len(_XERIAL_HEADER)):
+        size = cramjam.snappy.decompress_raw_len(payload)
+        if size > limit:
+            raise _too_large(batch_at, "snappy", payload, size, limit)
+        return cramjam.snappy.decompress_raw(payload)
+    blocks = []
+    size = 0
     pos, end = len(_XERIAL_HEADER), len(payload)
     while pos < end:
         if end - pos < 4:
@@ -322,31 +352,84 @@ def _unxerial(payload: memoryview, batch_at: int) -> bytes:
         if length < 0 or length > end - pos:
             raise malformed(batch_at, f"a xerial snappy block of {length} bytes does not fit the payload "
                                        f"({end - pos} bytes left)")
-        out += cramjam.snappy.decompress_raw(payload[pos:pos + length])
+        block = payload[pos:pos + length]
+        block_size = cramjam.snappy.decompress_raw_len(block)
+        blocks.append((block, size, block_size))
+        size += block_size
         pos += length
-    return bytes(out)
+    if size > limit:
+        raise _too_large(batch_at, "snappy", payload, size, limit)
+    out = bytearray(size)
+    view = memoryview(out)
+    for block, at, block_size in blocks:
+        if cramjam.snappy.decompress_raw_into(block, view[at:at + block_size]) != block_size:
+            raise malformed(batch_at, f"a xerial snappy block decompresses to fewer bytes than the {block_size} it "
+                                       f"states")
+    return out
 
 
-def decompress_payload(codec: int, payload: memoryview, batch_at: int) -> memoryview:
+# What cramjam's decompress_into raises when the output buffer is full and the payload has more
+# (Rust's io::ErrorKind::WriteZero): the buffer was too small, the payload is not malformed.
+# test_records' decompression bombs pin it: were it reworded, they would fail.
+_OUTPUT_FULL = "failed to write whole buffer"
+_DECOMPRESS_INTO = {1: cramjam.gzip.decompress_into, 3: cramjam.lz4.decompress_into, 4: cramjam.zstd.decompress_into}
+_FIRST_OUTPUT = 64 * 1024     # the first output buffer when the payload states no size: 64 KiB ...
+_FIRST_RATIO = 4              # ... or 4x the payload (text compresses 3-10x); then 4x more each try
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+
+
+def _stated_size(codec: int, payload: memoryview) -> int | None:
+    """The decompressed size the payload states, where its format carries one (untrusted: a
+    first guess): gzip's ISIZE trailer (mod 2**32), a zstd frame's content size."""
+    if codec == 1 and len(payload) >= 18:
+        return int.from_bytes(payload[-4:], "little")
+    if codec == 4 and len(payload) >= 6 and payload[:4] == _ZSTD_MAGIC:
+        descriptor = payload[4]
+        single_segment = descriptor >> 5 & 1
+        size_bytes = (1 if single_segment else 0, 2, 4, 8)[descriptor >> 6]
+        at = 5 + (0 if single_segment else 1) + (0, 1, 2, 4)[descriptor & 3]
+        if size_bytes and len(payload) >= at + size_bytes:
+            return int.from_bytes(payload[at:at + size_bytes], "little") + (256 if size_bytes == 2 else 0)
+    return None
+
+
+def _decompress_bounded(codec: int, payload: memoryview, batch_at: int, limit: int) -> memoryview:
+    """gzip, lz4 or zstd: decompressed into buffers of bounded size, a larger one each time one
+    fills, up to `limit` + 1 bytes; filling that one means the payload expands past the limit.
+    Memory stays within about `limit`, whatever the payload claims; the work wasted on the
+    smaller tries is at most a third of the last one's."""
+    decompress_into = _DECOMPRESS_INTO[codec]
+    stated = _stated_size(codec, payload)
+    size = stated if stated is not None else max(_FIRST_OUTPUT, _FIRST_RATIO * len(payload))
+    size = min(max(size, 1), limit + 1)
+    while True:
+        out = bytearray(size)
+        try:
+            got = decompress_into(payload, out)
+        except cramjam.DecompressionError as e:
+            if str(e) != _OUTPUT_FULL:
+                raise
+            if size > limit:
+                raise _too_large(batch_at, COMPRESSION_CODECS[codec], payload, None, limit) from None
+            size = min(max(size * _FIRST_RATIO, _FIRST_OUTPUT), limit + 1)
+            continue
+        if got > limit:
+            raise _too_large(batch_at, COMPRESSION_CODECS[codec], payload, None, limit)
+        return memoryview(out)[:got]
+
+
+def decompress_payload(codec: int, payload: memoryview, batch_at: int, limit: int) -> memoryview:
     """The records section of a batch at byte `batch_at` whose payload, compressed with codec id
-    `codec` (1-4), is `payload`; InvalidRecordBatchError if it does not decompress."""
-    name = COMPRESSION_CODECS[codec]
-    data: bytes | cramjam.Buffer
+    `codec` (1-4), is `payload`; InvalidRecordBatchError if it does not decompress, and
+    DecompressionLimitError if it decompresses to more than `limit` bytes (found without
+    allocating more than about `limit`)."""
     try:
-        if codec == 1:
-            data = cramjam.gzip.decompress(payload)
-        elif codec == 2:
-            if payload[:len(_XERIAL_MAGIC)] == _XERIAL_MAGIC and len(payload) >= len(_XERIAL_HEADER):
-                data = _unxerial(payload, batch_at)
-            else:
-                data = cramjam.snappy.decompress_raw(payload)
-        elif codec == 3:
-            data = cramjam.lz4.decompress(payload)
-        else:
-            data = cramjam.zstd.decompress(payload)
+        if codec == 2:
+            return memoryview(_unsnappy(payload, batch_at, limit)).cast("B")
+        return _decompress_bounded(codec, payload, batch_at, limit)
     except cramjam.DecompressionError as e:
-        raise malformed(batch_at, f"its {name} payload ({len(payload)} bytes) does not decompress ({e})") from e
-    return memoryview(data).cast("B")
+        raise malformed(batch_at, f"its {COMPRESSION_CODECS[codec]} payload ({len(payload)} bytes) does not "
+                                  f"decompress ({e})") from e
 
 
 def as_view(buf: bytes | bytearray | memoryview) -> memoryview:
@@ -357,15 +440,41 @@ def as_view(buf: bytes | bytearray | memoryview) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
-def iterate_batches(buf: bytes | bytearray | memoryview,
-                    decode_at: Callable[[memoryview, int, bool], DecodedBatch]) -> Iterator[DecodedBatch]:
-    """iter_batches over `decode_at(view, at, whole)`, the batch at byte `at` of `view`."""
+def check_limit(max_decompressed_bytes: int) -> int:
+    """max_decompressed_bytes, checked: an int of 1 or more."""
+    return check_int("max_decompressed_bytes", max_decompressed_bytes, 1, _MAX_INT64 - 1)
+
+
+DecodeAt = Callable[[memoryview, int, bool, bool, int], "DecodedBatch | None"]
+
+
+def iterate_batches(buf: bytes | bytearray | memoryview, decode_at: DecodeAt, skip_partial_tail: bool,
+                    max_decompressed_bytes: int) -> Iterator[DecodedBatch]:
+    """iter_batches over `decode_at(view, at, whole, partial_ok, limit)`, the batch at byte `at`
+    of `view`, or None if `partial_ok` and the view ends inside it."""
     view = as_view(buf)
+    check_limit(max_decompressed_bytes)
     at = 0
     while at < len(view):
-        batch = decode_at(view, at, False)
+        batch = decode_at(view, at, False, skip_partial_tail, max_decompressed_bytes)
+        if batch is None:
+            if at == 0:
+                raise _no_whole_batch(view)
+            return
         yield batch
         at += batch.size
+
+
+def _no_whole_batch(view: memoryview) -> RecordBatchLengthError:
+    """The error of a buffer that ends inside its first batch, with skip_partial_tail: as a Kafka
+    consumer does, for a fetch that returned part of one batch and nothing else cannot progress."""
+    if len(view) < _LENGTH_END:
+        size = "its batchLength is not even in them"
+    else:
+        size = f"batchLength says it is {_INT32.unpack_from(view, 8)[0] + _LENGTH_END} bytes"
+    return RecordBatchLengthError(
+        f"record batch at byte 0: the buffer's {len(view)} bytes end inside its first batch ({size}), so there is "
+        f"no whole batch to read; fetch again with a max_bytes of at least the batch's size")
 
 
 # ---- the native codec -----------------------------------------------------------------------
@@ -394,18 +503,31 @@ def encode_batch(records: Iterable[Record], *, base_offset: int = 0, compression
                                      producer_epoch, base_sequence, compress_payload)
 
 
-def _decode_at(view: memoryview, at: int, whole: bool) -> DecodedBatch:
-    return DecodedBatch(*kafkarecords.decode_batch(view, at, whole, decompress_payload))
+def _decode_at(view: memoryview, at: int, whole: bool, partial_ok: bool, limit: int) -> DecodedBatch | None:
+    fields = kafkarecords.decode_batch(view, at, whole, partial_ok, decompress_payload, limit)
+    return None if fields is None else DecodedBatch(*fields)
 
 
-def decode_batch(buf: bytes | bytearray | memoryview) -> DecodedBatch:
+def decode_batch(buf: bytes | bytearray | memoryview, *,
+                 max_decompressed_bytes: int = MAX_DECOMPRESSED_BYTES) -> DecodedBatch:
     """The one record batch that `buf` holds, checked (see the module docstring); raises
-    InvalidRecordBatchError or a subclass of it if it is malformed, and RecordBatchLengthError if
-    bytes follow it (iter_batches reads several)."""
-    return _decode_at(as_view(buf), 0, True)
+    InvalidRecordBatchError or a subclass of it if it is malformed, RecordBatchLengthError if
+    bytes follow it (iter_batches reads several), and DecompressionLimitError if its compressed
+    records decompress to more than `max_decompressed_bytes` (found without allocating them)."""
+    return _decode_at(as_view(buf), 0, True, False, check_limit(max_decompressed_bytes))  # type: ignore[return-value]
 
 
-def iter_batches(buf: bytes | bytearray | memoryview) -> Iterator[DecodedBatch]:
-    """Every batch of `buf`, which holds whole batches back to back, in order. A bad batch
-    raises when it is reached (the ones before it were yielded); so does a truncated last one."""
-    return iterate_batches(buf, _decode_at)
+def iter_batches(buf: bytes | bytearray | memoryview, *, skip_partial_tail: bool = False,
+                 max_decompressed_bytes: int = MAX_DECOMPRESSED_BYTES) -> Iterator[DecodedBatch]:
+    """Every batch of `buf`, batches back to back, in order; each decoded as decode_batch does.
+    A bad batch raises when it is reached (the ones before it were yielded).
+
+    A buffer that ends inside a batch raises RecordBatchLengthError there: bytes stored whole (a
+    stream's payloads, a file) that end so were truncated. With `skip_partial_tail`, for the
+    records of a Kafka fetch response (which a broker cuts at the fetch's max bytes, mid-batch),
+    the partial last batch is skipped as a Kafka consumer skips it: iteration ends after the last
+    whole batch; fetch again from its next_offset. What the partial batch's bytes do show is still
+    checked (a batchLength too small for any batch, a magic byte other than 2), and a buffer that
+    holds no whole batch at all raises RecordBatchLengthError naming the size to fetch (as Kafka's
+    consumer fails a fetch that cannot progress)."""
+    return iterate_batches(buf, _decode_at, skip_partial_tail, max_decompressed_bytes)

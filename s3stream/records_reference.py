@@ -18,13 +18,14 @@ from .errors import InvalidArgumentError, RecordBatchChecksumError, RecordBatchL
     UnsupportedMagicError
 from .records import (
     _CODEC_MASK, _CRC_AT, _CRC_FROM, _LENGTH_END, _MAGIC_AT, _MAX_INT32, _MIN_BATCH_LENGTH, _TIMESTAMP_TYPE_BIT,
-    COMPRESSION_CODECS, CREATE_TIME, HEADER_SIZE, LOG_APPEND_TIME, MAGIC, ConsumedRecord, DecodedBatch, Record,
-    as_view, compress_payload, decompress_payload, iterate_batches, malformed, prepare_batch,
+    COMPRESSION_CODECS, CREATE_TIME, HEADER_SIZE, LOG_APPEND_TIME, MAGIC, MAX_DECOMPRESSED_BYTES, ConsumedRecord,
+    DecodedBatch, Record, as_view, check_limit, compress_payload, decompress_payload, iterate_batches, malformed,
+    prepare_batch,
 )
 
 __all__ = [
-    "COMPRESSION_CODECS", "ConsumedRecord", "DecodedBatch", "LOG_APPEND_TIME", "CREATE_TIME", "MAGIC", "Record",
-    "decode_batch", "encode_batch", "iter_batches",
+    "COMPRESSION_CODECS", "ConsumedRecord", "DecodedBatch", "LOG_APPEND_TIME", "CREATE_TIME", "MAGIC",
+    "MAX_DECOMPRESSED_BYTES", "Record", "decode_batch", "encode_batch", "iter_batches",
 ]
 
 _HEADER = struct.Struct(">qiibIhiqqqhii")
@@ -182,10 +183,14 @@ def _decode_records(buf: memoryview, pos: int, end: int, count: int, base_offset
     return records
 
 
-def _decode_at(buf: memoryview, at: int, whole: bool) -> DecodedBatch:
-    """The batch starting at byte `at` of `buf`; with `whole`, it must end where `buf` does."""
+def _decode_at(buf: memoryview, at: int, whole: bool, partial_ok: bool, limit: int) -> DecodedBatch | None:
+    """The batch starting at byte `at` of `buf`; with `whole`, it must end where `buf` does. With
+    `partial_ok`, None if `buf` ends inside it (after checking what its bytes show: its length and
+    magic byte). A compressed records section may decompress to `limit` bytes at most."""
     available = len(buf) - at
     if available < _LENGTH_END:
+        if partial_ok:
+            return None
         raise RecordBatchLengthError(
             f"record batch at byte {at}: the buffer ends after {available} bytes, inside the batch's first 12 "
             f"(baseOffset, batchLength); pass the whole batch (it was truncated)")
@@ -195,11 +200,16 @@ def _decode_at(buf: memoryview, at: int, whole: bool) -> DecodedBatch:
             f"record batch at byte {at}: batchLength is {batch_length}, too small for any batch (a v2 batch has "
             f"{_MIN_BATCH_LENGTH} or more); these bytes are not a record batch or its length was damaged")
     end = at + _LENGTH_END + batch_length
-    if end > len(buf):
-        raise RecordBatchLengthError(
-            f"record batch at byte {at}: batchLength {batch_length} says the batch is {batch_length + _LENGTH_END} "
-            f"bytes but the buffer holds {available}; the batch was truncated: pass all of it")
-    if whole and end != len(buf):
+    partial = end > len(buf)
+    if partial:
+        if not partial_ok:
+            raise RecordBatchLengthError(
+                f"record batch at byte {at}: batchLength {batch_length} says the batch is "
+                f"{batch_length + _LENGTH_END} bytes but the buffer holds {available}; the batch was truncated: pass "
+                f"all of it")
+        if available <= _MAGIC_AT:
+            return None
+    elif whole and end != len(buf):
         raise RecordBatchLengthError(
             f"record batch at byte {at}: batchLength {batch_length} says the batch is {batch_length + _LENGTH_END} "
             f"bytes but the buffer holds {available}; pass exactly one batch, or several to iter_batches")
@@ -212,6 +222,8 @@ def _decode_at(buf: memoryview, at: int, whole: bool) -> DecodedBatch:
         raise RecordBatchLengthError(
             f"record batch at byte {at}: batchLength is {batch_length}, shorter than the v2 header "
             f"({_MIN_BATCH_LENGTH}); its length was damaged: have the producer resend the batch")
+    if partial:
+        return None
     (base_offset, _, leader_epoch, _, stored_crc, attributes, last_offset_delta, base_timestamp, max_timestamp,
      producer_id, producer_epoch, base_sequence, count) = _HEADER.unpack_from(buf, at)
     actual_crc = crc32c(buf[at + _CRC_FROM:end])
@@ -231,7 +243,7 @@ def _decode_at(buf: memoryview, at: int, whole: bool) -> DecodedBatch:
     if count == 0:  # emptied by compaction, kept for its producer state: Kafka reads no payload
         records = []
     elif codec:
-        records_buf = decompress_payload(codec, buf[at + HEADER_SIZE:end], at)
+        records_buf = decompress_payload(codec, buf[at + HEADER_SIZE:end], at, limit)
         records = _decode_records(records_buf, 0, len(records_buf), count, base_offset, base_timestamp,
                                   log_append_time, at)
     else:
@@ -240,11 +252,13 @@ def _decode_at(buf: memoryview, at: int, whole: bool) -> DecodedBatch:
                         base_timestamp, max_timestamp, producer_id, producer_epoch, base_sequence, records)
 
 
-def decode_batch(buf: bytes | bytearray | memoryview) -> DecodedBatch:
+def decode_batch(buf: bytes | bytearray | memoryview, *,
+                 max_decompressed_bytes: int = MAX_DECOMPRESSED_BYTES) -> DecodedBatch:
     """records.decode_batch, in Python."""
-    return _decode_at(as_view(buf), 0, whole=True)
+    return _decode_at(as_view(buf), 0, True, False, check_limit(max_decompressed_bytes))  # type: ignore[return-value]
 
 
-def iter_batches(buf: bytes | bytearray | memoryview) -> Iterator[DecodedBatch]:
+def iter_batches(buf: bytes | bytearray | memoryview, *, skip_partial_tail: bool = False,
+                 max_decompressed_bytes: int = MAX_DECOMPRESSED_BYTES) -> Iterator[DecodedBatch]:
     """records.iter_batches, in Python."""
-    return iterate_batches(buf, _decode_at)
+    return iterate_batches(buf, _decode_at, skip_partial_tail, max_decompressed_bytes)

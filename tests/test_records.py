@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import random
 import struct
+import subprocess
+import sys
 import warnings
 
 import cramjam
@@ -18,8 +20,9 @@ with warnings.catch_warnings():  # kafka-python loads its protocol schemas with 
     from kafka.record.memory_records import MemoryRecords
     from kafka.record.util import calc_crc32c
 
+from s3stream import records as native_records
 from s3stream.errors import (
-    InvalidArgumentError, InvalidBatchError, InvalidRecordBatchError, RecordBatchChecksumError, RecordBatchLengthError,
+    DecompressionLimitError, InvalidArgumentError, InvalidBatchError, InvalidRecordBatchError, RecordBatchChecksumError, RecordBatchLengthError,
     UnsupportedCompressionError, UnsupportedMagicError,
 )
 from s3stream.records import (
@@ -236,9 +239,9 @@ def small_batch(codec=None):
                         compression=codec, base_offset=5)
 
 
-def raises_exactly(error, buf, match=None):
+def raises_exactly(error, buf, match=None, limit=native_records.MAX_DECOMPRESSED_BYTES):
     with pytest.raises(error, match=match) as caught:
-        decode_batch(buf)
+        decode_batch(buf, max_decompressed_bytes=limit)
     assert type(caught.value) is error, repr(caught.value)
     return caught.value
 
@@ -394,3 +397,132 @@ def test_iter_batches_over_concatenated_batches():
     assert [r for b in batches for r in ours(b)] == want
     assert [r for _, read in kafka_read(buf) for r in read] == want
     assert list(iter_batches(b"")) == []
+
+
+# ---- a partial last batch, as a Kafka fetch response may end ------------------------------------
+
+@pytest.mark.parametrize("codec", [None, "zstd"])
+def test_skip_partial_tail_yields_the_whole_batches(codec):
+    good, other = small_batch(codec), encode_batch([Record(b"k", b"v" * 50, 1)], compression=codec, base_offset=7)
+    for cut in range(len(other)):
+        batches = list(iter_batches(good + other[:cut], skip_partial_tail=True))
+        assert [ours(b) for b in batches] == [ours(decode_batch(good))]
+    both = list(iter_batches(good + other, skip_partial_tail=True))
+    assert [b.base_offset for b in both] == [5, 7] and both[-1].next_offset == 8
+    with pytest.raises(RecordBatchLengthError, match="truncated"):   # stored bytes: a cut batch is corruption
+        list(iter_batches(good + other[:30]))
+    assert list(iter_batches(b"", skip_partial_tail=True)) == []
+
+
+def test_skip_partial_tail_still_checks_what_the_partial_batch_shows():
+    good = small_batch()
+    bad_magic = bytearray(good[:40])
+    bad_magic[16] = 1
+    with pytest.raises(UnsupportedMagicError):
+        list(iter_batches(good + bytes(bad_magic), skip_partial_tail=True))
+    too_short = bytearray(good[:20])
+    struct.pack_into(">i", too_short, 8, 3)
+    with pytest.raises(RecordBatchLengthError, match="too small for any batch"):
+        list(iter_batches(good + bytes(too_short), skip_partial_tail=True))
+    header_length = bytearray(good[:20])
+    struct.pack_into(">i", header_length, 8, 30)             # magic 2, shorter than a v2 header
+    with pytest.raises(RecordBatchLengthError, match="shorter than the v2 header"):
+        list(iter_batches(good + bytes(header_length), skip_partial_tail=True))
+    flipped = bytearray(good)                                 # a whole batch is checked whole: its CRC
+    flipped[-1] ^= 1
+    with pytest.raises(RecordBatchChecksumError):
+        list(iter_batches(bytes(flipped) + good[:30], skip_partial_tail=True))
+
+
+@pytest.mark.parametrize("cut", [1, 11, 12, 30, -1])
+def test_skip_partial_tail_with_no_whole_batch_raises(cut):
+    """As a Kafka consumer fails a fetch that returned part of one batch: it cannot progress."""
+    good = small_batch()
+    with pytest.raises(RecordBatchLengthError, match="no whole batch to read; fetch again with a max_bytes") as e:
+        list(iter_batches(good[:cut], skip_partial_tail=True))
+    if cut >= 12 or cut < 0:
+        assert f"batchLength says it is {len(good)} bytes" in str(e.value)
+
+
+# ---- decompression bombs: bounded by max_decompressed_bytes -----------------------------------
+
+def records_section_size(records) -> int:
+    return len(encode_batch(records)) - HEADER.size
+
+
+@pytest.mark.parametrize("codec", CODECS[1:])
+def test_decompressed_size_limit_is_exact(codec):
+    records = [Record(b"k%d" % i, b"%d" % i * 20_000, i) for i in range(50)]   # ~1 MiB, compresses well
+    size = records_section_size(records)
+    buf = encode_batch(records, compression=codec)
+    assert len(buf) * 20 < size
+    assert ours(decode_batch(buf, max_decompressed_bytes=size)) == expected(records)
+    error = raises_exactly(DecompressionLimitError, buf, limit=size - 1)
+    assert f"max_decompressed_bytes={size - 1}" in str(error) and "pass a larger max_decompressed_bytes" in str(error)
+    assert (f"to {size} bytes" if codec == "snappy" else f"to more than {size - 1} bytes") in str(error)
+    assert list(iter_batches(buf + buf, max_decompressed_bytes=size)) == [decode_batch(buf)] * 2
+    with pytest.raises(DecompressionLimitError):
+        list(iter_batches(buf, max_decompressed_bytes=size - 1))
+    with pytest.raises(InvalidArgumentError, match="max_decompressed_bytes"):
+        decode_batch(buf, max_decompressed_bytes=0)
+
+
+def test_a_kafka_java_zstd_frame_without_its_size_is_read():
+    """Kafka's Java producer streams zstd (no content size in the frame), so the first output
+    buffer is a guess that grows; cramjam's streaming compressor writes such frames too."""
+    records = [Record(b"k%d" % i, b"abc%d" % i * 5_000, i) for i in range(40)]
+    plain = encode_batch(records)
+    compressor = cramjam.zstd.Compressor()
+    compressor.compress(plain[HEADER.size:])
+    buf = rebuild(plain, attributes=CODEC_IDS["zstd"], payload=bytes(compressor.finish()))
+    assert ours(decode_batch(buf)) == expected(records) == kafka_read(buf)[0][1]
+
+
+def bomb(codec: str, size: int) -> bytes:
+    """A batch (CRC and all valid) whose payload decompresses to `size` zero bytes, made in
+    16 MiB steps (never `size` bytes at once)."""
+    step = bytes(16 << 20)
+    if codec == "snappy":                                      # xerial: one 32 KiB block of zeros, repeated
+        block = bytes(cramjam.snappy.compress_raw(step[:32 << 10]))
+        payload = bytes(native_records._XERIAL_HEADER) + (struct.pack(">i", len(block)) + block) * (size >> 15)
+    else:
+        compressor = getattr(cramjam, codec).Compressor()
+        for _ in range(size // len(step)):
+            compressor.compress(step)
+        payload = bytes(compressor.finish())
+    return rebuild(small_batch(), attributes=CODEC_IDS[codec], payload=payload)
+
+
+BOMB_CHILD = """
+import resource, sys
+from s3stream.errors import DecompressionLimitError
+from s3stream import records, records_reference
+buf = open(sys.argv[1], "rb").read()
+limit = int(sys.argv[2])
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+for module in (records, records_reference):
+    try:
+        module.decode_batch(buf, **({} if limit == 0 else dict(max_decompressed_bytes=limit)))
+    except DecompressionLimitError as e:
+        print(type(e).__name__, e)
+    else:
+        print("decoded")
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
+"""
+
+
+@pytest.mark.parametrize("codec", CODECS[1:])
+def test_decompression_bomb_is_refused_in_bounded_memory(codec, tmp_path):
+    """1 GiB of zeros (256 MiB for snappy, whose xerial framing compresses less) in a payload of
+    KiBs to MiBs: refused by both codecs, their peak memory rising by about the limit at most
+    (measured in a child process: cramjam's own allocations are not Python's)."""
+    size = (256 if codec == "snappy" else 1024) << 20
+    path = tmp_path / "bomb"
+    path.write_bytes(bomb(codec, size))
+    for limit, budget in ((0, 64 << 20), (1 << 20, 0)):
+        out = subprocess.run([sys.executable, "-c", BOMB_CHILD, str(path), str(limit)], capture_output=True,
+                             text=True, timeout=120, check=True).stdout.splitlines()
+        shown = limit or native_records.MAX_DECOMPRESSED_BYTES
+        assert out[0] == out[1] and out[0].startswith("DecompressionLimitError"), out
+        assert f"max_decompressed_bytes={shown}" in out[0]
+        assert int(out[2]) < budget + (24 << 20), f"peak memory rose by {int(out[2]) >> 20} MiB"

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from s3stream import (InvalidArgumentError, InvalidRecordBatchError, Record, RecordBatch, StreamClient,
-                      UnsupportedMagicError)
+from s3stream import (DecompressionLimitError, InvalidArgumentError, InvalidRecordBatchError, Record, RecordBatch,
+                      StreamClient, UnsupportedMagicError)
 from s3stream.records import decode_batch
 
 from conftest import small_config
@@ -98,3 +98,14 @@ def test_partition_append_records(client):
     for batch in p.fetch(r.base_offset).batches:
         got += list(batch.records())
     assert [(x.offset, x.key) for x in got] == [(r.base_offset, b"id-1"), (r.base_offset + 1, b"id-2")]
+
+
+def test_records_past_the_decompressed_limit_are_refused_and_readable_with_a_larger_one(client):
+    s = client.create_stream()
+    records = [Record(b"k%d" % i, b"z" * 100_000) for i in range(20)]           # 2 MB, compresses to KiBs
+    s.append_records(records, compression="zstd").result(10)
+    batch = s.fetch(0).batches[0]
+    with pytest.raises(DecompressionLimitError, match="max_decompressed_bytes=1048576"):
+        list(batch.records(max_decompressed_bytes=1 << 20))
+    assert [r.offset for r in batch.records(max_decompressed_bytes=4 << 20)] == list(range(20))
+    assert len(list(batch.records())) == 20                                     # the default: 64 MiB

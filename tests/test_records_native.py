@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from s3stream import records as native, records_reference as reference
-from s3stream.errors import InvalidArgumentError, RecordBatchLengthError, UnsupportedMagicError
+from s3stream.errors import DecompressionLimitError, InvalidArgumentError, RecordBatchLengthError, UnsupportedMagicError
 from s3stream.records import Record
 
 from test_records import CODECS, HEADER, rebuild, small_batch
@@ -35,11 +35,14 @@ def outcome(call, *args, **kwargs):
         return type(e), str(e)
 
 
-def same_decode(buf: bytes):
-    """decode_batch and iter_batches of both codecs over buf: equal results or equal errors."""
-    result = outcome(native.decode_batch, buf)
-    assert result == outcome(reference.decode_batch, buf)
-    assert outcome(lambda: list(native.iter_batches(buf))) == outcome(lambda: list(reference.iter_batches(buf)))
+def same_decode(buf: bytes, **limit):
+    """decode_batch and iter_batches (strict, and skipping a partial tail) of both codecs over
+    buf: equal results or equal errors."""
+    result = outcome(native.decode_batch, buf, **limit)
+    assert result == outcome(reference.decode_batch, buf, **limit)
+    for skip in (False, True):
+        assert outcome(lambda: list(native.iter_batches(buf, skip_partial_tail=skip, **limit))) \
+            == outcome(lambda: list(reference.iter_batches(buf, skip_partial_tail=skip, **limit)))
     return result
 
 
@@ -154,6 +157,22 @@ def test_every_truncation(codec):
     for cut in range(len(good)):
         assert raises_alike(good[:cut]) is RecordBatchLengthError
         assert raises_alike(good + good[:cut] if cut else good + b"\0") is RecordBatchLengthError
+        tolerated = native.iter_batches(good + good[:cut] if cut else good + b"\0", skip_partial_tail=True)
+        assert list(tolerated) == [native.decode_batch(good)]
+
+
+@pytest.mark.parametrize("codec", CODECS[1:])
+def test_decompressed_size_limit_alike(codec):
+    records = [Record(b"k%d" % i, b"%d" % i * 3_000, i) for i in range(30)]
+    size = len(native.encode_batch(records)) - HEADER.size
+    buf = native.encode_batch(records, compression=codec)
+    for limit in (1, 100, size // 3, size - 1, size, size + 1):
+        result = same_decode(buf, max_decompressed_bytes=limit)
+        assert (result[0] is DecompressionLimitError if limit < size else len(result.records) == 30), result
+    assert same_decode(buf, max_decompressed_bytes=True)[0] is InvalidArgumentError
+    same_decode(buf + buf[:40], max_decompressed_bytes=size - 1)     # the iterations raise it, alike
+    assert outcome(lambda: list(native.iter_batches(buf + buf[:40], skip_partial_tail=True,
+                                                    max_decompressed_bytes=size - 1)))[0] is DecompressionLimitError
 
 
 @pytest.mark.parametrize("batch_length", [*range(-2, 70), 1 << 20, (1 << 31) - 1, -(1 << 31)])

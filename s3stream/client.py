@@ -297,10 +297,11 @@ class StreamClient:
         self._check_usable()
         return self._partition_table().reader(name)
 
-    def open_partition(self, name: str) -> Any:
-        """Create the named partition or open it on this node (s3stream.cluster.partition)."""
+    def open_partition(self, name: str, *, hinted: bool = False) -> Any:
+        """Create the named partition or open it on this node (s3stream.cluster.partition;
+        `hinted`, for node agents: open from the hint its last close recorded, if it holds)."""
         self._check_usable()
-        return self._partition_table().open(name)
+        return self._partition_table().open(name, hinted)
 
     def partitions(self) -> list:
         """The partitions open on this node."""
@@ -574,7 +575,8 @@ class StreamClient:
         if pending:
             self._uploader.wait_committed(max(pending), timeout)
 
-    def close_streams(self, streams: list[Stream], timeout: float | None = None, timing: dict | None = None) -> None:
+    def close_streams(self, streams: list[Stream], timeout: float | None = None, timing: dict | None = None,
+                      kv: tuple[tuple[str, bytes], ...] = ()) -> None:
         """Close several streams together: wait for their pending appends, then upload their
         un-uploaded tails only (each at most about Config.stream_tail_limit; nothing of other
         streams, nothing older), on this thread ahead of the background uploads, and commit
@@ -583,7 +585,9 @@ class StreamClient:
         Says only what happened: a stream is closed here once it is CLOSED in metadata. If a
         step fails this raises, and the streams not marked CLOSED serve again (open, appends
         accepted), so that calling it again does every step left. `timing`, if given, receives
-        where the upload's time went (Uploader.upload_and_close)."""
+        where the upload's time went (Uploader.upload_and_close). `kv`: KV entries written by
+        the commit that closes them all (CommitRequest.kv); not written when they close one by
+        one (a stream was fenced) or none was open."""
         closing = [s for s in streams if s._begin_close(timeout)]
         closed: set[int] = set()
         try:
@@ -591,7 +595,7 @@ class StreamClient:
                 raise self._upload_failure()
             if closing:
                 try:
-                    self._uploader.upload_and_close([(s.stream_id, s.epoch) for s in closing], timeout, timing)
+                    self._uploader.upload_and_close([(s.stream_id, s.epoch) for s in closing], timeout, timing, kv)
                     closed.update(s.stream_id for s in closing)
                     self._seal_closed_tails(closing)
                 except StreamFencedError as e:

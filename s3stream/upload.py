@@ -640,7 +640,7 @@ class Uploader:
         return CommitRequest(request.node_id, request.node_epoch, sso=sso, stream_objects=sos)
 
     def upload_and_close(self, streams: list[tuple[int, int]], timeout: float | None,
-                         timing: dict | None = None) -> CommitResult:
+                         timing: dict | None = None, kv: tuple[tuple[str, bytes], ...] = ()) -> CommitResult:
         """Close `streams` ((stream id, epoch), whose appends have stopped and are durable): PUT
         each one's un-uploaded tail as a StreamObject on the calling thread, ahead of the
         background uploads, and commit them with the streams' close in one metadata
@@ -648,7 +648,8 @@ class Uploader:
         errors are retried until `timeout` (None: no bound), then OperationTimeoutError;
         StreamFencedError if a stream moved away; UploadAborted if uploads stopped for good.
         `timing`, if given, receives the seconds spent: "put" (ids, encode, PUTs), "gate"
-        (waiting for a block's commit to end), "commit"."""
+        (waiting for a block's commit to end), "commit". `kv`: KV entries the same commit writes
+        (CommitRequest.kv)."""
         deadline = None if timeout is None else self._clock() + timeout
         timing = {} if timing is None else timing
         for phase in ("put", "gate", "commit"):
@@ -682,7 +683,7 @@ class Uploader:
                     hold = True
                     continue
                 request = CommitRequest(self._node_id, self._node_epoch, stream_objects=tuple(entries),
-                                        closes=tuple(streams))
+                                        closes=tuple(streams), kv=tuple(kv))
                 result = self._until(deadline, f"commit of the close of streams {[k[0] for k in streams]}",
                                      lambda: self._meta.commit(request), "commit")
                 timing["commit"] += time.perf_counter() - t3

@@ -953,7 +953,8 @@ class SimClient:
     def opened(self, stream_id: int) -> SimStream | None:
         return self.streams.get(stream_id)
 
-    def close_streams(self, streams: list, timeout: float | None = None, timing: dict | None = None) -> None:
+    def close_streams(self, streams: list, timeout: float | None = None, timing: dict | None = None,
+                      kv: tuple = ()) -> None:
         closing = [s for s in streams if s.state == "open"]
         for s in closing:
             s.state = "closing"
@@ -975,6 +976,8 @@ class SimClient:
             for s in closing:
                 self.metadata.close_stream(s.stream_id, s.epoch, self.node_id)
                 closed.add(s.stream_id)
+            for key, value in kv if closing else ():      # the real store: in the closes' commit
+                self.metadata.put_kv(key, value)
         finally:
             for s in closing:
                 if s.stream_id in closed:
@@ -990,9 +993,9 @@ class SimClient:
             self.addons[key] = make(self)
         return self.addons[key]
 
-    def open_partition(self, name: str):
+    def open_partition(self, name: str, *, hinted: bool = False):
         self._check_usable()
-        return self.addon("partitions", PartitionTable).open(name)
+        return self.addon("partitions", PartitionTable).open(name, hinted)
 
     def partitions(self) -> list:
         table = self.addons.get("partitions")
@@ -1413,7 +1416,8 @@ class World:
             if entry["kind"] != "failover" or not entry.get("ok"):
                 continue
             counts["failovers"] += 1
-            at = entry["at_ns"] - SimRuntime.WALL_BASE
+            # Judged when it was decided: a judge paused mid-failover records it long after.
+            at = entry.get("decided_ns", entry["at_ns"]) - SimRuntime.WALL_BASE
             touched = [f for f in self.faults if f.target == entry["node"] and f.start <= at and f.end >= at - window]
             if not touched:
                 counts["false_failovers"] += 1
@@ -1495,13 +1499,13 @@ def _flag():
     yield
 
 
-def _old_close(self, timeout=None):
+def _old_close(self, timeout=None, record=None):
     """Partition.close before issue 32: a failed close leaves it half closed, and the next call
     says it closed (CloseReport(0, 0.0)) without doing anything."""
     if self._closing:
         return _partition.CloseReport(0, 0.0)
     try:
-        return _ORIGINAL_CLOSE(self, timeout)
+        return _ORIGINAL_CLOSE(self, timeout, record)
     except BaseException:
         self._closing = True             # half closed: refusing appends, never finished
         raise

@@ -319,3 +319,50 @@ def test_a_partition_open_is_one_metadata_write(tmp_path):
     finally:
         one.close()
         two.close()
+
+
+def test_a_hinted_open_reads_one_key_and_a_stale_hint_still_opens_the_newest_checkpoint(tmp_path, monkeypatch):
+    """A close asked to record itself writes closed/<name> in its commit, with the open hint:
+    the next hinted open reads that key and opens the streams, reading no checkpoint back. A
+    hint left stale by a later open and a close that recorded nothing still opens at the
+    newest checkpoint (it is read from the meta stream)."""
+    import json
+    from s3stream.cluster import partition as P
+    store = f"file://{tmp_path}/objects"
+    one = StreamClient(1, tmp_path / "n1.wal", store, f"sqlite:///{tmp_path}/meta.db", small_config())
+    two = StreamClient(2, tmp_path / "n2.wal", store, f"sqlite:///{tmp_path}/meta.db", small_config())
+    try:
+        p = one.open_partition("p")
+        p.append(RecordBatch(b"r0", 1)).result(10)
+        report = p.close(timeout=10, record={"version": 3})
+        stored = json.loads(one.metadata.get_kv("closed/p"))
+        assert stored == report.record and stored["version"] == 3 and stored["tail_bytes"] == report.tail_bytes > 0
+        assert stored["hint"]["meta"] == p.meta_stream.stream_id
+        reads: list[str] = []
+        meta = two.metadata
+        names = ("get_kv", "get_stream", "list_objects", "get_objects")
+        for name in names:
+            real = getattr(meta, name, None)
+            if real is not None:
+                setattr(meta, name, lambda *a, _real=real, _name=name, **k: (reads.append(_name), _real(*a, **k))[1])
+
+        def no_read_back(*a, **k):
+            raise AssertionError("the hinted open read the checkpoint back")
+        try:
+            with monkeypatch.context() as m:
+                m.setattr(P, "_committed_checkpoint", no_read_back)
+                m.setattr(P, "_last_checkpoint", no_read_back)
+                q = two.open_partition("p", hinted=True)
+        finally:
+            for name in names:
+                meta.__dict__.pop(name, None)
+        assert reads == ["get_kv"]
+        assert q.checkpoint.leader_epoch == 2 and q.log.next_offset == 1
+        q.append(RecordBatch(b"r1", 1)).result(10)
+        q.close(timeout=10)                          # no record: closed/p still holds the first close's hint
+        q = one.open_partition("p", hinted=True)     # the hint's epochs are stale: read the newest checkpoint
+        assert q.checkpoint.leader_epoch == 3 and q.log.next_offset == 2
+        assert [bytes(b.payload) for b in q.log.fetch(0, 2).batches] == [b"r0", b"r1"]
+    finally:
+        one.close()
+        two.close()

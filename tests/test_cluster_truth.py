@@ -112,7 +112,7 @@ def test_a_node_that_cannot_open_hands_the_partition_on(tmp_path, metadata_url):
     cluster = Cluster(meta, LocalObjectStore(str(tmp_path / "objects")), FAST, small_config())
     nodes = {n: Node(tmp_path, n, metadata_url, f"file://{tmp_path}/objects", cluster) for n in (2, 3)}
     try:
-        def cannot_open(name):
+        def cannot_open(name, **_):
             raise S3StreamError(f"injected: node 2 cannot open {name!r}")
         nodes[2].client.open_partition = cannot_open                       # type: ignore[method-assign]
         cluster.assign("p", 2)

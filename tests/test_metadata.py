@@ -1116,6 +1116,33 @@ def test_postgres_lock_timeout_is_a_busy_error(pg_url):
 
 # ---- pushed KV changes (ChangeFeed) ----------------------------------------------------------
 
+def test_a_close_commit_writes_its_kv_entries_in_the_same_transaction(store, open_same):
+    """CommitRequest.kv: written (and pushed to the feeds) by the commit that closes the streams,
+    not by one that fails; refused without closes."""
+    n1 = store.register_node(1, "w1")
+    a = store.create_stream(1, n1.node_epoch)
+    b = store.create_stream(1, n1.node_epoch)
+    feed = open_same().kv_changes(("closed/",))
+    try:
+        request = upload(store, n1, sos=[rng(a, 0, 10)])
+        request = CommitRequest(1, n1.node_epoch, stream_objects=request.stream_objects,
+                                closes=((a.stream_id, 0),), kv=(("closed/p", b'{"v": 1}'),))
+        store.commit(request)
+        assert store.get_kv("closed/p") == b'{"v": 1}'
+        assert store.get_stream(a.stream_id).state == StreamState.CLOSED
+        assert feed.wait(5)
+        # A fenced close writes nothing, its entries included.
+        with pytest.raises(StreamFencedError):
+            store.commit(CommitRequest(1, n1.node_epoch, closes=((b.stream_id, 7),), kv=(("closed/q", b"x"),)))
+        assert store.get_kv("closed/q") is None
+        with pytest.raises(MetadataError, match="only with the closes"):
+            store.commit(CommitRequest(1, n1.node_epoch, stream_objects=upload(store, n1, sos=[rng(b, 0, 5)]).stream_objects,
+                                       kv=(("closed/q", b"x"),)))
+        assert store.get_kv("closed/q") is None and store.get_stream(b.stream_id).end_offset == 0
+    finally:
+        feed.close()
+
+
 def test_change_feed_wakes_on_writes_under_its_prefixes(store, open_same, meta_url):
     """Both stores push a committed KV write to every feed listening for its prefix (another
     store, as another process would be): PostgreSQL by LISTEN/NOTIFY, SQLite by datagrams

@@ -31,6 +31,7 @@ from .cluster import Cluster, put_json
 from .detector import FailureDetector
 from . import metrics as cluster_metrics
 from .loadreport import LoadReporter
+from .partition import closed_key
 
 log = logging.getLogger("s3stream.cluster")
 
@@ -391,7 +392,8 @@ class NodeAgent:
     def _open(self, name: str, version: int) -> None:
         t0 = self.clock()
         try:
-            partition = self.client.open_partition(name)
+            # Hinted: the source's close record names the streams and the checkpoint.
+            partition = self.client.open_partition(name, hinted=True)
         except StreamNotClosedError:
             raise                             # the source has not let go yet: not a failure
         except S3StreamError as e:
@@ -423,18 +425,20 @@ class NodeAgent:
 
     def _close(self, partition, version: int) -> None:
         started = self.runtime.wall_ns() / 1e9
+        record = {"node": self.node_id, "node_epoch": self.node_epoch, "version": version, "started": started}
         try:
-            report = partition.close()
+            # The close's commit records it (closed/<name>, with the open hint): the target
+            # wakes then, not one metadata write later.
+            report = partition.close(record=record)
         except Exception:
             self.stats["close_failures"] += 1
             raise
         self.stats["closes"] += 1
         self._published.pop(partition.name, None)
-        put_json(self.client.metadata, f"closed/{partition.name}",
-                 {"node": self.node_id, "node_epoch": self.node_epoch, "version": version,
-                  "tail_bytes": report.tail_bytes, "seconds": report.seconds, "started": started,
-                  "phases": report.phases,
-                  "at": self.runtime.wall_ns() / 1e9})
+        # Then the close's figures for the migration's report, with the same record.
+        put_json(self.client.metadata, closed_key(partition.name),
+                 dict(report.record or record, tail_bytes=report.tail_bytes, seconds=report.seconds,
+                      phases=report.phases, at=self.runtime.wall_ns() / 1e9))
 
 
 __all__ = ["NodeAgent"]

@@ -107,7 +107,7 @@ def _with_close(report: MigrationReport, closed: dict | None) -> MigrationReport
     """`report` with what the source's close record `closed` says, if it is this version's."""
     mine = closed if closed and closed["version"] == report.version else {}
     opened = report.opened
-    if "started" not in mine or "started" not in opened:
+    if "seconds" not in mine or "started" not in opened:     # its figures come after the close's commit
         return report
     phases = dict(assign=report.assign_seconds, to_close=mine["started"] - report.assigned_at, close=mine["seconds"],
                   to_open=opened["started"] - mine["at"], open=opened["seconds"], to_seen=report.seen_at - opened["at"])
@@ -296,12 +296,14 @@ class Cluster:
     def with_close_record(self, report: MigrationReport, timeout: float = 2.0) -> MigrationReport:
         """`report` with the source's close (tail, close seconds, phases) filled in, waiting up to
         `timeout` for the source to record it: the target may open as soon as the close's commit
-        marks the streams CLOSED, before the source's agent records the close (closed/), and
-        migrate returns as soon as the target serves. Unchanged if it is complete, or if there
+        marks the streams CLOSED and records it (closed/), before the source's agent adds the
+        close's figures to that record, and migrate returns as soon as the target serves. Unchanged if it is complete, or if there
         was no source to close (a first assignment, a failover)."""
         if report.phases or report.source is None or report.source == report.target or report.failed_over:
             return report
-        closed = self._wait_record(f"closed/{report.partition}", lambda c: c["version"] >= report.version, timeout)
+        closed = self._wait_record(f"closed/{report.partition}",
+                                   lambda c: c["version"] > report.version or (c["version"] == report.version
+                                                                                and "seconds" in c), timeout)
         return _with_close(report, closed)
 
     # ---- failover ------------------------------------------------------------------------------

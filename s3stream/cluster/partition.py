@@ -84,10 +84,18 @@ class CloseReport:
     """What closing a partition cost: the un-uploaded tail it forced up, and how long; `phases`
     (seconds): "flush" (its pending appends acknowledged), "checkpoint" (the clean checkpoint
     appended and acknowledged), "upload" (its streams' tails PUT and committed with their close),
-    and of the upload "upload.put", "upload.gate", "upload.commit" (Uploader.upload_and_close)."""
+    and of the upload "upload.put", "upload.gate", "upload.commit" (Uploader.upload_and_close).
+    `record`: what the close wrote at `closed_key(name)` in its commit (Partition.close), if it
+    was asked to."""
     tail_bytes: int
     seconds: float
     phases: dict = field(default_factory=dict)
+    record: dict | None = None
+
+
+def closed_key(name: str) -> str:
+    """The KV key of a partition's last close record (Partition.close's `record`)."""
+    return f"closed/{name}"
 
 
 class Partition:
@@ -165,11 +173,17 @@ class Partition:
             m.fetch_ms.append((time.perf_counter() - t0) * 1e3)
         return result
 
-    def close(self, timeout: float | None = None) -> CloseReport:
+    def close(self, timeout: float | None = None, record: dict | None = None) -> CloseReport:
         """Stop appends, force-upload the data streams' tails with a clean checkpoint, and mark
         every stream CLOSED. Returns once that is all true (see the module docstring: a failed
         close raises, a later call finishes it; calls wait for each other). `timeout` bounds
-        each wait (pending appends, the force upload)."""
+        each wait (pending appends, the force upload).
+
+        `record` (a JSON object): written at `closed_key(name)` by the very commit that closes
+        the streams, with the tail's size and an open hint added ("tail_bytes"; "hint": the meta
+        stream, every stream's epoch, the clean checkpoint), so that the next owner wakes at the
+        close's commit and opens without reading the checkpoint back (open_partition's `hint`).
+        Not written if that commit closed none of them (all were closed already)."""
         with self._close_lock:
             if self._closed is not None:
                 return self._closed
@@ -191,7 +205,13 @@ class Partition:
                     self.checkpoint = done
                 t2 = time.perf_counter()
                 timing: dict = {}
-                self._client.close_streams(open_streams, timeout, timing)
+                kv: tuple[tuple[str, bytes], ...] = ()
+                if record is not None:
+                    record = dict(record, tail_bytes=tail, hint=dict(
+                        meta=self.meta_stream.stream_id, checkpoint=json.loads(self.checkpoint.encode()),
+                        epochs={str(s.stream_id): s.epoch for s in (self.meta_stream, *self.streams.values())}))
+                    kv = ((closed_key(self.name), json.dumps(record, sort_keys=True).encode()),)
+                self._client.close_streams(open_streams, timeout, timing, kv)
             except BaseException as e:
                 self.close_error = e
                 # Serve again if every stream still can; else keep refusing until a close finishes.
@@ -199,7 +219,7 @@ class Partition:
                 raise
             t3 = time.perf_counter()
             self._closed = CloseReport(tail, t3 - t0, dict(flush=t1 - t0, checkpoint=t2 - t1, upload=t3 - t2,
-                                                           **{f"upload.{k}": v for k, v in timing.items()}))
+                                                           **{f"upload.{k}": v for k, v in timing.items()}), record)
             self._closing = False
             self.close_error = None
         self._table.forget(self)
@@ -262,12 +282,13 @@ class PartitionTable:
         self._lock = threading.Lock()
         self._partitions: dict[str, Partition] = {}
 
-    def open(self, name: str) -> Partition:
-        """Create the named partition or open it on this node (see the module docstring)."""
+    def open(self, name: str, hinted: bool = False) -> Partition:
+        """Create the named partition or open it on this node (see the module docstring);
+        `hinted`: as open_partition's."""
         with self._lock:
             if name in self._partitions:
                 return self._partitions[name]
-        partition = open_partition(self._client, self, name)
+        partition = open_partition(self._client, self, name, hinted)
         with self._lock:
             self._partitions[name] = partition
         return partition
@@ -301,11 +322,20 @@ class PartitionTable:
         return errors
 
 
-def open_partition(client: StreamClient, table: PartitionTable, name: str) -> Partition:
-    """Create the partition if it is new, else open it on this node (see module docstring)."""
+def open_partition(client: StreamClient, table: PartitionTable, name: str, hinted: bool = False) -> Partition:
+    """Create the partition if it is new, else open it on this node (see module docstring).
+
+    `hinted` (node agents): read the hint of the partition's last close first (`closed_key`,
+    written by the commit that closed it): when it still holds (no stream was opened since),
+    the open is one read and one write, its streams' open, and the close's checkpoint is the
+    last one. Otherwise the usual open follows."""
     if not name or "/" in name:
         raise ValueError(f"partition names must be non-empty and contain no '/', got {name!r}")
     timing: dict[str, float] = {"started": time.perf_counter()}
+    if hinted:
+        together = _open_hinted(client, client.metadata.get_kv(closed_key(name)), timing)
+        if together is not None:
+            return _opened(client, table, name, *together, trim_later=True, timing=timing)
     meta_kv = client.metadata.get_kv(_kv_key(name))
     if meta_kv is None:
         # Create a meta stream and race to publish it; the loser destroys its own.
@@ -366,6 +396,45 @@ def _open_all(client: StreamClient, meta_id: int,
     timing["read"] = time.perf_counter()
     handles = client.open_streams([meta_id, *(checkpoint.streams[r] for r in roles)])
     return handles[0], dict(zip(roles, handles[1:])), checkpoint
+
+
+def _open_hinted(client: StreamClient, raw: bytes | None,
+                 timing: dict[str, float]) -> tuple["Stream", dict[str, "Stream"], Checkpoint] | None:
+    """The open of a partition its last close describes (`raw`: its close record, see
+    Partition.close): its streams opened together in ONE metadata transaction, as `_open_all`
+    does, without reading the checkpoint back. The hint holds when every stream is at the epoch
+    the close left it (none was opened since, so the close's checkpoint is the meta stream's
+    last record); else the checkpoint is read from the meta stream, now open here. None when it
+    does not apply (no record or no hint, a handle already open here, a stream gone): the
+    caller opens the usual way. StreamNotClosedError while another node holds it."""
+    hint = None if raw is None else json.loads(raw).get("hint")
+    if not hint:
+        return None
+    checkpoint = Checkpoint.decode(json.dumps(hint["checkpoint"]).encode())
+    roles = list(checkpoint.streams)
+    ids = [int(hint["meta"]), *(checkpoint.streams[r] for r in roles)]
+    epochs = {int(sid): int(epoch) for sid, epoch in hint["epochs"].items()}
+    if set(epochs) != set(ids) or any(client.opened(sid) is not None for sid in ids):
+        return None
+    timing["read"] = time.perf_counter()
+    try:
+        handles = client.open_streams(ids)
+    except StreamNotFoundError:
+        return None
+    meta, streams = handles[0], dict(zip(roles, handles[1:]))
+    if any(h.epoch != epochs[h.stream_id] + 1 for h in handles):
+        # Opened since that close (a failover closed it, or a close without a record): the last
+        # checkpoint is in the meta stream, open here now.
+        try:
+            last = _last_checkpoint(meta)
+        except BaseException:
+            _let_go(client, meta, streams)
+            raise
+        if last is None or last.streams != checkpoint.streams:
+            _let_go(client, meta, streams)
+            return None
+        checkpoint = last
+    return meta, streams, checkpoint
 
 
 def _opened(client: StreamClient, table: "PartitionTable", name: str, meta: "Stream", streams: dict[str, "Stream"],

@@ -188,6 +188,10 @@ class CommitRequest:
     StreamFencedError; already CLOSED at that epoch: nothing to do). A node's close of a
     partition uploads the streams' tails and closes them in this one transaction; a request may
     hold closes and no object at all.
+
+    `kv` (key, value): KV entries written (as `put_kv`, change feeds notified) in the same
+    transaction, only with `closes`: a partition's close records itself (`closed/<name>`) in
+    the commit that closes its streams, so that whoever waits for it wakes one write earlier.
     """
     node_id: int
     node_epoch: int
@@ -195,6 +199,7 @@ class CommitRequest:
     stream_objects: tuple[CommitStreamObject, ...] = ()
     compacted_ids: tuple[int, ...] = ()
     closes: tuple[tuple[int, int], ...] = ()
+    kv: tuple[tuple[str, bytes], ...] = ()
 
     def object_ids(self) -> list[int]:
         ids = [so.object_id for so in self.stream_objects]
@@ -218,6 +223,12 @@ def commit_key(stream_id: int) -> str:
     """The change-feed key a commit that extends stream `stream_id` notifies (not a KV key: no
     value is stored under it). A tailing reader waits on kv_changes((commit_key(id),))."""
     return f"commit/{stream_id}"
+
+
+def commit_notices(request: "CommitRequest") -> list[str]:
+    """The change-feed keys a commit notifies once it is committed: `commit_key` of each stream
+    whose committed end it moves (tailing readers), and its `kv` keys."""
+    return [commit_key(stream_id) for stream_id in extended_streams(request)] + [key for key, _ in request.kv]
 
 
 def extended_streams(request: "CommitRequest") -> list[int]:

@@ -77,7 +77,7 @@ import psycopg.conninfo
 from psycopg_pool import ConnectionPool
 
 from ..errors import (ConfigError, MetadataBusyError, MetadataError, StreamFencedError)
-from .base import (ChangeFeed, commit_key, extended_streams, redact_url, CommitRequest, CommitResult, MetadataStore, NodeMeta, ObjectMeta, ObjectRef, ObjectState,
+from .base import (ChangeFeed, commit_notices, redact_url, CommitRequest, CommitResult, MetadataStore, NodeMeta, ObjectMeta, ObjectRef, ObjectState,
                    ObjectType, StreamMeta, StreamState, object_key)
 # The checks and loaders are the SQLite store's own: both stores must decide alike. They take any
 # connection-like object whose execute() takes qmark SQL; _Db adapts a psycopg connection.
@@ -617,8 +617,10 @@ class PostgresMetadataStore(MetadataStore):
                 if stream_id not in streams:
                     raise MetadataError(f"commit names stream {stream_id}, which does not exist")
             result = _apply_commit(db, request, now, rows, streams, _set_stream_ends)
-            for stream_id in extended_streams(request):   # tailing readers, once it commits
-                _notify(db, commit_key(stream_id))
+            if request.kv:
+                db.executemany(_PUT_KV, [(k, bytes(v)) for k, v in request.kv])
+            for key in commit_notices(request):       # tailing readers, waiters on request.kv
+                _notify(db, key)
             return result
 
     def get_object(self, object_id: int) -> ObjectMeta:
@@ -721,8 +723,7 @@ class PostgresMetadataStore(MetadataStore):
 
     def put_kv(self, key: str, value: bytes) -> None:
         with self._transaction(write=True) as db:
-            db.execute("INSERT INTO kv VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value",
-                       (key, bytes(value)))
+            db.execute(_PUT_KV, (key, bytes(value)))
             _notify(db, key)
 
     def put_kv_if_absent(self, key: str, value: bytes) -> bytes:
@@ -788,6 +789,9 @@ def _set_stream_ends(db: "_Db", ends: list[tuple[int, int, int]]) -> None:
     db.execute("UPDATE ranges SET end_offset = e.end_offset FROM unnest(?::bigint[], ?::bigint[], ?::bigint[]) "
                "AS e (stream_id, end_offset, range_index) WHERE ranges.stream_id = e.stream_id "
                "AND ranges.range_index = e.range_index", (ids, new_ends, indexes))
+
+
+_PUT_KV = "INSERT INTO kv VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value"
 
 
 def _notify(db: "_Db", key: str) -> None:

@@ -72,7 +72,7 @@ import tenacity
 
 from ..errors import (ConfigError, MetadataBusyError, MetadataError, NodeAliveError, StreamFencedError,
                       StreamNotClosedError, StreamNotFoundError)
-from .base import (ChangeFeed, commit_key, extended_streams, CommitRange, CommitRequest, CommitResult, MetadataStore, NodeMeta, ObjectMeta,
+from .base import (ChangeFeed, commit_notices, CommitRange, CommitRequest, CommitResult, MetadataStore, NodeMeta, ObjectMeta,
                    ObjectRef, ObjectState, ObjectType, Range, StreamMeta, StreamRange, StreamState,
                    object_key)
 from .hostfeed import HostNotifier
@@ -439,8 +439,8 @@ class SqliteMetadataStore(MetadataStore):
 
     def commit(self, request: CommitRequest) -> CommitResult:
         result = self._commit(request)
-        for stream_id in extended_streams(request):       # tailing readers (commit_key)
-            self._notifier.notify(commit_key(stream_id))
+        for key in commit_notices(request):                # tailing readers, waiters on request.kv
+            self._notifier.notify(key)
         return result
 
     def _commit(self, request: CommitRequest) -> CommitResult:
@@ -465,7 +465,9 @@ class SqliteMetadataStore(MetadataStore):
                 except StreamNotFoundError:
                     raise MetadataError(f"commit names stream {stream_id}, which does not "
                                         f"exist") from None
-            return _apply_commit(db, request, now, rows, streams, _set_stream_ends)
+            result = _apply_commit(db, request, now, rows, streams, _set_stream_ends)
+            db.executemany("INSERT OR REPLACE INTO kv VALUES (?, ?)", [(k, bytes(v)) for k, v in request.kv])
+            return result
 
     def get_object(self, object_id: int) -> ObjectMeta:
         with self._transaction(write=False) as db:
@@ -874,6 +876,8 @@ def _check_request_shape(request: CommitRequest, object_ids: list[int]) -> None:
         raise MetadataError("commit request has no objects, no compacted ids and no closes")
     if request.closes and request.compacted_ids:
         raise MetadataError("a compaction's commit closes no stream")
+    if request.kv and not request.closes:
+        raise MetadataError("a commit writes KV entries only with the closes they record")
     closed = [stream_id for stream_id, _ in request.closes]
     if len(set(closed)) != len(closed):
         raise MetadataError(f"commit request closes a stream twice: {closed}")

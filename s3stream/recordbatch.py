@@ -14,7 +14,7 @@ from _native import appendpath
 from _native.appendpath import AppendFuture, AppendResult, RecordBatch
 
 from .errors import InvalidBatchError, InvalidRecordBatchError
-from .records import MAX_DECOMPRESSED_BYTES, ConsumedRecord, Record, decode_batch, encode_batch
+from .records import MAX_DECOMPRESSED_BYTES, ConsumedRecord, Record, decode_batch, encode_records
 
 appendpath.set_error_types(invalid_batch=InvalidBatchError)
 
@@ -57,8 +57,7 @@ def records_batch(records: Iterable[Record], compression: str | None = None) -> 
     """The RecordBatch that append_records appends: `records` as one Kafka record batch (v2,
     s3stream.records), one offset per record. InvalidArgumentError for bad records or an unknown
     compression (nothing is appended)."""
-    records = records if isinstance(records, (list, tuple)) else list(records)
-    return RecordBatch(encode_batch(records, compression=compression), len(records))
+    return RecordBatch(*encode_records(records, compression))
 
 
 @dataclass(frozen=True)

@@ -71,7 +71,7 @@ from .errors import (
 
 __all__ = [
     "COMPRESSION_CODECS", "ConsumedRecord", "DecodedBatch", "LOG_APPEND_TIME", "CREATE_TIME", "MAGIC",
-    "MAX_DECOMPRESSED_BYTES", "Record", "decode_batch", "encode_batch", "iter_batches",
+    "MAX_DECOMPRESSED_BYTES", "Record", "decode_batch", "encode_batch", "encode_records", "iter_batches",
 ]
 
 MAGIC = 2
@@ -287,23 +287,29 @@ def _codec_id(compression: object) -> int:
         f"compression must be None or one of 'gzip', 'snappy', 'lz4', 'zstd', got {compression!r}")
 
 
+def _records_and_codec(records: Iterable[Record],
+                       compression: str | None) -> tuple[list[Record] | tuple[Record, ...], int]:
+    """(records as a list or tuple, the codec id), checked: 1 to 2**31 records, a known codec."""
+    records = records if isinstance(records, (list, tuple)) else list(records)
+    if not records:
+        raise InvalidArgumentError("a record batch needs at least one record; got none (send nothing instead)")
+    if len(records) - 1 > _MAX_INT32:
+        raise InvalidArgumentError(f"a record batch holds at most {_MAX_INT32 + 1} records, got {len(records)}; split it")
+    return records, _codec_id(compression)
+
+
 def prepare_batch(records: Iterable[Record], compression: str | None, base_offset: int, producer_id: int,
                   producer_epoch: int, base_sequence: int, is_transactional: bool, timestamp_type: int,
                   partition_leader_epoch: int, now_ms: int | None) -> tuple[list[Record] | tuple[Record, ...], int, int]:
     """encode_batch's arguments checked: (records as a list or tuple, the batch's attributes,
     now_ms). The records themselves are checked by the codec, after these."""
-    records = records if isinstance(records, (list, tuple)) else list(records)
-    if not records:
-        raise InvalidArgumentError("a record batch needs at least one record; got none (send nothing instead)")
-    codec = _codec_id(compression)
+    records, codec = _records_and_codec(records, compression)
     check_int("base_offset", base_offset, 0, _MAX_INT64 - (len(records) - 1))
     check_int("producer_id", producer_id, -1, _MAX_INT64)
     check_int("producer_epoch", producer_epoch, -1, _MAX_INT16)
     check_int("base_sequence", base_sequence, -1, _MAX_INT32)
     check_int("partition_leader_epoch", partition_leader_epoch, -1, _MAX_INT32)
     check_int("timestamp_type (0 CreateTime, 1 LogAppendTime)", timestamp_type, CREATE_TIME, LOG_APPEND_TIME)
-    if len(records) - 1 > _MAX_INT32:
-        raise InvalidArgumentError(f"a record batch holds at most {_MAX_INT32 + 1} records, got {len(records)}; split it")
     if is_transactional and producer_id < 0:
         raise InvalidArgumentError(
             f"a transactional batch needs the producer id of its transaction, got producer_id={producer_id}")
@@ -501,6 +507,16 @@ def encode_batch(records: Iterable[Record], *, base_offset: int = 0, compression
                                                 now_ms)
     return kafkarecords.encode_batch(records, now_ms, base_offset, attributes, partition_leader_epoch, producer_id,
                                      producer_epoch, base_sequence, compress_payload)
+
+
+def encode_records(records: Iterable[Record], compression: str | None = None) -> tuple[bytes, int]:
+    """(batch, number of records): encode_batch(records, compression=compression) with every
+    other field at its default (base offset 0, no producer, CreateTime, the wall clock for records
+    without a timestamp), which need no checking: the batch append_records appends. The same
+    errors as encode_batch for bad records or an unknown compression."""
+    records, codec = _records_and_codec(records, compression)
+    return kafkarecords.encode_batch(records, int(time.time() * 1000), 0, codec, -1, -1, -1, -1,
+                                     compress_payload), len(records)
 
 
 def _decode_at(view: memoryview, at: int, whole: bool, partial_ok: bool, limit: int) -> DecodedBatch | None:

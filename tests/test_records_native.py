@@ -304,3 +304,49 @@ def test_bench_records_quick(tmp_path):
         assert a["append_records_records_s"] > 0 and a["append_records_s"] > 0
         assert isinstance(a["ratio"], float) and a["ratio"] > 0 and a["target_ratio"] == 0.9
     assert report["targets"] == {"append_records_over_append": 0.9}
+
+
+def test_batches_larger_and_smaller_than_the_last_alike():
+    """The encoder writes into a buffer sized by the last batch and grows it: any order of sizes
+    gives the twin's bytes."""
+    for size in (1, 3 << 20, 10, 200_000, 1, 70_000):
+        records = [Record(b"k%d" % i, bytes([i % 251]) * (size // 7 + i), i) for i in range(7)]
+        for codec in (None, "lz4"):
+            assert native.encode_batch(records, compression=codec) == reference.encode_batch(records, compression=codec)
+
+
+def test_records_list_read_in_place_or_copied_alike():
+    """A list of Records is read in place; with a subclass among them (whose attributes run
+    Python code, which may change the list) it is copied first. Same bytes either way."""
+    emptied: list[list] = []
+
+    class Changing(Record):
+        @property
+        def value(self):
+            for records in emptied:                  # the caller's list, emptied mid-encode
+                records.clear()
+            return b"changed"
+
+        @value.setter
+        def value(self, value):
+            pass
+
+    plain = [Record(b"k%d" % i, b"v", i) for i in range(5)]
+    assert native.encode_batch(plain, now_ms=1) == native.encode_batch(tuple(plain), now_ms=1) \
+        == reference.encode_batch(plain, now_ms=1)
+    shared = plain[:2] + [Changing(b"c", b"ignored", 9)] + plain[2:]
+    want = reference.encode_batch(list(shared), now_ms=1)
+    emptied.append(shared)
+    assert native.encode_batch(shared, now_ms=1) == want and shared == []
+
+
+def test_encode_records_is_encode_batch_with_defaults(monkeypatch):
+    records = [Record(b"k", b"v", 5), Record(None, b"w"), Record(b"x", None, 7, [("h", b"1")])]
+    monkeypatch.setattr(native.time, "time", lambda: 1_700_000_000.5)
+    for codec in native.COMPRESSION_CODECS:
+        assert native.encode_records(iter(records), codec) == (
+            native.encode_batch(records, compression=codec, now_ms=1_700_000_000_500), 3)
+    for bad in ([], [Record(b"k"), "not a record"]):
+        assert outcome(native.encode_records, bad) == outcome(native.encode_batch, bad)
+    assert outcome(native.encode_records, records, "brotli") == outcome(native.encode_batch, records,
+                                                                         compression="brotli")

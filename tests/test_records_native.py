@@ -350,3 +350,18 @@ def test_encode_records_is_encode_batch_with_defaults(monkeypatch):
         assert outcome(native.encode_records, bad) == outcome(native.encode_batch, bad)
     assert outcome(native.encode_records, records, "brotli") == outcome(native.encode_batch, records,
                                                                          compression="brotli")
+
+
+@pytest.mark.parametrize("container", [list, tuple])
+def test_a_later_record_of_the_wrong_type_is_reported_first_alike(container):
+    """Both check every record's type and timestamp before they encode one, even though the
+    native codec encodes each record as soon as it has checked it."""
+    forced = Record(b"k", b"v", 1)
+    object.__setattr__(forced, "headers", "not a tuple")
+    records = container([forced, Record(b"y"), "not a record"])
+    result = outcome(native.encode_batch, records)
+    assert result == outcome(reference.encode_batch, records) and result[0] is InvalidArgumentError
+    negative = Record(b"x", None, 5)
+    object.__setattr__(negative, "timestamp", -3)    # the twin does not look at timestamps until it packs
+    assert outcome(native.encode_batch, container([forced, negative]))[0] is InvalidArgumentError
+    assert outcome(native.encode_batch, container([forced, Record(b"y")]))[0] is TypeError

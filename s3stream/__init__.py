@@ -12,8 +12,9 @@ from .errors import (
     OffsetOutOfRangeError, OffsetsLostError, OperationTimeoutError, S3StreamError, StreamClosedError, StreamFencedError, StreamNotClosedError,
     StreamNotFoundError, UnsupportedFormatError, WALCorruptError, WALError, WALFullError, InvalidRecordBatchError,
     RecordBatchChecksumError, RecordBatchLengthError, UnsupportedCompressionError, UnsupportedMagicError,
-    DecompressionLimitError,
+    DecompressionLimitError, OutOfOrderSequenceError, ProducerFencedError,
 )
+from .cluster.producers import DuplicateAppend, ProducedBatch, Producer, new_producer
 from .reader import StreamReader, open_reader
 from .recordbatch import AppendFuture, AppendResult, FetchedBatch, FetchResult, RecordBatch
 from .records import ConsumedRecord, Record
@@ -28,4 +29,5 @@ __all__ = [
     "StreamNotFoundError", "UnsupportedFormatError", "WALCorruptError", "WALError", "WALFullError",
     "Record", "ConsumedRecord", "StreamReader", "open_reader", "InvalidRecordBatchError", "RecordBatchChecksumError", "RecordBatchLengthError",
     "UnsupportedCompressionError", "UnsupportedMagicError", "DecompressionLimitError",
+    "Producer", "ProducedBatch", "DuplicateAppend", "new_producer", "OutOfOrderSequenceError", "ProducerFencedError",
 ]

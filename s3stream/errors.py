@@ -172,7 +172,8 @@ class WALCorruptError(WALError):
 __all__ = [
     "ConfigError", "CorruptDataError", "FencedLeaderError", "InvalidArgumentError", "InvalidBatchError",
     "LeaseExpiredError", "MetadataBusyError", "MetadataError", "NodeAliveError", "NodeConflictError", "ObjectNotFoundError", "ObjectStoreError",
-    "ObjectStorePermanentError", "OffsetOutOfRangeError", "OffsetsLostError", "OperationTimeoutError", "S3StreamError",
+    "ObjectStorePermanentError", "OffsetOutOfRangeError", "OffsetsLostError", "OperationTimeoutError",
+    "OutOfOrderSequenceError", "ProducerFencedError", "S3StreamError",
     "StreamClosedError", "StreamFencedError", "StreamNotClosedError", "StreamNotFoundError", "WALCorruptError",
     "WALError", "WALFullError",
 ]
@@ -221,3 +222,16 @@ class DecompressionLimitError(InvalidRecordBatchError):
     max_decompressed_bytes (s3stream.records.MAX_DECOMPRESSED_BYTES by default): a decompression
     bomb, or a genuine batch bigger than the limit. Found without allocating the expansion; pass
     a larger max_decompressed_bytes to read a genuine one."""
+
+
+class ProducerFencedError(S3StreamError):
+    """An idempotent producer's batch at an epoch older than one the partition has seen from
+    the same producer id: a newer incarnation of that producer exists (new_producer(id) made
+    it). Nothing was appended; this incarnation must stop (Kafka's INVALID_PRODUCER_EPOCH)."""
+
+
+class OutOfOrderSequenceError(S3StreamError):
+    """An idempotent producer's batch whose sequence neither continues the producer's last one
+    on that partition nor repeats one of its recent batches: batches between were lost (their
+    appends failed for good) or never sent. Nothing was appended; start a new producer
+    (Kafka's OUT_OF_ORDER_SEQUENCE_NUMBER)."""

@@ -23,17 +23,18 @@ import threading
 import time
 from dataclasses import dataclass, field
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..client import StreamClient
 from ..errors import (
-    LeaseExpiredError, OffsetsLostError, S3StreamError, StreamClosedError, StreamFencedError, StreamNotClosedError,
+    InvalidArgumentError, LeaseExpiredError, OffsetsLostError, S3StreamError, StreamClosedError, StreamFencedError, StreamNotClosedError,
     StreamNotFoundError,
 )
 from ..metadata import StreamMeta, StreamState
 from ..recordbatch import AppendFuture, FetchResult, RecordBatch, records_batch
 from ..records import Record
 from .loadreport import SAMPLE_EVERY, TrafficMeter
+from .producers import SNAPSHOT_BYTES, ProducedBatch, Producer, ProducerTable
 
 if TYPE_CHECKING:
     from ..stream import Stream
@@ -45,6 +46,10 @@ CHECKPOINTS_KEPT = 8
 
 #: Roles of a partition's data streams; "log" carries the records.
 DATA_ROLES = ("log",)
+
+#: A close record carries the open hint (the checkpoint) only while the partition knows at most
+#: this many idempotent producers: their table is in the checkpoint.
+HINT_PRODUCERS = 64
 
 
 class PartitionMovedError(S3StreamError):
@@ -59,20 +64,29 @@ class PartitionMovedError(S3StreamError):
 
 @dataclass
 class Checkpoint:
+    """A snapshot in the meta stream. `producers`: the idempotent producers' table
+    (ProducerTable.snapshot); `scan_from`: the log offset from which producers' batches may be
+    missing from it (None: none are), which an open reads back (s3stream.cluster.producers)."""
     streams: dict[str, int]
     leader_epoch: int = 0
     clean: bool = True
     start_offsets: dict[str, int] = field(default_factory=dict)
+    producers: dict = field(default_factory=dict)
+    scan_from: int | None = None
 
     def encode(self) -> bytes:
-        return json.dumps(dict(streams=self.streams, leader_epoch=self.leader_epoch, clean=self.clean,
-                               start_offsets=self.start_offsets), sort_keys=True).encode()
+        d = dict(streams=self.streams, leader_epoch=self.leader_epoch, clean=self.clean,
+                 start_offsets=self.start_offsets)
+        if self.producers or self.scan_from is not None:
+            d.update(producers=self.producers, scan_from=self.scan_from)
+        return json.dumps(d, sort_keys=True).encode()
 
     @classmethod
     def decode(cls, raw: bytes | memoryview) -> "Checkpoint":
         d = json.loads(bytes(raw))
         return cls(streams={k: int(v) for k, v in d["streams"].items()}, leader_epoch=d["leader_epoch"],
-                   clean=d["clean"], start_offsets={k: int(v) for k, v in d.get("start_offsets", {}).items()})
+                   clean=d["clean"], start_offsets={k: int(v) for k, v in d.get("start_offsets", {}).items()},
+                   producers=d.get("producers", {}), scan_from=d.get("scan_from"))
 
 
 def _kv_key(name: str) -> str:
@@ -102,7 +116,7 @@ class Partition:
     """A partition open on one node. `append`/`fetch` go to its log stream."""
 
     def __init__(self, client: StreamClient, table: "PartitionTable", name: str, meta: "Stream",
-                 streams: dict[str, "Stream"], checkpoint: Checkpoint) -> None:
+                 streams: dict[str, "Stream"], checkpoint: Checkpoint, producers: ProducerTable | None = None) -> None:
         self._client = client
         self._table = table
         self.name = name
@@ -118,6 +132,12 @@ class Partition:
         #: stream and last committed checkpoint), "streams" (opening them), "checkpoint" (the
         #: open's checkpoint appended and durable).
         self.open_phases: dict[str, float] = {}
+        # Idempotent producers (s3stream.cluster.producers): their appends are serialised here.
+        self.producers = producers if producers is not None else ProducerTable()
+        self._producer_lock = threading.Lock()
+        self._scan_from: int | None = checkpoint.scan_from   # as the newest snapshot says
+        self._snapshot_bytes = 0           # log bytes appended since that snapshot
+        self._produced_since = 0           # producers' batches appended since it
 
     @property
     def leader_epoch(self) -> int:
@@ -139,6 +159,57 @@ class Partition:
         return self._closed is not None
 
     def append(self, batch: RecordBatch) -> AppendFuture:
+        """Append one batch to the log. A ProducedBatch (Producer.batch) is taken idempotently:
+        a batch this partition took already returns its original answer (module
+        s3stream.cluster.producers); OutOfOrderSequenceError / ProducerFencedError refuse it."""
+        if isinstance(batch, ProducedBatch):
+            return self._append_produced(batch)
+        future = self._append(batch)
+        if self._scan_from is not None:
+            self._snapshot_bytes += len(batch.payload)
+            if self._snapshot_bytes >= SNAPSHOT_BYTES:
+                with self._producer_lock:
+                    self._maybe_snapshot()
+        return future
+
+    def _append_produced(self, batch: ProducedBatch) -> Any:
+        if batch.partition != self.name:
+            raise InvalidArgumentError(
+                f"this batch was built for partition {batch.partition!r}, not {self.name!r}: a producer numbers its "
+                f"batches per partition; build it with producer.batch({self.name!r}, records)")
+        with self._producer_lock:
+            original = self.producers.check(batch.producer_id, batch.epoch, batch.base_sequence, batch.count, self.name)
+            if original is not None:
+                return original
+            if self._scan_from is None:
+                # The first producer batch since a snapshot that said "nothing to read back":
+                # say where to read back from first, in the same WAL ahead of it.
+                self._write_snapshot(self.log.next_offset)
+            future = self._append(batch)
+            self.producers.record(batch.producer_id, batch.epoch, batch.base_sequence, batch.count,
+                                  future.base_offset, future)
+            self._produced_since += 1
+            self._snapshot_bytes += len(batch.payload)
+            self._maybe_snapshot()
+            return future
+
+    def _maybe_snapshot(self) -> None:
+        """Every SNAPSHOT_BYTES of log while the snapshot says producers may be behind: a new
+        snapshot, to read back from here if producers appended since the last one, else to
+        read nothing back. Under the producer lock."""
+        if self._snapshot_bytes >= SNAPSHOT_BYTES and self._scan_from is not None:
+            self._write_snapshot(self.log.next_offset if self._produced_since else None)
+
+    def _write_snapshot(self, scan_from: int | None) -> None:
+        """Append a checkpoint holding the producers' table as of the log's end now and
+        `scan_from` (not waited for: the WAL keeps it ahead of later appends). Under the
+        producer lock."""
+        cp = self.checkpoint
+        snapshot = Checkpoint(cp.streams, cp.leader_epoch, False, cp.start_offsets, self.producers.snapshot(), scan_from)
+        self.meta_stream.append(RecordBatch(snapshot.encode(), 1))
+        self._scan_from, self._snapshot_bytes, self._produced_since = scan_from, 0, 0
+
+    def _append(self, batch: RecordBatch) -> AppendFuture:
         if self._closing or self._closed is not None:
             raise PartitionMovedError(self.name, f"partition {self.name!r} is closing on node "
                                                  f"{self._client.node_id}: retry on its new owner")
@@ -158,8 +229,14 @@ class Partition:
             m.append_samples.append((submitted, future))
         return future
 
-    def append_records(self, records: Iterable[Record], *, compression: str | None = None) -> AppendFuture:
-        """Append `records` as one Kafka record batch, one offset per record (Stream.append_records)."""
+    def append_records(self, records: Iterable[Record], *, compression: str | None = None,
+                       producer: Producer | None = None) -> AppendFuture:
+        """Append `records` as one Kafka record batch, one offset per record (Stream.append_records).
+        With a `producer`, the batch carries its id, epoch and next sequences here, and is taken
+        idempotently (append). To retry it after a lost answer, keep the batch instead:
+        `batch = producer.batch(name, records)`, then append(batch) as often as needed."""
+        if producer is not None:
+            return self.append(producer.batch(self.name, records, compression))
         return self.append(records_batch(records, compression))
 
     def fetch(self, start_offset: int, end_offset: int | None = None, max_bytes: int = 1 << 20) -> FetchResult:
@@ -199,17 +276,21 @@ class Partition:
                 if self.meta_stream.is_open:
                     # Into the meta stream first, so that one force upload carries the data
                     # streams' tails and the checkpoint together.
-                    done = Checkpoint(self.checkpoint.streams, self.checkpoint.leader_epoch, True,
-                                      {role: s.start_offset for role, s in self.streams.items()})
+                    with self._producer_lock:      # appends stopped: the table is whole
+                        done = Checkpoint(self.checkpoint.streams, self.checkpoint.leader_epoch, True,
+                                          {role: s.start_offset for role, s in self.streams.items()},
+                                          self.producers.snapshot())
                     _write_checkpoint(self.meta_stream, done, timeout, trim=False)
                     self.checkpoint = done
                 t2 = time.perf_counter()
                 timing: dict = {}
                 kv: tuple[tuple[str, bytes], ...] = ()
                 if record is not None:
-                    record = dict(record, tail_bytes=tail, hint=dict(
-                        meta=self.meta_stream.stream_id, checkpoint=json.loads(self.checkpoint.encode()),
-                        epochs={str(s.stream_id): s.epoch for s in (self.meta_stream, *self.streams.values())}))
+                    record = dict(record, tail_bytes=tail)
+                    if len(self.producers) <= HINT_PRODUCERS:       # else the record would be large
+                        record["hint"] = dict(
+                            meta=self.meta_stream.stream_id, checkpoint=json.loads(self.checkpoint.encode()),
+                            epochs={str(s.stream_id): s.epoch for s in (self.meta_stream, *self.streams.values())})
                     kv = ((closed_key(self.name), json.dumps(record, sort_keys=True).encode()),)
                 self._client.close_streams(open_streams, timeout, timing, kv)
             except BaseException as e:
@@ -444,17 +525,36 @@ def _opened(client: StreamClient, table: "PartitionTable", name: str, meta: "Str
     trims), so that the usual open writes metadata once (its streams' open)."""
     t_streams = time.perf_counter()
     try:
+        producers = ProducerTable.restore(checkpoint.producers)
+        if checkpoint.scan_from is not None and "log" in streams:
+            _read_back_producers(streams["log"], checkpoint.scan_from, producers)
         opened = Checkpoint(checkpoint.streams, checkpoint.leader_epoch + 1, False,
-                            {role: s.start_offset for role, s in streams.items()})
+                            {role: s.start_offset for role, s in streams.items()}, producers.snapshot())
         _write_checkpoint(meta, opened, trim=not trim_later or meta.confirm_offset - meta.start_offset >= CHECKPOINTS_KEPT)
     except BaseException:
         _let_go(client, meta, streams)
         raise
-    partition = Partition(client, table, name, meta, streams, opened)
+    partition = Partition(client, table, name, meta, streams, opened, producers)
     t_read = timing.get("read", timing["started"])      # one by one (a new partition): all "streams"
     partition.open_phases = dict(read=t_read - timing["started"], streams=t_streams - t_read,
                                  checkpoint=time.perf_counter() - t_streams)
     return partition
+
+
+def _read_back_producers(log: "Stream", start: int, producers: ProducerTable) -> None:
+    """Take the producers' batches of the log from `start` to its end into `producers` (an
+    open after a crash: the last snapshot was not a close's). Given-up offsets are skipped."""
+    pos, end = max(start, log.start_offset), log.next_offset
+    while pos < end:
+        try:
+            batches = log.fetch(pos, end, 8 << 20).batches
+        except OffsetsLostError as e:
+            pos = e.end
+            continue
+        if not batches:
+            break
+        producers.replay(batches)
+        pos = batches[-1].end_offset
 
 
 def _write_checkpoint(meta: "Stream", checkpoint: Checkpoint, timeout: float | None = None,

@@ -1,0 +1,240 @@
+"""Idempotent producers (issue 29; s3stream.cluster.producers): a retried batch is taken once and
+answers its original offset, across moves and a kill -9; a gap and an old epoch are refused with
+their own errors and append nothing."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import s3stream.cluster  # noqa: F401  (installs partitions)
+from s3stream import (OutOfOrderSequenceError, ProducerFencedError, Record, RecordBatch, StreamClient, InvalidArgumentError,
+                      new_producer)
+from s3stream.cluster import partition as P
+from s3stream.cluster.producers import ProducerTable, producer_header
+
+from conftest import small_config
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def node(tmp_path, n, meta="meta.db"):
+    return StreamClient(n, tmp_path / f"n{n}.wal", f"file://{tmp_path}/objects", f"sqlite:///{tmp_path}/{meta}",
+                        small_config())
+
+
+def values(partition, end=None):
+    out = []
+    pos, end = 0, partition.log.next_offset if end is None else end
+    while pos < end:
+        batches = partition.fetch(pos, end).batches
+        for b in batches:
+            out += [r.value for r in b.records()]
+        pos = batches[-1].end_offset
+    return out
+
+
+def test_a_retry_answers_the_original_offset_a_gap_and_an_old_epoch_append_nothing(tmp_path):
+    one = node(tmp_path, 1)
+    try:
+        p = one.open_partition("p")
+        producer = new_producer(one)
+        assert new_producer(one).producer_id == producer.producer_id + 1      # ids come from metadata
+        first = producer.batch("p", [Record(value=b"a"), Record(value=b"b")])
+        assert p.append(first).result(5).base_offset == 0
+        p.append_records([Record(value=b"plain")]).result(5)                 # a plain batch between
+        assert p.append(first).result(5).base_offset == 0                   # the answer was lost: retried
+        second = producer.batch("p", [Record(value=b"c")])
+        skipped = producer.batch("p", [Record(value=b"d")])
+        third = producer.batch("p", [Record(value=b"e")])
+        assert p.append(second).result(5).base_offset == 3
+        end = p.log.next_offset
+        with pytest.raises(OutOfOrderSequenceError, match="expects 3"):
+            p.append(third)
+        assert p.log.next_offset == end
+        assert [p.append(b).result(5).base_offset for b in (skipped, third, skipped)] == [4, 5, 4]
+        with pytest.raises(InvalidArgumentError, match="built for partition 'q'"):
+            p.append(producer.batch("q", [Record(value=b"x")]))
+        newer = new_producer(one, producer.producer_id)
+        assert newer.epoch == producer.epoch + 1
+        with pytest.raises(OutOfOrderSequenceError, match="starts at sequence 0"):
+            p.append(P.ProducedBatch.of(third.payload, 1, "p", newer.producer_id, newer.epoch, 7))
+        assert p.append_records([Record(value=b"f")], producer=newer).result(5).base_offset == 6
+        with pytest.raises(ProducerFencedError, match="epoch 1 of it appended since"):
+            p.append(producer.batch("p", [Record(value=b"zombie")]))
+        assert p.log.next_offset == 7
+        assert values(p)[:2] == [b"a", b"b"] and values(p)[3:] == [b"c", b"d", b"e", b"f"]
+        with pytest.raises(InvalidArgumentError, match="never allocated"):
+            new_producer(one, 999)
+    finally:
+        one.close()
+
+
+@pytest.mark.parametrize("hinted", [True, False])
+def test_the_table_moves_with_the_partition(tmp_path, hinted):
+    one, two = node(tmp_path, 1), node(tmp_path, 2)
+    try:
+        p = one.open_partition("p")
+        producer = new_producer(one)
+        batches = [producer.batch("p", [Record(value=b"%d" % i)]) for i in range(8)]
+        offsets = [p.append(b).result(5).base_offset for b in batches]
+        p.close(timeout=10, record={"version": 1})
+        q = two.open_partition("p", hinted=hinted)
+        # The last RECENT batches are known to the new owner: retries answer their offsets.
+        assert [q.append(b).result(5).base_offset for b in batches[-5:]] == offsets[-5:]
+        with pytest.raises(OutOfOrderSequenceError):
+            q.append(batches[0])                     # too old to be recognised: not appended again
+        assert q.append(producer.batch("p", [Record(value=b"next")])).result(5).base_offset == 8
+        assert q.log.next_offset == 9
+    finally:
+        one.close()
+        two.close()
+
+
+CHILD = textwrap.dedent("""
+    import sys, json
+    sys.path.insert(0, {tests!r})
+    import s3stream.cluster
+    from s3stream import StreamClient, Record, new_producer
+    from s3stream.cluster import partition as P
+    from conftest import small_config
+    P.SNAPSHOT_BYTES = {snapshot_bytes}
+    tmp = {tmp!r}
+    c = StreamClient(1, tmp + "/n1.wal", "file://" + tmp + "/objects", "sqlite:///" + tmp + "/meta.db", small_config())
+    p = c.open_partition("p")
+    producer = new_producer(c)
+    for i in range({count}):
+        b = producer.batch("p", [Record(value=b"v%d" % i)] * (1 + i % 3))
+        off = p.append(b).result(10).base_offset
+        print(json.dumps([i, off, b.payload.hex(), b.count, b.base_sequence]), flush=True)
+    print("done", flush=True)
+    sys.stdin.read()
+""")
+
+
+@pytest.mark.parametrize("snapshot_bytes", [1 << 30, 600])
+def test_the_table_survives_a_kill_9(tmp_path, snapshot_bytes):
+    """Node 1 appends producers' batches and is SIGKILLed; restarted, it opens the partition
+    again (its last checkpoint is not a close's: the table is read back from the log) and
+    every retry answers its original offset. With small snapshots, several were written and
+    the read back starts at the newest."""
+    child = subprocess.Popen([sys.executable, "-c", CHILD.format(tests=HERE, tmp=str(tmp_path), count=40,
+                                                                   snapshot_bytes=snapshot_bytes)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    acked = []
+    for line in child.stdout:
+        if line.strip() == "done":
+            break
+        acked.append(json.loads(line))
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait()
+    assert len(acked) == 40
+    from s3stream.cluster.producers import ProducedBatch
+    one = node(tmp_path, 1)
+    try:
+        read_back: list = []
+        real = P._read_back_producers
+        P._read_back_producers = lambda log, start, table: (read_back.append(start), real(log, start, table))[1]
+        try:
+            p = one.open_partition("p")
+        finally:
+            P._read_back_producers = real
+        end = p.log.next_offset
+        assert read_back, "the open after the crash read the table back from the log"
+        if snapshot_bytes < 1 << 20:
+            assert read_back[0] > 0                   # from the newest snapshot, not the open's
+        pid = next(iter(p.producers.snapshot()))
+        for i, off, payload, count, seq in acked[-5:]:
+            batch = ProducedBatch.of(bytes.fromhex(payload), count, "p", int(pid), 0, seq)
+            assert p.append(batch).result(5).base_offset == off
+        assert p.log.next_offset == end
+    finally:
+        one.close()
+
+
+def test_producer_header_takes_only_producer_batches():
+    from s3stream.records import encode_batch
+    with_id = encode_batch([Record(value=b"x")] * 3, producer_id=7, producer_epoch=2, base_sequence=40)
+    assert producer_header(with_id, 3) == (7, 2, 40)
+    assert producer_header(with_id, 2) is None                              # another count
+    assert producer_header(encode_batch([Record(value=b"x")]), 1) is None   # no producer
+    damaged = bytearray(with_id)
+    damaged[-1] ^= 1
+    assert producer_header(bytes(damaged), 3) is None                       # CRC
+    assert producer_header(b"\x00" * 80, 1) is None
+
+
+# ---- against a model --------------------------------------------------------------------------
+
+ops = st.lists(st.one_of(
+    st.tuples(st.just("new"), st.integers(1, 3)),
+    st.tuples(st.just("retry"), st.integers(0, 10)),
+    st.tuples(st.just("move"), st.booleans()),
+    st.tuples(st.just("plain"), st.just(0)),
+), min_size=1, max_size=40)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(steps=ops)
+def test_retries_against_a_model(tmp_path_factory, steps):
+    """New batches, retries of any earlier batch (its first answer lost), plain appends and
+    moves between two nodes: a retry of one of the last RECENT batches answers its original
+    offset and appends nothing; an older one is refused (OutOfOrderSequenceError) and appends
+    nothing; the log holds each batch once, in order."""
+    tmp = tmp_path_factory.mktemp("model")
+    nodes = [node(tmp, 1), node(tmp, 2)]
+    try:
+        p = nodes[0].open_partition("p")
+        producer = new_producer(nodes[0])
+        sent: list = []                    # (batch, offset)
+        model: list[bytes] = []
+        for kind, arg in steps:
+            if kind == "new":
+                batch = producer.batch("p", [Record(value=b"%d.%d" % (len(sent), k)) for k in range(arg)])
+                sent.append((batch, p.append(batch).result(5).base_offset))
+                model += [r for r in [b"%d.%d" % (len(sent) - 1, k) for k in range(arg)]]
+            elif kind == "retry" and sent:
+                index = len(sent) - 1 - arg % len(sent)
+                batch, offset = sent[index]
+                if len(sent) - index <= 5:
+                    assert p.append(batch).result(5).base_offset == offset
+                else:
+                    with pytest.raises(OutOfOrderSequenceError):
+                        p.append(batch)
+            elif kind == "plain":
+                p.append_records([Record(value=b"plain")]).result(5)
+                model.append(b"plain")
+            elif kind == "move":
+                p.close(timeout=10, record={"version": 0})
+                target = nodes[1] if p._client is nodes[0] else nodes[0]
+                p = target.open_partition("p", hinted=arg)
+            assert p.log.next_offset == len(model)
+        assert values(p) == model
+    finally:
+        for n in nodes:
+            n.close()
+
+
+def test_a_snapshot_after_producers_stop_reads_nothing_back(tmp_path, monkeypatch):
+    monkeypatch.setattr(P, "SNAPSHOT_BYTES", 500)
+    one = node(tmp_path, 1)
+    try:
+        p = one.open_partition("p")
+        producer = new_producer(one)
+        for i in range(10):
+            p.append(producer.batch("p", [Record(value=b"x" * 100)])).result(5)
+        assert p._scan_from is not None
+        for i in range(20):
+            p.append_records([Record(value=b"y" * 100)]).result(5)
+        assert p._scan_from is None                  # producers stopped: the snapshot says so
+        last = P.Checkpoint.decode(p.meta_stream.fetch(p.meta_stream.next_offset - 1).batches[-1].payload)
+        assert last.scan_from is None and json.dumps(last.producers) == json.dumps(p.producers.snapshot())
+        assert isinstance(ProducerTable.restore(last.producers), ProducerTable)
+    finally:
+        one.close()

@@ -68,6 +68,7 @@ from .config import Config
 from .metadata import MetadataStore
 from .objectstore import ObjectStore
 from .cluster.partition import CloseReport, Partition
+from .cluster.producers import Producer, new_producer
 from .recordbatch import AppendFuture, AppendResult, FetchResult, RecordBatch, records_batch
 from .records import Record
 from .stream import Stream
@@ -242,6 +243,10 @@ class AsyncStreamClient:
         """Open an existing stream on this node (StreamClient.open_stream)."""
         return AsyncStream(self, await self._run(lambda: self.client.open_stream(stream_id)))
 
+    async def new_producer(self, producer_id: int | None = None) -> Producer:
+        """s3stream.new_producer on this client's metadata, on the executor."""
+        return await self._run(new_producer, self.client, producer_id)
+
     async def open_partition(self, name: str) -> "AsyncPartition":
         """Create the named partition or open it on this node (StreamClient.open_partition)."""
         return AsyncPartition(self, await self._run(lambda: self.client.open_partition(name)))
@@ -362,9 +367,11 @@ class AsyncPartition:
     async def append(self, batch: RecordBatch) -> AppendResult:
         return await self.append_nowait(batch)
 
-    async def append_records(self, records: Iterable[Record], *, compression: str | None = None) -> AppendResult:
-        """Partition.append_records, awaited."""
-        return await self.append_nowait(records_batch(records, compression))
+    async def append_records(self, records: Iterable[Record], *, compression: str | None = None,
+                             producer: Producer | None = None) -> AppendResult:
+        """Partition.append_records (with a `producer`: idempotent), awaited."""
+        batch = records_batch(records, compression) if producer is None else producer.batch(self.name, records, compression)
+        return await self.append_nowait(batch)
 
     async def fetch(self, start_offset: int, end_offset: int | None = None, max_bytes: int = 1 << 20) -> FetchResult:
         """Partition.fetch on the executor (it meters every fetch)."""

@@ -309,4 +309,10 @@ async def test_append_records_on_streams_and_partitions(tmp_path):
             r = await partition.append_records([Record(b"id", b"{}")])
             res = await partition.fetch(r.base_offset)
             assert [x.key for b in res.batches for x in b.records()] == [b"id"]
+            producer = await client.new_producer()
+            first = await partition.append_records([Record(b"k", b"v")], producer=producer)
+            batch = producer.batch("orders", [Record(b"k2", b"v2")])
+            assert (await partition.append(batch)).base_offset == first.base_offset + 1
+            assert (await partition.append(batch)).base_offset == first.base_offset + 1   # a retry
+            assert partition.sync.log.next_offset == first.base_offset + 2
         await stream.close()

@@ -177,18 +177,26 @@ ops = st.lists(st.one_of(
     st.tuples(st.just("retry"), st.integers(0, 10)),
     st.tuples(st.just("move"), st.booleans()),
     st.tuples(st.just("plain"), st.just(0)),
+    st.tuples(st.just("crash"), st.just(0)),
 ), min_size=1, max_size=40)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(steps=ops)
 def test_retries_against_a_model(tmp_path_factory, steps):
-    """New batches, retries of any earlier batch (its first answer lost), plain appends and
-    moves between two nodes: a retry of one of the last RECENT batches answers its original
-    offset and appends nothing; an older one is refused (OutOfOrderSequenceError) and appends
-    nothing; the log holds each batch once, in order."""
+    """New batches, retries of any earlier batch (its first answer lost), plain appends, moves
+    between two nodes, and the owner's death (as a kill -9 leaves it) and failover to a new
+    node: a retry of one of the last RECENT batches answers its original offset and appends
+    nothing; an older one is refused (OutOfOrderSequenceError) and appends nothing; the log
+    holds each batch once, in order."""
+    from s3stream.cluster import Cluster, ClusterConfig
+    from s3stream.objectstore import LocalObjectStore
+    from test_engine_model import crash
     tmp = tmp_path_factory.mktemp("model")
     nodes = [node(tmp, 1), node(tmp, 2)]
+    from s3stream.metadata import open_metadata
+    meta = open_metadata(f"sqlite:///{tmp}/meta.db")
+    cluster = Cluster(meta, LocalObjectStore(str(tmp / "objects")), ClusterConfig(), small_config())
     try:
         p = nodes[0].open_partition("p")
         producer = new_producer(nodes[0])
@@ -214,11 +222,18 @@ def test_retries_against_a_model(tmp_path_factory, steps):
                 p.close(timeout=10, record={"version": 0})
                 target = nodes[1] if p._client is nodes[0] else nodes[0]
                 p = target.open_partition("p", hinted=arg)
+            elif kind == "crash":
+                dead = p._client
+                crash(dead)
+                cluster.fail_over(dead.node_id, reassign=False, lease_over=True, reason="test: the owner died")
+                nodes[nodes.index(dead)] = node(tmp, max(n.node_id for n in nodes) + 1)
+                p = nodes[0].open_partition("p", hinted=True)
             assert p.log.next_offset == len(model)
         assert values(p) == model
     finally:
         for n in nodes:
             n.close()
+        meta.close()
 
 
 def test_a_snapshot_after_producers_stop_reads_nothing_back(tmp_path, monkeypatch):
@@ -238,3 +253,34 @@ def test_a_snapshot_after_producers_stop_reads_nothing_back(tmp_path, monkeypatc
         assert isinstance(ProducerTable.restore(last.producers), ProducerTable)
     finally:
         one.close()
+
+
+def test_the_table_survives_a_failover(tmp_path):
+    """Node 1 dies (as a kill -9 leaves it) with producers' batches in its WAL only; a failover
+    commits them on its behalf, node 2 opens the partition (the table read back from the log
+    after the marker snapshot) and every retry of the last batches answers its offset."""
+    from s3stream.cluster import Cluster, ClusterConfig
+    from s3stream.metadata import open_metadata
+    from s3stream.objectstore import LocalObjectStore
+    from test_engine_model import crash
+    one, two = node(tmp_path, 1), node(tmp_path, 2)
+    meta = open_metadata(f"sqlite:///{tmp_path}/meta.db")
+    try:
+        p = one.open_partition("p")
+        producer = new_producer(one)
+        sent = [(b, p.append(b).result(5).base_offset)
+                for b in (producer.batch("p", [Record(value=b"%d" % i)] * 2) for i in range(12))]
+        crash(one)
+        Cluster(meta, LocalObjectStore(str(tmp_path / "objects")), ClusterConfig(), small_config()).fail_over(
+            1, reassign=False, lease_over=True, reason="test: node 1 died")
+        q = two.open_partition("p")
+        end = q.log.next_offset
+        assert end == 24
+        assert [q.append(b).result(5).base_offset for b, _ in sent[-5:]] == [off for _, off in sent[-5:]]
+        with pytest.raises(OutOfOrderSequenceError):
+            q.append(sent[0][0])
+        assert q.log.next_offset == end
+        assert q.append(producer.batch("p", [Record(value=b"on")])).result(5).base_offset == end
+    finally:
+        two.close()
+        meta.close()

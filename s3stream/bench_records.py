@@ -22,6 +22,9 @@ Everything is measured in one run, each figure next to what it is compared with:
   stream's appends wait for its tail to be uploaded every 8 MiB, which both sides pay alike;
   --stream-tail-limit 0 takes them out of the rounds (the append path alone, no upload). The
   median of the pairs' ratios is judged against the issue's target: append_records/append >= 0.9.
+- Idempotent appends against plain ones: the same rounds, on two partitions of that client,
+  Partition.append_records(records, producer=p) against Partition.append_records(records);
+  target (issue 29): idempotent/plain >= 0.95.
 
 Report: report.json and records.png in --out (default reports/records-bench).
 """
@@ -55,6 +58,7 @@ from .records import COMPRESSION_CODECS, Record
 
 #: The issue's target: appending Records costs at most 10% against appending their bytes.
 TARGET_APPEND_RATIO = 0.9
+TARGET_IDEMPOTENT_RATIO = 0.95
 VALUE_SIZES = (100, 1024)
 CODECS: tuple[str | None, ...] = (None, "zstd")
 IMPLEMENTATIONS = ("native", "reference", "kafka-python")
@@ -181,11 +185,14 @@ def bench_codecs(codecs: list[Codec], records_per_batch: int, seconds: float, ro
 
 
 def bench_append(records_per_batch: int, round_bytes: int, pairs: int, inflight: int, workdir: str | None,
-                 warmup: int | None = None, stream_tail_limit: int | None = None) -> list[dict]:
-    """append_records against append of the same bytes, per value size: records/s of each in
-    alternating pairs of rounds (after uncounted ones), and the median of the pairs' ratios.
-    A round appends `round_bytes` of batches; everything is uploaded between rounds, untimed, so
-    that no round pays for another's upload."""
+                 warmup: int | None = None, stream_tail_limit: int | None = None) -> tuple[list[dict], list[dict]]:
+    """Per value size, in alternating pairs of rounds (after uncounted ones), records/s of each
+    side and the median of the pairs' ratios, for two comparisons: append_records against append
+    of the same bytes (streams), and idempotent appends (append_records with a producer) against
+    plain ones (partitions). A round appends `round_bytes` of batches; everything is uploaded
+    between rounds, untimed, so that no round pays for another's upload."""
+    import s3stream.cluster  # noqa: F401  (partitions)
+    from .cluster.producers import new_producer
     work = tempfile.mkdtemp(prefix="s3stream-records-", dir=workdir)
     threshold = max(4 * round_bytes, 64 * MiB)             # never reached within a round
     capacity = 2 * threshold
@@ -198,40 +205,54 @@ def bench_append(records_per_batch: int, round_bytes: int, pairs: int, inflight:
         warmup = -(-capacity // (2 * round_bytes))
     client = StreamClient(1, os.path.join(work, "node1.wal"), LocalObjectStore(os.path.join(work, "store")),
                           SqliteMetadataStore(os.path.join(work, "meta.db")), config)
-    out = []
+    append, idempotent = [], []
     try:
-        bar = progress(total=len(VALUE_SIZES) * (pairs + warmup), desc="append", unit="pair")
+        bar = progress(total=2 * len(VALUE_SIZES) * (pairs + warmup), desc="append", unit="pair")
+        producer = new_producer(client)
         for value_size in VALUE_SIZES:
             records = make_records(records_per_batch, value_size)
             batch = RecordBatch(native_records.encode_batch(records), records_per_batch)
             batches = max(1, round_bytes // len(batch.payload))
             as_records, as_bytes = client.create_stream(), client.create_stream()
-            sides: dict[str, Callable[[], float]] = {
+            plain, produced = client.open_partition(f"plain-{value_size}"), client.open_partition(f"idem-{value_size}")
+
+            def idempotent_append(records: list[Record], _p=produced) -> Any:
+                return _p.append_records(records, producer=producer)
+            shape = dict(value_size=value_size, records=records_per_batch, batches=batches,
+                         batch_bytes=len(batch.payload), stream_tail_limit=config.stream_tail_limit)
+            append.append(dict(shape, **_paired(client, {
                 "append_records": lambda: _append_rate(as_records.append_records, records, batches, inflight),
                 "append": lambda: _append_rate(as_bytes.append, batch, batches, inflight),
-            }
-            rounds: list[dict] = []
-            for pair in range(-warmup, pairs):          # pairs below 0: warm-up, uncounted
-                order = ("append_records", "append") if pair % 2 == 0 else ("append", "append_records")
-                rates = {}
-                for side in order:
-                    rates[side] = sides[side]() * records_per_batch
-                    client.force_upload(60)
-                if pair >= 0:
-                    rounds.append(dict(pair=pair, **{f"{side}_records_s": r for side, r in rates.items()}))
-                bar.update()
-            ratios = [r["append_records_records_s"] / r["append_records_s"] for r in rounds]
-            out.append(dict(
-                value_size=value_size, records=records_per_batch, batches=batches, batch_bytes=len(batch.payload),
-                stream_tail_limit=config.stream_tail_limit,
-                rounds=rounds, pair_ratios=ratios, ratio=statistics.median(ratios),
-                append_records_records_s=statistics.median(r["append_records_records_s"] for r in rounds),
-                append_records_s=statistics.median(r["append_records_s"] for r in rounds)))
+            }, pairs, warmup, records_per_batch, bar)))
+            idempotent.append(dict(shape, **_paired(client, {
+                "idempotent": lambda: _append_rate(idempotent_append, records, batches, inflight),
+                "plain": lambda: _append_rate(plain.append_records, records, batches, inflight),
+            }, pairs, warmup, records_per_batch, bar)))
         bar.close()
     finally:
         client.close()
         shutil.rmtree(work, ignore_errors=True)
-    return out
+    return append, idempotent
+
+
+def _paired(client: StreamClient, sides: dict[str, Callable[[], float]], pairs: int, warmup: int,
+            records_per_batch: int, bar: Any) -> dict:
+    """Rounds of the two `sides` (batches/s) in alternating order, everything uploaded after
+    each; the counted rounds' records/s, the pairs' ratios (first side over second) and their
+    median, and each side's median records/s."""
+    first, second = sides
+    rounds: list[dict] = []
+    for pair in range(-warmup, pairs):          # pairs below 0: warm-up, uncounted
+        rates = {}
+        for side in ((first, second) if pair % 2 == 0 else (second, first)):
+            rates[side] = sides[side]() * records_per_batch
+            client.force_upload(60)
+        if pair >= 0:
+            rounds.append(dict(pair=pair, **{f"{side}_records_s": r for side, r in rates.items()}))
+        bar.update()
+    ratios = [r[f"{first}_records_s"] / r[f"{second}_records_s"] for r in rounds]
+    return dict(rounds=rounds, pair_ratios=ratios, ratio=statistics.median(ratios),
+                **{f"{side}_records_s": statistics.median(r[f"{side}_records_s"] for r in rounds) for side in sides})
 
 
 def _append_rate(append: Callable[[Any], Any], arg: Any, batches: int, inflight: int) -> float:
@@ -269,6 +290,14 @@ def format_report(report: dict) -> str:
     lines.append(f"Target (issue 29): append_records/append >= {TARGET_APPEND_RATIO}: "
                  + ", ".join(f"{a['value_size']} B {a['ratio']:.3f} {'met' if a['met'] else 'MISSED'}"
                              for a in report["append"]))
+    lines.append("idempotent appends (Partition.append_records with a producer) against plain ones, same rounds:")
+    for a in report["idempotent"]:
+        lines.append(f"  {a['value_size']:>5} B values: idempotent {a['idempotent_records_s']:>10,.0f} records/s, plain "
+                     f"{a['plain_records_s']:>10,.0f} records/s; ratio {a['ratio']:.3f} (median of "
+                     f"{len(a['pair_ratios'])} pairs: {', '.join(f'{r:.2f}' for r in a['pair_ratios'])})")
+    lines.append(f"Target (issue 29): idempotent/plain >= {TARGET_IDEMPOTENT_RATIO}: "
+                 + ", ".join(f"{a['value_size']} B {a['ratio']:.3f} {'met' if a['met'] else 'MISSED'}"
+                             for a in report["idempotent"]))
     lines.append("=" * 118)
     return "\n".join(lines)
 
@@ -300,7 +329,9 @@ def plot(report: dict, out: str) -> list[str]:
     ax.set_yscale("log")
     ax.set_ylabel("records / s")
     ratios = ", ".join(f"{a['ratio']:.2f}" for a in report["append"])
-    ax.set_title(f"StreamClient: ratios {ratios} (target >= {TARGET_APPEND_RATIO})", fontsize=9)
+    idem = ", ".join(f"{a['ratio']:.2f}" for a in report["idempotent"])
+    ax.set_title(f"StreamClient: ratios {ratios} (target >= {TARGET_APPEND_RATIO});\nidempotent/plain {idem} "
+                 f"(target >= {TARGET_IDEMPOTENT_RATIO})", fontsize=9)
     ax.legend(fontsize=8, loc="lower left")
     return [save_figure(plt, fig, out, "records.png")]
 
@@ -341,15 +372,18 @@ def run(argv: list[str] | None = None) -> dict:
     _progress(f"codecs: {', '.join(c.name for c in codecs)}; {rounds} round(s) of {seconds:g} s per measurement")
     cases = bench_codecs(codecs, args.records, seconds, rounds)
     _progress(f"append_records against append: {pairs} pair(s) of rounds of {fmt_size(round_bytes)}")
-    append = bench_append(args.records, round_bytes, pairs, args.inflight, args.workdir, warmup,
-                          args.stream_tail_limit)
-    for a in append:
-        a["target_ratio"] = TARGET_APPEND_RATIO
-        a["met"] = a["ratio"] >= TARGET_APPEND_RATIO
+    append, idempotent = bench_append(args.records, round_bytes, pairs, args.inflight, args.workdir, warmup,
+                                      args.stream_tail_limit)
+    for rows, target in ((append, TARGET_APPEND_RATIO), (idempotent, TARGET_IDEMPOTENT_RATIO)):
+        for a in rows:
+            a["target_ratio"] = target
+            a["met"] = a["ratio"] >= target
     report = dict(kind="records", records=args.records, seconds=seconds, rounds=rounds,
                   implementations=[c.name for c in codecs], kafka_python=kafka_note, cases=cases, append=append,
-                  targets=dict(append_records_over_append=TARGET_APPEND_RATIO),
-                  met=all(a["met"] for a in append))
+                  idempotent=idempotent,
+                  targets=dict(append_records_over_append=TARGET_APPEND_RATIO,
+                               idempotent_over_plain=TARGET_IDEMPOTENT_RATIO),
+                  met=all(a["met"] for a in append + idempotent))
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "report.json"), "w") as f:
         json.dump(report, f, indent=2)

@@ -509,13 +509,15 @@ def encode_batch(records: Iterable[Record], *, base_offset: int = 0, compression
                                      producer_epoch, base_sequence, compress_payload)
 
 
-def encode_records(records: Iterable[Record], compression: str | None = None) -> tuple[bytes, int]:
+def encode_records(records: Iterable[Record], compression: str | None = None,
+                   producer: tuple[int, int, int] = (-1, -1, -1)) -> tuple[bytes, int]:
     """(batch, number of records): encode_batch(records, compression=compression) with every
     other field at its default (base offset 0, no producer, CreateTime, the wall clock for records
-    without a timestamp), which need no checking: the batch append_records appends. The same
+    without a timestamp), which need no checking: the batch append_records appends. `producer`:
+    (producer id, epoch, base sequence), already checked by the caller (a Producer). The same
     errors as encode_batch for bad records or an unknown compression."""
     records, codec = _records_and_codec(records, compression)
-    return kafkarecords.encode_batch(records, int(time.time() * 1000), 0, codec, -1, -1, -1, -1,
+    return kafkarecords.encode_batch(records, int(time.time() * 1000), 0, codec, -1, *producer,
                                      compress_payload), len(records)
 
 

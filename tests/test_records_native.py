@@ -303,7 +303,10 @@ def test_bench_records_quick(tmp_path):
     for a in report["append"]:
         assert a["append_records_records_s"] > 0 and a["append_records_s"] > 0
         assert isinstance(a["ratio"], float) and a["ratio"] > 0 and a["target_ratio"] == 0.9
-    assert report["targets"] == {"append_records_over_append": 0.9}
+    assert [a["value_size"] for a in report["idempotent"]] == [100, 1024]
+    for a in report["idempotent"]:
+        assert a["idempotent_records_s"] > 0 and a["plain_records_s"] > 0 and a["target_ratio"] == 0.95
+    assert report["targets"] == {"append_records_over_append": 0.9, "idempotent_over_plain": 0.95}
 
 
 def test_batches_larger_and_smaller_than_the_last_alike():

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import struct
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +34,7 @@ from _native.checksum import crc32c
 
 from ..errors import InvalidArgumentError, OutOfOrderSequenceError, ProducerFencedError
 from ..recordbatch import AppendResult, RecordBatch
-from ..records import Record, encode_batch
+from ..records import Record, encode_records
 
 if TYPE_CHECKING:
     from ..metadata import MetadataStore
@@ -82,13 +82,13 @@ class Producer:
 
     def batch(self, partition: str, records: Iterable[Record], compression: str | None = None) -> "ProducedBatch":
         """`records` as the next batch of this producer to `partition` (sequences taken now)."""
-        records = list(records)
+        if not isinstance(records, (list, tuple)):
+            records = list(records)
         with self._lock:
             first = self._next.get(partition, 0)
             self._next[partition] = (first + len(records)) % (MAX_SEQUENCE + 1)
-        payload = encode_batch(records, compression=compression, producer_id=self.producer_id,
-                               producer_epoch=self.epoch, base_sequence=first)
-        return ProducedBatch.of(payload, len(records), partition, self.producer_id, self.epoch, first)
+        payload, count = encode_records(records, compression, (self.producer_id, self.epoch, first))
+        return ProducedBatch.of(payload, count, partition, self.producer_id, self.epoch, first)
 
     def __repr__(self) -> str:
         return f"Producer(id={self.producer_id}, epoch={self.epoch})"
@@ -97,6 +97,7 @@ class Producer:
 class ProducedBatch(RecordBatch):
     """A RecordBatch a Producer built for one partition: a Kafka record batch carrying the
     producer's id, epoch and first sequence. Partition.append takes it idempotently."""
+    __slots__ = ("partition", "producer_id", "epoch", "base_sequence")
     partition: str
     producer_id: int
     epoch: int
@@ -173,10 +174,10 @@ class DuplicateAppend:
 class _State:
     __slots__ = ("epoch", "last_seq", "recent")
 
-    def __init__(self, epoch: int, last_seq: int, recent: list) -> None:
+    def __init__(self, epoch: int, last_seq: int, recent: deque) -> None:
         self.epoch = epoch
         self.last_seq = last_seq
-        self.recent = recent            # [first_seq, last_seq, base_offset, future or None], oldest first
+        self.recent = recent            # deque of (first_seq, last_seq, base_offset, future or None), oldest first
 
 
 class ProducerTable:
@@ -196,6 +197,8 @@ class ProducerTable:
         state = self._states.get(producer_id)
         if state is None:
             return None                  # a new producer (or one forgotten): any first sequence
+        if epoch == state.epoch and first_seq == state.last_seq + 1:
+            return None                  # the usual case: the next batch (a recent one starts lower)
         last_seq = (first_seq + count - 1) % (MAX_SEQUENCE + 1)
         if epoch < state.epoch:
             raise ProducerFencedError(
@@ -221,27 +224,30 @@ class ProducerTable:
     def record(self, producer_id: int, epoch: int, first_seq: int, count: int, base_offset: int,
                future: Any = None) -> None:
         """A batch appended (or found in the log) at `base_offset`."""
-        last_seq = (first_seq + count - 1) % (MAX_SEQUENCE + 1)
-        state = self._states.get(producer_id)
+        last_seq = first_seq + count - 1
+        if last_seq > MAX_SEQUENCE:
+            last_seq -= MAX_SEQUENCE + 1
+        states = self._states
+        state = states.get(producer_id)
         if state is None or epoch != state.epoch:
-            state = _State(epoch, last_seq, [])
-            self._states[producer_id] = state
+            state = states[producer_id] = _State(epoch, last_seq, deque(maxlen=RECENT))
+            if len(states) > self._limit:
+                states.popitem(last=False)
+        else:
+            states.move_to_end(producer_id)
         state.last_seq = last_seq
-        state.recent.append([first_seq, last_seq, base_offset, future])
-        del state.recent[:-RECENT]
-        self._states.move_to_end(producer_id)
-        while len(self._states) > self._limit:
-            self._states.popitem(last=False)
+        state.recent.append((first_seq, last_seq, base_offset, future))
 
     def snapshot(self) -> dict:
         """The table as JSON-able data (futures dropped: what a snapshot holds is durable)."""
-        return {str(pid): [s.epoch, s.last_seq, [r[:3] for r in s.recent]] for pid, s in self._states.items()}
+        return {str(pid): [s.epoch, s.last_seq, [list(r[:3]) for r in s.recent]] for pid, s in self._states.items()}
 
     @classmethod
     def restore(cls, data: dict | None, limit: int = MAX_PRODUCERS) -> "ProducerTable":
         table = cls(limit)
         for pid, (epoch, last_seq, recent) in (data or {}).items():
-            table._states[int(pid)] = _State(int(epoch), int(last_seq), [[*map(int, r), None] for r in recent])
+            table._states[int(pid)] = _State(int(epoch), int(last_seq),
+                                             deque(((*map(int, r), None) for r in recent), maxlen=RECENT))
         return table
 
     def replay(self, batches: Iterable[Any]) -> int:

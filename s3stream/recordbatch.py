@@ -14,11 +14,11 @@ from _native import appendpath
 from _native.appendpath import AppendFuture, AppendResult, RecordBatch
 
 from .errors import InvalidBatchError, InvalidRecordBatchError
-from .records import MAX_DECOMPRESSED_BYTES, ConsumedRecord, Record, decode_batch, encode_records
+from .records import MAX_DECOMPRESSED_BYTES, ConsumedRecord, DecodedBatch, Record, decode_batch, encode_records
 
 appendpath.set_error_types(invalid_batch=InvalidBatchError)
 
-__all__ = ["AppendFuture", "AppendResult", "FetchResult", "FetchedBatch", "RecordBatch", "records_batch"]
+__all__ = ["AppendFuture", "AppendResult", "FetchResult", "FetchedBatch", "RecordBatch", "encoded_batch", "records_batch"]
 
 
 class FetchedBatch(NamedTuple):
@@ -58,6 +58,27 @@ def records_batch(records: Iterable[Record], compression: str | None = None) -> 
     s3stream.records), one offset per record. InvalidArgumentError for bad records or an unknown
     compression (nothing is appended)."""
     return RecordBatch(*encode_records(records, compression))
+
+
+def encoded_batch(raw: bytes | bytearray | memoryview, *,
+                  max_decompressed_bytes: int = MAX_DECOMPRESSED_BYTES) -> tuple[RecordBatch, "DecodedBatch"]:
+    """A Kafka record batch (v2) built elsewhere (any Kafka client library), checked whole as a
+    broker checks it before it is appended: (the RecordBatch to append, one offset per record;
+    the decoded batch, whose producer fields say whether an idempotent producer sent it).
+    InvalidRecordBatchError or a subclass naming the cause (magic, CRC, length, codec, size) for
+    a batch that does not decode; InvalidRecordBatchError for one whose records are not dense
+    (a compacted batch) or that is transactional or a control batch (no transactions here)."""
+    data = bytes(raw)
+    decoded = decode_batch(data, max_decompressed_bytes=max_decompressed_bytes)
+    if decoded.is_transactional or decoded.is_control:
+        raise InvalidRecordBatchError(
+            f"this record batch is {'a control batch' if decoded.is_control else 'transactional'}: s3stream has no "
+            "transactions; send it with an idempotent (not transactional) producer")
+    if len(decoded.records) != decoded.last_offset_delta + 1:
+        raise InvalidRecordBatchError(
+            f"this record batch holds {len(decoded.records)} records over offset deltas 0..{decoded.last_offset_delta}: "
+            "appended batches must number their records densely (it was compacted); re-encode its records")
+    return RecordBatch(data, len(decoded.records)), decoded
 
 
 @dataclass(frozen=True)

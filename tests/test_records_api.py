@@ -109,3 +109,58 @@ def test_records_past_the_decompressed_limit_are_refused_and_readable_with_a_lar
         list(batch.records(max_decompressed_bytes=1 << 20))
     assert [r.offset for r in batch.records(max_decompressed_bytes=4 << 20)] == list(range(20))
     assert len(list(batch.records())) == 20                                     # the default: 64 MiB
+
+
+def kafka_python_batch(records, codec=None, producer=(-1, -1, -1), transactional=False) -> bytes:
+    """A batch built by kafka-python (another Kafka client library)."""
+    from test_records import kafka_build
+    return kafka_build(records, codec, (*producer, transactional))
+
+
+def test_batches_built_elsewhere_append_checked_and_bad_ones_append_nothing(client):
+    """append_encoded: a kafka-python batch appends with one offset per record and reads back;
+    wrong magic, a bad CRC, a truncated batch, an unknown codec and a transactional batch each
+    get their error and leave the stream as it was."""
+    from s3stream import RecordBatchChecksumError, RecordBatchLengthError, UnsupportedCompressionError
+    stream = client.create_stream()
+    records = [Record(key=b"k%d" % i, value=b"v" * i, timestamp=1_700_000_000_000 + i) for i in range(5)]
+    good = kafka_python_batch(records, codec="zstd")
+    assert stream.append_encoded(good).result(5).base_offset == 0
+    assert stream.append_encoded(bytearray(good)).result(5).base_offset == 5
+    end = stream.next_offset
+
+    def with_byte(at, value):
+        bad = bytearray(good)
+        bad[at] = value
+        return bytes(bad)
+    crc_broken = bytearray(good)
+    crc_broken[-1] ^= 0xFF
+    codec_7 = bytearray(kafka_python_batch(records))
+    codec_7[22] |= 0x07                                                 # attributes' codec bits: 7
+    from _native.checksum import crc32c
+    codec_7[17:21] = crc32c(bytes(codec_7[21:])).to_bytes(4, "big")      # a valid CRC over it
+    for bad, error in ((with_byte(16, 1), UnsupportedMagicError), (bytes(crc_broken), RecordBatchChecksumError),
+                       (good[:-3], RecordBatchLengthError), (bytes(codec_7), UnsupportedCompressionError),
+                       (kafka_python_batch(records, producer=(3, 0, 0), transactional=True), InvalidRecordBatchError),
+                       (b"", RecordBatchLengthError)):
+        with pytest.raises(error):
+            stream.append_encoded(bad)
+        assert stream.next_offset == end
+    got = records_of(stream, 0, end)
+    assert [(r.offset, r.key, r.value, r.timestamp) for r in got] == [
+        (i + 5 * k, r.key, r.value, r.timestamp) for k in range(2) for i, r in enumerate(records)]
+
+
+def test_a_batch_from_an_idempotent_kafka_producer_is_taken_once(client):
+    """Partition.append_encoded: a batch whose header names a producer id and sequence is taken
+    idempotently (its retry answers the first offset); the next sequence continues."""
+    import s3stream.cluster  # noqa: F401
+    from s3stream import OutOfOrderSequenceError
+    p = client.open_partition("orders")
+    first = kafka_python_batch([Record(value=b"a"), Record(value=b"b")], producer=(42, 0, 0))
+    assert p.append_encoded(first).result(5).base_offset == 0
+    assert p.append_encoded(first).result(5).base_offset == 0
+    with pytest.raises(OutOfOrderSequenceError):
+        p.append_encoded(kafka_python_batch([Record(value=b"c")], producer=(42, 0, 5)))
+    assert p.append_encoded(kafka_python_batch([Record(value=b"c")], producer=(42, 0, 2))).result(5).base_offset == 2
+    assert p.log.next_offset == 3

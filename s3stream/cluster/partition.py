@@ -31,7 +31,7 @@ from ..errors import (
     StreamNotFoundError,
 )
 from ..metadata import StreamMeta, StreamState
-from ..recordbatch import AppendFuture, FetchResult, RecordBatch, records_batch
+from ..recordbatch import AppendFuture, FetchResult, RecordBatch, encoded_batch, records_batch
 from ..records import Record
 from .loadreport import SAMPLE_EVERY, TrafficMeter
 from .producers import SNAPSHOT_BYTES, ProducedBatch, Producer, ProducerTable
@@ -238,6 +238,17 @@ class Partition:
         if producer is not None:
             return self.append(producer.batch(self.name, records, compression))
         return self.append(records_batch(records, compression))
+
+    def append_encoded(self, raw: bytes | bytearray | memoryview) -> Any:
+        """Append a Kafka record batch (v2) built elsewhere (any Kafka client library), checked
+        whole first (recordbatch.encoded_batch: a bad one raises InvalidRecordBatchError or a
+        subclass and appends nothing). One sent by an idempotent producer (a producer id and a
+        base sequence in its header) is taken idempotently, as a ProducedBatch is."""
+        batch, decoded = encoded_batch(raw)
+        if decoded.producer_id >= 0 and decoded.base_sequence >= 0:
+            batch = ProducedBatch.of(batch.payload, batch.count, self.name, decoded.producer_id,
+                                     decoded.producer_epoch, decoded.base_sequence)
+        return self.append(batch)
 
     def fetch(self, start_offset: int, end_offset: int | None = None, max_bytes: int = 1 << 20) -> FetchResult:
         m = self.meter

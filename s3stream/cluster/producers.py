@@ -104,7 +104,7 @@ class ProducedBatch(RecordBatch):
     base_sequence: int
 
     @classmethod
-    def of(cls, payload: bytes, count: int, partition: str, producer_id: int, epoch: int,
+    def of(cls, payload: bytes | bytearray | memoryview, count: int, partition: str, producer_id: int, epoch: int,
            base_sequence: int) -> "ProducedBatch":
         batch = cls(payload, count)
         batch.partition, batch.producer_id, batch.epoch, batch.base_sequence = (

@@ -18,12 +18,12 @@ SEEDS = 10_000
 KNOWN = {
     "zombie-ack": 1,
     "naive-detector": 80,
-    "false-close": 708,
-    "any-opened": 59,
+    "false-close": 929,
+    "any-opened": 102,
     "sick-serves": 0,
-    "no-settle": 25,
+    "no-settle": 163,
     "stale-fence": 2783,
-    "reused-claim": 300,
+    "reused-claim": 1413,
     "close-any-incarnation": 2172,
 }
 

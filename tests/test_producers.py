@@ -284,3 +284,33 @@ def test_the_table_survives_a_failover(tmp_path):
     finally:
         two.close()
         meta.close()
+
+
+def test_records_that_do_not_encode_take_no_sequence(tmp_path):
+    one = node(tmp_path, 1)
+    try:
+        p = one.open_partition("p")
+        producer = new_producer(one)
+        assert p.append(producer.batch("p", [Record(value=b"a")])).result(5).base_offset == 0
+        with pytest.raises(InvalidArgumentError):
+            producer.batch("p", [Record(value=b"ok"), "not a record"])
+        # Had the bad batch taken sequences 1-2, this one would be a gap.
+        assert p.append(producer.batch("p", [Record(value=b"b")])).result(5).base_offset == 1
+    finally:
+        one.close()
+
+
+def test_a_moving_partition_refuses_a_producer_batch_as_moved(tmp_path):
+    """The first producer batch writes a snapshot first; on a partition that is moving away the
+    caller gets PartitionMovedError (retry on the new owner), not the meta stream's error."""
+    from s3stream.cluster import PartitionMovedError
+    one = node(tmp_path, 1)
+    try:
+        p = one.open_partition("p")
+        producer = new_producer(one)
+        batch = producer.batch("p", [Record(value=b"a")])
+        p.close(timeout=10)
+        with pytest.raises(PartitionMovedError):
+            p.append(batch)
+    finally:
+        one.close()

@@ -184,7 +184,12 @@ class Partition:
             if self._scan_from is None:
                 # The first producer batch since a snapshot that said "nothing to read back":
                 # say where to read back from first, in the same WAL ahead of it.
-                self._write_snapshot(self.log.next_offset)
+                self._refuse_if_moving()
+                try:
+                    self._write_snapshot(self.log.next_offset)
+                except (StreamClosedError, StreamFencedError) as e:
+                    raise PartitionMovedError(self.name, f"partition {self.name!r} moved away from node "
+                                                         f"{self._client.node_id}: {e}") from e
             future = self._append(batch)
             self.producers.record(batch.producer_id, batch.epoch, batch.base_sequence, batch.count,
                                   future.base_offset, future)
@@ -209,10 +214,13 @@ class Partition:
         self.meta_stream.append(RecordBatch(snapshot.encode(), 1))
         self._scan_from, self._snapshot_bytes, self._produced_since = scan_from, 0, 0
 
-    def _append(self, batch: RecordBatch) -> AppendFuture:
+    def _refuse_if_moving(self) -> None:
         if self._closing or self._closed is not None:
             raise PartitionMovedError(self.name, f"partition {self.name!r} is closing on node "
                                                  f"{self._client.node_id}: retry on its new owner")
+
+    def _append(self, batch: RecordBatch) -> AppendFuture:
+        self._refuse_if_moving()
         m = self.meter
         sample = m.appends % SAMPLE_EVERY == 0
         submitted = time.monotonic_ns() if sample else 0

@@ -82,12 +82,10 @@ class Producer:
 
     def batch(self, partition: str, records: Iterable[Record], compression: str | None = None) -> "ProducedBatch":
         """`records` as the next batch of this producer to `partition` (sequences taken now)."""
-        if not isinstance(records, (list, tuple)):
-            records = list(records)
-        with self._lock:
+        with self._lock:                # encoded under it: bad records take no sequence
             first = self._next.get(partition, 0)
-            self._next[partition] = (first + len(records)) % (MAX_SEQUENCE + 1)
-        payload, count = encode_records(records, compression, (self.producer_id, self.epoch, first))
+            payload, count = encode_records(records, compression, (self.producer_id, self.epoch, first))
+            self._next[partition] = (first + count) % (MAX_SEQUENCE + 1)
         return ProducedBatch.of(payload, count, partition, self.producer_id, self.epoch, first)
 
     def __repr__(self) -> str:

@@ -32,8 +32,8 @@ nodes that never recovered. A failing seed prints its trace.
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
-import heapq
 import json
 import random
 import sys
@@ -43,6 +43,8 @@ from collections import defaultdict
 from typing import Any, Callable, Iterable, Sequence
 
 import greenlet
+from greenlet import getcurrent
+from heapq import heappop, heappush
 
 from s3stream.cluster import Cluster, ClusterConfig, NodeAgent
 from s3stream.cluster.partition import PartitionMovedError, PartitionTable
@@ -95,26 +97,48 @@ class Thread(greenlet.greenlet):
 class Wait:
     """One blocking wait of the current thread: woken once (by `wake` or its timeout)."""
 
+    __slots__ = ("hub", "thread", "done", "value")
+
     def __init__(self, hub: "Hub") -> None:
         self.hub = hub
-        self.thread = greenlet.getcurrent()
+        self.thread = getcurrent()
         self.done = False
         self.value: Any = None
 
     def block(self, timeout: float | None = None) -> Any:
+        hub = self.hub
         if timeout is not None:
-            self.hub.at(self.hub.now + max(0, int(timeout * S)), lambda: self.hub.wake(self, False), self.thread.node)
-        return self.hub.suspend()
+            delay = int(timeout * S)
+            if delay > 0:
+                hub._seq += 1
+                heappush(hub._queue, (hub.now + delay, hub._seq, self.thread.node, _TIMEOUT, self, False))
+            else:
+                hub._ready.append((self.thread.node, _TIMEOUT, self, False))
+        return hub.main.switch()
+
+
+# What a scheduled step does (Hub.run dispatches on it rather than calling a closure per step):
+_SWITCH = 0     # a: the thread to switch to, b: the value its wait returns
+_SLEPT = 1      # a: the thread whose sleep ends: it is switched to at the same time, as a step of its own
+_TIMEOUT = 2    # a: the Wait that times out (woken with b), unless it was woken before
+_CALL = 3       # a: a function of no arguments
 
 
 class Hub:
-    """Runs the threads one at a time in simulated time, in an order set by the seed."""
+    """Runs the threads one at a time in simulated time, in an order set by the seed.
+
+    Steps run in the order of (time, order of scheduling). Most steps are scheduled for the
+    current time (a thread woken, spawned): those wait in a FIFO (`_ready`) rather than the heap.
+    Anything in the heap at the current time was scheduled before them (the heap holds only
+    steps that were in the future when scheduled), so the heap's steps at the current time run
+    first, then the FIFO's, then time moves on: the same order as one heap of every step."""
 
     def __init__(self, seed: int) -> None:
         self.rng = random.Random(seed)
         self.now = 0
-        self.main = greenlet.getcurrent()
-        self._queue: list[tuple[int, int, Any, Any]] = []
+        self.main = getcurrent()
+        self._queue: list[tuple[int, int, Any, int, Any, Any]] = []   # (when, seq, node, kind, a, b)
+        self._ready: collections.deque[tuple[Any, int, Any, Any]] = collections.deque()   # (node, kind, a, b) at now
         self._seq = 0
         self.paused: dict[Any, int] = {}          # node -> simulated time it resumes at
         self.dead: set[Any] = set()               # incarnations whose threads never run again
@@ -126,50 +150,97 @@ class Hub:
     def log(self, text: str) -> None:
         self.trace.append(f"{self.now / S:9.4f} {text}")
 
+    def push(self, when: int, node: Any, kind: int, a: Any, b: Any = None) -> None:
+        """Schedule a step of `kind` at simulated time `when` (deferred while `node` is paused;
+        dropped if dead)."""
+        if when == self.now:
+            self._ready.append((node, kind, a, b))
+        else:
+            self._seq += 1
+            heappush(self._queue, (when, self._seq, node, kind, a, b))
+
     def at(self, when: int, fn: Callable[[], None], node: Any = None) -> None:
         """Run `fn` at simulated time `when` (deferred while `node` is paused; dropped if dead)."""
-        self._seq += 1
-        heapq.heappush(self._queue, (when, self._seq, node, fn))
+        self.push(when, node, _CALL, fn)
 
     def spawn(self, node: Any, name: str, target: Callable[[], None]) -> Thread:
         thread = Thread(self, node, name, target)
         self.threads.append(thread)
-        self.at(self.now, lambda: self._switch(thread, None), node)
+        self.push(self.now, node, _SWITCH, thread)
         return thread
-
-    def _switch(self, thread: Thread, value: Any) -> None:
-        if not thread.finished and thread.node not in self.dead:
-            thread.switch(value)
 
     def wake(self, wait: Wait, value: Any) -> None:
         if wait.done:
             return
         wait.done = True
         wait.value = value
-        self.at(self.now, lambda: self._switch(wait.thread, value), wait.thread.node)  # type: ignore[attr-defined]
+        thread = wait.thread
+        self._ready.append((thread.node, _SWITCH, thread, value))       # type: ignore[attr-defined]
 
     def suspend(self) -> Any:
         """Give the processor back to the scheduler until woken."""
         return self.main.switch()
 
     def sleep(self, seconds: float) -> None:
-        w = Wait(self)
-        self.at(self.now + max(0, int(seconds * S)), lambda: self.wake(w, None), w.thread.node)  # type: ignore[attr-defined]
-        self.suspend()
+        thread = getcurrent()
+        delay = int(seconds * S)
+        if delay > 0:               # push(), inlined: the most frequent step
+            self._seq += 1
+            heappush(self._queue, (self.now + delay, self._seq, thread.node, _SLEPT, thread, None))  # type: ignore[attr-defined]
+        else:
+            self._ready.append((thread.node, _SLEPT, thread, None))                                   # type: ignore[attr-defined]
+        self.main.switch()
 
     def run(self, until: int) -> None:
-        while self._queue and self._queue[0][0] <= until:
-            when, _, node, fn = heapq.heappop(self._queue)
-            if node in self.dead:
-                continue
-            resume = self.paused.get(node)
-            if resume is not None and resume > when:
-                self.at(resume, fn, node)
-                continue
-            self.now = max(self.now, when)
-            self.steps += 1
-            fn()
-        self.now = max(self.now, until)
+        queue, ready, dead, paused = self._queue, self._ready, self.dead, self.paused
+        popleft = ready.popleft
+        steps = self.steps
+        now = self.now
+        try:
+            while True:
+                if queue and queue[0][0] <= now:
+                    when, _, node, kind, a, b = heappop(queue)
+                elif ready:
+                    node, kind, a, b = popleft()
+                    when = now
+                elif queue and queue[0][0] <= until:
+                    when, _, node, kind, a, b = heappop(queue)
+                else:
+                    break
+                if node in dead:
+                    continue
+                if paused:
+                    resume = paused.get(node)
+                    if resume is not None and resume > when:
+                        self.push(resume, node, kind, a, b)
+                        continue
+                if when > now:
+                    self.now = now = when
+                steps += 1
+                if kind == _SWITCH:
+                    if not a.finished:
+                        a.switch(b)
+                elif kind == _SLEPT or kind == _TIMEOUT:
+                    if kind == _TIMEOUT:
+                        if a.done:
+                            continue
+                        a.done = True
+                        a.value = b
+                        a = a.thread
+                    if ready or (queue and queue[0][0] <= now):
+                        ready.append((node, _SWITCH, a, b))
+                    else:
+                        # The switch would be the very next step: take it now (a step of its own
+                        # all the same, with its node neither dead nor paused, as just checked).
+                        steps += 1
+                        if not a.finished:
+                            a.switch(b)
+                else:
+                    a()
+        finally:
+            self.steps = steps
+        if until > now:
+            self.now = until
 
     def shutdown(self) -> None:
         for thread in self.threads:
@@ -318,16 +389,18 @@ class SimMetadata(MetadataStore):
     # -- every call: latency, faults, then the change, then latency back ---------------------------
 
     def _call(self, op: str, fn: Callable[[], Any]) -> Any:
-        world, hub = self.world, self.world.hub
-        node = getattr(greenlet.getcurrent(), "node", None)
-        hub.sleep(hub.rng.uniform(0.0002, 0.002))
+        world = self.world
+        hub = world.hub
+        draw = hub.rng.random        # rng.uniform(a, b) is a + (b - a) * random(): the same draws, a call less
+        node = getattr(getcurrent(), "node", None)
+        hub.sleep(0.0002 + (0.002 - 0.0002) * draw())
         if world.meta_down or node in world.meta_cut:
-            hub.sleep(hub.rng.uniform(0.001, 0.05))
+            hub.sleep(0.001 + (0.05 - 0.001) * draw())
             raise MetadataBusyError(f"sim: the metadata store is unreachable from node {node} ({op})")
         result = fn()
         world.ops += 1
         world.buggify(op, node)
-        hub.sleep(hub.rng.uniform(0.0002, 0.002))
+        hub.sleep(0.0002 + (0.002 - 0.0002) * draw())
         return result
 
     def _node(self, node_id: int) -> dict:
@@ -360,7 +433,11 @@ class SimMetadata(MetadataStore):
 
     def _node_meta(self, node_id: int) -> NodeMeta:
         n = self._node(node_id)
-        return NodeMeta(node_id, n["epoch"], n["failover"], f"/sim/{node_id}", n["heartbeat"], n["health"])
+        meta = n["meta"]           # NodeMeta is frozen: one per state of the record (every write resets it)
+        if meta is None:
+            meta = n["meta"] = NodeMeta(node_id, n["epoch"], n["failover"], f"/sim/{node_id}", n["heartbeat"],
+                                        n["health"])
+        return meta
 
     # -- nodes -------------------------------------------------------------------------------------
 
@@ -368,7 +445,8 @@ class SimMetadata(MetadataStore):
         def apply() -> NodeMeta:
             n = self.world.nodes.get(node_id)
             epoch = 0 if n is None else n["epoch"] + 1
-            self.world.nodes[node_id] = dict(epoch=epoch, failover=False, heartbeat=self.world.wall(), health=None)
+            self.world.nodes[node_id] = dict(epoch=epoch, failover=False, heartbeat=self.world.wall(), health=None,
+                                            meta=None)
             return self._node_meta(node_id)
         return self._call("register_node", apply)
 
@@ -381,7 +459,7 @@ class SimMetadata(MetadataStore):
     def heartbeat(self, node_id: int, node_epoch: int, health: str | None = None) -> None:
         def apply() -> None:
             self._check_epoch(node_id, node_epoch)
-            self.world.nodes[node_id].update(heartbeat=self.world.wall(), health=health)
+            self.world.nodes[node_id].update(heartbeat=self.world.wall(), health=health, meta=None)
         self._call("heartbeat", apply)
 
     def fence_node(self, node_id: int, failover: bool = True,
@@ -390,7 +468,7 @@ class SimMetadata(MetadataStore):
             n = self._node(node_id)
             if if_unchanged is not None and (n["epoch"], n["heartbeat"]) != tuple(if_unchanged):
                 raise NodeAliveError(f"sim: node {node_id} heartbeated since it was judged")
-            n.update(epoch=n["epoch"] + 1, failover=failover)
+            n.update(epoch=n["epoch"] + 1, failover=failover, meta=None)
             self.world.hub.log(f"fence node {node_id} -> epoch {n['epoch']}")
             return self._node_meta(node_id)
         return self._call("fence_node", apply)
@@ -570,7 +648,8 @@ class SimMetadata(MetadataStore):
         self._call("delete_kv", apply)
 
     def list_kv(self, prefix: str) -> dict[str, bytes]:
-        return self._call("list_kv", lambda: {k: self.world.kv[k] for k in sorted(self.world.kv) if k.startswith(prefix)})
+        kv = self.world.kv
+        return self._call("list_kv", lambda: {k: kv[k] for k in sorted(k for k in kv if k.startswith(prefix))})
 
     def kv_changes(self, prefixes: Sequence[str]) -> ChangeFeed:
         return SimFeed(self.world, prefixes)
@@ -616,7 +695,8 @@ class SimFuture:
     def exception(self, timeout: float | None = None) -> BaseException | None:
         hub = self.client.world.hub
         deadline = None if timeout is None else hub.now + int(timeout * S)
-        while not self.done():
+        rec = self.rec
+        while rec.acked_at is None and rec.error is None:        # not done()
             if deadline is not None and hub.now >= deadline:
                 raise OperationTimeoutError(f"append at {self.rec.base} not acknowledged after {timeout} s")
             self.client.wait_change(None if deadline is None else (deadline - hub.now) / S)
@@ -1264,7 +1344,8 @@ class World:
         reaches the node, crash or pause it (FoundationDB's buggify): the interleavings that a
         fault every second or two would almost never hit (a judge dying holding a claim, a node
         paused between its commit and its acknowledgment, a node restarted mid-failover)."""
-        if key is None or not isinstance(key, tuple) or key in self.hub.dead or self.hub.now > self.fault_end:
+        if (not self.buggify_rate or key is None or not isinstance(key, tuple) or key in self.hub.dead
+                or self.hub.now > self.fault_end):
             return
         rate = self.buggify_rate * (5 if op in ("put_kv_if_absent", "fence_node", "commit", "register_node") else 1)
         if rate == 0 or self.hub.rng.random() >= rate:

@@ -270,6 +270,7 @@ class Uploader:
         self._cond = threading.Condition()
         self._queue: deque[CacheBlock] = deque()       # sealed, not started
         self._inflight: deque[_InFlight] = deque()     # started, not committed (block order)
+        self._starting: CacheBlock | None = None      # taken from the queue, not yet in flight
         self._committed_id = -1          # highest block id committed (blocks commit in id order)
         # One metadata commit at a time, a block's or a close's (see the module docstring).
         self._gate = threading.Lock()
@@ -362,13 +363,14 @@ class Uploader:
     def pending_block_ids(self) -> list[int]:
         """Ids of the blocks sealed but not yet committed."""
         with self._cond:
-            return [b.block_id for b in self._queue] + [job.block.block_id for job in self._inflight]
+            starting = [] if self._starting is None else [self._starting.block_id]
+            return [b.block_id for b in self._queue] + starting + [job.block.block_id for job in self._inflight]
 
     @property
     def pending_blocks(self) -> int:
         """Blocks sealed but not yet committed."""
         with self._cond:
-            return len(self._queue) + len(self._inflight)
+            return len(self._queue) + (self._starting is not None) + len(self._inflight)
 
     def close(self, timeout: float | None = None) -> None:
         """Upload everything queued, then stop. On timeout, abort what is left (it stays in the
@@ -423,7 +425,13 @@ class Uploader:
                     continue
                 if step == "stop":
                     return
-                block = self._queue.popleft() if step == "start" else self._inflight[0].block
+                if step == "start":
+                    # Pending while it starts too (planned, ids prepared), before it is in flight:
+                    # force_upload must not miss it in between.
+                    block = self._queue.popleft()
+                    self._starting = block
+                else:
+                    block = self._inflight[0].block
             try:
                 if step == "start":
                     self._start(block)
@@ -435,6 +443,7 @@ class Uploader:
                                   "and is uploaded at the next start)", block.block_id)
                 with self._cond:
                     self._failure = e
+                    self._starting = None
                     self._cond.notify_all()
                 self._on_failure(e)
                 return
@@ -449,6 +458,7 @@ class Uploader:
         self._launch(job)
         with self._cond:
             self._inflight.append(job)
+            self._starting = None
             self.stats["max_inflight"] = max(self.stats["max_inflight"], len(self._inflight))
 
     def _launch(self, job: _InFlight) -> None:

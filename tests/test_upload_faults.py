@@ -465,3 +465,40 @@ def test_close_while_failing_gives_up_in_time_and_ends_the_episode(tmp_path, cap
         assert read_committed(again, s.stream_id) == acked[s.stream_id]
     finally:
         again.close()
+
+
+def test_force_upload_waits_for_a_block_that_is_still_starting(tmp_path):
+    """A block sealed by the upload threshold is taken from the queue and planned (its object
+    ids prepared in metadata) before it is in flight. force_upload called in between, with
+    nothing left in the active block, still waits for it (it once saw no pending block there and
+    returned at once: CI caught it as a compaction test finding no StreamSetObject)."""
+    c = StreamClient(1, tmp_path / "n1.wal", f"file://{tmp_path}/objects", f"sqlite:///{tmp_path}/meta.db",
+                     small_config(reclaim_interval=None))
+    started, release = threading.Event(), threading.Event()
+    real = c.metadata.prepare_objects
+
+    def slow_prepare(*a, **k):
+        if threading.current_thread().name.startswith("s3stream-upload") and not started.is_set():
+            started.set()
+            release.wait(10)
+        return real(*a, **k)
+    try:
+        s = c.create_stream()
+        c.metadata.prepare_objects = slow_prepare                     # type: ignore[method-assign]
+        appended = 0
+        while c._uploader.pending_blocks == 0:                        # until the threshold seals a block
+            s.append(RecordBatch(b"x" * (64 * KiB), 1)).result(10)
+            appended += 1
+        assert started.wait(10), "the uploader did not start the sealed block"
+        done = threading.Thread(target=c.force_upload, args=(20,))
+        done.start()
+        done.join(0.5)
+        assert done.is_alive(), "force_upload returned while the block it must wait for was still starting"
+        release.set()
+        done.join(20)
+        assert not done.is_alive()
+        assert c.metadata.get_stream(s.stream_id).end_offset == appended
+    finally:
+        release.set()
+        c.metadata.__dict__.pop("prepare_objects", None)
+        c.close()

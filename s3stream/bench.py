@@ -37,7 +37,6 @@ import array
 import collections
 import contextlib
 import gc
-import json
 import os
 import resource
 import shutil
@@ -46,7 +45,7 @@ import time
 
 import wal
 from wal.bench import Trimmer
-from wal.benchkit import fmt_size, log_line, parse_size, percentiles, periodic, progress, pyplot, save_figure
+from wal.benchkit import fmt_size, log_line, parse_size, percentiles, periodic, progress, publish, pyplot, save_figure
 
 from . import Config, RecordBatch, StreamClient
 from .lifecycle import ObjectReclaimer
@@ -732,11 +731,7 @@ def run(argv: list[str] | None = None) -> dict:
             shutil.rmtree(base_store, ignore_errors=True)
             shutil.rmtree(base_work, ignore_errors=True)
     report["runs"] = runs
-    with open(os.path.join(args.out, "report.json"), "w") as f:
-        json.dump(report, f, indent=2)
-    report["plots"] = write_plots(report, args.out)
-    print(format_report(report))
-    return report
+    return publish(report, args.out, write_plots, format_report)
 
 
 def read_cases(args, config: Config, payload: bytes, base_work: str) -> dict:

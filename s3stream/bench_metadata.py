@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import shutil
 import tempfile
 import time
 from typing import Callable
 
-from wal.benchkit import log_line, percentiles, progress, pyplot, save_figure
+from wal.benchkit import log_line, percentiles, progress, publish, pyplot, save_figure
 
 from .metadata import CommitRange, CommitRequest, CommitSSO, CommitStreamObject, MetadataStore, open_metadata
 
@@ -234,11 +233,7 @@ def run(argv: list[str] | None = None) -> dict:
                                                     seconds))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    with open(os.path.join(args.out, "report.json"), "w") as f:
-        json.dump(report, f, indent=2)
-    report["plots"] = plot(report, args.out)
-    print(format_report(report))
-    return report
+    return publish(report, args.out, plot, format_report)
 
 
 if __name__ == "__main__":

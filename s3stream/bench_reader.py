@@ -44,7 +44,7 @@ import time
 from collections.abc import Iterator
 
 import wal
-from wal.benchkit import fmt_size, log_line, parse_size, percentiles, progress, pyplot, save_figure
+from wal.benchkit import fmt_size, log_line, parse_size, percentiles, progress, publish, pyplot, save_figure
 
 from .bench_reads import evict
 from .client import StreamClient
@@ -456,12 +456,7 @@ def run(argv: list[str] | None = None) -> dict:
     report = dict(kind="reader", catchup=catchup, visibility=visibility,
                   targets=dict(reader_over_node=TARGET_CATCHUP_RATIO, visibility_p99_ms=TARGET_VISIBILITY_MS),
                   met=all(x["met"] for x in measured))
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "report.json"), "w") as f:
-        json.dump(report, f, indent=2)
-    report["plots"] = plot(report, args.out)
-    print(format_report(report))
-    return report
+    return publish(report, args.out, plot, format_report)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,6 @@ Report: report.json and records.png in --out (default reports/records-bench).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import shutil
@@ -44,7 +43,7 @@ from types import ModuleType
 from typing import Any
 
 import wal
-from wal.benchkit import fmt_size, log_line, parse_size, progress, pyplot, save_figure
+from wal.benchkit import fmt_size, log_line, parse_size, progress, publish, pyplot, save_figure
 
 from . import records as native_records
 from . import records_reference
@@ -384,12 +383,7 @@ def run(argv: list[str] | None = None) -> dict:
                   targets=dict(append_records_over_append=TARGET_APPEND_RATIO,
                                idempotent_over_plain=TARGET_IDEMPOTENT_RATIO),
                   met=all(a["met"] for a in append + idempotent))
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "report.json"), "w") as f:
-        json.dump(report, f, indent=2)
-    report["plots"] = plot(report, args.out)
-    print(format_report(report))
-    return report
+    return publish(report, args.out, plot, format_report)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from wal.benchkit import log_line, parse_size, percentiles, progress_over
+from wal.benchkit import log_line, parse_size, percentiles, progress_over, publish
 
 KiB, MiB, GiB = 1024, 1024 ** 2, 1024 ** 3
 
@@ -362,16 +362,6 @@ def verify_acks(store: str, meta: str, results: list[dict], batch: int) -> dict:
 
 def latency_summary(latencies_ns: list[int]) -> dict:
     return percentiles(latencies_ns, ps=(0.5, 0.99, 0.999))
-
-
-def publish(report: dict, out: str, plot, format_report) -> dict:
-    """Write report.json, draw the plots (their paths go into report["plots"], and the JSON is
-    written again with them), print the summary; returns the report."""
-    write_json(out, report)
-    report["plots"] = plot(report, out)
-    write_json(out, report)
-    print(format_report(report))
-    return report
 
 
 def write_json(out: str, report: dict) -> str:

@@ -95,6 +95,22 @@ def pyplot(who: str):
     return plt
 
 
+def publish(report: dict, out: str, plot: Callable[[dict, str], list], format_report: Callable[[dict], str]) -> dict:
+    """A benchmark's ending: write `out`/report.json, draw the plots (their paths go into
+    report["plots"] and the JSON is written again with them), print the summary; the report."""
+    import json
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, "report.json")
+    for _ in range(2):
+        with open(path, "w") as f:
+            json.dump(report, f, indent=2, default=str)
+        if "plots" in report:
+            break
+        report["plots"] = plot(report, out)
+    print(format_report(report))
+    return report
+
+
 def save_figure(plt, fig, out: str, name: str) -> str:
     """Save `fig` as out/name (PNG) and close it; returns the path."""
     fig.tight_layout()

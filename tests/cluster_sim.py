@@ -1683,7 +1683,10 @@ def _worker(args: tuple[list[int], str | None, float]) -> list[dict]:
 
 def run_many(seeds: list[int], mutant: str | None = None, seconds: float = 10.0, workers: int = 2,
              stop_at_first: bool = False) -> dict:
-    """Run `seeds` in `workers` processes; a summary with every failing seed's result."""
+    """Run `seeds` in `workers` processes; a summary with every failing seed's result. The
+    workers are spawned, not forked: a fork of a process with other threads (pytest's, after
+    tests that leave pools and feeds behind) can copy a lock held by one of them, and the child
+    then waits on it for good (a CI run hung so, both workers blocked on a futex)."""
     import multiprocessing
     t0 = _time.perf_counter()
     chunks = [seeds[i::workers] for i in range(workers)] if not stop_at_first else [[s] for s in seeds]
@@ -1694,7 +1697,7 @@ def run_many(seeds: list[int], mutant: str | None = None, seconds: float = 10.0,
             if stop_at_first and not results[-1]["ok"]:
                 break
     else:
-        with multiprocessing.get_context("fork").Pool(workers) as pool:
+        with multiprocessing.get_context("spawn").Pool(workers) as pool:
             for part in pool.imap_unordered(_worker, [(c, mutant, seconds) for c in chunks]):
                 results += part
                 if stop_at_first and any(not r["ok"] for r in part):

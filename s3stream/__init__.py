@@ -8,7 +8,7 @@ from .config import Config
 from .cluster.consumer import ConsumerGroups, StaleGenerationError
 from .errors import (
     AppendFailedError, ConfigError, CorruptDataError, FencedLeaderError, InvalidArgumentError, InvalidBatchError, LeaseExpiredError,
-    MetadataBusyError, MetadataError, NodeConflictError, ObjectNotFoundError, ObjectStoreError, ObjectStorePermanentError,
+    KVConflictError, MetadataBusyError, MetadataError, NodeConflictError, ObjectNotFoundError, ObjectStoreError, ObjectStorePermanentError,
     OffsetOutOfRangeError, OffsetsLostError, OperationTimeoutError, S3StreamError, StreamClosedError, StreamFencedError, StreamNotClosedError,
     StreamNotFoundError, UnsupportedFormatError, WALCorruptError, WALError, WALFullError, InvalidRecordBatchError,
     RecordBatchChecksumError, RecordBatchLengthError, UnsupportedCompressionError, UnsupportedMagicError,
@@ -22,7 +22,7 @@ from .stream import Stream
 
 __all__ = [
     "AppendFailedError", "AppendFuture", "AppendResult", "Config", "ConfigError", "ConsumerGroups", "CorruptDataError",
-    "FencedLeaderError", "FetchResult", "FetchedBatch", "InvalidArgumentError", "InvalidBatchError", "LeaseExpiredError", "MetadataBusyError",
+    "FencedLeaderError", "FetchResult", "KVConflictError", "FetchedBatch", "InvalidArgumentError", "InvalidBatchError", "LeaseExpiredError", "MetadataBusyError",
     "MetadataError", "NodeConflictError", "ObjectNotFoundError", "ObjectStoreError",
     "ObjectStorePermanentError", "OffsetOutOfRangeError", "OffsetsLostError", "OperationTimeoutError", "RecordBatch",
     "S3StreamError", "StaleGenerationError", "Stream", "StreamClient", "StreamClosedError", "StreamFencedError", "StreamNotClosedError",

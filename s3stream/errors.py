@@ -98,6 +98,11 @@ class MetadataError(S3StreamError):
     """A metadata operation failed its preconditions in a way no other error describes."""
 
 
+class KVConflictError(MetadataError):
+    """A commit's `kv_guard` did not hold: the key's value changed since the caller read it
+    (another writer committed first). Nothing was committed."""
+
+
 class MetadataBusyError(MetadataError):
     """The metadata store was busy past its own timeout (SQLite: another connection held the
     write lock past busy_timeout_s). Transient: the uploader retries it with backoff."""

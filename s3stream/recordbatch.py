@@ -41,9 +41,10 @@ class FetchedBatch(NamedTuple):
         with its offset in the stream: base_offset, base_offset + 1, ... InvalidRecordBatchError
         (or a subclass naming the cause) if the payload is not such a batch, or holds another
         number of records than the batch was appended with; DecompressionLimitError if its
-        compressed records decompress to more than `max_decompressed_bytes`."""
+        compressed records decompress to more than `max_decompressed_bytes`. A gap
+        (records.encode_gap: no records over its offsets) yields nothing."""
         decoded = decode_batch(self.payload, max_decompressed_bytes=max_decompressed_bytes)
-        if len(decoded.records) != self.count or decoded.last_offset_delta != self.count - 1:
+        if len(decoded.records) not in (0, self.count) or decoded.last_offset_delta != self.count - 1:
             raise InvalidRecordBatchError(
                 f"the batch at offset {self.base_offset} was appended as {self.count} records, but its payload is a "
                 f"record batch of {len(decoded.records)} (last offset delta {decoded.last_offset_delta}): it was not "

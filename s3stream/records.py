@@ -62,7 +62,7 @@ from typing import NamedTuple
 
 import cramjam
 
-from _native import kafkarecords
+from _native import checksum, kafkarecords
 
 from .errors import (
     DecompressionLimitError, InvalidArgumentError, InvalidRecordBatchError, RecordBatchChecksumError, RecordBatchLengthError,
@@ -71,7 +71,7 @@ from .errors import (
 
 __all__ = [
     "COMPRESSION_CODECS", "ConsumedRecord", "DecodedBatch", "LOG_APPEND_TIME", "CREATE_TIME", "MAGIC",
-    "MAX_DECOMPRESSED_BYTES", "Record", "decode_batch", "encode_batch", "encode_records", "iter_batches",
+    "MAX_DECOMPRESSED_BYTES", "Record", "decode_batch", "encode_batch", "encode_gap", "encode_records", "iter_batches",
 ]
 
 MAGIC = 2
@@ -519,6 +519,19 @@ def encode_records(records: Iterable[Record], compression: str | None = None,
     records, codec = _records_and_codec(records, compression)
     return kafkarecords.encode_batch(records, int(time.time() * 1000), 0, codec, -1, *producer,
                                      compress_payload), len(records)
+
+
+def encode_gap(count: int, now_ms: int | None = None) -> bytes:
+    """A batch of no records over `count` offsets (lastOffsetDelta count - 1), as Kafka's
+    compaction leaves one: it takes offsets and yields no record when read. The Spark sink
+    (pyspark_s3stream.sink) commits one over offsets a failed task had reserved and never wrote."""
+    check_int("count", count)
+    if not 0 < count <= 0x7FFFFFFF:
+        raise InvalidArgumentError(f"a gap covers 1 to 2**31 - 1 offsets, got {count}")
+    now = int(time.time() * 1000) if now_ms is None else now_ms
+    tail = struct.pack(">hiqqqhii", 0, count - 1, now, now, -1, -1, -1, 0)
+    crc = checksum.crc32c(tail)
+    return struct.pack(">qiibI", 0, len(tail) + 9, -1, MAGIC, crc) + tail
 
 
 def _decode_at(view: memoryview, at: int, whole: bool, partial_ok: bool, limit: int) -> DecodedBatch | None:

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from s3stream.errors import (ConfigError, MetadataBusyError, MetadataError, StreamFencedError,
+from s3stream.errors import (ConfigError, KVConflictError, MetadataBusyError, MetadataError, StreamFencedError,
                              StreamNotClosedError, StreamNotFoundError)
 from s3stream.metadata import (CommitRange, CommitRequest, CommitSSO, CommitStreamObject,
                                ObjectState, ObjectType, Range, SqliteMetadataStore, StreamRange,
@@ -1141,6 +1141,33 @@ def test_a_close_commit_writes_its_kv_entries_in_the_same_transaction(store, ope
         assert store.get_kv("closed/q") is None and store.get_stream(b.stream_id).end_offset == 0
     finally:
         feed.close()
+
+
+def test_a_commit_with_a_kv_guard_applies_only_while_the_key_holds_what_it_read(store):
+    """CommitRequest.kv_guard (the Spark sink's exactly-once commit): a commit whose guard no
+    longer holds raises KVConflictError and commits nothing (objects, ends, closes, kv); a
+    retry of a commit that was applied is answered as such, though the key moved since."""
+    n1 = store.register_node(1, "w1")
+    a = store.create_stream(1, n1.node_epoch)
+    store.put_kv("sink/writer/w", b"4")
+    stale = CommitRequest(1, n1.node_epoch, stream_objects=upload(store, n1, sos=[rng(a, 0, 10)]).stream_objects,
+                          closes=((a.stream_id, 0),), kv=(("sink/writer/w", b"5"),), kv_guard=("sink/writer/w", b"3"))
+    with pytest.raises(KVConflictError, match="sink/writer/w"):
+        store.commit(stale)
+    after = store.get_stream(a.stream_id)
+    assert (after.end_offset, after.state, store.get_kv("sink/writer/w")) == (0, StreamState.OPENED, b"4")
+    absent = CommitRequest(1, n1.node_epoch, stream_objects=stale.stream_objects, closes=stale.closes,
+                           kv=(("sink/writer/w", b"5"),), kv_guard=("sink/writer/w", None))
+    with pytest.raises(KVConflictError):
+        store.commit(absent)
+    good = CommitRequest(1, n1.node_epoch, stream_objects=stale.stream_objects, closes=stale.closes,
+                         kv=(("sink/writer/w", b"5"),), kv_guard=("sink/writer/w", b"4"))
+    assert not store.commit(good).already_committed
+    after = store.get_stream(a.stream_id)
+    assert (after.end_offset, after.state, store.get_kv("sink/writer/w")) == (10, StreamState.CLOSED, b"5")
+    assert store.commit(good).already_committed
+    with pytest.raises(MetadataError, match="only with the closes"):
+        store.commit(CommitRequest(1, n1.node_epoch, stream_objects=stale.stream_objects, kv_guard=("k", None)))
 
 
 def test_change_feed_wakes_on_writes_under_its_prefixes(store, open_same, meta_url):

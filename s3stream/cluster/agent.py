@@ -285,7 +285,7 @@ class NodeAgent:
             # heartbeat_timeout from here.
             self.detector.unreachable()
             self._judge_healthy = True
-        peers = [n for n in nodes if n.node_id != self.node_id and not n.failover]
+        peers = [n for n in nodes if n.node_id != self.node_id and not n.failover and not n.walless]
         self._gone = {n.node_id for n in nodes if n.failover}
         suspects = set(self.detector.observe(now, [(n.node_id, (n.node_epoch, n.heartbeat_ns)) for n in peers]))
         started: list[int] = []

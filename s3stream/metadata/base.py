@@ -140,6 +140,17 @@ class NodeMeta:
     heartbeat_ns: int
     health: str | None = None       # JSON the node's last heartbeat carried (None: none)
 
+    @property
+    def walless(self) -> bool:
+        """A writer without a WAL (wal_path WALLESS + what it is), such as the Spark sink's
+        committer: it holds streams open only inside its own commits and never heartbeats, so
+        there is nothing to fail over and no judge counts its silence."""
+        return self.wal_path.startswith(WALLESS)
+
+
+#: The wal_path prefix of a node that has no WAL (NodeMeta.walless).
+WALLESS = "walless:"
+
 
 @dataclass(frozen=True)
 class ObjectRef:
@@ -192,6 +203,11 @@ class CommitRequest:
     `kv` (key, value): KV entries written (as `put_kv`, change feeds notified) in the same
     transaction, only with `closes`: a partition's close records itself (`closed/<name>`) in
     the commit that closes its streams, so that whoever waits for it wakes one write earlier.
+
+    `kv_guard` (key, value or None for absent): the commit applies only if the key holds that
+    value when it does, else KVConflictError and nothing changes (a retry of a commit that was
+    applied is not checked again). The Spark sink commits a micro-batch's objects with its
+    writer's last committed batch as the guard: a second driver's commit of the same batch fails.
     """
     node_id: int
     node_epoch: int
@@ -200,6 +216,7 @@ class CommitRequest:
     compacted_ids: tuple[int, ...] = ()
     closes: tuple[tuple[int, int], ...] = ()
     kv: tuple[tuple[str, bytes], ...] = ()
+    kv_guard: tuple[str, bytes | None] | None = None
 
     def object_ids(self) -> list[int]:
         ids = [so.object_id for so in self.stream_objects]

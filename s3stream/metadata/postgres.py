@@ -616,7 +616,7 @@ class PostgresMetadataStore(MetadataStore):
             for stream_id in wanted:
                 if stream_id not in streams:
                     raise MetadataError(f"commit names stream {stream_id}, which does not exist")
-            result = _apply_commit(db, request, now, rows, streams, _set_stream_ends)
+            result = _apply_commit(db, request, now, rows, streams, _set_stream_ends, lock=" FOR UPDATE")
             if request.kv:
                 db.executemany(_PUT_KV, [(k, bytes(v)) for k, v in request.kv])
             for key in commit_notices(request):       # tailing readers, waiters on request.kv

@@ -70,7 +70,7 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import tenacity
 
-from ..errors import (ConfigError, MetadataBusyError, MetadataError, NodeAliveError, StreamFencedError,
+from ..errors import (ConfigError, KVConflictError, MetadataBusyError, MetadataError, NodeAliveError, StreamFencedError,
                       StreamNotClosedError, StreamNotFoundError)
 from .base import (ChangeFeed, commit_notices, CommitRange, CommitRequest, CommitResult, MetadataStore, NodeMeta, ObjectMeta,
                    ObjectRef, ObjectState, ObjectType, Range, StreamMeta, StreamRange, StreamState,
@@ -622,7 +622,7 @@ class _Connection(Protocol):
 
 
 def _apply_commit(db: _Connection, request: CommitRequest, now: int, rows: dict[int, tuple],
-                  streams: dict[int, StreamMeta], set_ends) -> CommitResult:
+                  streams: dict[int, StreamMeta], set_ends, lock: str = "") -> CommitResult:
     """The part of a commit both stores share, once the node epoch is checked and the objects'
     (state, expire_ns) `rows` and the request's `streams` are loaded (under the store's locks):
     the retry, expiry, append and compaction checks, then the writes. `set_ends(db, ends)`
@@ -641,6 +641,11 @@ def _apply_commit(db: _Connection, request: CommitRequest, now: int, rows: dict[
         _check_retry(db, request, streams)
         _apply_closes(db, request, streams)
         return CommitResult(end_offsets, already_committed=True)
+    if request.kv_guard is not None and not _kv_holds(db, request.kv_guard[0], request.kv_guard[1], None, lock):
+        key, expected = request.kv_guard
+        raise KVConflictError(f"commit refused: KV key {key!r} no longer holds "
+                              f"{'nothing' if expected is None else bytes(expected)!r} (another writer committed "
+                              f"since it was read); nothing was committed: read it again")
     for object_id in object_ids:
         if rows[object_id][1] <= now:
             raise MetadataError(
@@ -876,7 +881,7 @@ def _check_request_shape(request: CommitRequest, object_ids: list[int]) -> None:
         raise MetadataError("commit request has no objects, no compacted ids and no closes")
     if request.closes and request.compacted_ids:
         raise MetadataError("a compaction's commit closes no stream")
-    if request.kv and not request.closes:
+    if (request.kv or request.kv_guard) and not request.closes:
         raise MetadataError("a commit writes KV entries only with the closes they record")
     closed = [stream_id for stream_id, _ in request.closes]
     if len(set(closed)) != len(closed):

@@ -1,0 +1,231 @@
+"""The Spark sink (pyspark_s3stream.sink): batch and streaming writes, exactly once.
+
+A local[2, 2] session (tasks may run twice: a failure is injected); the rows written are read
+back with s3stream.open_reader, not through the source, so that a sink bug cannot hide behind a
+reader bug."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import pytest
+
+pytest.importorskip("pyarrow")
+pyspark = pytest.importorskip("pyspark")
+
+import s3stream  # noqa: E402
+from s3stream.records import Record, encode_gap  # noqa: E402
+from s3stream.recordbatch import FetchedBatch  # noqa: E402
+
+from pyspark_s3stream import sink  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def spark(tmp_path_factory):
+    # local[N, F]: a task may fail F - 1 times and run again (local[N] never retries).
+    from pyspark.sql import SparkSession
+    os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
+    session = (SparkSession.builder.master("local[2,2]").appName("test_spark_sink")
+               .config("spark.ui.enabled", "false").config("spark.driver.host", "127.0.0.1")
+               .config("spark.driver.bindAddress", "127.0.0.1").config("spark.sql.shuffle.partitions", "2")
+               .getOrCreate())
+    yield session
+    session.stop()
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    """(metadata URL, store URL, create(names)): partitions made by a node that then closes."""
+    meta, store = f"sqlite:///{tmp_path}/meta.db", f"file://{tmp_path}/store"
+
+    def create(*names: str, node_id: int = 1) -> None:
+        client = s3stream.StreamClient(node_id=node_id, wal_path=str(tmp_path / f"wal{node_id}"),
+                                       object_store=store, metadata=meta)
+        for name in names:
+            client.open_partition(name)
+        client.close()
+    return meta, store, create
+
+
+def read_back(meta: str, store: str, name: str) -> tuple[list, int]:
+    """(records, committed end offset) of partition `name`."""
+    with s3stream.open_reader(meta, store) as reader:
+        part = reader.read_partition(name)
+        end, position, out = part.end_offset, part.start_offset, []
+        while position < end:
+            result = part.fetch(position, end)
+            for batch in result.batches:
+                out += list(batch.records())
+            position = result.batches[-1].base_offset + result.batches[-1].count
+        return out, end
+
+
+def test_a_gap_is_a_kafka_batch_of_no_records_over_its_offsets():
+    """records.encode_gap: kafka-python (the format's oracle) reads it as a valid batch (CRC
+    checked) with no records and its last offset delta; a FetchedBatch of it yields nothing."""
+    from kafka.record.default_records import DefaultRecordBatch
+    raw = encode_gap(37, now_ms=1_700_000_000_000)
+    batch = DefaultRecordBatch(bytearray(raw))
+    assert batch.validate_crc() and batch.magic == 2
+    assert (batch.last_offset_delta, batch.base_offset, list(batch)) == (36, 0, [])
+    assert list(FetchedBatch(100, 37, memoryview(raw)).records()) == []
+    with pytest.raises(s3stream.InvalidRecordBatchError):
+        list(FetchedBatch(100, 38, memoryview(raw)).records())      # another span: not this gap
+
+
+def test_tasks_objects_are_committed_once_with_gaps_over_what_others_reserved(cluster, tmp_path):
+    """Without Spark: three task attempts write; the commit gets two of them (Spark's commit
+    coordinator drops the third). The offsets the dropped attempt reserved become a gap, a
+    second commit of the batch is skipped, and a node that opens the partition appends after."""
+    import pyarrow as pa
+    meta, store, create = cluster
+    create("out-0", "out-1")
+    opts = sink._Options({"metadata": meta, "object_store": store})
+    rows = pa.record_batch({"value": [b"a", b"b", b"c"], "key": ["k1", None, "k3"],
+                            "partition": ["out-0", "out-1", "out-0"]})
+    first, dropped, second = (sink._write(opts, [rows]) for _ in range(3))
+    assert dropped.rows == 3
+    report = sink._commit(opts, [first, second], 0, "w")
+    assert report["gap_offsets"] == 3                          # 2 in out-0, 1 in out-1
+    assert sink._commit(opts, [first, second], 0, "w")["skipped"]
+    records, end = read_back(meta, store, "out-0")
+    assert [(r.offset, r.key, r.value) for r in records] == [(0, b"k1", b"a"), (1, b"k3", b"c"),
+                                                            (4, b"k1", b"a"), (5, b"k3", b"c")]
+    assert end == 6
+    records, end = read_back(meta, store, "out-1")
+    assert [(r.offset, r.value) for r in records] == [(0, b"b"), (2, b"b")] and end == 3
+    client = s3stream.StreamClient(node_id=1, wal_path=str(tmp_path / "wal1"), object_store=store, metadata=meta)
+    try:
+        assert client.open_partition("out-0").append_records([Record(value=b"z")]).result().base_offset == 6
+    finally:
+        client.close()
+
+
+def test_a_commit_refuses_a_partition_a_node_holds_open(cluster, tmp_path):
+    import pyarrow as pa
+    meta, store, create = cluster
+    create("out-0")
+    opts = sink._Options({"metadata": meta, "object_store": store, "partition": "out-0"})
+    message = sink._write(opts, [pa.record_batch({"value": [b"x"]})])
+    client = s3stream.StreamClient(node_id=2, wal_path=str(tmp_path / "wal-open"), object_store=store, metadata=meta)
+    try:
+        client.open_partition("out-0")
+        with pytest.raises(sink.SinkError, match="open on node 2"):
+            sink._commit(opts, [message], None, None)
+    finally:
+        client.close()
+    sink._commit(opts, [message], None, None)
+    assert [r.value for r in read_back(meta, store, "out-0")[0]] == [b"x"]
+
+
+def test_batch_write_with_a_task_that_fails_once_writes_every_row_once(spark, cluster, tmp_path):
+    """df.write.format("s3stream"): rows over two partitions by a `partition` column, with key,
+    headers and timestamp; each task raises on its first attempt after it wrote 3 objects (small
+    objectBytes), and runs again; one task's UDF also fails once before the writer saw a row.
+    Every row is read back once, in its partition, and the failed attempts' offsets are gaps."""
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import StringType
+    meta, store, create = cluster
+    create("p-a", "p-b")
+    marker = str(tmp_path / "failed-once")
+
+    def fail_once(value: str) -> str:
+        from pyspark import TaskContext
+        if value == "v-1900" and TaskContext.get().attemptNumber() == 0:
+            open(marker, "w").close()
+            raise RuntimeError("injected failure, first attempt")
+        return value
+
+    udf = F.udf(fail_once, StringType())
+    df = (spark.range(0, 2000, numPartitions=2)
+          .select(udf(F.format_string("v-%d", "id")).alias("value"),
+                  F.format_string("k-%d", "id").alias("key"),
+                  F.when(F.col("id") % 2 == 0, "p-a").otherwise("p-b").alias("partition"),
+                  F.array(F.struct(F.lit("h").alias("key"), F.lit(b"1").cast("binary").alias("value"))).alias("headers"),
+                  (F.lit(1_700_000_000) + F.col("id")).cast("timestamp").alias("timestamp")))
+    # Small Arrow batches and objects: the failing attempt has written objects when it fails.
+    spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", "100")
+    try:
+        (df.write.format("s3stream").option("metadata", meta).option("object_store", store)
+         .option("objectBytes", "2000").option("_failFirstAttemptAfterObjects", "3").mode("append").save())
+    finally:
+        spark.conf.unset("spark.sql.execution.arrow.maxRecordsPerBatch")
+    assert os.path.exists(marker)
+    seen = {}
+    for name in ("p-a", "p-b"):
+        records, end = read_back(meta, store, name)
+        for r in records:
+            n = int(r.value.decode()[2:])
+            assert r.key == f"k-{n}".encode() and r.headers == (("h", b"1"),)
+            assert r.timestamp == (1_700_000_000 + n) * 1000
+            assert name == ("p-a" if n % 2 == 0 else "p-b")
+            assert n not in seen, f"row {n} written twice"
+            seen[n] = r.offset
+        # The failed attempts had written objects before they failed: their offsets are gaps.
+        assert end > len(records)
+    assert sorted(seen) == list(range(2000))
+
+
+def test_stream_write_after_a_crash_between_commits_writes_each_batch_once(spark, cluster, tmp_path):
+    """df.writeStream: micro-batches from a file source. The last batch's sink commit lands but
+    Spark's commit log does not (its file is removed, as if the driver died in between): the
+    restarted query runs that batch again and the sink finds it committed. New input then flows
+    on from the checkpoint."""
+    meta, store, create = cluster
+    create("out")
+    src, ckpt = tmp_path / "in", str(tmp_path / "ckpt")
+    src.mkdir()
+
+    def put_file(i: int) -> None:
+        with open(src / f"f{i}.json", "w") as f:
+            for j in range(100):
+                f.write(json.dumps({"value": f"{i}-{j}"}) + "\n")
+
+    def run() -> None:
+        q = (spark.readStream.schema("value string").option("maxFilesPerTrigger", 1).json(str(src))
+             .writeStream.format("s3stream").option("metadata", meta).option("object_store", store)
+             .option("partition", "out").option("checkpointLocation", ckpt).trigger(availableNow=True).start())
+        q.awaitTermination(120)
+        assert q.exception() is None
+
+    for i in range(3):
+        put_file(i)
+    run()
+    values = [r.value for r in read_back(meta, store, "out")[0]]
+    assert len(values) == 300 and len(set(values)) == 300
+    commits = sorted(glob.glob(os.path.join(ckpt, "commits", "[0-9]*")), key=lambda p: int(os.path.basename(p)))
+    assert len(commits) == 3
+    os.remove(commits[-1])
+    crc = os.path.join(ckpt, "commits", f".{os.path.basename(commits[-1])}.crc")
+    if os.path.exists(crc):
+        os.remove(crc)
+    run()                                     # batch 2 again: skipped by the sink
+    values = [r.value for r in read_back(meta, store, "out")[0]]
+    assert len(values) == 300 and len(set(values)) == 300
+    put_file(3)
+    run()
+    records, end = read_back(meta, store, "out")
+    values = [r.value.decode() for r in records]
+    assert sorted(values) == sorted(f"{i}-{j}" for i in range(4) for j in range(100))
+    # The rerun of batch 2 reserved 100 offsets its skipped commit never wrote: a gap.
+    assert end == 500
+
+
+def test_bad_writes_are_refused_naming_the_fix(spark, cluster):
+    meta, store, create = cluster
+    create("out")
+    df = spark.createDataFrame([("a",)], "value string")
+    with pytest.raises(Exception, match="metadata"):
+        df.write.format("s3stream").option("object_store", store).mode("append").save()
+    with pytest.raises(Exception, match="mode\\('append'\\)"):
+        df.write.format("s3stream").option("metadata", meta).option("object_store", store).mode("overwrite").save()
+    with pytest.raises(Exception, match="names no partition"):
+        df.write.format("s3stream").option("metadata", meta).option("object_store", store).mode("append").save()
+    with pytest.raises(Exception, match="no-such"):
+        (df.write.format("s3stream").option("metadata", meta).option("object_store", store)
+         .option("partition", "no-such").mode("append").save())
+    with pytest.raises(Exception, match="compression"):
+        (df.write.format("s3stream").option("metadata", meta).option("object_store", store)
+         .option("partition", "out").option("compression", "brotli").mode("append").save())
+    assert read_back(meta, store, "out") == ([], 0)

@@ -12,9 +12,10 @@ from setuptools import Extension, setup
 DEBUG = os.environ.get("S3STREAM_DEBUG_BUILD") == "1"
 
 # The modules of the core; checksum.pyx includes _native/crc32c.h (CRC-32C of records and blocks);
-# kafkarecords.pyx is the Kafka record batch codec under s3stream.records.
+# kafkarecords.pyx is the Kafka record batch codec under s3stream.records; arrowrecords.pyx encodes
+# batches from Arrow columns (the Spark sink).
 MODULES = ["checksum", "walio", "walrecord", "walring", "walscan", "objcodec", "logcache", "appendpath",
-           "kafkarecords"]
+           "kafkarecords", "arrowrecords"]
 
 directives = {"language_level": 3, "embedsignature": True}
 macros = []

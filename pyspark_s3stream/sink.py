@@ -46,8 +46,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+import pyarrow as pa
+import pyarrow.compute as pc
 from pyspark.sql.datasource import DataSourceArrowWriter, DataSourceStreamArrowWriter, WriterCommitMessage
 
+from _native import arrowrecords
 from s3stream import Record, open_reader
 from s3stream.errors import ConfigError, MetadataError, S3StreamError, StreamNotClosedError, StreamNotFoundError
 from s3stream.metadata import MetadataStore, StreamState
@@ -215,11 +218,69 @@ def _text_or_bytes(value: Any) -> bytes | None:
     return value.encode() if isinstance(value, str) else value
 
 
+def _bytes_column(batch, name: str):
+    """The named binary or string column as an Arrow array with 32-bit offsets, or None."""
+    if name not in batch.schema.names:
+        return None
+    column = batch.column(name)
+    kind = column.type
+    if pa.types.is_large_binary(kind) or pa.types.is_large_string(kind):
+        column = column.cast(pa.binary())
+    elif not (pa.types.is_binary(kind) or pa.types.is_string(kind)):
+        raise SinkError(f"the s3stream sink's `{name}` column must be binary or string, got {kind}")
+    return column
+
+
+def _encode_arrow(batch, now_ms: int, max_records: int, max_bytes: int) -> list[tuple[bytes, int]]:
+    """The rows of an Arrow batch without headers as Kafka batches (_native.arrowrecords)."""
+    value = _bytes_column(batch, "value")
+    key = _bytes_column(batch, "key")
+    vb = value.buffers()
+    kb = key.buffers() if key is not None else (None, None, None)
+    stamps, per_ms = None, 1
+    if "timestamp" in batch.schema.names:
+        stamps = batch.column("timestamp")
+        if pa.types.is_timestamp(stamps.type):
+            stamps = stamps.cast(pa.timestamp("us"))
+            per_ms = 1000
+        elif not pa.types.is_integer(stamps.type):
+            raise SinkError(f"the s3stream sink's `timestamp` column must be a timestamp (or ms since the epoch as an "
+                            f"integer), got {stamps.type}")
+        else:
+            stamps = stamps.cast(pa.int64())
+    tb = stamps.buffers() if stamps is not None else (None, None)
+    return arrowrecords.encode_columns(vb[0], vb[1], vb[2], value.offset, kb[0], kb[1], kb[2],
+                                       key.offset if key is not None else 0,
+                                       tb[0], tb[1], stamps.offset if stamps is not None else 0, per_ms,
+                                       batch.num_rows, now_ms, max_records, max_bytes)
+
+
+def _by_partition(batch, default: str | None) -> list[tuple[str, Any]]:
+    """The batch's rows grouped by their `partition` column (null: the option's partition)."""
+    groups: list[tuple[str | None, Any]]
+    if "partition" not in batch.schema.names or batch.column("partition").null_count == batch.num_rows:
+        groups = [(default, batch)]
+    else:
+        column = batch.column("partition")
+        names = pc.unique(column).to_pylist()
+        if len(names) == 1:
+            groups = [(names[0], batch)]
+        else:
+            groups = [(name, batch.filter(pc.is_null(column) if name is None else pc.equal(column, name)))
+                      for name in names]
+    out = []
+    for name, rows in groups:
+        name = default if name is None else name
+        if name is None:
+            raise SinkError("a row names no partition: give the rows a `partition` column or the sink the option "
+                            "partition=NAME")
+        out.append((name, rows))
+    return out
+
+
 def _records(batch) -> Iterator[tuple[str | None, Record]]:
     """(partition or None, Record) of each row of an Arrow batch."""
     names = batch.schema.names
-    if "value" not in names:
-        raise SinkError(f"the s3stream sink needs a `value` column (binary or string); the columns are {names}")
     n = batch.num_rows
     values = batch.column("value").to_pylist()
     keys = batch.column("key").to_pylist() if "key" in names else [None] * n
@@ -247,6 +308,24 @@ class _TaskWriter:
         self.rows = 0
         self.batch_bytes = min(BATCH_BYTES, opts.object_bytes)
 
+    def add_batch(self, batch) -> None:
+        """An Arrow batch of rows: natively encoded unless it has headers or a codec is asked for."""
+        if "value" not in batch.schema.names:
+            raise SinkError(f"the s3stream sink needs a `value` column (binary or string); the columns are "
+                            f"{batch.schema.names}")
+        for name, rows in _by_partition(batch, self.opts.partition):
+            native = self.opts.compression is None and (
+                "headers" not in rows.schema.names or rows.column("headers").null_count == rows.num_rows)
+            if not native:
+                for _, record in _records(rows):
+                    self.add(name, record)
+                continue
+            stream_id = self.ctx.log_stream(name)
+            self._encode(stream_id)                     # records gathered before, in order
+            for payload, count in _encode_arrow(rows, int(time.time() * 1000), BATCH_RECORDS, self.batch_bytes):
+                self.rows += count
+                self._add_encoded(stream_id, count, payload)
+
     def add(self, partition: str | None, record: Record) -> None:
         name = partition if partition is not None else self.opts.partition
         if name is None:
@@ -267,6 +346,9 @@ class _TaskWriter:
         if not records:
             return
         payload, count = encode_records(records, self.opts.compression)
+        self._add_encoded(stream_id, count, payload)
+
+    def _add_encoded(self, stream_id: int, count: int, payload: bytes) -> None:
         self.encoded.setdefault(stream_id, []).append((count, payload))
         total = self.encoded_bytes.get(stream_id, 0) + len(payload)
         self.encoded_bytes[stream_id] = total
@@ -297,8 +379,7 @@ class _TaskWriter:
 def _write(opts: _Options, iterator) -> SinkMessage:
     task = _TaskWriter(opts)
     for batch in iterator:
-        for partition, record in _records(batch):
-            task.add(partition, record)
+        task.add_batch(batch)
     return task.finish()
 
 

@@ -15,7 +15,8 @@ pytest.importorskip("pyarrow")
 pyspark = pytest.importorskip("pyspark")
 
 import s3stream  # noqa: E402
-from s3stream.records import Record, encode_gap  # noqa: E402
+from hypothesis import given, settings, strategies as st  # noqa: E402
+from s3stream.records import Record, encode_batch, encode_gap  # noqa: E402
 from s3stream.recordbatch import FetchedBatch  # noqa: E402
 
 from pyspark_s3stream import sink  # noqa: E402
@@ -72,6 +73,29 @@ def test_a_gap_is_a_kafka_batch_of_no_records_over_its_offsets():
     assert list(FetchedBatch(100, 37, memoryview(raw)).records()) == []
     with pytest.raises(s3stream.InvalidRecordBatchError):
         list(FetchedBatch(100, 38, memoryview(raw)).records())      # another span: not this gap
+
+
+@settings(max_examples=150, deadline=None)
+@given(rows=st.lists(st.tuples(st.one_of(st.none(), st.binary(max_size=300)), st.one_of(st.none(), st.text(max_size=20)),
+                               st.one_of(st.none(), st.integers(0, 2**50))), min_size=1, max_size=60),
+       cut=st.integers(0, 5), max_records=st.integers(1, 70), max_bytes=st.integers(1, 4000))
+def test_arrow_columns_encode_byte_for_byte_as_the_record_encoder(rows, cut, max_records, max_bytes):
+    """_native.arrowrecords (the sink's fast path) against s3stream.records.encode_batch, over
+    nulls, string keys, timestamps in microseconds, sliced arrays (an Arrow offset) and batch
+    limits: the same bytes, batch for batch."""
+    import pyarrow as pa
+    batch = pa.record_batch({"value": pa.array([r[0] for r in rows], pa.binary()),
+                             "key": pa.array([r[1] for r in rows], pa.string()),
+                             "timestamp": pa.array([r[2] for r in rows], pa.timestamp("us"))}).slice(min(cut, len(rows) - 1))
+    rows = rows[min(cut, len(rows) - 1):]
+    out = sink._encode_arrow(batch, 77, max_records, max_bytes)
+    assert sum(n for _, n in out) == len(rows) and all(n <= max_records for _, n in out)
+    at = 0
+    for raw, n in out:
+        want = encode_batch([Record(key=None if k is None else k.encode(), value=v, timestamp=77 if t is None else t // 1000)
+                             for v, k, t in rows[at:at + n]], now_ms=77)
+        assert raw == want
+        at += n
 
 
 def test_tasks_objects_are_committed_once_with_gaps_over_what_others_reserved(cluster, tmp_path):

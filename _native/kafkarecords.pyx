@@ -12,9 +12,9 @@ Bytes are read through a Cursor (pointer and end): every varint, key, value and 
 against the end of its record, every record against the end of the section, before it is read.
 """
 from libc.stdint cimport int16_t, int32_t, int64_t, uint16_t, uint32_t, uint64_t, INT32_MAX, INT64_MAX, INT64_MIN
-from libc.stdlib cimport free, malloc
-from libc.string cimport memcpy
-from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE
+from libc.stdlib cimport free, malloc, realloc
+from libc.string cimport memcpy, memset
+from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBuffer_FillInfo, PyBUF_SIMPLE
 from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING, PyBytes_GET_SIZE, PyBytes_Check
 from cpython.long cimport PyLong_Check
 from cpython.object cimport PyObject, PyTypeObject
@@ -731,3 +731,341 @@ def decode_batch(buf, Py_ssize_t at, bint whole, bint partial_ok, decompress, ma
     return (header.base_offset, header.batch_length, header.partition_leader_epoch, header.crc, header.attributes,
             header.last_offset_delta, header.base_timestamp, header.max_timestamp, header.producer_id,
             header.producer_epoch, header.base_sequence, records)
+
+
+# ---- columnar decoding (the Spark source's Arrow batches) -------------------------------------
+# decode_records's checks, record for record, but the fields go straight into column buffers laid
+# out as Arrow's (validity bitmaps, int32 offsets, data), which pyarrow wraps without a copy: no
+# Python object per record. pyspark_s3stream.source builds its Arrow batches from them.
+
+cdef extern from *:
+    bint add_overflow "__builtin_add_overflow"(int64_t a, int64_t b, int64_t* out) noexcept nogil
+
+
+cdef class ColumnBuffer:
+    """Bytes a ColumnBuilder wrote, owned here and exported read-only through the buffer protocol
+    (pyarrow.py_buffer wraps it without copying). Once handed out it never grows again."""
+    cdef unsigned char* data
+    cdef Py_ssize_t size
+    cdef Py_ssize_t cap
+    cdef bint exported
+
+    def __cinit__(self):
+        self.data = <unsigned char*>malloc(64)
+        if self.data == NULL:
+            raise MemoryError()
+        self.size = 0
+        self.cap = 64
+
+    def __dealloc__(self):
+        free(self.data)
+
+    def __len__(self):
+        return self.size
+
+    def __getbuffer__(self, Py_buffer* view, int flags):
+        self.exported = True
+        PyBuffer_FillInfo(view, self, self.data, self.size, 1, flags)
+
+    def __releasebuffer__(self, Py_buffer* view):
+        pass
+
+
+cdef unsigned char* _room(ColumnBuffer buffer, Py_ssize_t more) except NULL:
+    """Room for `more` bytes at the end of `buffer` (new bytes are zero: bitmaps rely on it)."""
+    cdef Py_ssize_t need = buffer.size + more, cap
+    cdef unsigned char* grown
+    if need > buffer.cap:
+        if buffer.exported:
+            raise RuntimeError("a ColumnBuffer handed out by finish() cannot grow")
+        cap = buffer.cap * 2 if buffer.cap * 2 > need else need
+        grown = <unsigned char*>realloc(buffer.data, <size_t>cap)
+        if grown == NULL:
+            raise MemoryError()
+        memset(grown + buffer.cap, 0, <size_t>(cap - buffer.cap))
+        buffer.data, buffer.cap = grown, cap
+    return buffer.data + buffer.size
+
+
+cdef inline int _put_int32(ColumnBuffer buffer, int32_t value) except -1:
+    (<int32_t*>_room(buffer, 4))[0] = value
+    buffer.size += 4
+
+
+cdef inline int _put_int64(ColumnBuffer buffer, int64_t value) except -1:
+    (<int64_t*>_room(buffer, 8))[0] = value
+    buffer.size += 8
+
+
+cdef int _set_bit(ColumnBuffer bitmap, Py_ssize_t index, bint value) except -1:
+    """Bit `index` of a validity bitmap (least significant bit first, as Arrow's)."""
+    cdef Py_ssize_t byte = index >> 3
+    if byte >= bitmap.size:
+        _room(bitmap, byte + 1 - bitmap.size)
+        bitmap.size = byte + 1
+    if value:
+        bitmap.data[byte] |= <unsigned char>(1 << (index & 7))
+    else:
+        bitmap.data[byte] &= <unsigned char>~(1 << (index & 7))
+
+
+cdef class _BinaryColumn:
+    """A nullable binary (or string) column: validity bitmap, int32 offsets, data."""
+    cdef ColumnBuffer valid, offsets, data
+    cdef Py_ssize_t length, nulls
+
+    def __cinit__(self):
+        self.reset()
+
+    cdef int reset(self) except -1:
+        self.valid, self.offsets, self.data = ColumnBuffer(), ColumnBuffer(), ColumnBuffer()
+        self.length = self.nulls = 0
+        _put_int32(self.offsets, 0)
+
+    cdef int truncate(self, Py_ssize_t length, Py_ssize_t nulls) except -1:
+        """Back to its first `length` items (of which `nulls` null), as they were."""
+        self.length, self.nulls = length, nulls
+        self.offsets.size = (length + 1) * 4
+        self.data.size = (<int32_t*>self.offsets.data)[length]
+
+    cdef int append(self, const unsigned char* data, int64_t length) except -1:
+        """One item: `length` bytes at `data`, or null for a length of -1."""
+        cdef Py_ssize_t end
+        if length >= 0:
+            end = self.data.size + length
+            if end > INT32_MAX:
+                raise OverflowError("a column's data reached 2 GiB: finish() its batch sooner")
+            memcpy(_room(self.data, length), data, <size_t>length)
+            self.data.size = end
+        else:
+            self.nulls += 1
+        _set_bit(self.valid, self.length, length >= 0)
+        _put_int32(self.offsets, <int32_t>self.data.size)
+        self.length += 1
+
+    cdef tuple take(self):
+        """(validity bitmap or None if no item is null, offsets, data, null count); reset."""
+        result = (self.valid if self.nulls else None, self.offsets, self.data, self.nulls)
+        self.reset()
+        return result
+
+
+cdef int _check_utf8(const unsigned char* data, int64_t length, Py_ssize_t at) except -1:
+    """A header key must be UTF-8 text (an Arrow string, as the record decoder's str)."""
+    cdef int64_t i
+    for i in range(length):
+        if data[i] >= 0x80:
+            try:
+                PyUnicode_DecodeUTF8(<const char*>data, <Py_ssize_t>length, NULL)
+            except UnicodeDecodeError as e:
+                raise _malformed(at, f"a header key is not UTF-8 ({e})") from None
+            return 0
+    return 0
+
+
+cdef int _read_length(Cursor* cursor, const unsigned char* end, str what, int64_t* length) except -1:
+    """A nullable field's length (-1: null) checked against `end`, as _read_nullable checks it."""
+    read_varint(cursor, end, 5, length)
+    if length[0] < 0:
+        if length[0] != -1:
+            raise _malformed(cursor.batch_at, f"{what} length is {length[0]} (only -1, null, may be negative)")
+    elif length[0] > end - cursor.pos:
+        raise _malformed(cursor.batch_at, f"{what} of {length[0]} bytes runs past its record "
+                                          f"({end - cursor.pos} bytes left)")
+    return 0
+
+
+cdef class ColumnBuilder:
+    """Records of fetched batches as Arrow column buffers for the schema of Spark's Kafka source
+    (key, value, partition, offset, timestamp in microseconds, timestampType, headers).
+
+    add() decodes one stored batch (a Kafka record batch v2 appended with append_records) with
+    every check decode_batch makes, and keeps its records whose offsets are in [low, high); a
+    batch that fails leaves the builder as it was. finish() hands the buffers out and starts
+    empty again."""
+    cdef bytes partition
+    cdef _BinaryColumn keys, values, header_keys, header_values
+    cdef ColumnBuffer offsets, timestamps, timestamp_types, header_starts
+    cdef readonly Py_ssize_t rows
+    cdef Py_ssize_t headers
+
+    def __cinit__(self, bytes partition):
+        self.partition = partition
+        self.keys, self.values = _BinaryColumn(), _BinaryColumn()
+        self.header_keys, self.header_values = _BinaryColumn(), _BinaryColumn()
+        self._reset()
+
+    cdef int _reset(self) except -1:
+        self.offsets, self.timestamps, self.timestamp_types = ColumnBuffer(), ColumnBuffer(), ColumnBuffer()
+        self.header_starts = ColumnBuffer()
+        _put_int32(self.header_starts, 0)
+        self.rows = self.headers = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the columns hold so far (what the batch will weigh)."""
+        return (self.keys.data.size + self.values.data.size + self.header_keys.data.size
+                + self.header_values.data.size + self.rows * 32)
+
+    def add(self, buf, int64_t base_offset, int64_t count, int64_t low, int64_t high, decompress,
+            Py_ssize_t max_decompressed):
+        """Decode the stored batch `buf` (records [base_offset, base_offset + count)), keeping the
+        records in [low, high); returns how many it kept. `decompress` as decode_batch's. Raises
+        as decode_batch does, and InvalidRecordBatchError for a batch whose records are not the
+        `count` it was appended with (FetchedBatch.records's check); a gap (no records) adds none."""
+        cdef Py_buffer view, section
+        cdef BatchHeader header
+        cdef Cursor cursor
+        cdef int codec
+        cdef Py_ssize_t rows = self.rows, headers = self.headers
+        cdef Py_ssize_t key_nulls = self.keys.nulls, value_nulls = self.values.nulls
+        cdef Py_ssize_t header_value_nulls = self.header_values.nulls
+        PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE)
+        try:
+            _check_header(<const unsigned char*>view.buf, view.len, 0, True, False, &header)
+            if (header.count != 0 and header.count != count) or header.last_offset_delta != count - 1:
+                raise _error("invalid", f"the batch at offset {base_offset} was appended as {count} records, but "
+                                        f"its payload is a record batch of {header.count} (last offset delta "
+                                        f"{header.last_offset_delta}): it was not appended with append_records; "
+                                        f"read it as bytes (payload)")
+            if header.count == 0:
+                return 0
+            codec = header.attributes & CODEC_MASK
+            cursor.batch_at = 0
+            try:
+                if codec:
+                    payload = memoryview(buf)[BATCH_HEADER:LENGTH_END + header.batch_length]
+                    PyObject_GetBuffer(decompress(codec, payload, 0, max_decompressed), &section, PyBUF_SIMPLE)
+                    try:
+                        cursor.pos = <const unsigned char*>section.buf
+                        cursor.end = cursor.pos + section.len
+                        self._decode(&cursor, &header, base_offset - header.base_offset, low, high)
+                    finally:
+                        PyBuffer_Release(&section)
+                else:
+                    cursor.pos = <const unsigned char*>view.buf + BATCH_HEADER
+                    cursor.end = <const unsigned char*>view.buf + LENGTH_END + header.batch_length
+                    self._decode(&cursor, &header, base_offset - header.base_offset, low, high)
+            except BaseException:
+                self._truncate(rows, headers, key_nulls, value_nulls, header_value_nulls)
+                raise
+        finally:
+            PyBuffer_Release(&view)
+        return self.rows - rows
+
+    cdef int _truncate(self, Py_ssize_t rows, Py_ssize_t headers, Py_ssize_t key_nulls, Py_ssize_t value_nulls,
+                       Py_ssize_t header_value_nulls) except -1:
+        self.keys.truncate(rows, key_nulls)
+        self.values.truncate(rows, value_nulls)
+        self.header_keys.truncate(headers, 0)
+        self.header_values.truncate(headers, header_value_nulls)
+        self.offsets.size = self.timestamps.size = rows * 8
+        self.timestamp_types.size = rows * 4
+        self.header_starts.size = (rows + 1) * 4
+        self.rows, self.headers = rows, headers
+
+    cdef int _decode(self, Cursor* cursor, const BatchHeader* header, int64_t shift, int64_t low,
+                     int64_t high) except -1:
+        """decode_records, into the columns (the records of [low, high) only)."""
+        cdef int32_t count = header.count, i
+        cdef int64_t length, timestamp_delta, offset_delta, header_count, key_length, value_length, j
+        cdef int64_t name_length, data_length
+        cdef int64_t offset, timestamp
+        cdef const unsigned char* record_end
+        cdef const unsigned char* key
+        cdef const unsigned char* value
+        cdef const unsigned char* headers_at
+        cdef Py_ssize_t at = cursor.batch_at
+        cdef bint log_append_time = header.attributes & TIMESTAMP_TYPE_BIT
+        cdef int32_t timestamp_type = 1 if log_append_time else 0
+        cdef bint keep
+        for i in range(count):
+            if cursor.pos >= cursor.end:
+                raise _malformed(at, f"it says {count} records but its records end after {i}")
+            read_varint(cursor, cursor.end, 5, &length)
+            if length < 0 or length > cursor.end - cursor.pos:
+                raise _malformed(at, f"record {i} claims {length} bytes, {cursor.end - cursor.pos} are left")
+            record_end = cursor.pos + length
+            if cursor.pos >= record_end:
+                raise _malformed(at, f"record {i} is empty")
+            cursor.pos += 1                          # record attributes: unused
+            read_varint(cursor, record_end, 10, &timestamp_delta)
+            read_varint(cursor, record_end, 5, &offset_delta)
+            _read_length(cursor, record_end, "a key", &key_length)
+            key = cursor.pos
+            if key_length > 0:
+                cursor.pos += key_length
+            _read_length(cursor, record_end, "a value", &value_length)
+            value = cursor.pos
+            if value_length > 0:
+                cursor.pos += value_length
+            read_varint(cursor, record_end, 5, &header_count)
+            if header_count < 0 or header_count > record_end - cursor.pos:
+                raise _malformed(at, f"record {i} claims {header_count} headers in {record_end - cursor.pos} bytes")
+            if add_overflow(header.base_offset, offset_delta, &offset) or \
+                    add_overflow(offset, shift, &offset):
+                raise _malformed(at, f"record {i}'s offset does not fit 64 bits")
+            if log_append_time:
+                timestamp = header.max_timestamp
+            elif add_overflow(header.base_timestamp, timestamp_delta, &timestamp):
+                raise _malformed(at, f"record {i}'s timestamp does not fit 64 bits")
+            keep = low <= offset < high
+            for j in range(header_count):
+                read_varint(cursor, record_end, 5, &name_length)
+                if name_length < 0 or name_length > record_end - cursor.pos:
+                    raise _malformed(at, f"a header key of {name_length} bytes does not fit its record "
+                                         f"({record_end - cursor.pos} bytes left)")
+                _check_utf8(cursor.pos, name_length, at)
+                if keep:
+                    self.header_keys.append(cursor.pos, name_length)
+                cursor.pos += name_length
+                _read_length(cursor, record_end, "a header value", &data_length)
+                if keep:
+                    self.header_values.append(cursor.pos, data_length)
+                    self.headers += 1
+                if data_length > 0:
+                    cursor.pos += data_length
+            if cursor.pos != record_end:
+                raise _malformed(at, f"record {i} says {length} bytes but its fields take "
+                                     f"{length - (record_end - cursor.pos)}")
+            if not keep:
+                continue
+            if timestamp > INT64_MAX // 1000 or timestamp < INT64_MIN // 1000:
+                raise _malformed(at, f"record {i}'s timestamp {timestamp} ms is out of a timestamp's range")
+            self.keys.append(key, key_length)
+            self.values.append(value, value_length)
+            _put_int64(self.offsets, offset)
+            _put_int64(self.timestamps, timestamp * 1000)
+            _put_int32(self.timestamp_types, timestamp_type)
+            _put_int32(self.header_starts, <int32_t>self.headers)
+            self.rows += 1
+        if cursor.pos != cursor.end:
+            raise _malformed(at, f"{cursor.end - cursor.pos} bytes follow its {count} records")
+        return 0
+
+    def finish(self):
+        """The columns so far, and the builder empty again: a dict of
+        rows; key, value: (validity or None, offsets, data, null count); partition: (offsets,
+        data); offset, timestamp (µs), timestampType: data; headers: list offsets, header count,
+        header keys (validity, offsets, data, nulls), header values (the same). Buffers are
+        ColumnBuffers (read-only buffer protocol)."""
+        cdef Py_ssize_t rows = self.rows, i, name_length = len(self.partition)
+        cdef ColumnBuffer partition_offsets = ColumnBuffer(), partition_data = ColumnBuffer()
+        cdef unsigned char* names
+        cdef int32_t* starts
+        if rows * name_length > INT32_MAX:
+            raise OverflowError("the partition column reached 2 GiB: finish() its batch sooner")
+        starts = <int32_t*>_room(partition_offsets, (rows + 1) * 4)
+        for i in range(rows + 1):
+            starts[i] = <int32_t>(i * name_length)
+        partition_offsets.size = (rows + 1) * 4
+        names = _room(partition_data, rows * name_length)
+        for i in range(rows):
+            memcpy(names + i * name_length, PyBytes_AS_STRING(self.partition), <size_t>name_length)
+        partition_data.size = rows * name_length
+        result = {"rows": rows, "key": self.keys.take(), "value": self.values.take(),
+                  "partition": (partition_offsets, partition_data), "offset": self.offsets,
+                  "timestamp": self.timestamps, "timestampType": self.timestamp_types,
+                  "headers": (self.header_starts, self.headers, self.header_keys.take(), self.header_values.take())}
+        self._reset()
+        return result

@@ -5,6 +5,9 @@ object store and metadata).
     python -m spark_bench migration  [--histories 16M,256M,1G] [--tail 16M] [--migrations N] ...
     python -m spark_bench balance    [--nodes 4] [--partitions 32] [--rate MB/s] [--quick] ...
     python -m spark_bench mirror     [--workers 2] [--rate MB/s] [--duration S] [--quick] ...
+    python -m spark_bench pipeline   [--inputs 4] [--outputs 2] [--rate MB/s] [--duration S] [--quick] ...
+                                     a streaming query through the s3stream data source, a Python
+                                     worker killed; exactly once checked (issue 30)
 
 Where they run (options of both):
     (default) or --master local[N]   one process; the nodes' WALs in the driver's work dir
@@ -41,8 +44,10 @@ def main(argv: list[str] | None = None) -> dict:
         from .balance import run
     elif kind == "mirror":
         from .mirror import run
+    elif kind == "pipeline":
+        from .pipeline import run
     else:
-        print(f"unknown load test {kind!r}: choose throughput, migration, balance or mirror\n\n{USAGE}", file=sys.stderr)
+        print(f"unknown load test {kind!r}: choose throughput, migration, balance, mirror or pipeline\n\n{USAGE}", file=sys.stderr)
         raise SystemExit(2)
     return run(rest)
 
@@ -55,6 +60,7 @@ QUICK = {
                   "--wal-capacity", "64M"],
     "balance": ["--quick", "--wal-capacity", "128M"],
     "mirror": ["--quick"],
+    "pipeline": ["--quick"],
 }
 
 
@@ -81,6 +87,11 @@ def bench_migration(argv: list[str]) -> dict:
 def bench_balance(argv: list[str]) -> dict:
     """`s3stream bench --kind spark-balance`: the balancer on a skewed cluster (--quick: its own quick run)."""
     return _bench("balance", argv)
+
+
+def bench_pipeline(argv: list[str]) -> dict:
+    """`s3stream bench --kind spark-pipeline`: a streaming query through the data source, a worker killed."""
+    return _bench("pipeline", argv)
 
 
 def bench_mirror(argv: list[str]) -> dict:

@@ -31,9 +31,11 @@ its Python workers across tasks). Records are decoded by the native columnar dec
 (_native.kafkarecords.ColumnBuilder) straight into Arrow buffers, zero-copy into pyarrow arrays,
 in batches of up to BATCH_ROWS rows or about BATCH_BYTES bytes.
 
-Batch reads push down filters on `partition` (=, IN) and `offset` (=, <, <=, >, >=): the ranges
-read are narrowed and the decoder drops records outside them, so such filters are guaranteed by
-the source and not evaluated again (set spark.sql.python.filterPushdown.enabled to true).
+Batch reads with the option `filterPushdown` true push down filters on `partition` (=, IN) and
+`offset` (=, <, <=, >, >=): the ranges read are narrowed and the decoder drops records outside
+them, so Spark does not evaluate them again. It is an option because PySpark 4.3 fails any read
+whose reader implements pushFilters unless spark.sql.python.filterPushdown.enabled is true (false
+by default), and the reader cannot see that configuration: set both.
 """
 from __future__ import annotations
 
@@ -97,10 +99,10 @@ class DataLossError(OffsetOutOfRangeError):
 # ---- options ----------------------------------------------------------------------------------
 
 _KNOWN = ("metadata", "object_store", "subscribe", "subscribepattern", "assign", "startingoffsets",
-          "endingoffsets", "maxoffsetspertrigger", "failondataloss", "minpartitions")
+          "endingoffsets", "maxoffsetspertrigger", "failondataloss", "minpartitions", "filterpushdown")
 _SPELLED = {"subscribepattern": "subscribePattern", "startingoffsets": "startingOffsets",
             "endingoffsets": "endingOffsets", "maxoffsetspertrigger": "maxOffsetsPerTrigger",
-            "failondataloss": "failOnDataLoss", "minpartitions": "minPartitions"}
+            "failondataloss": "failOnDataLoss", "minpartitions": "minPartitions", "filterpushdown": "filterPushdown"}
 
 
 def _spelled(key: str) -> str:
@@ -121,6 +123,7 @@ class SourceOptions:
     max_offsets_per_trigger: int | None
     fail_on_data_loss: bool
     min_partitions: int | None
+    filter_pushdown: bool = False
 
     @classmethod
     def parse(cls, options: Mapping[str, str], streaming: bool) -> "SourceOptions":
@@ -199,14 +202,25 @@ class SourceOptions:
             max_offsets = _positive_int("maxOffsetsPerTrigger", opts["maxoffsetspertrigger"])
         min_partitions = (_positive_int("minPartitions", opts["minpartitions"]) if "minpartitions" in opts
                           else None)
-        fail = str(opts.get("failondataloss", "true")).strip().lower()
-        if fail not in ("true", "false"):
-            raise ConfigError(f"option failOnDataLoss={opts['failondataloss']!r} must be true or false")
+        fail = _boolean(opts, "failondataloss", True)
+        pushdown = _boolean(opts, "filterpushdown", False)
+        if pushdown and streaming:
+            raise ConfigError("option filterPushdown=true is for batch reads only (Spark pushes no filters into a "
+                              "streaming source): remove it")
         return cls(opts["metadata"], opts["object_store"], kind, names, pattern, starting, ending, max_offsets,
-                   fail == "true", min_partitions)
+                   fail, min_partitions, pushdown)
 
     def matches(self, name: str) -> bool:
         return bool(re.fullmatch(self.pattern, name)) if self.pattern is not None else name in self.names
+
+
+def _boolean(opts: Mapping[str, str], key: str, default: bool) -> bool:
+    if key not in opts:
+        return default
+    word = str(opts[key]).strip().lower()
+    if word not in ("true", "false"):
+        raise ConfigError(f"option {_spelled(key)}={opts[key]!r} must be true or false")
+    return word == "true"
 
 
 def _positive_int(option: str, raw: Any) -> int:
@@ -525,39 +539,21 @@ def _is_offset(value: Any) -> bool:
 
 class BatchReader(_Reading, DataSourceReader):
     """spark.read.format("s3stream"): the records between startingOffsets and endingOffsets of
-    the subscribed partitions, as of planning."""
+    the subscribed partitions, as of planning. With the option filterPushdown true it is a
+    FilteringBatchReader (module docstring: PySpark refuses a reader with pushFilters unless
+    its configuration allows them, so only that subclass has the method)."""
+
+    def __new__(cls, options: Mapping[str, str] | None = None, schema: StructType | None = None) -> "BatchReader":
+        # (No arguments when pickle makes one: it is then of the class it was.)
+        wanted = {str(k).lower(): v for k, v in (options or {}).items()}.get("filterpushdown", "")
+        if cls is BatchReader and str(wanted).strip().lower() == "true":
+            cls = FilteringBatchReader
+        return super().__new__(cls)
 
     def __init__(self, options: Mapping[str, str], schema: StructType | None = None) -> None:
         super().__init__(options, schema, streaming=False)
         self.only: set[str] | None = None       # partitions the pushed filters allow (None: all)
         self.low, self.high = 0, None           # offsets the pushed filters allow: [low, high)
-
-    def pushFilters(self, filters: list[Filter]) -> Iterator[Filter]:
-        """Take filters on partition (=, IN) and offset (=, <, <=, >, >=) with literal values of
-        the column's type, and IS NOT NULL of the columns that are never null; return every other
-        one for Spark to apply."""
-        kept = []
-        for f in filters:
-            column = _column(f)
-            if isinstance(f, IsNotNull) and column in _NEVER_NULL:
-                pass                                   # true of every row
-            elif column == "partition" and isinstance(f, EqualTo) and isinstance(f.value, str):
-                self._only({f.value})
-            elif (column == "partition" and isinstance(f, In) and f.value
-                  and all(isinstance(v, str) for v in f.value)):
-                self._only(set(f.value))
-            elif column == "offset" and isinstance(f, (EqualTo, GreaterThan, GreaterThanOrEqual, LessThan,
-                                                        LessThanOrEqual)) and _is_offset(f.value):
-                low, high = {EqualTo: (f.value, f.value + 1), GreaterThan: (f.value + 1, None),
-                             GreaterThanOrEqual: (f.value, None), LessThan: (None, f.value),
-                             LessThanOrEqual: (None, f.value + 1)}[type(f)]
-                if low is not None:
-                    self.low = max(self.low, low)
-                if high is not None:
-                    self.high = high if self.high is None else min(self.high, high)
-            else:
-                kept.append(f)
-        return iter(kept)
 
     def _only(self, names: set[str]) -> None:
         self.only = names if self.only is None else self.only & names
@@ -601,6 +597,37 @@ class BatchReader(_Reading, DataSourceReader):
             return list(split_ranges(self.ranges(), self.options.min_partitions))
         finally:
             self._close_cluster()
+
+
+class FilteringBatchReader(BatchReader):
+    """A BatchReader that takes pushed filters (option filterPushdown true)."""
+
+    def pushFilters(self, filters: list[Filter]) -> Iterator[Filter]:
+        """Take filters on partition (=, IN) and offset (=, <, <=, >, >=) with literal values of
+        the column's type, and IS NOT NULL of the columns that are never null; return every other
+        one for Spark to apply."""
+        kept = []
+        for f in filters:
+            column = _column(f)
+            if isinstance(f, IsNotNull) and column in _NEVER_NULL:
+                pass                                   # true of every row
+            elif column == "partition" and isinstance(f, EqualTo) and isinstance(f.value, str):
+                self._only({f.value})
+            elif (column == "partition" and isinstance(f, In) and f.value
+                  and all(isinstance(v, str) for v in f.value)):
+                self._only(set(f.value))
+            elif column == "offset" and isinstance(f, (EqualTo, GreaterThan, GreaterThanOrEqual, LessThan,
+                                                        LessThanOrEqual)) and _is_offset(f.value):
+                low, high = {EqualTo: (f.value, f.value + 1), GreaterThan: (f.value + 1, None),
+                             GreaterThanOrEqual: (f.value, None), LessThan: (None, f.value),
+                             LessThanOrEqual: (None, f.value + 1)}[type(f)]
+                if low is not None:
+                    self.low = max(self.low, low)
+                if high is not None:
+                    self.high = high if self.high is None else min(self.high, high)
+            else:
+                kept.append(f)
+        return iter(kept)
 
 
 # ---- streaming --------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 
 import pytest
@@ -22,7 +23,7 @@ from s3stream.errors import ConfigError, InvalidRecordBatchError, S3StreamError 
 from s3stream.records import MAX_DECOMPRESSED_BYTES, Record, decompress_payload, encode_batch, encode_gap  # noqa: E402
 from s3stream.recordbatch import FetchedBatch  # noqa: E402
 
-from pyspark.sql.datasource import EqualTo, GreaterThanOrEqual, In, LessThan  # noqa: E402
+from pyspark.sql.datasource import DataSourceReader, EqualTo, GreaterThanOrEqual, In, LessThan  # noqa: E402
 
 from _native.kafkarecords import ColumnBuilder  # noqa: E402
 from pyspark_s3stream.source import (BatchReader, OffsetRange, SourceOptions, _limit_offsets, arrow_batch,  # noqa: E402
@@ -265,17 +266,20 @@ def test_pushed_filters_narrow_what_is_read(spark, cluster):
     for name in ("f-0", "f-1", "f-2"):
         want += want_rows(name, append(node, name, 50))
     options = {**BASE, "metadata": meta, "object_store": store, "subscribepattern": "f-.*"}
-    source = BatchReader(options)
+    assert not hasattr(BatchReader(options), "pushFilters") or \
+        BatchReader.pushFilters is DataSourceReader.pushFilters       # PySpark refuses it unless configured
+    source = BatchReader({**options, "filterpushdown": "true"})
+    assert pickle.loads(pickle.dumps(source)).options == source.options
     filters = [In(("partition",), ("f-0", "f-2")), GreaterThanOrEqual(("offset",), 10), LessThan(("offset",), 20),
                EqualTo(("key",), b"k12"), EqualTo(("partition",), 3)]
     assert list(source.pushFilters(filters)) == filters[3:]
     assert [(r.name, r.start, r.end) for r in source.partitions()] == [("f-0", 10, 20), ("f-2", 10, 20)]
-    df = reader(spark, meta, store, subscribePattern="f-.*").where(
+    df = reader(spark, meta, store, subscribePattern="f-.*", filterPushdown="true").where(
         "partition in ('f-0', 'f-2') and offset >= 10 and offset < 20")
     plan = df._jdf.queryExecution().executedPlan().toString()
     assert "Filter " not in plan, plan                    # the source guarantees them: Spark does not filter
     assert rows_of(df) == sorted(w for w in want if w[0] in ("f-0", "f-2") and 10 <= w[1] < 20)
-    exact = reader(spark, meta, store, subscribePattern="f-.*").where("offset = 7 and partition = 'f-1'")
+    exact = reader(spark, meta, store, subscribePattern="f-.*", filterPushdown="true").where("offset = 7 and partition = 'f-1'")
     assert rows_of(exact) == [w for w in want if w[:2] == ("f-1", 7)]
 
 

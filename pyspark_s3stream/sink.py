@@ -37,6 +37,7 @@ zstd), `writerId`, `objectBytes` (default 16 MiB).
 """
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import os
@@ -201,6 +202,18 @@ class _Context:
 
 _contexts: dict[tuple[str, str], _Context] = {}
 _contexts_lock = threading.Lock()
+
+
+def close_contexts() -> None:
+    """Close this process's connections (at exit, or once a test is done with its stores)."""
+    with _contexts_lock:
+        contexts = list(_contexts.values())
+        _contexts.clear()
+    for ctx in contexts:
+        ctx.reader.close()
+
+
+atexit.register(close_contexts)
 
 
 def _context(opts: _Options) -> _Context:

@@ -38,7 +38,16 @@ def spark(tmp_path_factory):
 @pytest.fixture
 def cluster(tmp_path):
     """(metadata URL, store URL, create(names)): partitions made by a node that then closes."""
-    meta, store = f"sqlite:///{tmp_path}/meta.db", f"file://{tmp_path}/store"
+    yield from _cluster(tmp_path, f"sqlite:///{tmp_path}/meta.db", f"file://{tmp_path}/store")
+
+
+@pytest.fixture
+def any_cluster(tmp_path, metadata_url, store_url):
+    """cluster, over SQLite and PostgreSQL, a local store and S3 (moto)."""
+    yield from _cluster(tmp_path, metadata_url, store_url)
+
+
+def _cluster(tmp_path, meta: str, store: str):
 
     def create(*names: str, node_id: int = 1) -> None:
         client = s3stream.StreamClient(node_id=node_id, wal_path=str(tmp_path / f"wal{node_id}"),
@@ -46,7 +55,8 @@ def cluster(tmp_path):
         for name in names:
             client.open_partition(name)
         client.close()
-    return meta, store, create
+    yield meta, store, create
+    sink.close_contexts()
 
 
 def read_back(meta: str, store: str, name: str) -> tuple[list, int]:
@@ -98,12 +108,13 @@ def test_arrow_columns_encode_byte_for_byte_as_the_record_encoder(rows, cut, max
         at += n
 
 
-def test_tasks_objects_are_committed_once_with_gaps_over_what_others_reserved(cluster, tmp_path):
-    """Without Spark: three task attempts write; the commit gets two of them (Spark's commit
-    coordinator drops the third). The offsets the dropped attempt reserved become a gap, a
-    second commit of the batch is skipped, and a node that opens the partition appends after."""
+def test_tasks_objects_are_committed_once_with_gaps_over_what_others_reserved(any_cluster, tmp_path):
+    """Without Spark, over both metadata stores and both object stores: three task attempts
+    write; the commit gets two of them (Spark's commit coordinator drops the third). The offsets
+    the dropped attempt reserved become a gap, a second commit of the batch is skipped, and a
+    node that opens the partition appends after."""
     import pyarrow as pa
-    meta, store, create = cluster
+    meta, store, create = any_cluster
     create("out-0", "out-1")
     opts = sink._Options({"metadata": meta, "object_store": store})
     rows = pa.record_batch({"value": [b"a", b"b", b"c"], "key": ["k1", None, "k3"],
@@ -156,13 +167,13 @@ def test_batch_write_with_a_task_that_fails_once_writes_every_row_once(spark, cl
 
     def fail_once(value: str) -> str:
         from pyspark import TaskContext
-        if value == "v-1900" and TaskContext.get().attemptNumber() == 0:
+        if value == "v-900" and TaskContext.get().attemptNumber() == 0:
             open(marker, "w").close()
             raise RuntimeError("injected failure, first attempt")
         return value
 
     udf = F.udf(fail_once, StringType())
-    df = (spark.range(0, 2000, numPartitions=2)
+    df = (spark.range(0, 1000, numPartitions=2)
           .select(udf(F.format_string("v-%d", "id")).alias("value"),
                   F.format_string("k-%d", "id").alias("key"),
                   F.when(F.col("id") % 2 == 0, "p-a").otherwise("p-b").alias("partition"),
@@ -188,7 +199,7 @@ def test_batch_write_with_a_task_that_fails_once_writes_every_row_once(spark, cl
             seen[n] = r.offset
         # The failed attempts had written objects before they failed: their offsets are gaps.
         assert end > len(records)
-    assert sorted(seen) == list(range(2000))
+    assert sorted(seen) == list(range(1000))
 
 
 def test_stream_write_after_a_crash_between_commits_writes_each_batch_once(spark, cluster, tmp_path):

@@ -8,6 +8,8 @@ object store and metadata).
     python -m spark_bench pipeline   [--inputs 4] [--outputs 2] [--rate MB/s] [--duration S] [--quick] ...
                                      a streaming query through the s3stream data source, a Python
                                      worker killed; exactly once checked (issue 30)
+    python -m spark_bench datasource [--gib 1] [--reps 3] [--quick]
+                                     batch read and write through the data source against Parquet
 
 Where they run (options of both):
     (default) or --master local[N]   one process; the nodes' WALs in the driver's work dir
@@ -46,8 +48,10 @@ def main(argv: list[str] | None = None) -> dict:
         from .mirror import run
     elif kind == "pipeline":
         from .pipeline import run
+    elif kind == "datasource":
+        from .datasource import run
     else:
-        print(f"unknown load test {kind!r}: choose throughput, migration, balance, mirror or pipeline\n\n{USAGE}", file=sys.stderr)
+        print(f"unknown load test {kind!r}: choose throughput, migration, balance, mirror, pipeline or datasource\n\n{USAGE}", file=sys.stderr)
         raise SystemExit(2)
     return run(rest)
 
@@ -61,6 +65,7 @@ QUICK = {
     "balance": ["--quick", "--wal-capacity", "128M"],
     "mirror": ["--quick"],
     "pipeline": ["--quick"],
+    "datasource": ["--quick"],
 }
 
 
@@ -92,6 +97,11 @@ def bench_balance(argv: list[str]) -> dict:
 def bench_pipeline(argv: list[str]) -> dict:
     """`s3stream bench --kind spark-pipeline`: a streaming query through the data source, a worker killed."""
     return _bench("pipeline", argv)
+
+
+def bench_datasource(argv: list[str]) -> dict:
+    """`s3stream bench --kind spark-datasource`: batch read and write through the data source against Parquet."""
+    return _bench("datasource", argv)
 
 
 def bench_mirror(argv: list[str]) -> dict:

@@ -1,0 +1,167 @@
+"""Batch reads and writes through the s3stream data source against Spark's Parquet, in one run
+(issue 30).
+
+1. The records: `--gib` GiB of `--record-size` records (a 1 KiB value from a hash of the row
+   number, and a key), made by Spark from `spark.range` in `--partitions` tasks.
+2. Writes, `--reps` pairs, alternating: `df.write.parquet` (uncompressed, local disk) and
+   `df.write.format("s3stream")` into `--partitions` partitions (the store a directory on the
+   same disk as the Parquet files, not /dev/shm). Each is timed from the action's call to its
+   return; the records are made again by both (the same plan), so their cost is in both.
+3. Reads, `--reps` pairs, alternating: every column of the records read back and written to
+   Spark's `noop` sink: `spark.read.format("s3stream")` of the first write's partitions, and
+   `spark.read.parquet` of a Parquet copy of exactly those rows (written from the connector's
+   read, so it holds the same columns: key, value, partition, offset, timestamp, timestampType,
+   headers).
+4. The ratios are parquet seconds / s3stream seconds per pair; the report gives each pair's and
+   their median. A warm-up of both (64 MiB) runs first, so that the JVM's code and the Python
+   workers are warm for the first pair.
+
+Targets (issue 30): batch read >= 0.7 of Parquet's, batch write >= 0.7 of Parquet's. The disk here
+is host-cached and drifts between runs: compare within one run only.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import time
+
+from wal.benchkit import parse_size, pyplot, save_figure
+
+from .common import cleanup_dirs, progress, publish, verdict
+
+TARGET = 0.7
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(prog="spark_bench datasource", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gib", type=float, default=1.0, help="GiB of records")
+    ap.add_argument("--record-size", type=parse_size, default=1024, help="bytes of each record's value")
+    ap.add_argument("--partitions", type=int, default=4, help="s3stream partitions, and Spark tasks")
+    ap.add_argument("--reps", type=int, default=3, help="pairs of writes, and of reads")
+    ap.add_argument("--meta", default=None, help="metadata URL (default: SQLite in the work dir)")
+    ap.add_argument("--out", default=None, help="report directory (default reports/spark-datasource)")
+    ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    ap.add_argument("--quick", action="store_true", help="64 MiB, one pair each")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.gib, args.reps = min(args.gib, 1 / 16), 1
+    return args
+
+
+def records(spark, rows: int, size: int, partitions: int, names: list[str]):
+    from pyspark.sql import functions as F
+    repeat = (size + 63) // 64
+    value = F.expr(f"cast(substring(repeat(sha2(cast(id as string), 256), {repeat}), 1, {size}) as binary)")
+    part = F.element_at(F.array(*[F.lit(n) for n in names]), (F.col("id") % len(names) + 1).cast("int"))
+    return spark.range(0, rows, numPartitions=partitions).select(
+        F.concat(F.lit("k"), F.col("id").cast("string")).cast("binary").alias("key"), value.alias("value"),
+        part.alias("partition"))
+
+
+def timed(action) -> float:
+    start = time.perf_counter()
+    action()
+    return time.perf_counter() - start
+
+
+def run(argv=None) -> dict:
+    args = parse_args(argv or [])
+    import s3stream
+    from .pipeline import spark_session
+    out = os.path.abspath(args.out or os.path.join("reports", "spark-datasource"))
+    work = os.path.join(out, "work")
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    store = f"file://{work}/objects"
+    meta = args.meta or f"sqlite:///{work}/meta.db"
+    rows = int(args.gib * (1 << 30)) // args.record_size
+    sets = {label: [f"{label}-{i}" for i in range(args.partitions)]
+            for label in ["warm"] + [f"w{r}" for r in range(args.reps)]}
+    client = s3stream.StreamClient(node_id=1, wal_path=os.path.join(work, "wal-setup"), object_store=store, metadata=meta)
+    for names in sets.values():
+        for name in names:
+            client.open_partition(name)
+    client.close()
+    opts = {"metadata": meta, "object_store": store}
+    spark = spark_session("spark_bench datasource")
+    mb = rows * args.record_size / 1e6
+    writes, reads = [], []
+    try:
+        progress(f"datasource: {rows} records of {args.record_size} B ({mb:.0f} MB), warming up")
+        warm = records(spark, min(rows, (64 << 20) // args.record_size), args.record_size, args.partitions, sets["warm"])
+        warm.write.mode("overwrite").option("compression", "none").parquet(os.path.join(work, "warm.parquet"))
+        warm.write.format("s3stream").options(**opts).mode("append").save()
+        for r in range(args.reps):
+            df = records(spark, rows, args.record_size, args.partitions, sets[f"w{r}"])
+            pq = timed(lambda: df.write.mode("overwrite").option("compression", "none").parquet(
+                os.path.join(work, "w.parquet")))
+            ss = timed(lambda: df.write.format("s3stream").options(**opts).mode("append").save())
+            writes.append({"parquet_s": pq, "s3stream_s": ss, "ratio": pq / ss})
+            progress(f"write pair {r + 1}: parquet {pq:.2f} s, s3stream {ss:.2f} s, ratio {pq / ss:.3f}")
+        source = (spark.read.format("s3stream").options(**opts).option("subscribe", ",".join(sets["w0"])))
+        copy = os.path.join(work, "r.parquet")
+        source.load().write.mode("overwrite").option("compression", "none").parquet(copy)
+        for r in range(args.reps):
+            pq = timed(lambda: spark.read.parquet(copy).write.format("noop").mode("overwrite").save())
+            ss = timed(lambda: source.load().write.format("noop").mode("overwrite").save())
+            reads.append({"parquet_s": pq, "s3stream_s": ss, "ratio": pq / ss})
+            progress(f"read pair {r + 1}: parquet {pq:.2f} s, s3stream {ss:.2f} s, ratio {pq / ss:.3f}")
+        counted = spark.read.parquet(copy).count()
+    finally:
+        spark.stop()
+    report = {
+        "kind": "spark-datasource", "records": rows, "record_size": args.record_size, "mb": mb,
+        "partitions": args.partitions, "metadata": meta.split(":", 1)[0], "store": "file (same disk as the Parquet)",
+        "writes": writes, "reads": reads, "rows_read": counted,
+        "write_ratio": statistics.median(w["ratio"] for w in writes),
+        "read_ratio": statistics.median(r["ratio"] for r in reads),
+        "write_mb_s": mb / statistics.median(w["s3stream_s"] for w in writes),
+        "read_mb_s": mb / statistics.median(r["s3stream_s"] for r in reads),
+        "parquet_write_mb_s": mb / statistics.median(w["parquet_s"] for w in writes),
+        "parquet_read_mb_s": mb / statistics.median(r["parquet_s"] for r in reads),
+        "targets": {"read_ratio": TARGET, "write_ratio": TARGET},
+    }
+    report["ok"] = report["read_ratio"] >= TARGET and report["write_ratio"] >= TARGET and counted == rows
+    if not args.keep:
+        cleanup_dirs([work])
+    return publish(report, out, plot, format_report)
+
+
+def plot(report: dict, out: str) -> list[str]:
+    plt = pyplot("spark_bench datasource")
+    if plt is None:
+        return []
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    labels, parquet, ours = [], [], []
+    for kind in ("writes", "reads"):
+        for i, pair in enumerate(report[kind]):
+            labels.append(f"{kind[:-1]} {i + 1}")
+            parquet.append(report["mb"] / pair["parquet_s"])
+            ours.append(report["mb"] / pair["s3stream_s"])
+    x = range(len(labels))
+    ax.bar([i - 0.2 for i in x], parquet, 0.4, label="Parquet (Spark)")
+    ax.bar([i + 0.2 for i in x], ours, 0.4, label="s3stream data source")
+    ax.set_xticks(list(x), labels)
+    ax.set_ylabel("MB/s")
+    ax.set_title(f"{report['mb']:.0f} MB of {report['record_size']} B records; target >= {TARGET} of Parquet")
+    ax.legend()
+    return [save_figure(plt, fig, out, "datasource.png")]
+
+
+def format_report(r: dict) -> str:
+    return "\n".join([
+        "=" * 100,
+        f"Batch reads and writes through the s3stream data source against Parquet: {r['mb']:.0f} MB, "
+        f"{r['records']} records of {r['record_size']} B, {r['partitions']} partitions, metadata {r['metadata']}",
+        f"write: s3stream {r['write_mb_s']:.0f} MB/s, Parquet {r['parquet_write_mb_s']:.0f} MB/s; ratio (median of "
+        f"{len(r['writes'])}) {r['write_ratio']:.3f}, target >= {TARGET}: {verdict(r['write_ratio'] >= TARGET)}; pairs "
+        + ", ".join(f"{w['ratio']:.3f}" for w in r["writes"]),
+        f"read:  s3stream {r['read_mb_s']:.0f} MB/s, Parquet {r['parquet_read_mb_s']:.0f} MB/s; ratio (median of "
+        f"{len(r['reads'])}) {r['read_ratio']:.3f}, target >= {TARGET}: {verdict(r['read_ratio'] >= TARGET)}; pairs "
+        + ", ".join(f"{x['ratio']:.3f}" for x in r["reads"]),
+        f"rows read back (Parquet copy of the connector's read): {r['rows_read']} of {r['records']}",
+        "=" * 100,
+    ])

@@ -386,3 +386,26 @@ def test_a_task_that_fails_once_gives_each_record_once(spark, cluster, tmp_path)
                       transform=lambda df: df.withColumn("offset", fail_once(col("offset"))))
     assert os.path.exists(marker)
     assert parquet_rows(spark, out) == sorted(want)
+
+
+def test_a_task_finds_trimmed_offsets_itself(cluster):
+    """read_range (a task) asked for offsets trimmed after planning: DataLossError naming the
+    partition and offsets, or, with failOnDataLoss false, the records from the new start on."""
+    from pyspark_s3stream.source import DataLossError, read_range
+    meta, store, node = cluster
+    records = append(node, "e-0", 60)
+    node.open_partition("e-0").log.trim(25)
+    with s3stream.open_reader(meta, store) as one:
+        stream_id = one.read_partition("e-0").log_stream_id
+    part = OffsetRange("e-0", stream_id, 10, 60)
+    for fail in ("true", "false"):
+        options = SourceOptions.parse({"metadata": meta, "object_store": store, "subscribe": "e-0",
+                                       "failondataloss": fail}, streaming=True)
+        with s3stream.open_reader(meta, store) as cluster_reader:
+            if fail == "true":
+                with pytest.raises(DataLossError, match=r"'e-0'.*\[10, 25\).*failOnDataLoss"):
+                    list(read_range(options, part, arrow_schema(), cluster_reader))
+            else:
+                got = pa.Table.from_batches(list(read_range(options, part, arrow_schema(), cluster_reader)))
+                assert got.column("offset").to_pylist() == list(range(25, 60))
+                assert got.column("value").to_pylist() == [r.value for r in records[25:]]

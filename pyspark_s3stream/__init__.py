@@ -37,8 +37,8 @@ class DefaultSource(DataSource):
         return SCHEMA
 
     def reader(self, schema: StructType):
-        from .source import BatchReader
-        return BatchReader(dict(self.options), schema)
+        from .source import batch_reader
+        return batch_reader(dict(self.options), schema)
 
     def streamReader(self, schema: StructType):
         from .source import StreamReader

@@ -541,16 +541,10 @@ def _is_offset(value: Any) -> bool:
 
 class BatchReader(_Reading, DataSourceReader):
     """spark.read.format("s3stream"): the records between startingOffsets and endingOffsets of
-    the subscribed partitions, as of planning. With the option filterPushdown true it is a
-    FilteringBatchReader (module docstring: PySpark refuses a reader with pushFilters unless
-    its configuration allows them, so only that subclass has the method)."""
-
-    def __new__(cls, options: Mapping[str, str] | None = None, schema: StructType | None = None) -> "BatchReader":
-        # (No arguments when pickle makes one: it is then of the class it was.)
-        wanted = {str(k).lower(): v for k, v in (options or {}).items()}.get("filterpushdown", "")
-        if cls is BatchReader and str(wanted).strip().lower() == "true":
-            cls = FilteringBatchReader
-        return super().__new__(cls)
+    the subscribed partitions, as of planning. With the option filterPushdown true the data
+    source makes a FilteringBatchReader instead (batch_reader; module docstring: PySpark refuses
+    a reader with pushFilters unless its configuration allows them, so only that subclass has
+    the method)."""
 
     def __init__(self, options: Mapping[str, str], schema: StructType | None = None) -> None:
         super().__init__(options, schema, streaming=False)
@@ -599,6 +593,13 @@ class BatchReader(_Reading, DataSourceReader):
             return list(split_ranges(self.ranges(), self.options.min_partitions))
         finally:
             self._close_cluster()
+
+
+def batch_reader(options: Mapping[str, str], schema: StructType | None = None) -> BatchReader:
+    """The reader of a batch read: a FilteringBatchReader if the option filterPushdown is true."""
+    wanted = {str(k).lower(): v for k, v in options.items()}.get("filterpushdown", "")
+    cls = FilteringBatchReader if str(wanted).strip().lower() == "true" else BatchReader
+    return cls(options, schema)
 
 
 class FilteringBatchReader(BatchReader):

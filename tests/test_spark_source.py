@@ -26,8 +26,8 @@ from s3stream.recordbatch import FetchedBatch  # noqa: E402
 from pyspark.sql.datasource import DataSourceReader, EqualTo, GreaterThanOrEqual, In, LessThan  # noqa: E402
 
 from _native.kafkarecords import ColumnBuilder  # noqa: E402
-from pyspark_s3stream.source import (BatchReader, OffsetRange, SourceOptions, _limit_offsets, arrow_batch,  # noqa: E402
-                                     arrow_schema, split_ranges)
+from pyspark_s3stream.source import (BatchReader, FilteringBatchReader, OffsetRange, SourceOptions, _limit_offsets,  # noqa: E402
+                                     arrow_batch, arrow_schema, batch_reader, split_ranges)
 
 from conftest import small_config  # noqa: E402
 from s3stream.records import COMPRESSION_CODECS, compress_payload  # noqa: E402
@@ -268,7 +268,8 @@ def test_pushed_filters_narrow_what_is_read(spark, cluster):
     options = {**BASE, "metadata": meta, "object_store": store, "subscribepattern": "f-.*"}
     assert not hasattr(BatchReader(options), "pushFilters") or \
         BatchReader.pushFilters is DataSourceReader.pushFilters       # PySpark refuses it unless configured
-    source = BatchReader({**options, "filterpushdown": "true"})
+    source = batch_reader({**options, "filterpushdown": "true"})
+    assert type(source) is FilteringBatchReader and type(batch_reader(options)) is BatchReader
     assert pickle.loads(pickle.dumps(source)).options == source.options
     filters = [In(("partition",), ("f-0", "f-2")), GreaterThanOrEqual(("offset",), 10), LessThan(("offset",), 20),
                EqualTo(("key",), b"k12"), EqualTo(("partition",), 3)]

@@ -408,9 +408,10 @@ def _open(ctx: _Context, stream_ids: list[int], node: tuple[int, int]):
         except StreamNotClosedError:
             nodes = {n.node_id: n for n in meta.list_nodes()}
             for stream in meta.get_streams(stream_ids).values():
-                if stream.state != StreamState.OPENED or stream.owner_node_id == node[0]:
+                if (stream.state != StreamState.OPENED or stream.owner_node_id is None
+                        or stream.owner_node_id == node[0]):
                     continue
-                owner = nodes.get(stream.owner_node_id) if stream.owner_node_id is not None else None
+                owner = nodes.get(stream.owner_node_id)
                 if owner is None or not owner.walless:
                     raise SinkError(f"stream {stream.stream_id} (a partition's log) is open on node {stream.owner_node_id}: "
                                     "the sink writes only partitions no node holds open; close or move that partition "

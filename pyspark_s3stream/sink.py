@@ -63,6 +63,8 @@ __all__ = ["BatchWriter", "StreamWriter", "SinkMessage", "SinkError"]
 
 #: Bytes of encoded records a task gathers for one partition before it writes them as an object.
 OBJECT_BYTES = 16 << 20
+#: Encoded bytes a task holds at most over all its partitions before it writes the largest.
+TASK_BYTES = 64 << 20
 #: Records, and bytes, of one Kafka record batch the sink encodes.
 BATCH_RECORDS = 4096
 BATCH_BYTES = 1 << 20
@@ -367,6 +369,10 @@ class _TaskWriter:
         self.encoded_bytes[stream_id] = total
         if total >= self.opts.object_bytes:
             self._flush(stream_id)
+        elif sum(self.encoded_bytes.values()) >= TASK_BYTES:
+            # Many partitions each under objectBytes: write the largest, so that a task holds at
+            # most about TASK_BYTES (plus a batch per partition) whatever it writes to.
+            self._flush(max(self.encoded_bytes, key=self.encoded_bytes.__getitem__))
 
     def _flush(self, stream_id: int) -> None:
         batches = self.encoded.pop(stream_id, None)

@@ -137,6 +137,28 @@ def test_tasks_objects_are_committed_once_with_gaps_over_what_others_reserved(an
         client.close()
 
 
+def test_a_task_writing_many_partitions_holds_a_bounded_number_of_bytes(cluster, monkeypatch):
+    """Each of 8 partitions stays under objectBytes, but the task holds at most TASK_BYTES of
+    encoded records over all of them (it writes the largest), and every row is committed."""
+    import pyarrow as pa
+    meta, store, create = cluster
+    names = [f"o-{i}" for i in range(8)]
+    create(*names)
+    monkeypatch.setattr(sink, "TASK_BYTES", 40_000)
+    opts = sink._Options({"metadata": meta, "object_store": store})
+    task = sink._TaskWriter(opts)
+    peak = 0
+    for j in range(20):
+        task.add_batch(pa.record_batch({"value": [b"%d-%d" % (j, i) + bytes(100) for i in range(80)],
+                                        "partition": [names[i % 8] for i in range(80)]}))
+        peak = max(peak, sum(task.encoded_bytes.values()))
+    assert 20_000 < peak < 40_000
+    message = task.finish()
+    assert len(message.pieces) > len(names)          # written before the end, more than one each
+    sink._commit(opts, [message], None, None)
+    assert sum(len(read_back(meta, store, name)[0]) for name in names) == 1600
+
+
 def test_a_commit_refuses_a_partition_a_node_holds_open(cluster, tmp_path):
     import pyarrow as pa
     meta, store, create = cluster

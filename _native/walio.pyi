@@ -10,3 +10,9 @@ class AlignedBuffer:
     def pread(self, fd: int, length: int, offset: int) -> None: ...
 
 def datasync(fd: int) -> None: ...
+
+# Write `data` (a GatheredObject or any contiguous buffer) as the file `path` (created, or the
+# open descriptor `fd` of it), fsync, optionally rename to `rename_to` and fsync `sync_dir`, all
+# without the GIL; OSError as the os module raises it, the file removed on failure.
+def write_file_durably(path: str, data: object, fd: int = -1, rename_to: str | None = None,
+                       sync_dir: str | None = None) -> int: ...

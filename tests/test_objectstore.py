@@ -615,6 +615,48 @@ def test_local_failed_put_leaves_nothing(tmp_path):
 
 
 
+@pytest.fixture
+def tiny_fs(tmp_path):
+    """A 64 KiB tmpfs (root only): writes past it fail with ENOSPC, as on a full disk."""
+    import subprocess
+    mountpoint = tmp_path / "tiny"
+    mountpoint.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mountpoint)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        yield mountpoint
+    finally:
+        subprocess.run(["umount", str(mountpoint)], check=True)
+
+
+def test_local_put_on_a_full_disk_leaves_no_temp_file(tiny_fs):
+    """ENOSPC in the middle of a put (one buffer, a memoryview, pieces; a new file and a
+    recycled one; put_if_absent too): an ObjectStoreError that says so, not the permanent kind
+    (space may come back), and nothing left behind but the objects that fitted."""
+    store = LocalObjectStore(str(tiny_fs / "s"), recycle_bytes=MiB, recycle_delay=0)
+    store.put("a/small", b"x" * 1000)
+    obj, whole = gathered(300 * KiB, seed=1)
+    too_big = payload(300 * KiB)
+    attempts = [("put", too_big), ("put", memoryview(bytearray(too_big))), ("put", obj),
+                ("put_if_absent", too_big)]
+    with obj:
+        for op, data in attempts:
+            with pytest.raises(ObjectStoreError, match="No space left on device") as raised:
+                getattr(store, op)("a/big", data)
+            assert type(raised.value) is ObjectStoreError and raised.value.__cause__.errno == 28
+            assert raised.value.args[0].startswith(f"local {op} of 'a/big' in {store.url} failed: ")
+            assert sorted(p.name for p in (tiny_fs / "s" / "a").iterdir()) == ["small"]
+        store.delete(["a/small"])                  # pooled: the next put overwrites its file
+        with pytest.raises(ObjectStoreError, match="No space left on device"):
+            store.put("a/big", too_big)
+    assert store.recycled == 1
+    assert list((tiny_fs / "s" / "a").iterdir()) == []
+    assert list(store.list()) == []
+    store.put("a/fits", b"y" * 1000)               # the space came back
+    assert store.get("a/fits") == b"y" * 1000
+
+
 def test_local_recycling_reuses_deleted_files(tmp_path):
     """With recycle_bytes, a delete pools the object's file (up to the bound) and a later put
     overwrites a pooled file in place, best fit by size; the pool is never listed, and every

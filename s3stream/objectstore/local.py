@@ -24,9 +24,11 @@ import uuid
 from collections import deque
 from typing import Iterable, Iterator
 
+from _native.walio import write_file_durably
+
 from ..errors import ConfigError, ObjectNotFoundError, ObjectStoreError, ObjectStorePermanentError
 from .base import (
-    BytesLike, Gathered, ObjectInfo, PutData, check_conditional_size, data_size, default_multipart_threshold,
+    BytesLike, ObjectInfo, PutData, check_conditional_size, data_size, default_multipart_threshold,
 )
 
 MiB = 1024 * 1024
@@ -67,6 +69,12 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _is_create_error(e: OSError, path: str) -> bool:
+    """Whether `e`, from write_file_durably, is its create of `path` failing (not its rename,
+    whose error names two files, nor its directory fsync, which names the directory)."""
+    return e.filename == path and e.filename2 is None
 
 
 class LocalObjectStore:
@@ -138,8 +146,8 @@ class LocalObjectStore:
             self._pool.append((st.st_ctime + offset + self.recycle_delay, path, st.st_size))
             self._pool_bytes += st.st_size
 
-    def _pool_take(self, size: int, into: str):
-        """A pooled file renamed to `into` and opened for overwrite, or None."""
+    def _pool_take(self, size: int, into: str) -> int | None:
+        """A pooled file renamed to `into` and opened for overwrite (its descriptor), or None."""
         while True:
             now = time.monotonic()
             with self._lock:
@@ -157,7 +165,7 @@ class LocalObjectStore:
                 self._pool_bytes -= length
             try:
                 os.rename(path, into)
-                f = open(into, "r+b")
+                fd = os.open(into, os.O_WRONLY | os.O_CLOEXEC)
             except OSError:
                 try:
                     os.unlink(into)
@@ -165,7 +173,7 @@ class LocalObjectStore:
                     pass
                 continue    # another store on the root took it, or it is gone: try the next
             self.recycled += 1
-            return f
+            return fd
 
     def _pool_give(self, path: str) -> bool:
         """Move the object file at `path` into the pool if it fits; False if it was not."""
@@ -216,14 +224,8 @@ class LocalObjectStore:
         path = self._path(key)
         directory = os.path.dirname(path)
         with self._write_errors("put", key):
-            tmp = self._write_temp(directory, data)
-            try:
-                os.replace(tmp, path)
-            except BaseException:
-                _unlink_quietly(tmp)
-                raise
-            # The rename is durable only once the directory entry is.
-            _fsync_dir(directory)
+            # The rename is durable only once the directory entry is: fsynced in the same call.
+            self._write_temp(directory, data, rename_to=path)
 
     def put_if_absent(self, key: str, data: BytesLike) -> bool:
         """Store `data` under `key` only if no object has that key: True if this call created
@@ -258,32 +260,28 @@ class LocalObjectStore:
             _fsync_dir(directory)
             return True
 
-    def _write_temp(self, directory: str, data: PutData) -> str:
+    def _write_temp(self, directory: str, data: PutData, rename_to: str | None = None) -> str:
         """A temporary file in `directory` (made durable first) holding `data`, fsynced: a
-        recycled file if the pool has one, else a new one. Removed again if writing fails."""
+        recycled file if the pool has one, else a new one. Removed again if writing fails.
+        With `rename_to`, renamed to that path in `directory` and the directory fsynced too.
+        The writes, syncs and rename happen in one native call without the GIL: in a process
+        whose other threads keep the GIL busy, each re-take of it can cost a switch interval."""
         tmp = os.path.join(directory, TEMP_PREFIX + uuid.uuid4().hex)
-        size = data_size(data)
+        sync_dir = directory if rename_to is not None else None
+        writing = False
         try:
             self._ensure_dir(directory)
-            f = (self._pool and self._pool_take(size, tmp)) or open(tmp, "xb")
-        except FileNotFoundError:
+            fd = self._pool_take(data_size(data), tmp) if self._pool else None
+            writing = True
+            write_file_durably(tmp, data, -1 if fd is None else fd, rename_to, sync_dir)
+        except FileNotFoundError as e:
+            if writing and not _is_create_error(e, tmp):
+                raise
             # The directory vanished behind our back (removed externally): forget and retry.
             with self._lock:
                 self._durable_dirs = {self.root}
             self._ensure_dir(directory)
-            f = open(tmp, "xb")
-        try:
-            with f:
-                if isinstance(data, Gathered):
-                    data.write_to(f.fileno())      # nothing buffered in f: it is at 0
-                else:
-                    f.write(data)
-                    f.flush()
-                os.ftruncate(f.fileno(), size)     # a recycled file may be longer
-                os.fsync(f.fileno())
-        except BaseException:
-            _unlink_quietly(tmp)
-            raise
+            write_file_durably(tmp, data, -1, rename_to, sync_dir)
         return tmp
 
     @contextlib.contextmanager

@@ -57,7 +57,8 @@ def parse_args(argv):
     ap.add_argument("--trigger", type=float, default=0.0, help="processing-time trigger, seconds (0: back to back)")
     ap.add_argument("--drain", type=float, default=90.0, help="seconds to wait after the producer for the outputs")
     ap.add_argument("--no-kill", action="store_true", help="do not kill a Python worker")
-    ap.add_argument("--meta", default=None, help="metadata URL (default: SQLite in the work dir)")
+    ap.add_argument("--meta", default=None, help="metadata URL (default: SQLite in the work dir); `postgres`: a "
+                    "throwaway PostgreSQL server on 127.0.0.1 for the run")
     ap.add_argument("--store", default=None, help="object store URL (default: a directory on /dev/shm)")
     ap.add_argument("--out", default=None, help="report directory (default reports/spark-pipeline)")
     ap.add_argument("--keep", action="store_true", help="keep the work and store directories")
@@ -209,6 +210,20 @@ def start_query(spark, args, meta: str, store: str, checkpoint: str):
 
 def run(argv=None) -> dict:
     args = parse_args(argv or [])
+    if args.meta != "postgres":
+        return _run(args)
+    from s3stream.pgserver import MissingBinaries, throwaway_postgres
+    with contextlib.ExitStack() as stack:
+        try:
+            server = stack.enter_context(throwaway_postgres())
+        except MissingBinaries as e:
+            raise SystemExit(f"--meta postgres: {e}") from None
+        args.meta = server.create_database("spark_bench_pipeline")
+        progress(f"metadata: a throwaway PostgreSQL server for the run, {args.meta}")
+        return _run(args)
+
+
+def _run(args) -> dict:
     import shutil
 
     import s3stream

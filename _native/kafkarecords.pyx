@@ -574,6 +574,27 @@ cdef object _read_nullable(Cursor* cursor, const unsigned char* end, str what):
     return data
 
 
+cdef inline const unsigned char* _record_start(Cursor* cursor, int32_t i, int32_t count, int64_t* length,
+                                               int64_t* timestamp_delta, int64_t* offset_delta) except NULL:
+    """Frame record `i` of `count` at the cursor (decode_records and ColumnBuilder): its length
+    read and checked against the section, its attributes skipped, its timestamp and offset deltas
+    read; returns the record's end, the cursor left at its key."""
+    cdef Py_ssize_t at = cursor.batch_at
+    cdef const unsigned char* record_end
+    if cursor.pos >= cursor.end:
+        raise _malformed(at, f"it says {count} records but its records end after {i}")
+    read_varint(cursor, cursor.end, 5, length)
+    if length[0] < 0 or length[0] > cursor.end - cursor.pos:
+        raise _malformed(at, f"record {i} claims {length[0]} bytes, {cursor.end - cursor.pos} are left")
+    record_end = cursor.pos + length[0]
+    if cursor.pos >= record_end:
+        raise _malformed(at, f"record {i} is empty")
+    cursor.pos += 1                                  # record attributes: unused
+    read_varint(cursor, record_end, 10, timestamp_delta)
+    read_varint(cursor, record_end, 5, offset_delta)
+    return record_end
+
+
 cdef list decode_records(Cursor* cursor, const BatchHeader* header):
     """The header.count records from the cursor to its end (an uncompressed records section),
     as ConsumedRecords; the section must hold exactly those."""
@@ -585,17 +606,7 @@ cdef list decode_records(Cursor* cursor, const BatchHeader* header):
     cdef object log_append_time = header.max_timestamp if header.attributes & TIMESTAMP_TYPE_BIT else None
     cdef object headers
     for i in range(count):
-        if cursor.pos >= cursor.end:
-            raise _malformed(at, f"it says {count} records but its records end after {i}")
-        read_varint(cursor, cursor.end, 5, &length)
-        if length < 0 or length > cursor.end - cursor.pos:
-            raise _malformed(at, f"record {i} claims {length} bytes, {cursor.end - cursor.pos} are left")
-        record_end = cursor.pos + length
-        if cursor.pos >= record_end:
-            raise _malformed(at, f"record {i} is empty")
-        cursor.pos += 1                              # record attributes: unused
-        read_varint(cursor, record_end, 10, &timestamp_delta)
-        read_varint(cursor, record_end, 5, &offset_delta)
+        record_end = _record_start(cursor, i, count, &length, &timestamp_delta, &offset_delta)
         key = _read_nullable(cursor, record_end, "a key")
         value = _read_nullable(cursor, record_end, "a value")
         read_varint(cursor, record_end, 5, &header_count)
@@ -980,17 +991,7 @@ cdef class ColumnBuilder:
         cdef int32_t timestamp_type = 1 if log_append_time else 0
         cdef bint keep
         for i in range(count):
-            if cursor.pos >= cursor.end:
-                raise _malformed(at, f"it says {count} records but its records end after {i}")
-            read_varint(cursor, cursor.end, 5, &length)
-            if length < 0 or length > cursor.end - cursor.pos:
-                raise _malformed(at, f"record {i} claims {length} bytes, {cursor.end - cursor.pos} are left")
-            record_end = cursor.pos + length
-            if cursor.pos >= record_end:
-                raise _malformed(at, f"record {i} is empty")
-            cursor.pos += 1                          # record attributes: unused
-            read_varint(cursor, record_end, 10, &timestamp_delta)
-            read_varint(cursor, record_end, 5, &offset_delta)
+            record_end = _record_start(cursor, i, count, &length, &timestamp_delta, &offset_delta)
             _read_length(cursor, record_end, "a key", &key_length)
             key = cursor.pos
             if key_length > 0:

@@ -36,7 +36,7 @@ import time
 
 from wal.benchkit import parse_size, pyplot, save_figure
 
-from .common import MiB, cleanup_dirs, latency_summary, progress, publish, verdict
+from .common import cleanup_dirs, latency_summary, progress, publish, storage, verdict
 
 FILTER_MOD = 5          # records whose sequence is a multiple of this are dropped by the query
 KEY_MOD = 97
@@ -61,6 +61,7 @@ def parse_args(argv):
                     "throwaway PostgreSQL server on 127.0.0.1 for the run")
     ap.add_argument("--store", default=None, help="object store URL (default: a directory on /dev/shm)")
     ap.add_argument("--out", default=None, help="report directory (default reports/spark-pipeline)")
+    ap.add_argument("--workdir", default=None, help="WALs, SQLite metadata, Spark's checkpoint (default: OUT/work)")
     ap.add_argument("--keep", action="store_true", help="keep the work and store directories")
     ap.add_argument("--quick", action="store_true", help="a short run: 6 s at 2 MB/s")
     args = ap.parse_args(argv)
@@ -224,22 +225,9 @@ def run(argv=None) -> dict:
 
 
 def _run(args) -> dict:
-    import shutil
 
     import s3stream
-    out = os.path.abspath(args.out or os.path.join("reports", "spark-pipeline"))
-    work = os.path.join(out, "work")
-    shutil.rmtree(work, ignore_errors=True)
-    os.makedirs(work)
-    cleanup = [work]
-    if args.store:
-        store = args.store
-    else:
-        root = f"/dev/shm/s3stream-pipeline-{os.getpid()}" if os.path.isdir("/dev/shm") else os.path.join(work, "objects")
-        os.makedirs(root, exist_ok=True)
-        cleanup.append(root)
-        store = f"file://{root}"
-    meta = args.meta or f"sqlite:///{work}/meta.db"
+    out, work, store, meta, cleanup = storage(args, "pipeline")
     inputs = [f"in-{i}" for i in range(args.inputs)]
     outputs = [f"out-{i}" for i in range(args.outputs)]
     progress(f"pipeline: {args.inputs} inputs -> {args.outputs} outputs, {args.rate:g} MB/s for {args.duration:g} s")

@@ -72,7 +72,7 @@ def parse_args(argv):
 
 def produce(spec: dict, acks) -> None:
     """The producer process: appends at the rate asked; sends (input index, first seq, count) of
-    every acknowledged batch on `acks`, then None."""
+    every acknowledged batch on `acks`, then None, or ("error", its text) if it failed."""
     import s3stream
     from s3stream.records import Record
     config = s3stream.Config(upload_interval=spec["upload_interval"])
@@ -109,6 +109,9 @@ def produce(spec: dict, acks) -> None:
             fut.result()
             acks.put((i0, f0, c0))
         client.force_upload()
+    except BaseException as e:
+        acks.put(("error", f"{type(e).__name__}: {e}"))
+        raise
     finally:
         client.close()
         acks.put(None)
@@ -265,6 +268,8 @@ def _run(args) -> dict:
                 item = ()
             if item is None:
                 done = True
+            elif item and item[0] == "error":
+                raise RuntimeError(f"the producer failed: {item[1]}")
             elif item:
                 acked.append(item)
             if kill is None and not args.no_kill and time.time() >= kill_at:
@@ -328,7 +333,8 @@ def _run(args) -> dict:
         "latency_series": _series(tail.latencies),
         "micro_batches": batches, "kill": kill,
         "targets": {"lost": 0, "duplicated": 0},
-        "ok": lost == 0 and duplicated == 0 and unexpected == 0 and (kill is not None or args.no_kill),
+        "ok": (lost == 0 and duplicated == 0 and unexpected == 0 and len(expected) > 0
+               and (kill is not None or args.no_kill)),
     }
     if not args.keep:
         cleanup_dirs(cleanup)

@@ -461,14 +461,15 @@ class PostgresMetadataStore(MetadataStore):
     def open_streams(self, stream_ids: Sequence[int], node_id: int, node_epoch: int,
                      reserve: int = 0) -> list[StreamMeta]:
         with self._transaction(write=True) as db:
-            _lock_node(db, node_id, "SHARE")
-            _check_node_epoch(db, node_id, node_epoch)
-            _lock_rows(db, "streams", "stream_id", sorted(set(stream_ids)))
+            # Locks as they are read (node, then streams): statements, not round trips, are what
+            # a busy process pays for (a GIL hand-over each), so none is sent only to lock.
+            _check_node_epoch(db, node_id, node_epoch, lock=" FOR SHARE")
             return _open_rows(db, stream_ids, node_id, reserve,
                               f"INSERT INTO ranges ({_RANGE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?) "
                               "ON CONFLICT (stream_id, range_index) "
                               "DO UPDATE SET node_id = EXCLUDED.node_id, epoch = EXCLUDED.epoch, "
-                              "start_offset = EXCLUDED.start_offset, end_offset = EXCLUDED.end_offset")
+                              "start_offset = EXCLUDED.start_offset, end_offset = EXCLUDED.end_offset",
+                              lock=" FOR UPDATE")
 
     def reserve_offsets(self, stream_id: int, epoch: int, node_id: int, node_epoch: int,
                         reserved_end: int) -> StreamMeta:
@@ -587,12 +588,14 @@ class PostgresMetadataStore(MetadataStore):
     def commit(self, request: CommitRequest) -> CommitResult:
         with self._transaction(write=True) as db:
             now = self._clock()
-            _lock_node(db, request.node_id, "NO KEY UPDATE")
-            _check_node_epoch(db, request.node_id, request.node_epoch)
+            # Rows are locked by the statements that read them (node, streams, objects: the lock
+            # order), each statement costing a busy process a GIL hand-over.
+            _check_node_epoch(db, request.node_id, request.node_epoch, lock=" FOR NO KEY UPDATE")
             object_ids = request.object_ids()
             _check_request_shape(request, object_ids)
             ranges = request.all_ranges()
-            stream_ids = {r.stream_id for r in ranges} | {sid for sid, _ in request.closes}
+            request_streams = {r.stream_id for r in ranges} | {sid for sid, _ in request.closes}
+            stream_ids = set(request_streams)
             if request.compacted_ids:
                 # A compaction checks the streams of the objects it replaces too. Those rows are
                 # written once, by the commit that committed the object.
@@ -600,27 +603,29 @@ class PostgresMetadataStore(MetadataStore):
                 stream_ids.update(_ids(db.execute(
                     "SELECT stream_id FROM sso_ranges WHERE object_id = ANY(?) "
                     "UNION SELECT stream_id FROM stream_objects WHERE object_id = ANY(?)", (compacted, compacted))))
-            _lock_rows(db, "streams", "stream_id", stream_ids)
-            _lock_rows(db, "objects", "object_id", object_ids + list(request.compacted_ids))
-            # From here on, the SQLite store's commit, statement for statement.
             # One statement each for every object and every stream of the request (a round trip
-            # per row made a commit of 4 streams 24 statements).
-            rows = {object_id: (state, expire_ns) for object_id, state, expire_ns in db.execute(
-                "SELECT object_id, state, expire_ns FROM objects WHERE object_id = ANY(?)", (object_ids,))}
+            # per row made a commit of 4 streams 24 statements), sent before any result is read.
+            locked = _load_streams(db, "WHERE stream_id = ANY(?)", (sorted(stream_ids),), lock=" FOR UPDATE")
+            object_rows = db.execute("SELECT object_id, state, expire_ns FROM objects WHERE object_id = ANY(?) "
+                                     "ORDER BY object_id FOR UPDATE",
+                                     (sorted(set(object_ids) | set(request.compacted_ids)),))
+            named = set(object_ids)
+            rows = {object_id: (state, expire_ns) for object_id, state, expire_ns in object_rows
+                    if object_id in named}
+            # From here on, the SQLite store's commit, statement for statement.
             for object_id in object_ids:
                 if object_id not in rows:
                     raise MetadataError(f"commit names object {object_id}, which does not exist "
                                         f"(never prepared, or expired and removed)")
-            wanted = sorted({r.stream_id for r in ranges} | {sid for sid, _ in request.closes})
-            streams = {m.stream_id: m for m in _load_streams(db, "WHERE stream_id = ANY(?)", (wanted,))}
+            wanted = sorted(request_streams)
+            streams = {m.stream_id: m for m in locked if m.stream_id in request_streams}
             for stream_id in wanted:
                 if stream_id not in streams:
                     raise MetadataError(f"commit names stream {stream_id}, which does not exist")
             result = _apply_commit(db, request, now, rows, streams, _set_stream_ends, lock=" FOR UPDATE")
             if request.kv:
                 db.executemany(_PUT_KV, [(k, bytes(v)) for k, v in request.kv])
-            for key in commit_notices(request):       # tailing readers, waiters on request.kv
-                _notify(db, key)
+            _notify(db, commit_notices(request))       # tailing readers, waiters on request.kv
             return result
 
     def get_object(self, object_id: int) -> ObjectMeta:
@@ -782,20 +787,24 @@ KV_CHANNEL = "s3stream_kv"
 
 
 def _set_stream_ends(db: "_Db", ends: list[tuple[int, int, int]]) -> None:
-    """Every stream's end and its last range's end, one statement each."""
+    """Every stream's end and its last range's end, in one statement (a data-modifying WITH
+    runs whether or not it is referenced)."""
     ids, new_ends, indexes = (list(column) for column in zip(*ends))
-    db.execute("UPDATE streams SET end_offset = e.end_offset FROM unnest(?::bigint[], ?::bigint[]) "
-               "AS e (stream_id, end_offset) WHERE streams.stream_id = e.stream_id", (ids, new_ends))
-    db.execute("UPDATE ranges SET end_offset = e.end_offset FROM unnest(?::bigint[], ?::bigint[], ?::bigint[]) "
-               "AS e (stream_id, end_offset, range_index) WHERE ranges.stream_id = e.stream_id "
+    db.execute("WITH e AS (SELECT * FROM unnest(?::bigint[], ?::bigint[], ?::bigint[]) "
+               "AS e (stream_id, end_offset, range_index)), "
+               "s AS (UPDATE streams SET end_offset = e.end_offset FROM e WHERE streams.stream_id = e.stream_id) "
+               "UPDATE ranges SET end_offset = e.end_offset FROM e WHERE ranges.stream_id = e.stream_id "
                "AND ranges.range_index = e.range_index", (ids, new_ends, indexes))
 
 
 _PUT_KV = "INSERT INTO kv VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value"
 
 
-def _notify(db: "_Db", key: str) -> None:
-    db.execute("SELECT pg_notify(?, ?)", (KV_CHANNEL, key))
+def _notify(db: "_Db", keys: str | Sequence[str]) -> None:
+    """NOTIFY the change feeds of `keys`, in order, in one statement (delivered at COMMIT)."""
+    keys = [keys] if isinstance(keys, str) else list(keys)
+    if keys:
+        db.execute("SELECT pg_notify(?, key) FROM unnest(?::text[]) AS key", (KV_CHANNEL, keys))
 
 
 class PgChangeFeed(ChangeFeed):

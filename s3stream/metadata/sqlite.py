@@ -61,6 +61,7 @@ Where the MetadataStore contract is silent, this store decides:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import os
 import sqlite3
@@ -661,11 +662,11 @@ def _apply_commit(db: _Connection, request: CommitRequest, now: int, rows: dict[
                 _check_append(request.node_id, streams[stream_id], list(group))
 
     if request.sso is not None:
-        order_id = db.execute("SELECT COALESCE(MAX(order_id), 0) + 1 FROM objects "
-                              "WHERE node_id = ?", (request.node_id,)).fetchone()[0]
+        # The node's next order id, computed in the update (one statement, no result to wait for).
         db.execute("UPDATE objects SET state = ?, type = ?, size = ?, node_id = ?, "
-                   "order_id = ?, committed_ns = ? WHERE object_id = ?",
-                   (_COMMITTED, _SSO, request.sso.size, request.node_id, order_id, now,
+                   "order_id = (SELECT COALESCE(MAX(order_id), 0) + 1 FROM objects WHERE node_id = ?), "
+                   "committed_ns = ? WHERE object_id = ?",
+                   (_COMMITTED, _SSO, request.sso.size, request.node_id, request.node_id, now,
                     request.sso.object_id))
         db.executemany("INSERT INTO sso_ranges VALUES (?, ?, ?, ?)",
                        [(request.sso.object_id, r.stream_id, r.start_offset,
@@ -745,8 +746,8 @@ def _busy(e: sqlite3.Error) -> bool:
         isinstance(e, sqlite3.OperationalError) and ("locked" in str(e) or "busy" in str(e)))
 
 
-def _node_row(db: _Connection, node_id: int) -> tuple:
-    row = db.execute(f"SELECT {_NODE_COLUMNS} FROM nodes WHERE node_id = ?",
+def _node_row(db: _Connection, node_id: int, lock: str = "") -> tuple:
+    row = db.execute(f"SELECT {_NODE_COLUMNS} FROM nodes WHERE node_id = ?{lock}",
                      (node_id,)).fetchone()
     if row is None:
         raise MetadataError(f"node {node_id} is not registered; call register_node first")
@@ -766,24 +767,29 @@ def _check_unchanged(node: NodeMeta, expected: tuple[int, int] | None) -> None:
                              "it is alive: not fenced")
 
 
-def _check_node_epoch(db: _Connection, node_id: int, node_epoch: int) -> None:
-    current = _node_row(db, node_id)[1]
+def _check_node_epoch(db: _Connection, node_id: int, node_epoch: int, lock: str = "") -> None:
+    """StreamFencedError unless `node_epoch` is the node's; `lock` (PostgreSQL: " FOR SHARE" and
+    the like) locks the node row in the same statement."""
+    current = _node_row(db, node_id, lock)[1]
     if node_epoch != current:
         raise StreamFencedError(f"node {node_id} epoch {node_epoch} is fenced (current "
                                 f"{current}): this node instance was replaced; stop it")
 
 
-def _load_streams(db: _Connection, where: str, params: Sequence) -> list[StreamMeta]:
+def _load_streams(db: _Connection, where: str, params: Sequence, lock: str = "") -> list[StreamMeta]:
+    """The streams `where` selects, with their ranges. Both statements are sent before either
+    result is read (PostgreSQL's pipeline: one round trip); `lock` (" FOR UPDATE") locks the
+    streams' rows, by the first of them."""
+    stream_rows = db.execute(f"SELECT {_STREAM_COLUMNS} FROM streams {where} ORDER BY stream_id{lock}", params)
+    range_rows = db.execute(f"SELECT {_RANGE_COLUMNS}, lost "
+                            f"FROM ranges WHERE stream_id IN (SELECT stream_id FROM streams {where}) "
+                            f"ORDER BY stream_id, range_index", params)
     ranges: dict[int, list[Range]] = {}
-    for stream_id, index, node_id, epoch, start, end, lost in db.execute(
-            f"SELECT {_RANGE_COLUMNS}, lost "
-            f"FROM ranges WHERE stream_id IN (SELECT stream_id FROM streams {where}) "
-            f"ORDER BY stream_id, range_index", params):
+    for stream_id, index, node_id, epoch, start, end, lost in range_rows:
         ranges.setdefault(stream_id, []).append(Range(index, node_id, epoch, start, end, bool(lost)))
     return [StreamMeta(stream_id, epoch, StreamState(state), owner, start, end,
                        tuple(ranges.get(stream_id, ())), reserved)
-            for stream_id, epoch, state, owner, start, end, reserved in db.execute(
-                f"SELECT {_STREAM_COLUMNS} FROM streams {where} ORDER BY stream_id", params)]
+            for stream_id, epoch, state, owner, start, end, reserved in stream_rows]
 
 
 def _check_owner(stream: StreamMeta, epoch: int, node_id: int) -> None:
@@ -815,12 +821,20 @@ def _load_stream(db: _Connection, stream_id: int) -> StreamMeta:
 
 
 def _open_rows(db: _Connection, stream_ids: Sequence[int], node_id: int, reserve: int,
-               put_range: str) -> list[StreamMeta]:
-    """open_streams once the node's epoch is checked (and, on PostgreSQL, the rows locked): each
-    stream at epoch + 1, owned by `node_id`, with a new range from its end (`put_range`: the
-    store's statement that inserts or replaces a ranges row) and `reserve` offsets reserved."""
+               put_range: str, lock: str = "") -> list[StreamMeta]:
+    """open_streams once the node's epoch is checked: each stream at epoch + 1, owned by
+    `node_id`, with a new range from its end (`put_range`: the store's statement that inserts or
+    replaces a ranges row) and `reserve` offsets reserved. The streams are read together (`lock`
+    on PostgreSQL: " FOR UPDATE" locks their rows) and written together, a statement for all of
+    them per table, so that the number of statements does not grow with the streams."""
+    loaded = _streams_by_id(db, stream_ids, lock)
+    range_rows, stream_rows = [], []
     for stream_id in stream_ids:
-        stream = _live_stream(db, stream_id)
+        stream = loaded.get(stream_id)
+        if stream is None:
+            raise StreamNotFoundError(f"stream {stream_id} does not exist")
+        if stream.state == StreamState.DELETED:
+            raise StreamNotFoundError(f"stream {stream_id} was deleted")
         if stream.state == StreamState.OPENED and stream.owner_node_id != node_id:
             raise StreamNotClosedError(
                 f"stream {stream_id} is open on node {stream.owner_node_id} at epoch "
@@ -829,10 +843,26 @@ def _open_rows(db: _Connection, stream_ids: Sequence[int], node_id: int, reserve
         last = stream.ranges[-1]
         # An empty last range recorded nothing: the new holder takes its place.
         index = last.index if last.start_offset == last.end_offset else last.index + 1
-        db.execute(put_range, (stream_id, index, node_id, epoch, stream.end_offset, stream.end_offset))
-        db.execute("UPDATE streams SET epoch = ?, state = ?, owner_node_id = ?, reserved_end = ? WHERE stream_id = ?",
-                   (epoch, StreamState.OPENED.value, node_id, stream.end_offset + reserve, stream_id))
-    return [_load_stream(db, stream_id) for stream_id in stream_ids]
+        range_rows.append((stream_id, index, node_id, epoch, stream.end_offset, stream.end_offset))
+        stream_rows.append((epoch, StreamState.OPENED.value, node_id, stream.end_offset + reserve, stream_id))
+        # What these rows make of it, should the stream be named again.
+        kept = stream.ranges[:-1] if index == last.index else stream.ranges
+        loaded[stream_id] = dataclasses.replace(
+            stream, epoch=epoch, state=StreamState.OPENED, owner_node_id=node_id,
+            reserved_end=stream.end_offset + reserve,
+            ranges=kept + (Range(index, node_id, epoch, stream.end_offset, stream.end_offset, False),))
+    db.executemany(put_range, range_rows)
+    db.executemany("UPDATE streams SET epoch = ?, state = ?, owner_node_id = ?, reserved_end = ? WHERE stream_id = ?",
+                   stream_rows)
+    opened = _streams_by_id(db, stream_ids)
+    return [opened[stream_id] for stream_id in stream_ids]
+
+
+def _streams_by_id(db: _Connection, stream_ids: Sequence[int], lock: str = "") -> dict[int, StreamMeta]:
+    ids = sorted(set(stream_ids))
+    if not ids:
+        return {}
+    return {m.stream_id: m for m in _load_streams(db, f"WHERE stream_id IN ({', '.join('?' * len(ids))})", ids, lock)}
 
 
 def _live_stream(db: _Connection, stream_id: int) -> StreamMeta:

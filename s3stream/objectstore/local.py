@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import os
 import stat
 import threading
@@ -110,6 +111,11 @@ class LocalObjectStore:
         self.part_size = part_size
         self.url = "file://" + self.root
         self._lock = threading.Lock()
+        # Temporary names: this store's random token, the process (a forked child shares the
+        # token and the count) and a count. Not uuid4 per put: os.urandom gives up the GIL, and
+        # in a busy process each re-take of it can wait a switch interval.
+        self._temp_token = uuid.uuid4().hex
+        self._temp_count = itertools.count()
         # Directories whose entries are known durable; each new one is fsynced once, with its
         # parents, so the directory itself survives a crash.
         self._durable_dirs: set[str] = {self.root}
@@ -266,7 +272,7 @@ class LocalObjectStore:
         With `rename_to`, renamed to that path in `directory` and the directory fsynced too.
         The writes, syncs and rename happen in one native call without the GIL: in a process
         whose other threads keep the GIL busy, each re-take of it can cost a switch interval."""
-        tmp = os.path.join(directory, TEMP_PREFIX + uuid.uuid4().hex)
+        tmp = os.path.join(directory, f"{TEMP_PREFIX}{self._temp_token}.{os.getpid()}.{next(self._temp_count)}")
         sync_dir = directory if rename_to is not None else None
         writing = False
         try:

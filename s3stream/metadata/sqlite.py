@@ -672,18 +672,18 @@ def _apply_commit(db: _Connection, request: CommitRequest, now: int, rows: dict[
                        [(request.sso.object_id, r.stream_id, r.start_offset,
                          r.end_offset)
                         for r in request.sso.ranges if r.stream_id not in deleted])
-    for so in request.stream_objects:
-        if so.range.stream_id in deleted:
-            # No stream holds it any more: committed straight into destruction.
-            db.execute("UPDATE objects SET state = ?, type = ?, size = ?, "
-                       "committed_ns = ?, mark_destroyed_ns = ? WHERE object_id = ?",
-                       (_MARK_DESTROYED, _SO, so.size, now, now, so.object_id))
-            continue
-        db.execute("UPDATE objects SET state = ?, type = ?, size = ?, committed_ns = ? "
-                   "WHERE object_id = ?", (_COMMITTED, _SO, so.size, now, so.object_id))
-        db.execute("INSERT INTO stream_objects VALUES (?, ?, ?, ?)",
-                   (so.object_id, so.range.stream_id, so.range.start_offset,
-                    so.range.end_offset))
+    # One statement per kind of row for all the StreamObjects (a close commits one per stream).
+    live = [so for so in request.stream_objects if so.range.stream_id not in deleted]
+    # An SO of a deleted stream: no stream holds it any more, committed straight into destruction.
+    db.executemany("UPDATE objects SET state = ?, type = ?, size = ?, "
+                   "committed_ns = ?, mark_destroyed_ns = ? WHERE object_id = ?",
+                   [(_MARK_DESTROYED, _SO, so.size, now, now, so.object_id)
+                    for so in request.stream_objects if so.range.stream_id in deleted])
+    db.executemany("UPDATE objects SET state = ?, type = ?, size = ?, committed_ns = ? "
+                   "WHERE object_id = ?", [(_COMMITTED, _SO, so.size, now, so.object_id) for so in live])
+    db.executemany("INSERT INTO stream_objects VALUES (?, ?, ?, ?)",
+                   [(so.object_id, so.range.stream_id, so.range.start_offset, so.range.end_offset)
+                    for so in live])
     _mark_destroyed(db, now, request.compacted_ids)
     if not request.compacted_ids:
         ends = []

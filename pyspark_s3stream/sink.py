@@ -52,7 +52,7 @@ import pyarrow.compute as pc
 from pyspark.sql.datasource import DataSourceArrowWriter, DataSourceStreamArrowWriter, WriterCommitMessage
 
 from _native import arrowrecords
-from s3stream import Record, open_reader
+from s3stream import Config, Record, open_reader
 from s3stream.errors import ConfigError, MetadataError, S3StreamError, StreamNotClosedError, StreamNotFoundError
 from s3stream.metadata import MetadataStore, StreamState
 from s3stream.metadata.base import WALLESS, CommitRange, CommitRequest, CommitStreamObject, object_key
@@ -73,7 +73,10 @@ SINK_NODE_BASE = 1 << 40
 #: Compare-and-set attempts on a KV counter before giving up (each fails only if another writer
 #: moved the counter in between).
 CAS_ATTEMPTS = 1000
-BLOCK_SIZE = 512 << 10
+#: Data block size of the objects the sink writes, and how long their ids stay PREPARED: the
+#: engine's defaults (Config.object_block_size, Config.prepared_ttl).
+BLOCK_SIZE = Config().object_block_size
+PREPARED_TTL = Config().prepared_ttl
 
 
 class SinkError(S3StreamError):
@@ -180,7 +183,7 @@ class _Context:
             items.append((offset, count, payload))
             offset += count
         data = encode_object([(stream_id, items)], BLOCK_SIZE).data
-        object_id = self.meta.prepare_objects(1, int(3600e9))[0]
+        object_id = self.meta.prepare_objects(1, int(PREPARED_TTL * 1e9))[0]
         self.store.put(object_key(object_id), data)
         return Piece(object_id, len(data), stream_id, start, offset)
 

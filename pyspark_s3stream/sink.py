@@ -146,7 +146,7 @@ class _Context:
     def __init__(self, metadata: str, object_store: str) -> None:
         self.reader = open_reader(metadata, object_store)
         self.meta: MetadataStore = self.reader.metadata
-        self.store = self.reader._store
+        self.store = self.reader.object_store
         self._logs: dict[str, int] = {}
         self._lock = threading.Lock()
         self._node: tuple[int, int] | None = None

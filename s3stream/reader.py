@@ -114,6 +114,15 @@ class StreamReader:
         return self._meta
 
     @property
+    def object_store(self) -> ObjectStore:
+        """The object store read (shared: do not close it)."""
+        return self._store
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+    @property
     def stats(self) -> dict:
         return self._reader.snapshot()
 

@@ -154,7 +154,7 @@ class Tail(threading.Thread):
                         self.seen[key] = self.seen.get(key, 0) + 1
                         self.latencies.append((now / 1e9 - self.t0, latency))
         except S3StreamError:
-            if not self.reader._closed.is_set():
+            if not self.reader.closed:
                 raise
 
     def count(self) -> int:

@@ -92,8 +92,9 @@ def check_cluster_storage(args) -> None:
             "the same file system at the same path, or --standalone N for a cluster on this host alone.")
 
 
-def storage(args, name: str) -> tuple[str, str, str, str, list[str]]:
-    """(out, workdir, store URL, meta URL, directories to remove at the end)."""
+def storage(args, name: str, store_query: str = "") -> tuple[str, str, str, str, list[str]]:
+    """(out, workdir, store URL, meta URL, directories to remove at the end). `store_query`: the
+    query (LocalObjectStore options) the default store's URL gets; a --store is used as given."""
     out = os.path.abspath(args.out or os.path.join("reports", f"spark-{name}"))
     work = os.path.abspath(args.workdir or os.path.join(out, "work"))
     cleanup = []
@@ -107,7 +108,7 @@ def storage(args, name: str) -> tuple[str, str, str, str, list[str]]:
         shutil.rmtree(root, ignore_errors=True)
         os.makedirs(root)
         cleanup.append(root)
-        store = f"file://{root}"
+        store = f"file://{root}" + (f"?{store_query}" if store_query else "")
     meta = args.meta or f"sqlite:///{work}/meta.db"
     os.makedirs(out, exist_ok=True)
     return out, work, store, meta, cleanup
@@ -268,9 +269,10 @@ class Deployment:
 
 
 @contextlib.contextmanager
-def deployment(args, name: str, slots: int) -> Iterator[Deployment]:
-    """Check the arguments, make the storage, start a standalone cluster if asked, open a Spark
-    session with `slots` task slots; on exit stop them all and remove the storage (unless --keep)."""
+def deployment(args, name: str, slots: int, store_query: str = "") -> Iterator[Deployment]:
+    """Check the arguments, make the storage (`store_query`: see storage), start a standalone
+    cluster if asked, open a Spark session with `slots` task slots; on exit stop them all and
+    remove the storage (unless --keep)."""
     check_cluster_storage(args)
     if args.standalone is not None and args.standalone < max(slots, 1):
         raise SystemExit(f"--standalone {args.standalone} gives {args.standalone} one-core workers, but the run "
@@ -278,7 +280,7 @@ def deployment(args, name: str, slots: int) -> Iterator[Deployment]:
     master = args.master or "local[*]"
     if master == "local[*]":
         master = f"local[{slots}]"
-    out, work, store, meta, cleanup = storage(args, name)
+    out, work, store, meta, cleanup = storage(args, name, store_query)
     with contextlib.ExitStack() as stack:
         if not args.keep:
             stack.callback(cleanup_dirs, cleanup)

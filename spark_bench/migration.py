@@ -37,6 +37,14 @@ default: on this VM a close's PUT of its tail costs about 4 ms per MiB under loa
 cache pages are costly in the guest: the writev, not the fsync), and the half-load target needs
 the smaller tail. `--tail-limit 8M` measures the engine's default.
 
+Most of that 4 ms per MiB is the guest faulting in fresh memory: this VM hands freed pages back to
+its host (free page reporting), and a store that only grows writes every object into pages never
+touched, at 390-670 MB/s against 3.6-3.9 GB/s into owned ones (tests/bench/store_first_touch.py).
+The default store (a /dev/shm directory) therefore runs with `--store-preallocate` 64 MiB
+(LocalObjectStore preallocate_bytes): a thread in each node process writes files ahead, off the
+puts' path, and a close's 4 MiB PUT took 3-4 ms instead of 15-27 ms (half load, PostgreSQL).
+`--store-preallocate 0` measures without it.
+
 `--meta postgres` starts a throwaway PostgreSQL server on 127.0.0.1 for the run and stops it
 after (s3stream.pgserver); `--meta postgresql://user@host/db` uses a server of yours.
 """
@@ -89,6 +97,10 @@ def parse(argv):
                     help="the nodes' Config.stream_tail_limit: most un-uploaded bytes per stream, what a close "
                          "uploads at most (default 4 MiB, half the Config default: a close's PUT costs ~4 ms per MiB "
                          "on this VM under load, and the half-load target needs the smaller tail; 0: no bound)")
+    ap.add_argument("--store-preallocate", type=parse_size, default=64 * MiB,
+                    help="the default store's preallocate_bytes (LocalObjectStore): each node process keeps that "
+                         "many bytes of files written ahead, so a close's PUT copies into pages already allocated "
+                         "(default 64M; 0: off; ignored with --store, whose URL says it)")
     ap.add_argument("--migrations", type=int, default=10, help="migrations per partition")
     ap.add_argument("--pause", type=float, default=0.3, help="seconds of load between rounds of migrations")
     ap.add_argument("--inflight", type=int, default=8, help="appends in flight per producer")
@@ -185,7 +197,8 @@ def run(argv=None) -> dict:
     with contextlib.ExitStack() as stack:
         if throwaway:
             args.meta = stack.enter_context(throwaway_metadata(args))
-        with deployment(args, "migration", 2) as dep:
+        query = f"preallocate_bytes={args.store_preallocate}" if args.store_preallocate else ""
+        with deployment(args, "migration", 2, store_query=query) as dep:
             report = _run(args, dep, histories)
     report["metadata"] = "postgresql (a throwaway server)" if throwaway else dep.meta.split(":", 1)[0]
     return publish(report, dep.out, plot, format_report)

@@ -8,6 +8,7 @@ import itertools
 import random
 import socket
 import threading
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -702,7 +703,73 @@ def test_local_recycling_waits_out_the_delay_and_survives_a_restart(tmp_path):
     assert [p.stat().st_size for p in (tmp_path / POOL_DIR).iterdir()] == [1]
 
 
+def _wait_for(predicate, what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        time.sleep(0.005)
+
+
+def test_local_preallocation_writes_files_ahead_in_the_sizes_of_puts(tmp_path):
+    """With preallocate_bytes, a put asks the store's thread for a file of its size, written
+    ahead in the pool; the next put of that size overwrites it in place (truncated to its own
+    length), the pool never holds more than the bound, and nothing of it is listed or read."""
+    store = LocalObjectStore(str(tmp_path), preallocate_bytes=10_000)
+    pool = tmp_path / POOL_DIR
+    store.put("a", b"1" * 3000)                     # nothing ahead yet: a new file
+    assert store.recycled == 0
+    _wait_for(lambda: store.preallocated == 1, "a file preallocated for the put's size")
+    [made] = pool.iterdir()
+    assert made.stat().st_size == 3000 and made.read_bytes() == bytes(3000)   # written, not a hole
+    inode = made.stat().st_ino
+    store.put("b", b"2" * 2000)                     # the 3000-byte file, truncated
+    assert store.recycled == 1 and store.get("b") == b"2" * 2000 and store.size("b") == 2000
+    assert (tmp_path / "b").stat().st_ino == inode
+    _wait_for(lambda: store.preallocated == 2, "a file for the second put")
+    for i in range(8):                              # wishes of 3000 bytes: only three fit
+        store.put(f"c/{i}", bytes([i]) * 3000)
+    _wait_for(lambda: store.preallocated >= 5, "the pool refilled")
+    time.sleep(0.05)
+    assert sum(p.stat().st_size for p in pool.iterdir()) <= 10_000
+    assert [i.key for i in store.list()] == ["a", "b"] + [f"c/{i}" for i in range(8)]
+    assert all(store.get(f"c/{i}") == bytes([i]) * 3000 for i in range(8))
+    store.close()
+    assert not store._filler.is_alive()
+    store.put("after-close", b"x")                  # still a store; no thread again
+    assert store.get("after-close") == b"x" and not store._filler.is_alive()
+
+
+def test_local_preallocated_files_go_ahead_of_deleted_ones_still_waiting(tmp_path):
+    """A deleted object's file waits out recycle_delay in the pool; a file preallocated after
+    it is ready at once and taken first."""
+    store = LocalObjectStore(str(tmp_path), recycle_bytes=1 << 20, recycle_delay=30, preallocate_bytes=1 << 20)
+    store.put("old", b"o" * 4000)
+    _wait_for(lambda: store.preallocated == 1, "a file preallocated")
+    store.delete(["old"])                           # pooled behind it, not ready for 30 s
+    store.put("new", b"n" * 4000)                   # takes the preallocated file
+    _wait_for(lambda: store.preallocated == 2, "another file preallocated")
+    store.put("next", b"x" * 4000)
+    assert store.recycled == 2 and not (tmp_path / "old").exists()
+    assert store.get("next") == b"x" * 4000 and store.get("new") == b"n" * 4000
+    store.close()
+
+
+def test_local_preallocation_adopted_by_the_next_store(tmp_path):
+    """Files preallocated by a store that closed are adopted by the next one on the root and
+    overwritten by its puts."""
+    first = LocalObjectStore(str(tmp_path), preallocate_bytes=1 << 20)
+    first.put("k", b"a" * 5000)
+    _wait_for(lambda: first.preallocated == 1, "a file preallocated")
+    first.close()
+    later = LocalObjectStore(str(tmp_path), preallocate_bytes=1 << 20)
+    later.put("m", b"b" * 5000)
+    assert later.recycled == 1 and later.get("m") == b"b" * 5000
+    later.close()
+
+
 @pytest.mark.parametrize("kw, message", [(dict(recycle_bytes=-1), "recycle_bytes"),
+                                         (dict(preallocate_bytes=-1), "preallocate_bytes"),
+                                         (dict(preallocate_bytes=True), "preallocate_bytes"),
                                          (dict(recycle_bytes=True), "recycle_bytes"),
                                          (dict(recycle_bytes=1.5), "recycle_bytes"),
                                          (dict(recycle_delay=-1), "recycle_delay"),
@@ -710,8 +777,8 @@ def test_local_recycling_waits_out_the_delay_and_survives_a_restart(tmp_path):
 def test_local_recycling_settings_are_checked(tmp_path, kw, message):
     with pytest.raises(ConfigError, match=message):
         LocalObjectStore(str(tmp_path), **kw)
-    store = open_object_store(f"file://{tmp_path}?recycle_bytes=4096&recycle_delay=0.5")
-    assert (store.recycle_bytes, store.recycle_delay) == (4096, 0.5)
+    store = open_object_store(f"file://{tmp_path}?recycle_bytes=4096&recycle_delay=0.5&preallocate_bytes=8192")
+    assert (store.recycle_bytes, store.recycle_delay, store.preallocate_bytes) == (4096, 0.5, 8192)
 
 # -- S3 specifics --------------------------------------------------------------------------------
 

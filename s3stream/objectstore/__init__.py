@@ -24,7 +24,8 @@ _S3_PARAMS = {
     "read_timeout": ("read_timeout", float),
 }
 _FILE_PARAMS = {"part_size": ("part_size", int), "multipart_threshold": ("multipart_threshold", int),
-                "recycle_bytes": ("recycle_bytes", int), "recycle_delay": ("recycle_delay", float)}
+                "recycle_bytes": ("recycle_bytes", int), "recycle_delay": ("recycle_delay", float),
+                "preallocate_bytes": ("preallocate_bytes", int)}
 _TRUE = {"1", "true", "yes"}
 _FALSE = {"0", "false", "no"}
 
@@ -32,7 +33,8 @@ _FALSE = {"0", "false", "no"}
 def open_object_store(url: str, **kw: Any) -> ObjectStore:
     """Open the object store at `url`:
 
-    - "file:///abs/path[?part_size=...&multipart_threshold=...&recycle_bytes=...&recycle_delay=...]"
+    - "file:///abs/path[?part_size=...&multipart_threshold=...&recycle_bytes=...&recycle_delay=...
+      &preallocate_bytes=...]"
       or a plain directory path: a LocalObjectStore (the directory is created);
     - "s3://bucket[/prefix][?endpoint_url=...&region=...&part_size=...&max_concurrency=...
       &max_attempts=...&connect_timeout=...&read_timeout=...&create_bucket=1]": an S3ObjectStore.

@@ -10,7 +10,11 @@ the key exists, so of concurrent creators exactly one wins (the file system need
 With `recycle_bytes`, a delete moves the object's file into a pool (a reserved directory under
 the root) instead of unlinking it, up to that many bytes, and a later put overwrites a pooled
 file in place rather than creating one. A store with retention then reuses the pages or blocks
-it freed instead of returning and allocating them again (see LocalObjectStore).
+it freed instead of returning and allocating them again (see LocalObjectStore). With
+`preallocate_bytes`, a background thread also keeps that many bytes of fresh files, allocated
+ahead (written with zeros) in the sizes recent puts had, in the same pool, so a put finds its
+pages allocated even in a store that never deletes: meant for a RAM disk (tmpfs), where writing
+a page is what allocates it; on a disk it would write each object twice.
 """
 from __future__ import annotations
 
@@ -38,6 +42,13 @@ MiB = 1024 * 1024
 TEMP_PREFIX = ".s3stream-tmp."
 #: The pool of deleted objects' files kept for reuse (recycle_bytes), under the root.
 POOL_DIR = TEMP_PREFIX + "pool"
+#: How many recent put sizes the preallocating thread remembers (preallocate_bytes).
+PREALLOCATE_WANTED = 64
+#: The zeros the preallocating thread writes, and how many pieces of them one writev takes.
+_ZEROS = bytes(256 * 1024)
+IOV_PIECES = 256
+#: Seconds close() waits for the preallocating thread to end (one posix_fallocate).
+PREALLOCATE_RECHECK = 1.0
 
 
 def check_key(key: str) -> None:
@@ -62,6 +73,18 @@ def _unlink_quietly(path: str) -> None:
         os.unlink(path)
     except OSError:
         pass
+
+
+def _write_zeros(fd: int, size: int) -> None:
+    """Write `size` zero bytes at the start of `fd` (writev of one shared zero buffer: one
+    release of the GIL per IOV_MAX pieces). Written, not fallocated: on tmpfs an fallocated
+    page is allocated but not touched, and the first touch is the cost to move off the puts."""
+    done = 0
+    while done < size:
+        pieces = min(IOV_PIECES, -(-(size - done) // len(_ZEROS)))
+        last = size - done - (pieces - 1) * len(_ZEROS)
+        iov = [memoryview(_ZEROS)] * (pieces - 1) + [memoryview(_ZEROS)[:last]]
+        done += os.pwritev(fd, iov, done)
 
 
 def _fsync_dir(path: str) -> None:
@@ -91,16 +114,28 @@ class LocalObjectStore:
     full. A pooled file is reused only `recycle_delay` seconds after its delete, so a get that
     opened the object just before the delete still reads it whole. The bound counts this
     process's deletes; files pooled by a process that exited are reused or removed by the next
-    store opened on the root."""
+    store opened on the root.
+
+    `preallocate_bytes` (default 0: off) has one background thread (started by the first put
+    in each process, stopped by close()) keep the pool filled to that many bytes with fresh
+    files, each as large as a recent put and written with zeros, ready at once. A
+    put then pays for a copy, not an allocation, even when the store only grows: the cost of
+    the allocation (on this VM, the host faulting in memory it was handed back) moves off the
+    put's path, which is what a migration's close waits on (issue 28). Until the thread has
+    caught up, a put that finds no pooled file writes a new one as before. The files cost
+    their bytes of storage; the next store opened on the root adopts them like recycled ones."""
 
     def __init__(self, root: str, part_size: int = 16 * MiB, multipart_threshold: int | None = None,
-                 recycle_bytes: int = 0, recycle_delay: float = 1.0) -> None:
+                 recycle_bytes: int = 0, recycle_delay: float = 1.0, preallocate_bytes: int = 0) -> None:
         if part_size <= 0:
             raise ConfigError(f"part_size must be positive, got {part_size}")
         if isinstance(recycle_bytes, bool) or not isinstance(recycle_bytes, int) or recycle_bytes < 0:
             raise ConfigError(f"recycle_bytes must be an int >= 0 (0 turns recycling off), got {recycle_bytes!r}")
         if isinstance(recycle_delay, bool) or not isinstance(recycle_delay, (int, float)) or not recycle_delay >= 0:
             raise ConfigError(f"recycle_delay must be a number of seconds >= 0, got {recycle_delay!r}")
+        if isinstance(preallocate_bytes, bool) or not isinstance(preallocate_bytes, int) or preallocate_bytes < 0:
+            raise ConfigError(
+                f"preallocate_bytes must be an int >= 0 (0 turns preallocation off), got {preallocate_bytes!r}")
         # Reported like part_size, so request counts match what an S3 store would do.
         self.multipart_threshold = multipart_threshold or default_multipart_threshold(part_size)
         self.root = os.path.abspath(root)
@@ -126,12 +161,21 @@ class LocalObjectStore:
         self._pool: deque[tuple[float, str, int]] = deque()
         self._pool_bytes = 0
         self.recycled = 0       # puts that overwrote a pooled file
-        if recycle_bytes:
+        self.preallocate_bytes = preallocate_bytes
+        self.preallocated = 0   # files the preallocating thread made
+        # Sizes of recent puts, which the preallocating thread makes files of.
+        self._wanted: deque[int] = deque(maxlen=PREALLOCATE_WANTED)
+        self._filler_cond = threading.Condition(self._lock)
+        self._filler: threading.Thread | None = None
+        self._filler_pid = 0
+        self._closed = False
+        if recycle_bytes or preallocate_bytes:
             self._adopt_pool()
 
     def _adopt_pool(self) -> None:
         """Take over the files a previous store left in the pool (up to the bound; the rest are
-        removed), each usable `recycle_delay` after it was pooled (its ctime: the rename)."""
+        removed): deleted objects' files usable `recycle_delay` after they were pooled (their
+        ctime: the rename), preallocated ones at once."""
         try:
             os.makedirs(self._pool_dir, exist_ok=True)
             names = sorted(os.listdir(self._pool_dir))
@@ -144,12 +188,15 @@ class LocalObjectStore:
                 st = os.lstat(path)
                 if not stat.S_ISREG(st.st_mode):
                     continue
-                if self._pool_bytes + st.st_size > self.recycle_bytes:
+                if self._pool_bytes + st.st_size > max(self.recycle_bytes, self.preallocate_bytes):
                     os.unlink(path)
                     continue
             except OSError:
                 continue    # taken or removed by another store on the same root
-            self._pool.append((st.st_ctime + offset + self.recycle_delay, path, st.st_size))
+            # A deleted object's file waits out recycle_delay; a preallocated one (named like
+            # a temporary file) never held an object anyone reads.
+            delay = 0.0 if name.startswith(TEMP_PREFIX) else self.recycle_delay
+            self._pool.append((st.st_ctime + offset + delay, path, st.st_size))
             self._pool_bytes += st.st_size
 
     def _pool_take(self, size: int, into: str) -> int | None:
@@ -160,7 +207,7 @@ class LocalObjectStore:
                 best, best_key = None, None
                 for i, (ready, path, length) in enumerate(self._pool):
                     if ready > now:
-                        break   # pooled in order: the rest are younger
+                        break   # ordered by readiness: the rest are younger
                     key = (0, length) if length >= size else (1, -length)  # smallest that fits, else largest
                     if best_key is None or key < best_key:
                         best, best_key = i, key
@@ -180,6 +227,52 @@ class LocalObjectStore:
                 continue    # another store on the root took it, or it is gone: try the next
             self.recycled += 1
             return fd
+
+    def _want(self, size: int) -> None:
+        """Ask the preallocating thread (started here if this process has none) for a file of
+        `size` bytes, the size of a put just made."""
+        if 0 < size <= self.preallocate_bytes:
+            with self._lock:
+                if self._closed:
+                    return
+                self._wanted.append(size)
+                if self._filler_pid != os.getpid():       # none yet, or a forked child's parent's
+                    self._filler_pid = os.getpid()
+                    self._filler = threading.Thread(target=self._fill, name="s3stream-store-prealloc", daemon=True)
+                    self._filler.start()
+                self._filler_cond.notify()
+
+    def _fill(self) -> None:
+        """The preallocating thread: while the pool holds less than preallocate_bytes, make a
+        file of the next wanted size. A write that fails (the file system is full) ends the
+        thread; puts then allocate as they would without it."""
+        while True:
+            with self._lock:
+                # Every put notifies (after taking a pooled file, if it found one).
+                while not self._closed and not (
+                        self._wanted and self._pool_bytes + self._wanted[0] <= self.preallocate_bytes):
+                    self._filler_cond.wait()
+                if self._closed:
+                    return
+                size = self._wanted.popleft()
+                self._pool_bytes += size                # reserved: concurrent deletes see it
+            path = os.path.join(self._pool_dir, f"{TEMP_PREFIX}{self._temp_token}.{os.getpid()}."
+                                                f"{next(self._temp_count)}")
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+                try:
+                    _write_zeros(fd, size)
+                finally:
+                    os.close(fd)
+            except OSError:
+                _unlink_quietly(path)
+                with self._lock:
+                    self._pool_bytes -= size
+                return
+            with self._lock:
+                # Ready now: first, so the pool stays ordered by readiness (_pool_take).
+                self._pool.appendleft((time.monotonic(), path, size))
+                self.preallocated += 1
 
     def _pool_give(self, path: str) -> bool:
         """Move the object file at `path` into the pool if it fits; False if it was not."""
@@ -278,6 +371,8 @@ class LocalObjectStore:
         try:
             self._ensure_dir(directory)
             fd = self._pool_take(data_size(data), tmp) if self._pool else None
+            if self.preallocate_bytes:
+                self._want(data_size(data))
             writing = True
             write_file_durably(tmp, data, -1 if fd is None else fd, rename_to, sync_dir)
         except FileNotFoundError as e:
@@ -382,7 +477,14 @@ class LocalObjectStore:
         yield from found
 
     def close(self) -> None:
-        """Nothing to release; present for the interface."""
+        """Stop the preallocating thread (waiting up to PREALLOCATE_RECHECK); the pool stays on
+        disk for the next store on the root."""
+        with self._lock:
+            self._closed = True
+            self._filler_cond.notify_all()
+            filler = self._filler if self._filler_pid == os.getpid() else None
+        if filler is not None:
+            filler.join(PREALLOCATE_RECHECK)
 
     def __repr__(self) -> str:
         return f"LocalObjectStore({self.root!r})"

@@ -15,6 +15,10 @@
    Then, for information (no target), `sum(length(value))` of each: Parquet reads only the value
    column for it, the source reads every column (PySpark's Python data source API has no column
    pruning).
+   Beside each read pair, the ceiling of PySpark's Python data source API here: `Ceiling`, a
+   Python source that reads nothing and yields prebuilt Arrow batches of rows of the same shape
+   (the same count, value size, columns and partitions), timed the same way. No Python source
+   can be faster than that; the report gives Parquet's ratio to it and ours to it.
 4. The ratios are parquet seconds / s3stream seconds per pair; the report gives each pair's and
    their median. A warm-up of both (64 MiB) runs first, so that the JVM's code and the Python
    workers are warm for the first pair.
@@ -64,6 +68,56 @@ def records(spark, rows: int, size: int, partitions: int, names: list[str]):
         part.alias("partition"))
 
 
+#: Rows of each of the ceiling source's prebuilt Arrow batches (the source's own batches hold
+#: up to 8 MiB of values).
+CEILING_BATCH_ROWS = 8192
+
+
+def _ceiling_classes():
+    """The ceiling source (see the module docstring), made on first use: pyspark is imported
+    only by a run."""
+    from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
+
+    class CeilingReader(DataSourceReader):
+        def __init__(self, options: dict) -> None:
+            self.rows, self.size, self.parts = (int(options[k]) for k in ("rows", "size", "partitions"))
+
+        def partitions(self):
+            return [InputPartition(i) for i in range(self.parts)]
+
+        def read(self, partition):
+            import pyarrow as pa
+            mine = self.rows // self.parts + (partition.value < self.rows % self.parts)
+            n = min(CEILING_BATCH_ROWS, max(mine, 1))
+            headers = pa.list_(pa.struct([("key", pa.string()), ("value", pa.binary())]))
+            batch = pa.RecordBatch.from_arrays([
+                pa.array([b"k%d" % i for i in range(n)], pa.binary()),
+                pa.array([bytes([i % 251]) * self.size for i in range(n)], pa.binary()),
+                pa.array([f"p-{partition.value}"] * n), pa.array(range(n), pa.int64()),
+                pa.array([1_700_000_000_000_000] * n, pa.timestamp("us", tz="UTC")), pa.array([0] * n, pa.int32()),
+                pa.array([[]] * n, headers)],
+                names=["key", "value", "partition", "offset", "timestamp", "timestampType", "headers"])
+            while mine >= n:
+                yield batch
+                mine -= n
+            if mine:
+                yield batch.slice(0, mine)
+
+    class Ceiling(DataSource):
+        @classmethod
+        def name(cls) -> str:
+            return "s3stream-bench-ceiling"
+
+        def schema(self) -> str:
+            from pyspark_s3stream import SCHEMA
+            return SCHEMA
+
+        def reader(self, schema):
+            return CeilingReader(dict(self.options))
+
+    return Ceiling
+
+
 def timed(action) -> float:
     start = time.perf_counter()
     action()
@@ -107,11 +161,19 @@ def run(argv=None) -> dict:
         source = (spark.read.format("s3stream").options(**opts).option("subscribe", ",".join(sets["w0"])))
         copy = os.path.join(work, "r.parquet")
         source.load().write.mode("overwrite").option("compression", "none").parquet(copy)
+        ceiling_source = _ceiling_classes()
+        spark.dataSource.register(ceiling_source)
+        ceiling = (spark.read.format(ceiling_source.name()).option("rows", rows).option("size", args.record_size)
+                   .option("partitions", args.partitions))
+        ceiling.load().write.format("noop").mode("overwrite").save()          # its worker's imports
         for r in range(args.reps):
             pq = timed(lambda: spark.read.parquet(copy).write.format("noop").mode("overwrite").save())
             ss = timed(lambda: source.load().write.format("noop").mode("overwrite").save())
-            reads.append({"parquet_s": pq, "s3stream_s": ss, "ratio": pq / ss})
-            progress(f"read pair {r + 1}: parquet {pq:.2f} s, s3stream {ss:.2f} s, ratio {pq / ss:.3f}")
+            top = timed(lambda: ceiling.load().write.format("noop").mode("overwrite").save())
+            reads.append({"parquet_s": pq, "s3stream_s": ss, "ratio": pq / ss, "ceiling_s": top,
+                          "ceiling_ratio": pq / top, "of_ceiling": top / ss})
+            progress(f"read pair {r + 1}: parquet {pq:.2f} s, s3stream {ss:.2f} s, ratio {pq / ss:.3f}; the Python "
+                     f"API's ceiling {top:.2f} s, ratio {pq / top:.3f}")
         projected = []
         for r in range(args.reps):
             pq = timed(lambda: spark.read.parquet(copy).selectExpr("sum(length(value))").collect())
@@ -127,6 +189,8 @@ def run(argv=None) -> dict:
         "value_sum_ratio": statistics.median(p["ratio"] for p in projected),
         "write_ratio": statistics.median(w["ratio"] for w in writes),
         "read_ratio": statistics.median(r["ratio"] for r in reads),
+        "ceiling_read_ratio": statistics.median(r["ceiling_ratio"] for r in reads),
+        "read_of_ceiling": statistics.median(r["of_ceiling"] for r in reads),
         "write_mb_s": mb / statistics.median(w["s3stream_s"] for w in writes),
         "read_mb_s": mb / statistics.median(r["s3stream_s"] for r in reads),
         "parquet_write_mb_s": mb / statistics.median(w["parquet_s"] for w in writes),
@@ -171,6 +235,10 @@ def format_report(r: dict) -> str:
         f"read:  s3stream {r['read_mb_s']:.0f} MB/s, Parquet {r['parquet_read_mb_s']:.0f} MB/s; ratio (median of "
         f"{len(r['reads'])}) {r['read_ratio']:.3f}, target >= {TARGET}: {verdict(r['read_ratio'] >= TARGET)}; pairs "
         + ", ".join(f"{x['ratio']:.3f}" for x in r["reads"]),
+        f"the ceiling of PySpark's Python data source API here (a source yielding prebuilt Arrow batches of "
+        f"rows of the same shape, no storage): ratio {r['ceiling_read_ratio']:.3f} of Parquet (pairs "
+        + ", ".join(f"{x['ceiling_ratio']:.3f}" for x in r["reads"])
+        + f"); ours is {r['read_of_ceiling']:.3f} of that ceiling",
         f"sum(length(value)) (no target; Parquet reads one column of seven, the source all): ratio "
         f"{r['value_sum_ratio']:.3f}",
         f"rows read back (Parquet copy of the connector's read): {r['rows_read']} of {r['records']}",

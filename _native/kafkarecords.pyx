@@ -753,23 +753,74 @@ cdef extern from *:
     bint add_overflow "__builtin_add_overflow"(int64_t a, int64_t b, int64_t* out) noexcept nogil
 
 
+# Memory of ColumnBuffers that were freed, kept for the next batches' buffers: a batch's columns
+# are handed to Arrow (and by PySpark to the JVM) and freed a batch later, and memory given back
+# to the system comes back as fresh pages, faulted in and zeroed again (on a VM that returns freed
+# memory to its host, faulted in by the host too): perf of the Spark source's read put a third of
+# its time there. Blocks of at least POOL_MIN_BYTES, up to POOL_BYTES in all per process, as
+# (capacity, address); used and fed with the GIL held.
+DEF POOL_MIN_BYTES = 64 * 1024
+DEF POOL_BYTES = 96 * 1024 * 1024
+cdef list _pool = []
+cdef Py_ssize_t _pool_bytes = 0
+
+
+cdef unsigned char* _pool_take(Py_ssize_t capacity, Py_ssize_t* cap):
+    """A pooled block of at least `capacity` bytes and at most twice that (its capacity in
+    `cap`), or NULL."""
+    global _pool_bytes
+    cdef Py_ssize_t i, best = -1, size
+    for i in range(len(_pool)):
+        size = (<tuple>_pool[i])[0]
+        if capacity <= size <= 2 * capacity and (best < 0 or size < (<tuple>_pool[best])[0]):
+            best = i
+    if best < 0:
+        return NULL
+    size, address = _pool.pop(best)
+    _pool_bytes -= size
+    cap[0] = size
+    return <unsigned char*><size_t>address
+
+
+cdef void _pool_give(unsigned char* data, Py_ssize_t cap):
+    """Keep `data` for a later buffer, or free it (too small, or the pool is full)."""
+    global _pool_bytes
+    if cap >= POOL_MIN_BYTES and _pool_bytes + cap <= POOL_BYTES and _pool is not None:
+        _pool.append((cap, <size_t>data))
+        _pool_bytes += cap
+    else:
+        free(data)
+
+
+def column_pool() -> tuple:
+    """(blocks, bytes) kept for ColumnBuffers now (the pool's bound: POOL_BYTES)."""
+    return len(_pool), _pool_bytes
+
+
 cdef class ColumnBuffer:
     """Bytes a ColumnBuilder wrote, owned here and exported read-only through the buffer protocol
-    (pyarrow.py_buffer wraps it without copying). Once handed out it never grows again."""
+    (pyarrow.py_buffer wraps it without copying). Once handed out it never grows again. Made
+    with room for `capacity` bytes (from the pool of freed buffers if it has a block of about
+    that size); its memory goes back to the pool when it is freed."""
     cdef unsigned char* data
     cdef Py_ssize_t size
     cdef Py_ssize_t cap
     cdef bint exported
 
-    def __cinit__(self):
-        self.data = <unsigned char*>malloc(64)
-        if self.data == NULL:
-            raise MemoryError()
+    def __cinit__(self, Py_ssize_t capacity=0):
         self.size = 0
-        self.cap = 64
+        self.data = NULL
+        if capacity >= POOL_MIN_BYTES:
+            self.data = _pool_take(capacity, &self.cap)
+        if self.data == NULL:
+            self.cap = capacity if capacity > 64 else 64
+            self.data = <unsigned char*>malloc(<size_t>self.cap)
+            if self.data == NULL:
+                raise MemoryError()
 
     def __dealloc__(self):
-        free(self.data)
+        if self.data != NULL:
+            _pool_give(self.data, self.cap)
 
     def __len__(self):
         return self.size
@@ -783,7 +834,7 @@ cdef class ColumnBuffer:
 
 
 cdef unsigned char* _room(ColumnBuffer buffer, Py_ssize_t more) except NULL:
-    """Room for `more` bytes at the end of `buffer` (new bytes are zero: bitmaps rely on it)."""
+    """Room for `more` bytes at the end of `buffer` (not zeroed)."""
     cdef Py_ssize_t need = buffer.size + more, cap
     cdef unsigned char* grown
     if need > buffer.cap:
@@ -793,9 +844,14 @@ cdef unsigned char* _room(ColumnBuffer buffer, Py_ssize_t more) except NULL:
         grown = <unsigned char*>realloc(buffer.data, <size_t>cap)
         if grown == NULL:
             raise MemoryError()
-        memset(grown + buffer.cap, 0, <size_t>(cap - buffer.cap))
         buffer.data, buffer.cap = grown, cap
     return buffer.data + buffer.size
+
+
+cdef ColumnBuffer _like(ColumnBuffer last):
+    """A new, empty buffer with room for a bit more than `last` held: a builder's batches are
+    alike, so its columns rarely grow (each growth copies) and their blocks come from the pool."""
+    return ColumnBuffer(last.size + last.size // 8)
 
 
 cdef inline int _put_int32(ColumnBuffer buffer, int32_t value) except -1:
@@ -812,7 +868,7 @@ cdef int _set_bit(ColumnBuffer bitmap, Py_ssize_t index, bint value) except -1:
     """Bit `index` of a validity bitmap (least significant bit first, as Arrow's)."""
     cdef Py_ssize_t byte = index >> 3
     if byte >= bitmap.size:
-        _room(bitmap, byte + 1 - bitmap.size)
+        memset(_room(bitmap, byte + 1 - bitmap.size), 0, <size_t>(byte + 1 - bitmap.size))
         bitmap.size = byte + 1
     if value:
         bitmap.data[byte] |= <unsigned char>(1 << (index & 7))
@@ -826,10 +882,12 @@ cdef class _BinaryColumn:
     cdef Py_ssize_t length, nulls
 
     def __cinit__(self):
+        self.valid, self.offsets, self.data = ColumnBuffer(), ColumnBuffer(), ColumnBuffer()
         self.reset()
 
     cdef int reset(self) except -1:
-        self.valid, self.offsets, self.data = ColumnBuffer(), ColumnBuffer(), ColumnBuffer()
+        """Empty, in new buffers sized for a batch like the last one (see _like)."""
+        self.valid, self.offsets, self.data = _like(self.valid), _like(self.offsets), _like(self.data)
         self.length = self.nulls = 0
         _put_int32(self.offsets, 0)
 
@@ -904,11 +962,13 @@ cdef class ColumnBuilder:
         self.partition = partition
         self.keys, self.values = _BinaryColumn(), _BinaryColumn()
         self.header_keys, self.header_values = _BinaryColumn(), _BinaryColumn()
+        self.offsets, self.timestamps, self.timestamp_types = ColumnBuffer(), ColumnBuffer(), ColumnBuffer()
+        self.header_starts = ColumnBuffer()
         self._reset()
 
     cdef int _reset(self) except -1:
-        self.offsets, self.timestamps, self.timestamp_types = ColumnBuffer(), ColumnBuffer(), ColumnBuffer()
-        self.header_starts = ColumnBuffer()
+        self.offsets, self.timestamps = _like(self.offsets), _like(self.timestamps)
+        self.timestamp_types, self.header_starts = _like(self.timestamp_types), _like(self.header_starts)
         _put_int32(self.header_starts, 0)
         self.rows = self.headers = 0
 
@@ -1051,7 +1111,8 @@ cdef class ColumnBuilder:
         header keys (validity, offsets, data, nulls), header values (the same). Buffers are
         ColumnBuffers (read-only buffer protocol)."""
         cdef Py_ssize_t rows = self.rows, i, name_length = len(self.partition)
-        cdef ColumnBuffer partition_offsets = ColumnBuffer(), partition_data = ColumnBuffer()
+        cdef ColumnBuffer partition_offsets = ColumnBuffer((rows + 1) * 4)
+        cdef ColumnBuffer partition_data = ColumnBuffer(rows * name_length)
         cdef unsigned char* names
         cdef int32_t* starts
         if rows * name_length > INT32_MAX:

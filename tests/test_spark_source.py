@@ -118,6 +118,38 @@ def test_mangled_batches_fail_as_decode_batch_fails(edits, cut, codec):
         assert len(want) == builder.rows - 2
 
 
+def test_freed_batches_memory_is_reused_and_held_batches_stay_intact():
+    """A builder's next batches take the memory of batches Arrow has freed (column_pool) and
+    are sized like the last one; a batch still held is never written over, and every batch
+    reads back exactly what was added, nulls included."""
+    import gc
+    from _native.kafkarecords import column_pool
+    schema = arrow_schema()
+    builder = ColumnBuilder(b"p")
+
+    def batch(seed: int) -> tuple[pa.RecordBatch, list]:
+        records = [Record(key=None if i % 7 == 0 else b"k%d-%d" % (seed, i), value=bytes([seed % 256]) * 900 + b"%d" % i,
+                          timestamp=seed * 1000 + i) for i in range(300)]
+        for j in range(0, 300, 100):
+            builder.add(encode_batch(records[j:j + 100]), seed * 1000 + j, 100, 0, 1 << 62, decompress_payload,
+                        MAX_DECOMPRESSED_BYTES)
+        return arrow_batch(builder.finish(), schema), records
+
+    held, held_records = batch(1)                   # kept for the whole test
+    gc.collect()
+    for seed in range(2, 8):
+        out, records = batch(seed)
+        assert out.column("value").to_pylist() == [r.value for r in records]
+        assert out.column("key").to_pylist() == [r.key for r in records]
+        assert out.column("offset").to_pylist() == list(range(seed * 1000, seed * 1000 + 300))
+        blocks, pooled = column_pool()
+        del out
+        gc.collect()
+        assert column_pool()[1] > pooled            # the freed batch's value column went back
+        assert held.column("value").to_pylist() == [r.value for r in held_records]
+        assert held.column("key").to_pylist() == [r.key for r in held_records]
+
+
 def test_a_batch_of_another_count_or_an_out_of_range_timestamp_is_refused():
     raw = encode_batch([Record(b"k", b"v", 1), Record(b"k", b"v", 2)])
     builder = ColumnBuilder(b"p")

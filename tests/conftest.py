@@ -155,6 +155,26 @@ def small_config(**overrides):
     return s3stream.Config(**kw)
 
 
+def pytest_collection_finish(session):
+    """Start, at the session's start, what a selected test runs in the background (a test
+    module's `start_background(name)`: the 10,000-seed simulation of test_cluster_sim)."""
+    if session.config.option.collectonly:
+        return
+    for item in session.items:
+        start = getattr(getattr(item, "module", None), "start_background", None)
+        if start is not None:
+            start(item.name)
+
+
+def pytest_sessionfinish(session):
+    """Stop background runs whose tests did not collect them (the session ended early)."""
+    import sys
+    module = sys.modules.get("test_cluster_sim")
+    stop = getattr(module, "stop_background", None)
+    if stop is not None:
+        stop()
+
+
 def pytest_terminal_summary(terminalreporter):
     """The fault matrix of tests/test_fault_matrix.py as a table, when it ran."""
     import sys

@@ -639,10 +639,11 @@ cdef list decode_records(Cursor* cursor, const BatchHeader* header):
 
 
 cdef int _check_header(const unsigned char* data, Py_ssize_t size, Py_ssize_t at, bint whole, bint partial_ok,
-                       BatchHeader* header) except -1:
+                       BatchHeader* header, bint check_crc=True) except -1:
     """The header of the batch at byte `at` of data[:size], every check before its records: 0,
     or 1 (header unread) if `partial_ok` and data ends inside the batch, after checking what the
-    bytes there show (its length, its magic byte)."""
+    bytes there show (its length, its magic byte). Without `check_crc`, the batch's CRC is not
+    recomputed (the caller checked these bytes with another checksum)."""
     cdef Py_ssize_t available = size - at, end
     cdef bint partial
     cdef Py_ssize_t batch_length                     # int32 in the batch; + 12 must not wrap
@@ -684,7 +685,7 @@ cdef int _check_header(const unsigned char* data, Py_ssize_t size, Py_ssize_t at
     if partial:
         return 1
     unpack_header(data + at, header)
-    actual_crc = crc32c_update(0, data + at + CRC_FROM, <size_t>(end - at - CRC_FROM))
+    actual_crc = crc32c_update(0, data + at + CRC_FROM, <size_t>(end - at - CRC_FROM)) if check_crc else header.crc
     if actual_crc != header.crc:
         raise _error("checksum", f"record batch at byte {at}: CRC-32C of its {end - at - CRC_FROM} bytes after the "
                                  f"CRC is {actual_crc:#010x}, the batch says {header.crc:#010x}; it was damaged after "
@@ -979,11 +980,14 @@ cdef class ColumnBuilder:
                 + self.header_values.data.size + self.rows * 32)
 
     def add(self, buf, int64_t base_offset, int64_t count, int64_t low, int64_t high, decompress,
-            Py_ssize_t max_decompressed):
+            Py_ssize_t max_decompressed, bint check_crc=True):
         """Decode the stored batch `buf` (records [base_offset, base_offset + count)), keeping the
         records in [low, high); returns how many it kept. `decompress` as decode_batch's. Raises
         as decode_batch does, and InvalidRecordBatchError for a batch whose records are not the
-        `count` it was appended with (FetchedBatch.records's check); a gap (no records) adds none."""
+        `count` it was appended with (FetchedBatch.records's check); a gap (no records) adds none.
+        `check_crc=False` skips the batch's CRC (every other check stays): for batches read from
+        objects, whose block checksum (CRC-32C over the same bytes) was checked by the read, and
+        which were checked whole when appended."""
         cdef Py_buffer view, section
         cdef BatchHeader header
         cdef Cursor cursor
@@ -993,7 +997,7 @@ cdef class ColumnBuilder:
         cdef Py_ssize_t header_value_nulls = self.header_values.nulls
         PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE)
         try:
-            _check_header(<const unsigned char*>view.buf, view.len, 0, True, False, &header)
+            _check_header(<const unsigned char*>view.buf, view.len, 0, True, False, &header, check_crc)
             if (header.count != 0 and header.count != count) or header.last_offset_delta != count - 1:
                 raise _error("invalid", f"the batch at offset {base_offset} was appended as {count} records, but "
                                         f"its payload is a record batch of {header.count} (last offset delta "

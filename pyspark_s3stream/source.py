@@ -450,8 +450,9 @@ def read_range(options: SourceOptions, part: OffsetRange, types: "pa.Schema",
             position = resume
             continue
         for batch in result.batches:
+            # Read from objects: their block checksums covered these bytes (one CRC per byte).
             builder.add(batch.payload, batch.base_offset, batch.count, position, part.end, decompress_payload,
-                        MAX_DECOMPRESSED_BYTES)
+                        MAX_DECOMPRESSED_BYTES, False)
             if builder.rows >= BATCH_ROWS or builder.nbytes >= BATCH_BYTES:
                 yield arrow_batch(builder.finish(), types)
         position = result.batches[-1].end_offset if result.batches else part.end

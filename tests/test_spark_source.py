@@ -150,6 +150,49 @@ def test_freed_batches_memory_is_reused_and_held_batches_stay_intact():
         assert held.column("key").to_pylist() == [r.key for r in held_records]
 
 
+def test_check_crc_false_skips_only_the_batch_crc():
+    """add(check_crc=False), as the source calls it for batches read from objects (their block
+    checksum covered the bytes): a wrong CRC field passes, every other check still holds."""
+    raw = bytearray(encode_batch([Record(b"k", b"v" * 50, 1_700_000_000_000)]))
+    raw[17] ^= 0xFF                                 # the CRC field (bytes 17-20)
+    with pytest.raises(InvalidRecordBatchError, match="CRC"):
+        ColumnBuilder(b"p").add(bytes(raw), 0, 1, 0, 10, decompress_payload, MAX_DECOMPRESSED_BYTES)
+    builder = ColumnBuilder(b"p")
+    assert builder.add(bytes(raw), 0, 1, 0, 10, decompress_payload, MAX_DECOMPRESSED_BYTES, False) == 1
+    assert arrow_batch(builder.finish(), arrow_schema()).column("value").to_pylist() == [b"v" * 50]
+    raw[16] = 1                                     # the magic byte: still refused
+    with pytest.raises(InvalidRecordBatchError, match="magic"):
+        ColumnBuilder(b"p").add(bytes(raw), 0, 1, 0, 10, decompress_payload, MAX_DECOMPRESSED_BYTES, False)
+
+
+def test_a_damaged_object_fails_the_read_naming_it(tmp_path):
+    """The source checks each batch's bytes once, through the object's block checksum: a byte
+    flipped in a stored object fails read_range with CorruptDataError, never a wrong row."""
+    from pyspark_s3stream.source import read_range
+    meta, store = f"sqlite:///{tmp_path}/meta.db", f"file://{tmp_path}/store"
+    node = s3stream.StreamClient(1, str(tmp_path / "node.wal"), store, meta, small_config(reclaim_interval=None))
+    try:
+        append(node, "z-0", 100)
+    finally:
+        node.close()
+    with s3stream.open_reader(meta, store) as one:
+        stream_id = one.read_partition("z-0").log_stream_id
+    options = SourceOptions.parse({"metadata": meta, "object_store": store, "subscribe": "z-0"}, streaming=False)
+    part = OffsetRange("z-0", stream_id, 0, 100)
+    with s3stream.open_reader(meta, store) as reader:
+        good = list(read_range(options, part, arrow_schema(), reader))
+    assert sum(b.num_rows for b in good) == 100
+    objects = [p for p in (tmp_path / "store").rglob("*") if p.is_file() and ".s3stream-tmp." not in str(p)]
+    assert objects
+    for path in objects:                            # a payload byte of every block's first batch
+        data = bytearray(path.read_bytes())
+        data[len(data) // 3] ^= 0x40
+        path.write_bytes(bytes(data))
+    with s3stream.open_reader(meta, store) as reader:
+        with pytest.raises(s3stream.CorruptDataError):
+            list(read_range(options, part, arrow_schema(), reader))
+
+
 def test_a_batch_of_another_count_or_an_out_of_range_timestamp_is_refused():
     raw = encode_batch([Record(b"k", b"v", 1), Record(b"k", b"v", 2)])
     builder = ColumnBuilder(b"p")

@@ -176,8 +176,11 @@ def pytest_sessionfinish(session):
 
 
 def pytest_terminal_summary(terminalreporter):
-    """The fault matrix of tests/test_fault_matrix.py as a table, when it ran."""
+    """The 10,000-seed simulation's figures and the fault matrix of tests/test_fault_matrix.py
+    as a table, when they ran."""
     import sys
+    for line in getattr(sys.modules.get("test_cluster_sim"), "SUMMARY", None) or ():
+        terminalreporter.write_line(f"cluster simulation: {line}")
     module = sys.modules.get("test_fault_matrix")
     rows = getattr(module, "MATRIX", None)
     if not rows:

@@ -99,6 +99,8 @@ def _idle() -> None:
 
 
 _background: list[BackgroundSeeds] = []
+#: The 10,000-seed run's figures once its test ran, for the session's summary (conftest).
+SUMMARY: list[str] = []
 
 
 def start_background(name: str) -> None:
@@ -117,13 +119,15 @@ def test_ten_thousand_seeds_break_no_invariant():
     if _background:
         summary = _background[0].summary(timeout=900)
         stop_background()
-        print(f"\nsimulation (in the background from the session's start, workers at SCHED_IDLE): "
-              f"{summary['seeds']} seeds, {summary['cpu_seconds']} CPU s on 2 workers, "
-              f"{summary['seconds']} s of wall time beside the other tests")
+        SUMMARY.append(f"in the background from the session's start, workers at SCHED_IDLE: {summary['seeds']} "
+                       f"seeds, {summary['cpu_seconds']} CPU s on 2 workers, {summary['seconds']} s of wall time "
+                       "beside the other tests")
     else:
         summary = cluster_sim.run_many(list(range(SEEDS)), workers=2)
-    print(f"\nsimulation: {summary['seeds']} seeds in {summary['seconds']} s ({summary['seeds_per_second']} seeds/s), "
-          f"{summary['distinct_interleavings']} distinct fault interleavings; totals {summary['totals']}")
+    SUMMARY.append(f"{summary['seeds']} seeds in {summary['seconds']} s ({summary['seeds_per_second']} seeds/s), "
+                   f"{summary['failed']} failed, {summary['distinct_interleavings']} distinct fault interleavings; "
+                   f"totals {summary['totals']}")
+    print("\nsimulation: " + "; ".join(SUMMARY))
     assert summary["seeds"] == SEEDS
     assert summary["failed"] == 0, [(f["seed"], f["problems"][:3]) for f in summary["failures"]]
     totals = summary["totals"]

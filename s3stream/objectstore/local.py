@@ -47,8 +47,8 @@ PREALLOCATE_WANTED = 64
 #: The zeros the preallocating thread writes, and how many pieces of them one writev takes.
 _ZEROS = bytes(256 * 1024)
 IOV_PIECES = 256
-#: Seconds close() waits for the preallocating thread to end (one posix_fallocate).
-PREALLOCATE_RECHECK = 1.0
+#: Seconds close() waits for the preallocating thread to end (it may be writing one file).
+PREALLOCATE_JOIN_TIMEOUT = 1.0
 
 
 def check_key(key: str) -> None:
@@ -76,8 +76,8 @@ def _unlink_quietly(path: str) -> None:
 
 
 def _write_zeros(fd: int, size: int) -> None:
-    """Write `size` zero bytes at the start of `fd` (writev of one shared zero buffer: one
-    release of the GIL per IOV_MAX pieces). Written, not fallocated: on tmpfs an fallocated
+    """Write `size` zero bytes at the start of `fd` (pwritev of one shared zero buffer: one
+    release of the GIL per IOV_PIECES pieces). Written, not fallocated: on tmpfs an fallocated
     page is allocated but not touched, and the first touch is the cost to move off the puts."""
     done = 0
     while done < size:
@@ -477,14 +477,14 @@ class LocalObjectStore:
         yield from found
 
     def close(self) -> None:
-        """Stop the preallocating thread (waiting up to PREALLOCATE_RECHECK); the pool stays on
+        """Stop the preallocating thread (waiting up to PREALLOCATE_JOIN_TIMEOUT); the pool stays on
         disk for the next store on the root."""
         with self._lock:
             self._closed = True
             self._filler_cond.notify_all()
             filler = self._filler if self._filler_pid == os.getpid() else None
         if filler is not None:
-            filler.join(PREALLOCATE_RECHECK)
+            filler.join(PREALLOCATE_JOIN_TIMEOUT)
 
     def __repr__(self) -> str:
         return f"LocalObjectStore({self.root!r})"

@@ -94,7 +94,8 @@ def check_cluster_storage(args) -> None:
 
 def storage(args, name: str, store_query: str = "") -> tuple[str, str, str, str, list[str]]:
     """(out, workdir, store URL, meta URL, directories to remove at the end). `store_query`: the
-    query (LocalObjectStore options) the default store's URL gets; a --store is used as given."""
+    query (LocalObjectStore options) the default store's URL gets when it is on /dev/shm (the
+    options it is for are meant for a RAM disk); a --store is used as given."""
     out = os.path.abspath(args.out or os.path.join("reports", f"spark-{name}"))
     work = os.path.abspath(args.workdir or os.path.join(out, "work"))
     cleanup = []
@@ -104,11 +105,12 @@ def storage(args, name: str, store_query: str = "") -> tuple[str, str, str, str,
     if args.store:
         store = args.store
     else:
-        root = f"/dev/shm/s3stream-spark-{os.getpid()}" if os.path.isdir("/dev/shm") else os.path.join(work, "objects")
+        ram = os.path.isdir("/dev/shm")
+        root = f"/dev/shm/s3stream-spark-{os.getpid()}" if ram else os.path.join(work, "objects")
         shutil.rmtree(root, ignore_errors=True)
         os.makedirs(root)
         cleanup.append(root)
-        store = f"file://{root}" + (f"?{store_query}" if store_query else "")
+        store = f"file://{root}" + (f"?{store_query}" if store_query and ram else "")
     meta = args.meta or f"sqlite:///{work}/meta.db"
     os.makedirs(out, exist_ok=True)
     return out, work, store, meta, cleanup

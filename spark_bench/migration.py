@@ -41,9 +41,10 @@ Most of that 4 ms per MiB is the guest faulting in fresh memory: this VM hands f
 its host (free page reporting), and a store that only grows writes every object into pages never
 touched, at 390-670 MB/s against 3.6-3.9 GB/s into owned ones (tests/bench/store_first_touch.py).
 The default store (a /dev/shm directory) therefore runs with `--store-preallocate` 64 MiB
-(LocalObjectStore preallocate_bytes): a thread in each node process writes files ahead, off the
-puts' path, and a close's 4 MiB PUT took 3-4 ms instead of 15-27 ms (half load, PostgreSQL).
-`--store-preallocate 0` measures without it.
+(LocalObjectStore preallocate_bytes; only when the store is on /dev/shm): a thread in each node
+process writes files ahead, off the puts' path, and a close's 4 MiB PUT took 3-4 ms instead of
+15-27 ms (half load, PostgreSQL). `--store-preallocate 0` measures without it. The 4 MiB tail
+limit was chosen before it and not measured again with it.
 
 `--meta postgres` starts a throwaway PostgreSQL server on 127.0.0.1 for the run and stops it
 after (s3stream.pgserver); `--meta postgresql://user@host/db` uses a server of yours.
@@ -95,8 +96,9 @@ def parse(argv):
                          "not a bound on the tail a migration moves (the report measures that)")
     ap.add_argument("--tail-limit", dest="stream_tail_limit", type=parse_size, default=4 * MiB,
                     help="the nodes' Config.stream_tail_limit: most un-uploaded bytes per stream, what a close "
-                         "uploads at most (default 4 MiB, half the Config default: a close's PUT costs ~4 ms per MiB "
-                         "on this VM under load, and the half-load target needs the smaller tail; 0: no bound)")
+                         "uploads at most (default 4 MiB, half the Config default: without --store-preallocate a "
+                         "close's PUT costs ~4 ms per MiB on this VM under load, and the half-load target needed the "
+                         "smaller tail; 0: no bound)")
     ap.add_argument("--store-preallocate", type=parse_size, default=64 * MiB,
                     help="the default store's preallocate_bytes (LocalObjectStore): each node process keeps that "
                          "many bytes of files written ahead, so a close's PUT copies into pages already allocated "

@@ -167,12 +167,13 @@ def pytest_collection_finish(session):
 
 
 def pytest_sessionfinish(session):
-    """Stop background runs whose tests did not collect them (the session ended early)."""
-    import sys
-    module = sys.modules.get("test_cluster_sim")
-    stop = getattr(module, "stop_background", None)
-    if stop is not None:
-        stop()
+    """Stop background runs whose tests did not collect them (the session ended early): each
+    selected module's `stop_background()`."""
+    modules = {getattr(item, "module", None) for item in getattr(session, "items", ())}
+    for module in modules:
+        stop = getattr(module, "stop_background", None)
+        if stop is not None:
+            stop()
 
 
 def pytest_terminal_summary(terminalreporter):

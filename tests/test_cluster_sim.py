@@ -61,13 +61,12 @@ class BackgroundSeeds:
         self.dir = tempfile.mkdtemp(prefix="s3stream-sim-")
         self.json = os.path.join(self.dir, "summary.json")
         self.log = open(os.path.join(self.dir, "stderr"), "w+")
-        self.started = time.perf_counter()
         self.proc = subprocess.Popen(
             [sys.executable, cluster_sim.__file__, "--seeds", f"0-{SEEDS - 1}", "--workers", "2", "--json", self.json],
             stdout=subprocess.DEVNULL, stderr=self.log, preexec_fn=_idle)
 
     def summary(self, timeout: float) -> dict:
-        """The run's summary with its CPU seconds (and the workers'), waiting up to `timeout`."""
+        """The run's summary with its CPU seconds (its workers' included), waiting up to `timeout`."""
         deadline = time.monotonic() + timeout
         while True:
             pid, status, usage = os.wait4(self.proc.pid, os.WNOHANG)
@@ -76,12 +75,11 @@ class BackgroundSeeds:
             assert time.monotonic() < deadline, f"the background simulation did not end within {timeout} s"
             time.sleep(0.2)
         self.proc.returncode = os.waitstatus_to_exitcode(status)
-        wall = time.perf_counter() - self.started
         self.log.seek(0)
         assert os.path.exists(self.json), f"the simulation wrote no summary; its stderr: {self.log.read()[-3000:]}"
         with open(self.json) as f:
             summary = json.load(f)
-        return dict(summary, cpu_seconds=round(usage.ru_utime + usage.ru_stime, 1), wall_since_start=round(wall, 1))
+        return dict(summary, cpu_seconds=round(usage.ru_utime + usage.ru_stime, 1))
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -353,6 +353,17 @@ cdef class Ring:
             if q + rec_len > lap_end:
                 self._seal(b, True)
                 continue
+            if b.start < q and q % self.capacity == 0:
+                # The record opens a lap (the one before ended within a record header of its
+                # end, so without a padding record) but the batch began in the lap before. A
+                # batch is one pwrite from the physical place of its start, so it would run
+                # past the ring's end: end the batch at the lap's end, or, holding nothing yet
+                # (a session resumed in the lap's last block), start it at the lap's beginning.
+                if b.records > 0:
+                    self._seal(b, False)
+                    continue
+                b.start = q
+                b.pos = q
             need = <size_t>(q - b.start) + rec_len
             if need + BLOCK_SIZE > b.buf_size:
                 if b.records > 0:

@@ -408,3 +408,60 @@ def test_add_done_callback_fires_without_append_callbacks(tmp_path):
         late = threading.Event()
         h.add_done_callback(lambda _h: late.set())   # already durable: runs at once
         assert late.is_set()
+
+
+def lap_end_ring(tmp_path, resume: int, resume_block: bytes | None):
+    """A Ring of 256 KiB over a fresh file (8 KiB header area) resuming at `resume`, its
+    writer not started yet; returns (fd, ring)."""
+    from _native.walring import Ring
+    path = tmp_path / "ring"
+    with open(path, "wb") as f:
+        f.truncate(8192 + 256 * KiB)
+    fd = os.open(path, os.O_RDWR)
+    errors = (wal.WALFullError, wal.WALClosedError, wal.WALIOError, wal.RecordTooLargeError)
+    return fd, Ring(fd, 8192, 256 * KiB, 64 * KiB, 4, 7, resume, resume, resume_block, 5.0, 64 * KiB, errors)
+
+
+def write_out(ring, handles) -> list[int]:
+    writer = threading.Thread(target=ring.run_writer)
+    writer.start()
+    try:
+        return [h.result(timeout=10) for h in handles]
+    finally:
+        ring.stop()
+        writer.join()
+
+
+@pytest.mark.parametrize("tail", [0, 16, 31])
+def test_a_batch_whose_records_reach_the_lap_end_does_not_run_past_the_ring(tmp_path, tail):
+    """Two records placed in one batch, the first ending `tail` bytes before the end of the lap
+    (too close for a padding record), the second opening the next lap: the second lands at the
+    ring's physical start, not beyond its end (where a restart would never find it)."""
+    from _native.walscan import Scanner
+    cap, block = 256 * KiB, 4096
+    resume = 3 * cap - 2 * block      # two blocks before the end of the third lap
+    fd, ring = lap_end_ring(tmp_path, resume, None)
+    try:
+        first = os.urandom(2 * block - 32 - tail)
+        second = os.urandom(100)
+        # Placed before the writer runs, so both are in the same batch.
+        assert write_out(ring, [ring.append(first), ring.append(second)]) == [resume, 3 * cap]
+        assert os.fstat(fd).st_size == 8192 + cap, "a write ran past the ring's end"
+        assert list(Scanner(fd, 8192, cap, resume)) == [(resume, first), (3 * cap, second)]
+    finally:
+        os.close(fd)
+
+
+def test_a_session_resumed_in_the_last_bytes_of_a_lap_writes_from_the_next_lap(tmp_path):
+    """Resumed 16 bytes before the lap's end, the first record opens the next lap: its batch
+    starts at the ring's physical start, not in the block the session resumed in."""
+    from _native.walscan import Scanner
+    cap = 256 * KiB
+    fd, ring = lap_end_ring(tmp_path, 3 * cap - 16, bytes(4096))
+    try:
+        body = os.urandom(100)
+        assert write_out(ring, [ring.append(body)]) == [3 * cap]
+        assert os.fstat(fd).st_size == 8192 + cap, "a write ran past the ring's end"
+        assert list(Scanner(fd, 8192, cap, 3 * cap)) == [(3 * cap, body)]
+    finally:
+        os.close(fd)

@@ -85,7 +85,7 @@ from .sqlite import (_COMMITTED, _DEAD_SSOS, _MARK_DESTROYED, _NO_OFFSET, _NODE_
                      _SSO, _abandon, _check_owner, _check_unchanged,
                      _apply_commit, _check_node_epoch, _check_request_shape, _check_stream_epoch, _ids, _kv_holds,
                      _live_stream, _load_objects, _load_stream, _load_streams, _mark_destroyed, _node_meta, _node_row,
-                     _open_rows)
+                     _open_rows, _send_load_streams, _send_node_check)
 
 SCHEMA_VERSION = 2
 
@@ -373,6 +373,33 @@ class PostgresMetadataStore(MetadataStore):
         finally:
             pool.putconn(conn)   # a closed connection is discarded and replaced by the pool
 
+    def _read_rows(self, sql: str, params: Sequence = ()) -> list[tuple]:
+        """The rows of one read-only statement, sent alone on an autocommit connection: its own
+        transaction and snapshot, as BEGIN; SELECT; COMMIT would give it, in one round trip
+        instead of three (under load each costs this process a wake-up and a GIL hand-over). A
+        connection the server closed while it was idle is given back and another one tried (a
+        read is safe to repeat)."""
+        pool = self._pool_here()
+        attempt = 0
+        while True:
+            try:
+                conn = pool.getconn()
+            except psycopg.OperationalError as e:
+                raise MetadataBusyError(
+                    f"metadata database {self.display_url}: no connection within pool_timeout_s "
+                    f"({self._pool_timeout_s:g} s; {self._pool_max} connections, all busy or the server "
+                    f"unreachable): {self._scrub(e)}") from e
+            try:
+                return _Db(conn).execute(sql, params).fetchall()
+            except psycopg.OperationalError as e:
+                if not conn.closed or attempt >= self._pool_max:
+                    raise self._busy(e, "reading") from e
+            except psycopg.Error as e:
+                raise MetadataError(f"metadata database {self.display_url}: {self._scrub(e)}") from e
+            finally:
+                pool.putconn(conn)
+            attempt += 1
+
     def _busy(self, e: psycopg.Error, when: str) -> MetadataBusyError:
         sqlstate = getattr(e, "sqlstate", None)
         if sqlstate == "55P03":
@@ -418,13 +445,13 @@ class PostgresMetadataStore(MetadataStore):
             return _node_meta(row)
 
     def get_node(self, node_id: int) -> NodeMeta:
-        with self._transaction(write=False) as db:
-            return _node_meta(_node_row(db, node_id))
+        rows = self._read_rows(f"SELECT {_NODE_COLUMNS} FROM nodes WHERE node_id = ?", (node_id,))
+        if not rows:
+            raise MetadataError(f"node {node_id} is not registered; call register_node first")
+        return _node_meta(rows[0])
 
     def list_nodes(self) -> list[NodeMeta]:
-        with self._transaction(write=False) as db:
-            rows = db.execute(f"SELECT {_NODE_COLUMNS} FROM nodes ORDER BY node_id").fetchall()
-        return [_node_meta(row) for row in rows]
+        return [_node_meta(row) for row in self._read_rows(f"SELECT {_NODE_COLUMNS} FROM nodes ORDER BY node_id")]
 
     def heartbeat(self, node_id: int, node_epoch: int, health: str | None = None) -> None:
         with self._transaction(write=True) as db:
@@ -461,15 +488,15 @@ class PostgresMetadataStore(MetadataStore):
     def open_streams(self, stream_ids: Sequence[int], node_id: int, node_epoch: int,
                      reserve: int = 0) -> list[StreamMeta]:
         with self._transaction(write=True) as db:
-            # Locks as they are read (node, then streams): statements, not round trips, are what
-            # a busy process pays for (a GIL hand-over each), so none is sent only to lock.
-            _check_node_epoch(db, node_id, node_epoch, lock=" FOR SHARE")
+            # Locks as they are read (node, then streams), none sent only to lock. The node's row
+            # and the streams' are read in one round trip, the writes travel with COMMIT.
+            check = _send_node_check(db, node_id, node_epoch, lock=" FOR SHARE")
             return _open_rows(db, stream_ids, node_id, reserve,
                               f"INSERT INTO ranges ({_RANGE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?) "
                               "ON CONFLICT (stream_id, range_index) "
                               "DO UPDATE SET node_id = EXCLUDED.node_id, epoch = EXCLUDED.epoch, "
                               "start_offset = EXCLUDED.start_offset, end_offset = EXCLUDED.end_offset",
-                              lock=" FOR UPDATE")
+                              lock=" FOR UPDATE", check=check)
 
     def reserve_offsets(self, stream_id: int, epoch: int, node_id: int, node_epoch: int,
                         reserved_end: int) -> StreamMeta:
@@ -589,10 +616,10 @@ class PostgresMetadataStore(MetadataStore):
         with self._transaction(write=True) as db:
             now = self._clock()
             # Rows are locked by the statements that read them (node, streams, objects: the lock
-            # order), each statement costing a busy process a GIL hand-over.
-            _check_node_epoch(db, request.node_id, request.node_epoch, lock=" FOR NO KEY UPDATE")
+            # order), all sent before any result is read: one round trip (a compaction's adds one).
             object_ids = request.object_ids()
             _check_request_shape(request, object_ids)
+            check = _send_node_check(db, request.node_id, request.node_epoch, lock=" FOR NO KEY UPDATE")
             ranges = request.all_ranges()
             request_streams = {r.stream_id for r in ranges} | {sid for sid, _ in request.closes}
             stream_ids = set(request_streams)
@@ -605,10 +632,12 @@ class PostgresMetadataStore(MetadataStore):
                     "UNION SELECT stream_id FROM stream_objects WHERE object_id = ANY(?)", (compacted, compacted))))
             # One statement each for every object and every stream of the request (a round trip
             # per row made a commit of 4 streams 24 statements), sent before any result is read.
-            locked = _load_streams(db, "WHERE stream_id = ANY(?)", (sorted(stream_ids),), lock=" FOR UPDATE")
+            load = _send_load_streams(db, "WHERE stream_id = ANY(?)", (sorted(stream_ids),), lock=" FOR UPDATE")
             object_rows = db.execute("SELECT object_id, state, expire_ns FROM objects WHERE object_id = ANY(?) "
                                      "ORDER BY object_id FOR UPDATE",
-                                     (sorted(set(object_ids) | set(request.compacted_ids)),))
+                                     (sorted(set(object_ids) | set(request.compacted_ids)),)).fetchall()
+            check()
+            locked = load()
             named = set(object_ids)
             rows = {object_id: (state, expire_ns) for object_id, state, expire_ns in object_rows
                     if object_id in named}
@@ -719,9 +748,8 @@ class PostgresMetadataStore(MetadataStore):
     # ---- KV --------------------------------------------------------------------------------
 
     def get_kv(self, key: str) -> bytes | None:
-        with self._transaction(write=False) as db:
-            row = db.execute("SELECT value FROM kv WHERE key = ?", (key,)).fetchone()
-        return None if row is None else bytes(row[0])
+        rows = self._read_rows("SELECT value FROM kv WHERE key = ?", (key,))
+        return bytes(rows[0][0]) if rows else None
 
     # Every KV write notifies KV_CHANNEL with the key, in its own transaction: PostgreSQL delivers
     # the notification to the listeners (kv_changes) when, and only if, the write commits.
@@ -773,9 +801,8 @@ class PostgresMetadataStore(MetadataStore):
 
     def list_kv(self, prefix: str) -> dict[str, bytes]:
         # A range scan on the primary key ("C" collation: code point order, as in SQLite).
-        with self._transaction(write=False) as db:
-            rows = db.execute("SELECT key, value FROM kv WHERE key >= ? AND key < ? ORDER BY key",
-                              (prefix, prefix + "\U0010ffff")).fetchall()
+        rows = self._read_rows("SELECT key, value FROM kv WHERE key >= ? AND key < ? ORDER BY key",
+                               (prefix, prefix + "\U0010ffff"))
         return {k: bytes(v) for k, v in rows}
 
 

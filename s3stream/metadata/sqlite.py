@@ -770,26 +770,49 @@ def _check_unchanged(node: NodeMeta, expected: tuple[int, int] | None) -> None:
 def _check_node_epoch(db: _Connection, node_id: int, node_epoch: int, lock: str = "") -> None:
     """StreamFencedError unless `node_epoch` is the node's; `lock` (PostgreSQL: " FOR SHARE" and
     the like) locks the node row in the same statement."""
-    current = _node_row(db, node_id, lock)[1]
-    if node_epoch != current:
-        raise StreamFencedError(f"node {node_id} epoch {node_epoch} is fenced (current "
-                                f"{current}): this node instance was replaced; stop it")
+    _send_node_check(db, node_id, node_epoch, lock)()
+
+
+def _send_node_check(db: _Connection, node_id: int, node_epoch: int, lock: str = "") -> Callable[[], None]:
+    """_check_node_epoch in two halves: sends the node row's read and returns the check of its
+    result. Statements sent in between travel with it (PostgreSQL's pipeline: one round trip for
+    all of them), and take their locks after the node row's."""
+    cursor = db.execute(f"SELECT {_NODE_COLUMNS} FROM nodes WHERE node_id = ?{lock}", (node_id,))
+
+    def check() -> None:
+        row = cursor.fetchone()
+        if row is None:
+            raise MetadataError(f"node {node_id} is not registered; call register_node first")
+        if node_epoch != row[1]:
+            raise StreamFencedError(f"node {node_id} epoch {node_epoch} is fenced (current "
+                                    f"{row[1]}): this node instance was replaced; stop it")
+    return check
 
 
 def _load_streams(db: _Connection, where: str, params: Sequence, lock: str = "") -> list[StreamMeta]:
     """The streams `where` selects, with their ranges. Both statements are sent before either
     result is read (PostgreSQL's pipeline: one round trip); `lock` (" FOR UPDATE") locks the
     streams' rows, by the first of them."""
+    return _send_load_streams(db, where, params, lock)()
+
+
+def _send_load_streams(db: _Connection, where: str, params: Sequence,
+                       lock: str = "") -> Callable[[], list[StreamMeta]]:
+    """_load_streams in two halves: sends its statements and returns what reads their results
+    (statements sent in between travel with them on PostgreSQL)."""
     stream_rows = db.execute(f"SELECT {_STREAM_COLUMNS} FROM streams {where} ORDER BY stream_id{lock}", params)
     range_rows = db.execute(f"SELECT {_RANGE_COLUMNS}, lost "
                             f"FROM ranges WHERE stream_id IN (SELECT stream_id FROM streams {where}) "
                             f"ORDER BY stream_id, range_index", params)
-    ranges: dict[int, list[Range]] = {}
-    for stream_id, index, node_id, epoch, start, end, lost in range_rows:
-        ranges.setdefault(stream_id, []).append(Range(index, node_id, epoch, start, end, bool(lost)))
-    return [StreamMeta(stream_id, epoch, StreamState(state), owner, start, end,
-                       tuple(ranges.get(stream_id, ())), reserved)
-            for stream_id, epoch, state, owner, start, end, reserved in stream_rows]
+
+    def load() -> list[StreamMeta]:
+        ranges: dict[int, list[Range]] = {}
+        for stream_id, index, node_id, epoch, start, end, lost in range_rows:
+            ranges.setdefault(stream_id, []).append(Range(index, node_id, epoch, start, end, bool(lost)))
+        return [StreamMeta(stream_id, epoch, StreamState(state), owner, start, end,
+                           tuple(ranges.get(stream_id, ())), reserved)
+                for stream_id, epoch, state, owner, start, end, reserved in stream_rows]
+    return load
 
 
 def _check_owner(stream: StreamMeta, epoch: int, node_id: int) -> None:
@@ -821,13 +844,18 @@ def _load_stream(db: _Connection, stream_id: int) -> StreamMeta:
 
 
 def _open_rows(db: _Connection, stream_ids: Sequence[int], node_id: int, reserve: int,
-               put_range: str, lock: str = "") -> list[StreamMeta]:
+               put_range: str, lock: str = "", check: Callable[[], None] | None = None) -> list[StreamMeta]:
     """open_streams once the node's epoch is checked: each stream at epoch + 1, owned by
     `node_id`, with a new range from its end (`put_range`: the store's statement that inserts or
     replaces a ranges row) and `reserve` offsets reserved. The streams are read together (`lock`
     on PostgreSQL: " FOR UPDATE" locks their rows) and written together, a statement for all of
-    them per table, so that the number of statements does not grow with the streams."""
+    them per table, so that the number of statements does not grow with the streams. `check`
+    (the node's, from _send_node_check) runs once the streams are read; what is returned is what
+    the writes make of the streams, not read again (on PostgreSQL the writes then travel with
+    COMMIT)."""
     loaded = _streams_by_id(db, stream_ids, lock)
+    if check is not None:
+        check()
     range_rows, stream_rows = [], []
     for stream_id in stream_ids:
         stream = loaded.get(stream_id)
@@ -854,8 +882,7 @@ def _open_rows(db: _Connection, stream_ids: Sequence[int], node_id: int, reserve
     db.executemany(put_range, range_rows)
     db.executemany("UPDATE streams SET epoch = ?, state = ?, owner_node_id = ?, reserved_end = ? WHERE stream_id = ?",
                    stream_rows)
-    opened = _streams_by_id(db, stream_ids)
-    return [opened[stream_id] for stream_id in stream_ids]
+    return [loaded[stream_id] for stream_id in stream_ids]
 
 
 def _streams_by_id(db: _Connection, stream_ids: Sequence[int], lock: str = "") -> dict[int, StreamMeta]:

@@ -351,6 +351,11 @@ cdef class Ring:
                 return PLACE_WAIT_SPACE
             lap_end = (q // self.capacity + 1) * self.capacity
             if q + rec_len > lap_end:
+                # The padding record that ends the lap is written too (its header's block): like
+                # a record, it waits for that block to be trimmed, which in a ring full to within
+                # a block holds the oldest live record.
+                if align_up(q + RECORD_HEADER_SIZE) - self._trim_offset > self.capacity:
+                    return PLACE_WAIT_SPACE
                 self._seal(b, True)
                 continue
             if b.start < q and q % self.capacity == 0:

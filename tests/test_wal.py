@@ -410,7 +410,7 @@ def test_add_done_callback_fires_without_append_callbacks(tmp_path):
         assert late.is_set()
 
 
-def lap_end_ring(tmp_path, resume: int, resume_block: bytes | None):
+def lap_end_ring(tmp_path, resume: int, resume_block: bytes | None, full_timeout: float = 5.0):
     """A Ring of 256 KiB over a fresh file (8 KiB header area) resuming at `resume`, its
     writer not started yet; returns (fd, ring)."""
     from _native.walring import Ring
@@ -419,7 +419,8 @@ def lap_end_ring(tmp_path, resume: int, resume_block: bytes | None):
         f.truncate(8192 + 256 * KiB)
     fd = os.open(path, os.O_RDWR)
     errors = (wal.WALFullError, wal.WALClosedError, wal.WALIOError, wal.RecordTooLargeError)
-    return fd, Ring(fd, 8192, 256 * KiB, 64 * KiB, 4, 7, resume, resume, resume_block, 5.0, 64 * KiB, errors)
+    return fd, Ring(fd, 8192, 256 * KiB, 64 * KiB, 4, 7, resume, resume, resume_block, full_timeout, 64 * KiB,
+                    errors)
 
 
 def write_out(ring, handles) -> list[int]:
@@ -463,5 +464,39 @@ def test_a_session_resumed_in_the_last_bytes_of_a_lap_writes_from_the_next_lap(t
         assert write_out(ring, [ring.append(body)]) == [3 * cap]
         assert os.fstat(fd).st_size == 8192 + cap, "a write ran past the ring's end"
         assert list(Scanner(fd, 8192, cap, 3 * cap)) == [(3 * cap, body)]
+    finally:
+        os.close(fd)
+
+
+def test_a_wrap_of_a_full_ring_waits_for_space_and_overwrites_nothing(tmp_path):
+    """The ring is full to within a block and the next record does not fit in the lap: the
+    padding record that ends the lap would go in the block where the oldest live record lies.
+    It waits for space like a record (and times out as WAL full), overwriting nothing."""
+    from _native.walscan import Scanner
+    cap, block = 256 * KiB, 4096
+    trim = 2 * cap - block + 100            # live records start 100 bytes into the ring's last block
+    resume_block = bytes(4096)
+    fd, ring = lap_end_ring(tmp_path, trim, resume_block, full_timeout=0.2)
+    try:
+        wanted = 3 * cap - block             # fill the ring up to here, one block short of the trim's
+        writer = threading.Thread(target=ring.run_writer)
+        writer.start()
+        try:
+            bodies, offsets, pos = [], [], trim
+            while pos < wanted:
+                # One at a time, each ending on a block boundary: each its own batch, packed.
+                end = min(wanted, (pos + 32 * KiB) // block * block, (pos // cap + 1) * cap)
+                bodies.append(os.urandom(end - pos - 32))
+                h = ring.append(bodies[-1])
+                offsets.append(h.result(timeout=10))
+                assert h.end == end
+                pos = end
+            # 5000 bytes do not fit before the lap's end: the lap must be closed first.
+            with pytest.raises(wal.WALFullError):
+                ring.append(os.urandom(5000)).result(timeout=10)
+        finally:
+            ring.stop()
+            writer.join()
+        assert list(Scanner(fd, 8192, cap, trim)) == list(zip(offsets, bodies))
     finally:
         os.close(fd)

@@ -507,7 +507,7 @@ def test_ring_model_random_appends_and_trims_over_many_laps(tmp_path, seed):
     """A Ring of 64 KiB driven at random against a model: records of every size near the block
     and lap edges, appended alone or in bursts (several per batch), trims, a ring full at times.
     After every round, the scan from the trim offset gives exactly the records appended since,
-    and no write ever lands past the ring's end."""
+    and no write ever lands past the ring's end. One writer thread or two."""
     from _native.walring import Ring
     from _native.walscan import Scanner
     rng = random.Random(seed)
@@ -520,8 +520,9 @@ def test_ring_model_random_appends_and_trims_over_many_laps(tmp_path, seed):
     errors = (wal.WALFullError, wal.WALClosedError, wal.WALIOError, wal.RecordTooLargeError)
     ring = Ring(fd, header, cap, rng.choice([8, 12, 16]) * KiB, rng.choice([2, 4]), 1, start, start,
                 bytes(block) if start % block else None, 0.02, 20 * KiB, errors)
-    writer = threading.Thread(target=ring.run_writer)
-    writer.start()
+    writers = [threading.Thread(target=ring.run_writer) for _ in range(rng.choice([1, 2]))]
+    for writer in writers:
+        writer.start()
     live: list[tuple[int, bytes]] = []
     trim = start
     sizes = [0, 1, 7, 8, 100, block - 64, block - 33, block - 32, block - 31, block, block + 1, 2 * block - 40,
@@ -549,6 +550,7 @@ def test_ring_model_random_appends_and_trims_over_many_laps(tmp_path, seed):
                 del live[:keep]
     finally:
         ring.stop()
-        writer.join()
+        for writer in writers:
+            writer.join()
         os.close(fd)
     assert live and live[-1][0] > start + cap       # it went around the ring

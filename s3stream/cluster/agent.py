@@ -329,8 +329,11 @@ class NodeAgent:
             if partition is None:
                 if serving:
                     self._submit(name, self._open, name, version)
-            elif self._published.get(name, 0) < version and partition.is_open and serving:
-                # Re-assigned to the node that already serves it: confirm the new version.
+            elif (self._published.get(name, 0) < version and partition.is_open and serving
+                  and name not in self._busy):
+                # Re-assigned to the node that already serves it: confirm the new version. Not
+                # while a task of this node runs for it: an open publishes its own record (its
+                # seconds and phases) before it ends, and this one would race it.
                 self._publish_opened(name, version, partition.leader_epoch, 0.0, {})
             elif not partition.is_open and not partition.closed and name not in self._busy:
                 # Half closed (a close failed while it was assigned elsewhere) and assigned here

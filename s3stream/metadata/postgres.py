@@ -323,18 +323,21 @@ class PostgresMetadataStore(MetadataStore):
                 self._pool, self._pid = self._new_pool(), os.getpid()
             return self._pool
 
+    def _getconn(self, pool: ConnectionPool) -> psycopg.Connection:
+        try:
+            return pool.getconn()
+        except psycopg.OperationalError as e:   # PoolTimeout, or PoolClosed by a concurrent close()
+            raise MetadataBusyError(
+                f"metadata database {self.display_url}: no connection within pool_timeout_s "
+                f"({self._pool_timeout_s:g} s; {self._pool_max} connections, all busy or the server "
+                f"unreachable): {self._scrub(e)}") from e
+
     def _begin(self, pool: ConnectionPool, begin: str) -> psycopg.Connection:
         """A connection from the pool with a transaction begun; a connection the server closed
         while it was idle is given back (the pool discards it) and another one tried."""
         attempt = 0
         while True:
-            try:
-                conn = pool.getconn()
-            except psycopg.OperationalError as e:   # PoolTimeout, or PoolClosed by a concurrent close()
-                raise MetadataBusyError(
-                    f"metadata database {self.display_url}: no connection within pool_timeout_s "
-                    f"({self._pool_timeout_s:g} s; {self._pool_max} connections, all busy or the server "
-                    f"unreachable): {self._scrub(e)}") from e
+            conn = self._getconn(pool)
             try:
                 # Never prepared (a prepared statement holds one command): simple protocol, one round trip.
                 conn.execute(begin, prepare=False)
@@ -382,13 +385,7 @@ class PostgresMetadataStore(MetadataStore):
         pool = self._pool_here()
         attempt = 0
         while True:
-            try:
-                conn = pool.getconn()
-            except psycopg.OperationalError as e:
-                raise MetadataBusyError(
-                    f"metadata database {self.display_url}: no connection within pool_timeout_s "
-                    f"({self._pool_timeout_s:g} s; {self._pool_max} connections, all busy or the server "
-                    f"unreachable): {self._scrub(e)}") from e
+            conn = self._getconn(pool)
             try:
                 return _Db(conn).execute(sql, params).fetchall()
             except psycopg.OperationalError as e:

@@ -112,7 +112,11 @@ def test_partition_checkpoint_survives_moves(tmp_path, metadata_url):
         assert sum(v for k, v in rep.phases.items() if k.startswith("open.")) <= rep.phases["open"] + 1e-6
         assert sum(v for k, v in rep.phases.items() if k.count(".") == 2) <= rep.phases["close.upload"] + 1e-6
         assert rep.phases["close"] == rep.close_seconds and rep.phases["open"] == rep.open_seconds
-        assert all(v > -0.005 for v in rep.phases.values())               # one host: one wall clock
+        # One host: one wall clock. A boundary is known only to within the metadata write that
+        # marks it: the target opens once the close's commit is visible, before the source hears
+        # back and stamps the close's end (the same for the assignment and to_close). So to_open
+        # and to_close may be a round trip below 0 under load, never seconds.
+        assert all(v > -0.25 for v in rep.phases.values())
         assert sum(v for k, v in rep.phases.items() if "." not in k) <= rep.seconds + 0.005   # inside the migration
         p2 = c.partition("p")
         assert p2.checkpoint.streams == p.checkpoint.streams

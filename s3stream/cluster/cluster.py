@@ -31,7 +31,7 @@ from ..config import Config
 from ..errors import FencedLeaderError, S3StreamError
 from ..failover import FailoverReport, fail_over as recover_node
 from ..latency import DURATION_BUCKETS, LatencyHistogram
-from ..metadata import MetadataStore, NodeMeta
+from ..metadata import ChangeFeed, MetadataStore, NodeMeta
 from ..objectstore import ObjectStore
 from .config import ClusterConfig
 from .runtime import THREADS, Runtime
@@ -182,9 +182,14 @@ class Cluster:
         leader's lease: see s3stream.balancer.lease); else FencedLeaderError. With
         `expected_version`, only if the assignment is still at that version (else returns 0,
         nothing written). `note` is recorded with it (a reason, the node it came from)."""
+        return self._assign(name, node_id, guard, expected_version, note, self.meta.get_kv(f"assignment/{name}"))
+
+    def _assign(self, name: str, node_id: int, guard: tuple[str, bytes] | None, expected_version: int | None,
+                note: dict | None, raw: bytes | None) -> int:
+        """`assign`, given the assignment's value as read a moment ago (`raw`; read again if it
+        changed since)."""
         key = f"assignment/{name}"
         while True:
-            raw = self.meta.get_kv(key)
             current = json.loads(raw)["version"] if raw is not None else 0
             if expected_version is not None and current != expected_version:
                 return 0
@@ -195,6 +200,7 @@ class Cluster:
                 raise FencedLeaderError(
                     f"not assigning {name!r} to node {node_id}: {guard[0]!r} no longer holds this "
                     "leader's lease (another leader took over); the deposed leader stops acting")
+            raw = self.meta.get_kv(key)
 
     def owner(self, name: str) -> int | None:
         """The node the partition is open on now (None while it moves)."""
@@ -214,18 +220,22 @@ class Cluster:
 
     # ---- migration ----------------------------------------------------------------------------
 
-    def wait_open(self, name: str, version: int, timeout: float, node: int | None = None) -> dict | None:
+    def wait_open(self, name: str, version: int, timeout: float, node: int | None = None,
+                  feed: ChangeFeed | None = None) -> dict | None:
         """The `opened/` record of `name` once some node (`node`, if given) reports `version`
         open; None after `timeout`. Woken by the store's pushes where it has them, else polling
-        every 2 ms."""
+        every 2 ms. `feed`: one of `kv_changes((opened_key,))`, opened before the change waited
+        for (closed here), else one is opened now."""
         return self._wait_record(
-            f"opened/{name}", lambda o: o["version"] >= version and (node is None or o["node"] == node), timeout)
+            f"opened/{name}", lambda o: o["version"] >= version and (node is None or o["node"] == node), timeout,
+            feed)
 
-    def _wait_record(self, key: str, wanted: Callable[[dict], bool], timeout: float) -> dict | None:
+    def _wait_record(self, key: str, wanted: Callable[[dict], bool], timeout: float,
+                     feed: ChangeFeed | None = None) -> dict | None:
         """The JSON record at `key` once `wanted(record)`; None after `timeout`. Woken by the
         store's pushes where it has them, else polling every 2 ms."""
         deadline = self.monotonic() + int(timeout * 1e9)
-        feed = self.meta.kv_changes((key,))
+        feed = self.meta.kv_changes((key,)) if feed is None else feed
         try:
             while True:
                 record = get_json(self.meta, key)
@@ -262,13 +272,20 @@ class Cluster:
             raise S3StreamError(
                 f"cannot migrate {name!r} to node {to_node}: it is not a live node that can serve (no recent "
                 f"heartbeat, failed over, or its last heartbeat said it cannot serve); such nodes: {serving}")
-        current = self.assignment(name)
-        source = current["node"] if current else None
-        t0 = self.monotonic()
-        version = self.assign(name, to_node, guard=guard)
+        raw = self.meta.get_kv(f"assignment/{name}")
+        source = json.loads(raw)["node"] if raw is not None else None
+        # Listening before the move starts: a new listener is a connection (PostgreSQL: a
+        # server process), whose set-up would compete with the close and the open for the CPU.
+        feed = self.meta.kv_changes((f"opened/{name}",))
+        try:
+            t0 = self.monotonic()
+            version = self._assign(name, to_node, guard, None, None, raw)
+        except BaseException:
+            feed.close()
+            raise
         assign_seconds = (self.monotonic() - t0) / 1e9
         assigned_at = self.runtime.wall_ns() / 1e9
-        opened = self.wait_open(name, version, timeout, node=to_node)
+        opened = self.wait_open(name, version, timeout, node=to_node, feed=feed)
         failed_over = False
         if not self._opened_by_current(opened, version, to_node) and source is not None and source != to_node:
             closed = get_json(self.meta, f"closed/{name}")

@@ -733,6 +733,10 @@ def test_replace_kv_compares_key_and_guard(store):
     assert not store.replace_kv("k", b"2", b"3", guard=("nolease", b"epoch-1"))  # guard absent
     assert store.get_kv("k") == b"2"
     assert store.replace_kv("k", b"2", b"3", guard=("lease", b"epoch-1")) and store.get_kv("k") == b"3"
+    assert not store.replace_kv("new", None, b"1", guard=("lease", b"epoch-0"))    # create, stale token
+    assert store.get_kv("new") is None
+    assert store.replace_kv("new", None, b"1", guard=("lease", b"epoch-1")) and store.get_kv("new") == b"1"
+    assert not store.replace_kv("gone", b"1", b"2") and store.get_kv("gone") is None  # absent, expected a value
 
 
 def test_replace_kv_has_one_winner_per_value(open_same):
@@ -1141,6 +1145,18 @@ def test_postgres_lock_timeout_is_a_busy_error(pg_url):
             s.close_stream(stream.stream_id, 0, 1)
         holder.rollback()
     assert s.close_stream(stream.stream_id, 0, 1).state == StreamState.CLOSED
+    # KV writes are one statement each, sent alone: the timeout holds for them too, and does
+    # not stay behind in the pooled session.
+    s.put_kv("k", b"1")
+    with psycopg.connect(pg_url) as holder:
+        holder.execute("SELECT 1 FROM kv WHERE key = 'k' FOR UPDATE")
+        for write in (lambda: s.put_kv("k", b"2"), lambda: s.replace_kv("k", b"1", b"2"), lambda: s.delete_kv("k")):
+            with pytest.raises(MetadataBusyError, match="lock_timeout_s"):
+                write()
+        assert s.put_kv_if_absent("k", b"2") == b"1"     # a lock on a row that exists is no conflict
+        holder.rollback()
+    assert s.get_kv("k") == b"1"
+    assert [s._read_rows("SHOW lock_timeout")[0][0] for _ in range(8)] == ["0"] * 8
     s.close()
 
 

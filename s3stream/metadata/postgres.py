@@ -37,7 +37,8 @@ During an operation, a lock wait past `lock_timeout_s` (55P03), a deadlock, a lo
 server shutdown or no free pooled connection within `pool_timeout_s` raise MetadataBusyError
 naming the database and the cause. A pooled connection found dead when its transaction begins (the
 server closed it while it was idle) is discarded and the operation starts again on another one,
-since nothing was sent; a connection lost later is discarded by the pool when it is returned
+since nothing was sent (a KV write, which goes as one query with no BEGIN, looks at the socket
+before it sends: see _write_alone); a connection lost later is discarded by the pool when it is returned
 (psycopg_pool replaces connections returned in a bad state), and the error is MetadataBusyError: if
 it happened during COMMIT the outcome is unknown, and a retried commit is recognised as such.
 
@@ -66,6 +67,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import threading
 import time
 import weakref
@@ -83,7 +85,7 @@ from .base import (ChangeFeed, commit_notices, redact_url, CommitRequest, Commit
 # connection-like object whose execute() takes qmark SQL; _Db adapts a psycopg connection.
 from .sqlite import (_COMMITTED, _DEAD_SSOS, _MARK_DESTROYED, _NO_OFFSET, _NODE_COLUMNS, _PREPARED, _RANGE_COLUMNS,
                      _SSO, _abandon, _check_owner, _check_unchanged,
-                     _apply_commit, _check_node_epoch, _check_request_shape, _check_stream_epoch, _ids, _kv_holds,
+                     _apply_commit, _check_node_epoch, _check_request_shape, _check_stream_epoch, _ids,
                      _live_stream, _load_objects, _load_stream, _load_streams, _mark_destroyed, _node_meta, _node_row,
                      _open_rows, _send_load_streams, _send_node_check)
 
@@ -237,6 +239,7 @@ class PostgresMetadataStore(MetadataStore):
         # transactions through a pooler in transaction mode (and would leak into others' sessions).
         lock_timeout = f"; SET LOCAL lock_timeout = {max(1, int(lock_timeout_s * 1000))}"
         self._begin_write, self._begin_read = _BEGIN_WRITE + lock_timeout, _BEGIN_READ + lock_timeout
+        self._set_lock_timeout = lock_timeout[2:]
         self._lock = threading.Lock()
         self._closed = False
         self._init_schema()
@@ -396,6 +399,42 @@ class PostgresMetadataStore(MetadataStore):
             finally:
                 pool.putconn(conn)
             attempt += 1
+
+    def _write_alone(self, statements: Sequence[tuple[str, Sequence]]) -> list[tuple]:
+        """Run `statements` (SQL with ? placeholders, and their parameters) as ONE transaction in
+        ONE round trip, and return the rows of the last: they go as one simple query (bound by
+        the client), whose statements PostgreSQL runs as an implicit transaction, after SET LOCAL
+        lock_timeout, committing at the end (NOTIFYs delivered then) or rolling all back on an
+        error. BEGIN, the statements and COMMIT would cost this process three or more wake-ups
+        under load. Each statement reads what committed before it (READ COMMITTED).
+
+        Unlike BEGIN, a write cannot be sent again if its connection turns out dead: a pooled
+        connection that the server ended while idle (its socket has the server's last message
+        to read) is discarded before anything is sent, and another one taken. A connection lost
+        once the query went out is MetadataBusyError with the outcome unknown."""
+        sql = "; ".join([self._set_lock_timeout, *(_Db._sql(s) for s, _ in statements)])
+        params = [v for _, ps in statements for v in ps]
+        pool = self._pool_here()
+        for _ in range(self._pool_max + 1):
+            conn = self._getconn(pool)
+            if select.select([conn.fileno()], [], [], 0)[0]:     # ended while idle: replaced
+                conn.close()
+                pool.putconn(conn)
+                continue
+            try:
+                with psycopg.ClientCursor(conn) as cursor:
+                    cursor.execute(sql, params)
+                    while cursor.nextset():
+                        pass
+                    return cursor.fetchall() if cursor.description is not None else []
+            except psycopg.OperationalError as e:
+                raise self._busy(e, "committing") from e
+            except psycopg.Error as e:
+                raise MetadataError(f"metadata database {self.display_url}: {self._scrub(e)}") from e
+            finally:
+                pool.putconn(conn)
+        raise MetadataBusyError(f"metadata database {self.display_url}: every pooled connection was found "
+                                "closed by the server; the pool is reconnecting")
 
     def _busy(self, e: psycopg.Error, when: str) -> MetadataBusyError:
         sqlstate = getattr(e, "sqlstate", None)
@@ -751,42 +790,47 @@ class PostgresMetadataStore(MetadataStore):
     # Every KV write notifies KV_CHANNEL with the key, in its own transaction: PostgreSQL delivers
     # the notification to the listeners (kv_changes) when, and only if, the write commits.
 
+    # Each is one statement that notifies only if it wrote (a data-modifying WITH), sent alone
+    # (_write_alone): one round trip.
+
     def put_kv(self, key: str, value: bytes) -> None:
-        with self._transaction(write=True) as db:
-            db.execute(_PUT_KV, (key, bytes(value)))
-            _notify(db, key)
+        self._write_alone([(_NOTIFYING.format(f"{_PUT_KV} RETURNING key"), (key, bytes(value), KV_CHANNEL))])
 
     def put_kv_if_absent(self, key: str, value: bytes) -> bytes:
-        with self._transaction(write=True) as db:
-            # A concurrent insert of the key makes this wait for it, then do nothing; the SELECT,
-            # a new statement, sees the winner's row.
-            inserted = db.execute("INSERT INTO kv VALUES (?, ?) ON CONFLICT (key) DO NOTHING RETURNING 1",
-                                  (key, bytes(value))).fetchone()
-            if inserted:
-                _notify(db, key)
-            return bytes(_one(db.execute("SELECT value FROM kv WHERE key = ?", (key,)))[0])
+        # A concurrent insert of the key makes this wait for it, then do nothing; the SELECT,
+        # a statement of its own, sees the winner's row.
+        rows = self._write_alone([
+            (_NOTIFYING.format("INSERT INTO kv VALUES (?, ?) ON CONFLICT (key) DO NOTHING RETURNING key"),
+             (key, bytes(value), KV_CHANNEL)),
+            ("SELECT value FROM kv WHERE key = ?", (key,))])
+        if not rows:
+            raise MetadataError("the metadata database returned no row where one was expected")
+        return bytes(rows[0][0])
 
     def replace_kv(self, key: str, expected: bytes | None, value: bytes,
                    guard: tuple[str, bytes] | None = None) -> bool:
-        with self._transaction(write=True) as db:
-            # Rows locked guard first, then the key (every guarded write takes that order), and
-            # kept until commit: nothing changes either between the check and the write. An
-            # absent key cannot be locked: the insert of a concurrent creator makes ours a no-op.
-            if not _kv_holds(db, key, expected, guard, lock=" FOR UPDATE"):
-                return False
-            if expected is None:
-                if db.execute("INSERT INTO kv VALUES (?, ?) ON CONFLICT (key) DO NOTHING RETURNING 1",
-                              (key, bytes(value))).fetchone() is None:
-                    return False
-            else:
-                db.execute("UPDATE kv SET value = ? WHERE key = ?", (bytes(value), key))
-            _notify(db, key)
-            return True
+        # The guard's row is locked first (every guarded write takes that order: guard, then
+        # key) and kept until commit, so it cannot change before the write. The key's row is
+        # compared by the write itself: an UPDATE that waited for a concurrent writer checks
+        # its WHERE again on the row that writer left, and an insert racing a concurrent
+        # creator does nothing.
+        statements: list[tuple[str, Sequence]] = []
+        holds_params: tuple
+        holds, holds_params = "TRUE", ()
+        if guard is not None:
+            statements.append(("SELECT 1 FROM kv WHERE key = ? FOR UPDATE", (guard[0],)))
+            holds, holds_params = "EXISTS (SELECT 1 FROM kv WHERE key = ? AND value = ?)", (guard[0], bytes(guard[1]))
+        if expected is None:
+            write = f"INSERT INTO kv SELECT ?, ? WHERE {holds} ON CONFLICT (key) DO NOTHING RETURNING key"
+            params: tuple = (key, bytes(value), *holds_params)
+        else:
+            write = f"UPDATE kv SET value = ? WHERE key = ? AND value = ? AND {holds} RETURNING key"
+            params = (bytes(value), key, bytes(expected), *holds_params)
+        statements.append((_NOTIFYING.format(write), (*params, KV_CHANNEL)))
+        return bool(self._write_alone(statements))
 
     def delete_kv(self, key: str) -> None:
-        with self._transaction(write=True) as db:
-            if db.execute("DELETE FROM kv WHERE key = ? RETURNING 1", (key,)).fetchone():
-                _notify(db, key)
+        self._write_alone([(_NOTIFYING.format("DELETE FROM kv WHERE key = ? RETURNING key"), (key, KV_CHANNEL))])
 
     def kv_changes(self, prefixes: Sequence[str]) -> ChangeFeed:
         """Pushed KV changes: LISTEN on a connection of the feed's own (see PgChangeFeed), to
@@ -822,6 +866,9 @@ def _set_stream_ends(db: "_Db", ends: list[tuple[int, int, int]]) -> None:
 
 
 _PUT_KV = "INSERT INTO kv VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value"
+
+#: A KV write ({} RETURNING key) that notifies KV_CHANNEL (its last parameter) of each key it wrote.
+_NOTIFYING = "WITH w AS ({}) SELECT pg_notify(?, key) FROM w"
 
 
 def _notify(db: "_Db", keys: str | Sequence[str]) -> None:

@@ -13,6 +13,10 @@ metadata that scales with the cluster, not with its history). The other streams 
 other nodes with one committed StreamSetObject per 100 of them, so their ranges and objects are
 in the tables the operations search.
 
+Then contended writes: WRITERS processes each write a KV key of its own in a loop (2 ms apart) for
+`--seconds` x 4, and the latency of every write is reported (p50, p99, max): what a write on a
+move's path (an assignment, a close's record) costs while other nodes write too.
+
 Default stores: SQLite in a temporary directory, and PostgreSQL when `--meta postgresql://...` is
 given or `--start-postgres` starts a throwaway server (s3stream.pgserver). Report: JSON and a PNG.
 """
@@ -30,6 +34,7 @@ from wal.benchkit import log_line, percentiles, progress, publish, pyplot, save_
 
 from .metadata import CommitRange, CommitRequest, CommitSSO, CommitStreamObject, MetadataStore, open_metadata
 
+WRITERS = 4                  # processes writing at once in the contended measurement
 HOT = 8                      # streams the timed operations work on (owned by node 1)
 POPULATE_NODES = 4           # nodes that own the other streams
 SSO_STREAMS = 100            # other streams per committed StreamSetObject while populating
@@ -131,6 +136,38 @@ def time_op(fn: Callable[[], object], seconds: float) -> dict:
     return dict(ops=len(lat), ops_s=len(lat) / (sum(lat) / 1e9), p50_ms=p["p50_ms"], p99_ms=p["p99_ms"])
 
 
+def _contended_writer(url: str, seconds: float, start: float, results) -> None:
+    meta = open_metadata(url)
+    lat: list[int] = []
+    try:
+        time.sleep(max(0.0, start - time.time()))
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            t0 = time.perf_counter_ns()
+            meta.put_kv(f"bench/contended/{os.getpid()}", b"x" * 100)
+            lat.append(time.perf_counter_ns() - t0)
+            time.sleep(0.002)
+    finally:
+        meta.close()
+    results.put(lat)
+
+
+def contended_writes(url: str, seconds: float) -> dict:
+    """WRITERS processes (spawned: nothing inherited) writing at once: each write's latency."""
+    import multiprocessing
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    start = time.time() + 3.0           # every writer connected and imported by then
+    procs = [ctx.Process(target=_contended_writer, args=(url, seconds, start, results)) for _ in range(WRITERS)]
+    for proc in procs:
+        proc.start()
+    lat = [x for _ in procs for x in results.get(timeout=seconds + 120)]
+    for proc in procs:
+        proc.join()
+    p = percentiles(lat)
+    return dict(writers=WRITERS, writes=len(lat), p50_ms=p["p50_ms"], p99_ms=p["p99_ms"], max_ms=p["max_ms"])
+
+
 def bench_store(name: str, url: str, sizes: list[int], seconds: float) -> dict:
     meta = open_metadata(url)
     out: dict = dict(store=name, sizes={})
@@ -154,6 +191,8 @@ def bench_store(name: str, url: str, sizes: list[int], seconds: float) -> dict:
                     timed[op] = time_op(fn, seconds)
                     bar.update()
             out["sizes"][size] = timed
+        _progress(f"{name}: {WRITERS} processes writing at once for {4 * seconds:g} s")
+        out["contended"] = contended_writes(url, 4 * seconds)
     finally:
         meta.close()
     return out
@@ -175,6 +214,10 @@ def format_report(report: dict) -> str:
             if len(sizes) > 1:
                 row += f"{cells[-1]['ops_s'] / cells[0]['ops_s']:>14.2f}"
             lines.append(row)
+        c = r.get("contended")
+        if c:
+            lines.append(f"  contended: {c['writers']} processes writing a key each, 2 ms apart: {c['writes']:,} writes, "
+                         f"p50 {c['p50_ms']:.2f} ms, p99 {c['p99_ms']:.2f} ms, max {c['max_ms']:.1f} ms")
     lines.append("=" * 100)
     return "\n".join(lines)
 

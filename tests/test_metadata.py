@@ -1377,3 +1377,36 @@ def test_abandon_without_reservation_closes_at_the_committed_end(store):
     s = store.create_stream(1, n1.node_epoch)
     gone = store.abandon_stream(s.stream_id, 0, 1)
     assert (gone.state, gone.end_offset, [r.lost for r in gone.ranges]) == (StreamState.CLOSED, 0, [False])
+
+
+def test_sqlite_a_writer_waits_for_the_write_lock_then_writes(tmp_path):
+    """A write that finds SQLite's write lock held by another connection tries again (on its own
+    short schedule, SQLite's busy handler off) until the holder commits, then writes; past
+    busy_timeout_s it is MetadataBusyError; either way the connection keeps its busy timeout."""
+    import sqlite3
+    from s3stream.metadata import SqliteMetadataStore
+    path = tmp_path / "meta.db"
+    store = SqliteMetadataStore(str(path), busy_timeout_s=5.0)
+    holder = sqlite3.connect(str(path), isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    done: list = []
+    writer = threading.Thread(target=lambda: done.append(store.put_kv("k", b"v")))
+    writer.start()
+    writer.join(0.2)
+    # (read beside it: the store's own connection is the waiting writer's until it is through)
+    assert writer.is_alive() and holder.execute("SELECT count(*) FROM kv").fetchone()[0] == 0
+    holder.execute("COMMIT")
+    writer.join(10)
+    assert done == [None] and store.get_kv("k") == b"v"
+    assert store._conn.execute("PRAGMA busy_timeout").fetchone()[0] == 5000
+    impatient = SqliteMetadataStore(str(path), busy_timeout_s=0.1)
+    holder.execute("BEGIN IMMEDIATE")
+    with pytest.raises(MetadataBusyError, match="busy_timeout_s"):
+        impatient.put_kv("k", b"w")
+    holder.execute("ROLLBACK")
+    assert impatient._conn.execute("PRAGMA busy_timeout").fetchone()[0] == 100
+    impatient.put_kv("k", b"w")
+    assert store.get_kv("k") == b"w"
+    holder.close()
+    impatient.close()
+    store.close()

@@ -476,6 +476,16 @@ cdef class LogCache:
         finally:
             self.release()
 
+    def sealed_ids(self) -> list:
+        """The ids of the sealed blocks not yet committed, oldest first (the order they were
+        sealed in, which is their id order)."""
+        cdef CacheBlock block
+        self.acquire()
+        try:
+            return [block.block_id for block in self.blocks if block.state == SEALED]
+        finally:
+            self.release()
+
     def uncommitted_slices(self, uint64_t stream_id, uint64_t epoch) -> list:
         """The stream's slices written at `epoch` in blocks not yet committed (sealed ones, then
         the active one), in block order: its un-uploaded tail, contiguous in offsets. A slice of

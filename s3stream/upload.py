@@ -107,6 +107,9 @@ RETRY_BACKOFF_CAP = 0.5
 #: without a prepare transaction of its own. Unused ones expire as PREPARED (prepared_ttl) and
 #: the reclaimer removes them.
 CLOSE_SPARE_IDS = 8
+#: How long the queue's head may wait for an older sealed block to be submitted before that is
+#: logged (Uploader._head_in_order; the window between a seal and its submit is microseconds).
+OUT_OF_ORDER_WARN_S = 5.0
 
 #: Steps whose failures are retried, each counted in `Uploader.stats` as "<step>_retries".
 RETRY_STEPS = ("plan", "prepare", "encode", "put", "durable", "commit")
@@ -268,7 +271,9 @@ class Uploader:
         self._wait_durable = wait_durable
         self._on_failure = on_failure
         self._cond = threading.Condition()
-        self._queue: deque[CacheBlock] = deque()       # sealed, not started
+        self._queue: deque[CacheBlock] = deque()       # sealed, not started (block id order)
+        self._last_started: int | None = None            # the id of the block started last
+        self._out_of_order_since: float | None = None    # the queue's head waits for an older block
         self._inflight: deque[_InFlight] = deque()     # started, not committed (block order)
         self._starting: CacheBlock | None = None      # taken from the queue, not yet in flight
         self._committed_id = -1          # highest block id committed (blocks commit in id order)
@@ -326,8 +331,16 @@ class Uploader:
     # ---- queueing and waiting ------------------------------------------------------------------
 
     def submit(self, block: CacheBlock) -> None:
+        """Queue a sealed block. Blocks are started (and so committed) in block id order,
+        whatever order their sealers submit them in: a seal and its submit are two steps, and a
+        block sealed later (by an appender, a close, the WAL pressure or the age timer) may be
+        submitted first. Committed first, it would leave a gap in each stream it shares with
+        the older block, which the metadata store refuses for good."""
         with self._cond:
-            self._queue.append(block)
+            i = len(self._queue)
+            while i and self._queue[i - 1].block_id > block.block_id:
+                i -= 1
+            self._queue.insert(i, block)
             self._cond.notify_all()
 
     def wait_committed(self, block_id: int, timeout: float | None = None) -> None:
@@ -411,17 +424,42 @@ class Uploader:
         if self._inflight and self._inflight[0].ready():
             return "commit"
         if self._queue and len(self._inflight) < self._config.upload_pipeline:
-            return "start"
+            return "start" if self._head_in_order() else "wait"
         if self._stopping and not self._queue and not self._inflight:
             return "stop"
         return "wait"
+
+    def _head_in_order(self) -> bool:
+        """Whether the queue's head is the oldest sealed block not started yet (condition
+        held): the next id after the last one started, or else (the first block, or ids that
+        did not follow) no sealed block below it waits to be submitted. Logged if the head
+        waits for an older block for OUT_OF_ORDER_WARN_S (a block sealed but never submitted
+        would stop uploads: a bug, said so)."""
+        head = self._queue[0].block_id
+        if self._last_started is not None and head == self._last_started + 1:
+            self._out_of_order_since = None
+            return True
+        started = {job.block.block_id for job in self._inflight}
+        missing = [i for i in self._cache.sealed_ids() if i < head and i not in started]
+        if not missing:
+            self._out_of_order_since = None
+            return True
+        now = time.monotonic()
+        if self._out_of_order_since is None:
+            self._out_of_order_since = now
+        elif now - self._out_of_order_since >= OUT_OF_ORDER_WARN_S:
+            log.warning("block %d waits for older sealed blocks %s to be submitted for upload (%.1f s)", head,
+                        missing[:5], now - self._out_of_order_since)
+            self._out_of_order_since = now
+        return False
 
     def _run(self) -> None:
         while True:
             self._pace()
             with self._cond:
                 if (step := self._next_step()) == "wait":
-                    self._cond.wait()
+                    # Bounded: a head waiting for an older block looks again (and says so).
+                    self._cond.wait(None if self._out_of_order_since is None else 0.1)
                     continue
                 if step == "stop":
                     return
@@ -430,6 +468,7 @@ class Uploader:
                     # force_upload must not miss it in between.
                     block = self._queue.popleft()
                     self._starting = block
+                    self._last_started = block.block_id
                 else:
                     block = self._inflight[0].block
             try:

@@ -366,3 +366,31 @@ def test_a_hinted_open_reads_one_key_and_a_stale_hint_still_opens_the_newest_che
     finally:
         one.close()
         two.close()
+
+
+def test_blocks_submitted_out_of_order_commit_in_block_order(tmp_path):
+    """A seal and its submit are two steps: a block sealed later (here by hand; in the engine by
+    an appender, a close, the WAL pressure or the age timer racing each other) may reach the
+    uploader first. It waits for the older block, so the stream's ranges commit in order;
+    committed first, it would leave a gap that the metadata store refuses for good (uploads
+    stopped, the node failed over: seen at saturation in the migration bench)."""
+    c = client(tmp_path, f"file://{tmp_path}/objects")
+    try:
+        s = c.create_stream()
+        payloads = [os.urandom(1000) for _ in range(4)]
+        blocks = []
+        for pair in (payloads[:2], payloads[2:]):
+            for p in pair:
+                s.append(RecordBatch(p, 1)).result(10)
+            blocks.append(c._cache.seal())
+        older, newer = blocks
+        assert newer.block_id == older.block_id + 1
+        c._uploader.submit(newer)
+        time.sleep(0.3)                # the uploader would start (and try to commit) it now
+        assert c.metadata.get_stream(s.stream_id).end_offset == 0
+        c._uploader.submit(older)
+        c._uploader.wait_committed(newer.block_id, timeout=10)
+        assert c._uploader.failure is None and c._uploader.retrying is None
+        assert read_stream(c, s.stream_id) == list(enumerate(payloads))
+    finally:
+        c.close()

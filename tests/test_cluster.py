@@ -127,6 +127,43 @@ def test_partition_checkpoint_survives_moves(tmp_path, metadata_url):
         c.close()
 
 
+def test_moves_trim_old_checkpoints_after_the_open_not_in_it(tmp_path, metadata_url):
+    """A hinted open (the agents') that finds CHECKPOINTS_KEPT checkpoints piled up leaves
+    their trim to after it says it serves; over many moves the meta stream stays bounded."""
+    from s3stream.cluster.partition import CHECKPOINTS_KEPT
+    c = InProcessCluster(tmp_path, metadata_url, nodes=(1, 2))
+    try:
+        c.cluster.assign("p", 1)
+        c.cluster.wait_open("p", 1, 5)
+        c.partition("p").append(RecordBatch(b"x", 1)).result(10)
+        spans = []
+        for i in range(3 * CHECKPOINTS_KEPT):
+            c.cluster.migrate("p", 2 - i % 2)
+            meta = c.partition("p").meta_stream
+            spans.append(meta.confirm_offset - meta.start_offset)
+        # Two checkpoints per move (the close's, the open's); without trims the span grows by
+        # two a move.
+        assert max(spans) <= CHECKPOINTS_KEPT + 2, spans
+        # An open straight from the hint, with enough checkpoints piled up, defers the trim.
+        source = c.partition("p")
+        c.agents[1].stop()
+        c.agents[2].stop()
+        for _ in range(CHECKPOINTS_KEPT):
+            source.meta_stream.append(RecordBatch(source.checkpoint.encode(), 1)).result(10)
+        record = {"node": source._client.node_id, "version": 999}
+        source.close(record=record)
+        target = c.clients[3 - source._client.node_id].open_partition("p", hinted=True)
+        meta = target.meta_stream
+        assert target.trim_due and meta.confirm_offset - meta.start_offset > CHECKPOINTS_KEPT
+        target.trim_checkpoints()
+        assert not target.trim_due and meta.confirm_offset - meta.start_offset <= 2
+        target.append(RecordBatch(b"y", 1)).result(10)
+        res = target.fetch(target.log.start_offset)
+        assert [b.payload for b in res.batches] == [b"x", b"y"]
+    finally:
+        c.close()
+
+
 def test_many_migrations_under_load_lose_nothing(tmp_path, metadata_url):
     c = InProcessCluster(tmp_path, metadata_url)
     names = ["a", "b"]

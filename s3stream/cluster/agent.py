@@ -411,6 +411,10 @@ class NodeAgent:
         if partition.is_open:
             self._publish_opened(name, version, partition.leader_epoch, (self.clock() - t0) / 1e9,
                                  partition.open_phases)
+            try:
+                partition.trim_checkpoints()     # after the move, not in it: upkeep
+            except S3StreamError as e:           # the next open trims what is left
+                self.errors.append(f"{name}: trimming old checkpoints: {e}")
 
     def _hand_on(self, name: str, version: int, failures: list[str]) -> None:
         """This node failed to open `name` open_attempts times: assign it to another node that

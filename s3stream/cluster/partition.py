@@ -138,10 +138,20 @@ class Partition:
         self._scan_from: int | None = checkpoint.scan_from   # as the newest snapshot says
         self._snapshot_bytes = 0           # log bytes appended since that snapshot
         self._produced_since = 0           # producers' batches appended since it
+        #: Older checkpoints piled up and a hinted open left their trim to `trim_checkpoints`.
+        self.trim_due = False
 
     @property
     def leader_epoch(self) -> int:
         return self.checkpoint.leader_epoch
+
+    def trim_checkpoints(self) -> None:
+        """Trim the meta stream's older checkpoints if the open left that to later (`trim_due`:
+        a node agent's open, which calls this once it has said the partition is served, so
+        that a move does not wait for the trim's metadata reads and writes)."""
+        if self.trim_due and self.meta_stream.is_open:
+            _trim_checkpoints(self.meta_stream)
+            self.trim_due = False
 
     @property
     def log(self) -> "Stream":
@@ -428,14 +438,16 @@ def open_partition(client: StreamClient, table: PartitionTable, name: str, hinte
     `hinted` (node agents): read the hint of the partition's last close first (`closed_key`,
     written by the commit that closed it): when it still holds (no stream was opened since),
     the open is one read and one write, its streams' open, and the close's checkpoint is the
-    last one. Otherwise the usual open follows."""
+    last one. Otherwise the usual open follows. A hinted open leaves the trim of older
+    checkpoints to `Partition.trim_checkpoints` (`trim_due`), which the agent calls after it
+    has published the open."""
     if not name or "/" in name:
         raise ValueError(f"partition names must be non-empty and contain no '/', got {name!r}")
     timing: dict[str, float] = {"started": time.perf_counter()}
     if hinted:
         together = _open_hinted(client, client.metadata.get_kv(closed_key(name)), timing)
         if together is not None:
-            return _opened(client, table, name, *together, trim_later=True, timing=timing)
+            return _opened(client, table, name, *together, trim_later=True, timing=timing, defer_trim=True)
     meta_kv = client.metadata.get_kv(_kv_key(name))
     if meta_kv is None:
         # Create a meta stream and race to publish it; the loser destroys its own.
@@ -449,7 +461,7 @@ def open_partition(client: StreamClient, table: PartitionTable, name: str, hinte
     else:
         together = _open_all(client, int(meta_kv), timing)
         if together is not None:
-            return _opened(client, table, name, *together, trim_later=True, timing=timing)
+            return _opened(client, table, name, *together, trim_later=True, timing=timing, defer_trim=hinted)
         meta = client.opened(int(meta_kv)) or client.open_stream(int(meta_kv))
     streams: dict[str, Stream] = {}
     try:
@@ -538,10 +550,12 @@ def _open_hinted(client: StreamClient, raw: bytes | None,
 
 
 def _opened(client: StreamClient, table: "PartitionTable", name: str, meta: "Stream", streams: dict[str, "Stream"],
-            checkpoint: Checkpoint, trim_later: bool, timing: dict[str, float]) -> Partition:
+            checkpoint: Checkpoint, trim_later: bool, timing: dict[str, float],
+            defer_trim: bool = False) -> Partition:
     """Append the open's checkpoint (leader epoch + 1) and serve. `trim_later`: older
     checkpoints are trimmed only once CHECKPOINTS_KEPT of them piled up (one open in a few
-    trims), so that the usual open writes metadata once (its streams' open)."""
+    trims), so that the usual open writes metadata once (its streams' open). `defer_trim`:
+    not even then, here: the partition is returned with `trim_due` set."""
     t_streams = time.perf_counter()
     try:
         producers = ProducerTable.restore(checkpoint.producers)
@@ -549,11 +563,13 @@ def _opened(client: StreamClient, table: "PartitionTable", name: str, meta: "Str
             _read_back_producers(streams["log"], checkpoint.scan_from, producers)
         opened = Checkpoint(checkpoint.streams, checkpoint.leader_epoch + 1, False,
                             {role: s.start_offset for role, s in streams.items()}, producers.snapshot())
-        _write_checkpoint(meta, opened, trim=not trim_later or meta.confirm_offset - meta.start_offset >= CHECKPOINTS_KEPT)
+        trim = not trim_later or meta.confirm_offset - meta.start_offset >= CHECKPOINTS_KEPT
+        _write_checkpoint(meta, opened, trim=trim and not defer_trim)
     except BaseException:
         _let_go(client, meta, streams)
         raise
     partition = Partition(client, table, name, meta, streams, opened, producers)
+    partition.trim_due = trim and defer_trim
     t_read = timing.get("read", timing["started"])      # one by one (a new partition): all "streams"
     partition.open_phases = dict(read=t_read - timing["started"], streams=t_streams - t_read,
                                  checkpoint=time.perf_counter() - t_streams)

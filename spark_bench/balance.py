@@ -110,7 +110,7 @@ def _run(args, dep) -> dict:
     progress(f"{args.nodes} nodes, {len(names)} partitions, {args.rate:g} MB/s Zipf(s={args.zipf:g}); hottest "
              f"{rates[names[0]] / 1e6:.2f} MB/s; {cold} turns hot at {change_at:.0f} s; balancers from "
              f"{args.warmup:g} s; {args.duration:g} s in all")
-    assign_metrics_ports(specs, args.metrics_port)
+    assign_metrics_ports(specs, args.metrics_port, args.metrics_addr)
     results = run_nodes(dep.spark, specs, seconds=origin + args.duration - time.time())
     progress(f"placement: {format_placement(placement(results))}")
     progress("verifying every acknowledged record through the driver's own client")

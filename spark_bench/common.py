@@ -59,8 +59,11 @@ def add_common_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out", default=None, help="report directory (JSON + PNG)")
     ap.add_argument("--keep", action="store_true", help="keep the work and store directories")
     ap.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
-                    help="serve each node task's Prometheus metrics on http://0.0.0.0:PORT+i/metrics, i being "
+                    help="serve each node task's Prometheus metrics on http://ADDR:PORT+i/metrics, i being "
                          "the task's index in its job (0, the default: off)")
+    ap.add_argument("--metrics-addr", default="127.0.0.1", metavar="ADDR",
+                    help="the address --metrics-port listens on (default 127.0.0.1: scrape on each executor's "
+                         "host; 0.0.0.0 to scrape from another host)")
 
 
 def is_cluster(master: str) -> bool:
@@ -128,10 +131,12 @@ def node_spec(args, node_id: int, wal_dir: str | None, store: str, meta: str, pa
                 inflight=inflight, run_id=run_id, keep_wal=args.keep)
 
 
-def assign_metrics_ports(specs: list[dict], port: int) -> None:
-    """Give the job's tasks ports port, port + 1, ... (several share a host; 0: no metrics)."""
+def assign_metrics_ports(specs: list[dict], port: int, addr: str = "127.0.0.1") -> None:
+    """Give the job's tasks ports port, port + 1, ... (several share a host; 0: no metrics)
+    on `addr`."""
     for i, spec in enumerate(specs):
         spec["metrics_port"] = port + i if port else 0
+        spec["metrics_addr"] = addr
 
 
 def serve_task_metrics(spec: dict):
@@ -143,7 +148,7 @@ def serve_task_metrics(spec: dict):
         return None
     from s3stream.metrics import serve
     try:
-        server, _ = serve(port)
+        server, _ = serve(port, addr=spec.get("metrics_addr", "127.0.0.1"))
     except OSError as e:
         progress(f"metrics: port {port} not served ({e})")
         return None

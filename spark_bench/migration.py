@@ -247,7 +247,7 @@ def run_job(args, dep, cluster, meta, histories: dict[str, int], script: Callabl
         spec["stream_tail_limit"] = args.stream_tail_limit
         if rates is not None:
             spec["rates"] = rates
-    assign_metrics_ports(specs, args.metrics_port)
+    assign_metrics_ports(specs, args.metrics_port, args.metrics_addr)
     failures: list[str] = []
     halt = threading.Event()
 

@@ -543,7 +543,7 @@ def _run(args, dep) -> dict:
     consumer.start()
     monitor.start()
     try:
-        assign_metrics_ports(specs, args.metrics_port)
+        assign_metrics_ports(specs, args.metrics_port, args.metrics_addr)
         results = run_nodes(dep.spark, specs, body=run_tasks_of_partition, seconds=load_end - time.time())
     except BaseException:
         monitor.abort.set()         # it sets the stop key on its way out: no worker child outlives the run

@@ -105,7 +105,7 @@ def _run_count(args, dep, n: int, verify: bool) -> dict:
                                    cluster=dict(agent_interval=0.02), keep_acks=verify, run_id=run_id))
             specs[-1].update(retention=args.retention or None, start_together=n)
         progress(f"{n} node(s) x {args.partitions} partitions for {args.duration:g} s on {dep.master}")
-        assign_metrics_ports(specs, args.metrics_port)
+        assign_metrics_ports(specs, args.metrics_port, args.metrics_addr)
         store_before = _store_bytes(dep.store)
         results = run_nodes(dep.spark, specs, seconds=args.duration)
         total = sum(r["bytes"] for r in results)

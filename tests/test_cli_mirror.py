@@ -79,7 +79,8 @@ def test_run_in_the_foreground_until_ctrl_c(env):
         [sys.executable, "-m", "s3stream", "mirror", "run", "--source-meta", env.source_url, "--source-store",
          env.source_store, "--target-meta", env.target_url, "--target-store", env.target_store, "--alias", "A",
          "--worker-id", "7", "--wal-dir", str(env.tmp / "cli-worker"), "--flow", FLOW, "--interval", "0.1",
-         "--wal-capacity", "16M", "--upload-interval", "0.05", "--metrics-port", str(port)],
+         "--wal-capacity", "16M", "--upload-interval", "0.05", "--metrics-port", str(port),
+         "--metrics-addr", "127.0.0.1"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=dict(os.environ, PYTHONPATH=pythonpath, PYTHONUNBUFFERED="1"))
     lines: list[str] = []

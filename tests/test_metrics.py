@@ -283,7 +283,8 @@ def test_balance_run_serves_metrics_port(tmp_path, stop):
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "s3stream", "balance", "run", "--meta", f"sqlite:///{tmp_path}/meta.db",
-         "--store", str(tmp_path / "objects"), "--node-id", "9", "--metrics-port", str(port)],
+         "--store", str(tmp_path / "objects"), "--node-id", "9", "--metrics-port", str(port),
+         "--metrics-addr", "127.0.0.1"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]),
                  PYTHONFAULTHANDLER="1"),
@@ -294,7 +295,7 @@ def test_balance_run_serves_metrics_port(tmp_path, stop):
         assert ("s3stream_failover_seconds_count", ()) in samples
         sig = signal.SIGINT if stop == "ctrl-c" else signal.SIGTERM
         assert exit_code_after_ctrl_c(proc, sig=sig) == 0, proc.stderr.read()
-        assert f"metrics on http://0.0.0.0:{port}/metrics" in proc.stdout.read()
+        assert f"metrics on http://127.0.0.1:{port}/metrics" in proc.stdout.read()
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -304,11 +305,12 @@ def test_balance_run_serves_metrics_port(tmp_path, stop):
 def test_metrics_port_taken_is_a_user_error(tmp_path):
     from cli_helpers import fails, run
     with socket.socket() as taken:
-        taken.bind(("0.0.0.0", 0))
+        taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         fails(run("balance", "run", "--meta", f"sqlite:///{tmp_path}/meta.db", "--store", tmp_path / "objects",
-                  "--node-id", 9, "--metrics-port", port), 1, f"cannot serve metrics on port {port}")
+                  "--node-id", 9, "--metrics-port", port, "--metrics-addr", "127.0.0.1"), 1,
+              f"cannot serve metrics on 127.0.0.1 port {port}")
 
 
 def test_spark_node_task_serves_metrics_on_its_port(tmp_path):
@@ -326,7 +328,7 @@ def test_spark_node_task_serves_metrics_on_its_port(tmp_path):
     specs = [node_spec(args, 1, str(tmp_path), store_url, meta_url, ["p0"], 3.0, {})]
     port = free_port()
     assign_metrics_ports(specs, port)
-    assert specs[0]["metrics_port"] == port
+    assert specs[0]["metrics_port"] == port and specs[0]["metrics_addr"] == "127.0.0.1"   # loopback: a benchmark
     meta = open_metadata(meta_url)
     store = open_object_store(store_url)
     try:

@@ -484,7 +484,7 @@ def balance_status(meta_url: str, as_json: bool) -> None:
 @metrics_option
 @user_errors
 def balance_run(meta_url: str, store_url: str, node_id: int, once: bool, excluded: tuple[int, ...],
-                metrics_port: int, **thresholds: Any) -> None:
+                metrics_port: int, metrics_addr: str, **thresholds: Any) -> None:
     """Run a balancer candidate in the foreground until Ctrl-C, printing each move it makes.
 
     Candidates compete for one lease; the holder plans every --interval seconds from the nodes'
@@ -496,7 +496,7 @@ def balance_run(meta_url: str, store_url: str, node_id: int, once: bool, exclude
     """
     config = balancer_config(**thresholds)
     stop_on_signals()
-    serve_metrics(metrics_port)
+    serve_metrics(metrics_port, metrics_addr)
     # A failover opens the source's WAL with the capacity in its header, whatever it is.
     failover_config = Config(wal=wal.WALConfig(capacity=None))
     with contextlib.closing(open_meta(meta_url)) as meta, contextlib.closing(open_store(store_url)) as store:

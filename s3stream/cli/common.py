@@ -112,22 +112,25 @@ def json_option(fn: Callable) -> Callable:
 
 
 def metrics_option(fn: Callable) -> Callable:
+    fn = click.option("--metrics-addr", default="0.0.0.0", show_default=True, metavar="ADDR",
+                      envvar="S3STREAM_METRICS_ADDR",
+                      help="Address --metrics-port listens on (127.0.0.1: this host only).")(fn)
     return click.option("--metrics-port", type=click.IntRange(0, 65535), default=0, metavar="PORT",
-                        help="Serve Prometheus metrics on http://0.0.0.0:PORT/metrics (docs/metrics.md) "
+                        help="Serve Prometheus metrics on http://ADDR:PORT/metrics (docs/metrics.md) "
                              "[default: 0, off].")(fn)
 
 
-def serve_metrics(port: int) -> None:
-    """Start /metrics on `port` (0: do nothing) on prometheus_client's default registry."""
+def serve_metrics(port: int, addr: str = "0.0.0.0") -> None:
+    """Start /metrics on `addr`:`port` (port 0: do nothing) on prometheus_client's default registry."""
     if not port:
         return
     from ..metrics import serve
     try:
-        serve(port)
+        serve(port, addr=addr)
     except OSError as e:
-        raise click.ClickException(f"cannot serve metrics on port {port}: {e.strerror or e}; choose another "
-                                   "--metrics-port") from e
-    click.echo(f"metrics on http://0.0.0.0:{port}/metrics")
+        raise click.ClickException(f"cannot serve metrics on {addr} port {port}: {e.strerror or e}; choose another "
+                                   "--metrics-port (or --metrics-addr)") from e
+    click.echo(f"metrics on http://{addr}:{port}/metrics")
 
 
 def stop_on_signals() -> None:

@@ -112,7 +112,7 @@ def mirror() -> None:
 @user_errors
 def mirror_run(source_meta_url: str, source_store_url: str, target_meta_url: str, target_store_url: str,
                source_alias: str, worker_id: int, wal_dir: str, flow_id: str | None, interval: float | None,
-               wal_capacity: int | None, upload_interval: float, metrics_port: int) -> None:
+               wal_capacity: int | None, upload_interval: float, metrics_port: int, metrics_addr: str) -> None:
     """Run a mirror worker in the foreground until Ctrl-C, printing its flows' starts and stops.
 
     The worker claims its share of the source's partitions (leases in the target's metadata),
@@ -134,7 +134,7 @@ def mirror_run(source_meta_url: str, source_store_url: str, target_meta_url: str
         config = dataclasses.replace(config, interval=interval, lease_ttl=max(config.lease_ttl, 3 * interval),
                                      worker_timeout=max(config.worker_timeout, 3 * interval))
     stop_on_signals()
-    serve_metrics(metrics_port)
+    serve_metrics(metrics_port, metrics_addr)
     with contextlib.ExitStack() as stack:
         source_meta = stack.enter_context(contextlib.closing(open_meta(source_meta_url)))
         source_store = stack.enter_context(contextlib.closing(open_store(source_store_url)))

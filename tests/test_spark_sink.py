@@ -18,6 +18,7 @@ import s3stream  # noqa: E402
 from hypothesis import given, settings, strategies as st  # noqa: E402
 from s3stream.records import Record, encode_batch, encode_gap  # noqa: E402
 from s3stream.recordbatch import FetchedBatch  # noqa: E402
+from conftest import small_config  # noqa: E402
 
 from pyspark_s3stream import sink  # noqa: E402
 
@@ -51,7 +52,7 @@ def _cluster(tmp_path, meta: str, store: str):
 
     def create(*names: str, node_id: int = 1) -> None:
         client = s3stream.StreamClient(node_id=node_id, wal_path=str(tmp_path / f"wal{node_id}"),
-                                       object_store=store, metadata=meta)
+                                       object_store=store, metadata=meta, config=small_config())
         for name in names:
             client.open_partition(name)
         client.close()
@@ -130,7 +131,8 @@ def test_tasks_objects_are_committed_once_with_gaps_over_what_others_reserved(an
     assert end == 6
     records, end = read_back(meta, store, "out-1")
     assert [(r.offset, r.value) for r in records] == [(0, b"b"), (2, b"b")] and end == 3
-    client = s3stream.StreamClient(node_id=1, wal_path=str(tmp_path / "wal1"), object_store=store, metadata=meta)
+    client = s3stream.StreamClient(node_id=1, wal_path=str(tmp_path / "wal1"), object_store=store, metadata=meta,
+                                   config=small_config())
     try:
         assert client.open_partition("out-0").append_records([Record(value=b"z")]).result().base_offset == 6
     finally:
@@ -165,7 +167,8 @@ def test_a_commit_refuses_a_partition_a_node_holds_open(cluster, tmp_path):
     create("out-0")
     opts = sink._Options({"metadata": meta, "object_store": store, "partition": "out-0"})
     message = sink._write(opts, [pa.record_batch({"value": [b"x"]})])
-    client = s3stream.StreamClient(node_id=2, wal_path=str(tmp_path / "wal-open"), object_store=store, metadata=meta)
+    client = s3stream.StreamClient(node_id=2, wal_path=str(tmp_path / "wal-open"), object_store=store,
+                                   metadata=meta, config=small_config())
     try:
         client.open_partition("out-0")
         with pytest.raises(sink.SinkError, match="open on node 2"):

@@ -1057,14 +1057,14 @@ def _wait_for_lock_waiter(pg_url, deadline_s=10.0):
 
 
 def test_postgres_idle_connections_the_server_ended_are_replaced_without_an_error(pg_url, clock):
-    """Pooled connections the server closed while they sat idle are found (a failed BEGIN, or a
-    one-statement read that failed on a closed connection) and replaced: every operation, read
-    or write, succeeds at once."""
+    """Pooled connections the server closed while they sat idle are found (a failed BEGIN, a
+    one-statement read that failed on a closed connection, a socket with the server's last
+    message before a write is sent) and replaced: every operation, read or write, succeeds at
+    once."""
     from s3stream.metadata import PostgresMetadataStore
     s = PostgresMetadataStore(pg_url, clock=clock, pool_min=3, pool_max=3)
-    try:
-        node = s.register_node(1, "w1")
-        s.put_kv("k", b"v0")
+
+    def end_every_session() -> None:
         pids = pg_execute(pg_url, "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
                                   "AND pid <> pg_backend_pid()")[0]
         assert pids
@@ -1074,12 +1074,21 @@ def test_postgres_idle_connections_the_server_ended_are_replaced_without_an_erro
                                  f"({', '.join(str(pid) for (pid,) in pids)})")[0][0][0]:
             assert time.monotonic() < deadline, "the terminated backends did not exit"
             time.sleep(0.01)
+
+    try:
+        node = s.register_node(1, "w1")
+        s.put_kv("k", b"v0")
         # More of each than the pool holds: every connection was ended.
+        end_every_session()
         for _ in range(4):
             assert s.get_kv("k") == b"v0"
+        end_every_session()
         for i in range(4):
             s.heartbeat(1, node.node_epoch)
             s.put_kv("k", b"v%d" % (i + 1))
+        end_every_session()
+        streams = [s.create_stream(1, node.node_epoch) for _ in range(4)]      # transactions
+        assert len({m.stream_id for m in streams}) == 4
         assert s.get_kv("k") == b"v4"
         assert s.get_node(1).node_epoch == node.node_epoch
     finally:

@@ -237,9 +237,8 @@ class PostgresMetadataStore(MetadataStore):
         self._pool_timeout_s = pool_timeout_s
         # SET LOCAL, sent with BEGIN in one round trip: a session setting would not follow the
         # transactions through a pooler in transaction mode (and would leak into others' sessions).
-        lock_timeout = f"; SET LOCAL lock_timeout = {max(1, int(lock_timeout_s * 1000))}"
-        self._begin_write, self._begin_read = _BEGIN_WRITE + lock_timeout, _BEGIN_READ + lock_timeout
-        self._set_lock_timeout = lock_timeout[2:]
+        self._set_lock_timeout = f"SET LOCAL lock_timeout = {max(1, int(lock_timeout_s * 1000))}"
+        self._begin_read = f"{_BEGIN_READ}; {self._set_lock_timeout}"
         self._lock = threading.Lock()
         self._closed = False
         self._init_schema()
@@ -351,19 +350,38 @@ class PostgresMetadataStore(MetadataStore):
                     raise self._busy(e, "beginning a transaction") from e
             attempt += 1
 
+    def _live_conn(self, pool: ConnectionPool) -> psycopg.Connection:
+        """A pooled connection that the server has not ended while it was idle (such a socket
+        has the server's last message to read): those are discarded before anything is sent on
+        them, so that a write never needs sending again."""
+        for _ in range(self._pool_max + 1):
+            conn = self._getconn(pool)
+            if not select.select([conn.fileno()], [], [], 0)[0]:
+                return conn
+            conn.close()
+            pool.putconn(conn)
+        raise MetadataBusyError(f"metadata database {self.display_url}: every pooled connection was found "
+                                "closed by the server; the pool is reconnecting")
+
     @contextlib.contextmanager
     def _transaction(self, write: bool) -> Iterator["_Db"]:
         """One transaction on a pooled connection: commits if the body returns, rolls back if it
         raises; transient PostgreSQL errors become MetadataBusyError, others MetadataError."""
         pool = self._pool_here()
-        conn = self._begin(pool, self._begin_write if write else self._begin_read)
+        if write:
+            conn = self._live_conn(pool)
+        else:
+            conn = self._begin(pool, self._begin_read)
         committing = False
         try:
-            # A write runs in pipeline mode: statements whose results nobody reads (locks, updates,
-            # inserts) travel with the next one that is read, and with COMMIT. Each round trip
-            # costs this process a GIL hand-over when it comes back, which under load (producer
-            # threads) is what made PostgreSQL operations slow, not the server.
+            # A write runs in pipeline mode: BEGIN, and statements whose results nobody reads
+            # (locks, updates, inserts), travel with the next one that is read, and with COMMIT.
+            # Each round trip costs this process a GIL hand-over when it comes back, which under
+            # load (producer threads) is what made PostgreSQL operations slow, not the server.
             with conn.pipeline() if write else contextlib.nullcontext():
+                if write:
+                    conn.execute(_BEGIN_WRITE, prepare=False)
+                    conn.execute(self._set_lock_timeout, prepare=False)
                 yield _Db(conn)
                 committing = True
                 conn.execute("COMMIT")
@@ -405,36 +423,25 @@ class PostgresMetadataStore(MetadataStore):
         ONE round trip, and return the rows of the last: they go as one simple query (bound by
         the client), whose statements PostgreSQL runs as an implicit transaction, after SET LOCAL
         lock_timeout, committing at the end (NOTIFYs delivered then) or rolling all back on an
-        error. BEGIN, the statements and COMMIT would cost this process three or more wake-ups
-        under load. Each statement reads what committed before it (READ COMMITTED).
-
-        Unlike BEGIN, a write cannot be sent again if its connection turns out dead: a pooled
-        connection that the server ended while idle (its socket has the server's last message
-        to read) is discarded before anything is sent, and another one taken. A connection lost
-        once the query went out is MetadataBusyError with the outcome unknown."""
+        error. A transaction of them would cost this process two or more wake-ups under load.
+        Each statement reads what committed before it (READ COMMITTED). A connection lost once
+        the query went out is MetadataBusyError with the outcome unknown."""
         sql = "; ".join([self._set_lock_timeout, *(_Db._sql(s) for s, _ in statements)])
         params = [v for _, ps in statements for v in ps]
         pool = self._pool_here()
-        for _ in range(self._pool_max + 1):
-            conn = self._getconn(pool)
-            if select.select([conn.fileno()], [], [], 0)[0]:     # ended while idle: replaced
-                conn.close()
-                pool.putconn(conn)
-                continue
-            try:
-                with psycopg.ClientCursor(conn) as cursor:
-                    cursor.execute(sql, params)
-                    while cursor.nextset():
-                        pass
-                    return cursor.fetchall() if cursor.description is not None else []
-            except psycopg.OperationalError as e:
-                raise self._busy(e, "committing") from e
-            except psycopg.Error as e:
-                raise MetadataError(f"metadata database {self.display_url}: {self._scrub(e)}") from e
-            finally:
-                pool.putconn(conn)
-        raise MetadataBusyError(f"metadata database {self.display_url}: every pooled connection was found "
-                                "closed by the server; the pool is reconnecting")
+        conn = self._live_conn(pool)
+        try:
+            with psycopg.ClientCursor(conn) as cursor:
+                cursor.execute(sql, params)
+                while cursor.nextset():
+                    pass
+                return cursor.fetchall() if cursor.description is not None else []
+        except psycopg.OperationalError as e:
+            raise self._busy(e, "committing") from e
+        except psycopg.Error as e:
+            raise MetadataError(f"metadata database {self.display_url}: {self._scrub(e)}") from e
+        finally:
+            pool.putconn(conn)
 
     def _busy(self, e: psycopg.Error, when: str) -> MetadataBusyError:
         sqlstate = getattr(e, "sqlstate", None)

@@ -32,19 +32,25 @@ anchors beside ours: AutoMQ, about 1.5 s per partition reassignment (their docs)
 the time to copy the history (measured here). The tail a migration moved is measured (mean and
 max per history), not assumed from the upload threshold.
 
-The nodes run with `--tail-limit` (Config.stream_tail_limit) 4 MiB by default, half the engine's
-default: on this VM a close's PUT of its tail costs about 4 ms per MiB under load (new page
-cache pages are costly in the guest: the writev, not the fsync), and the half-load target needs
-the smaller tail. `--tail-limit 8M` measures the engine's default.
+The nodes run with `--tail-limit` (Config.stream_tail_limit) 2 MiB by default, a quarter of the
+engine's default: the slow moves are those whose close PUTs a full tail, and the half-load target
+needs the smaller one. `--tail-limit 8M` measures the engine's default. Measured on PostgreSQL at
+a fixed 150 MB/s (about half this VM's saturating rate; the calibrated rate itself falls with
+the bound): at 4 MiB, 37 of 360 moves (12 runs) took over 50 ms, and in 21 of them the close's
+PUT was the phase furthest above its median (the store call for 4 MiB on /dev/shm: p90 17 ms,
+max 39 ms). Two runs each: moves p90 56 ms at 4 MiB, 42 ms at 2 MiB, 33 ms at 1 MiB; the worst
+history's p99 65-94 ms at 4 MiB (5 runs), 46 and 53 ms at 2 MiB. Producers flat out
+acknowledged 310 MB/s at 4 MiB, 260 MB/s at 2 MiB and 159 MB/s at 1 MiB (one run each, one
+session): below 2 MiB the bound throttles them.
 
-Most of that 4 ms per MiB is the guest faulting in fresh memory: this VM hands freed pages back to
+A close's PUT into a store that only grows costs about 4 ms per MiB under load on this VM, most
+of it the guest faulting in fresh memory (the writev, not the fsync): this VM hands freed pages back to
 its host (free page reporting), and a store that only grows writes every object into pages never
 touched, at 390-670 MB/s against 3.6-3.9 GB/s into owned ones (tests/bench/store_first_touch.py).
 The default store (a /dev/shm directory) therefore runs with `--store-preallocate` 64 MiB
 (LocalObjectStore preallocate_bytes; only when the store is on /dev/shm): a thread in each node
 process writes files ahead, off the puts' path, and a close's 4 MiB PUT took 3-4 ms instead of
-15-27 ms (half load, PostgreSQL). `--store-preallocate 0` measures without it. The 4 MiB tail
-limit was chosen before it and not measured again with it.
+15-27 ms (half load, PostgreSQL). `--store-preallocate 0` measures without it.
 
 `--meta postgres` starts a throwaway PostgreSQL server on 127.0.0.1 for the run and stops it
 after (s3stream.pgserver); `--meta postgresql://user@host/db` uses a server of yours.
@@ -94,11 +100,11 @@ def parse(argv):
     ap.add_argument("--tail", dest="upload_threshold", type=parse_size, default=argparse.SUPPRESS,
                     help="alias of --upload-threshold, kept for old command lines: the log cache block size, "
                          "not a bound on the tail a migration moves (the report measures that)")
-    ap.add_argument("--tail-limit", dest="stream_tail_limit", type=parse_size, default=4 * MiB,
+    ap.add_argument("--tail-limit", dest="stream_tail_limit", type=parse_size, default=2 * MiB,
                     help="the nodes' Config.stream_tail_limit: most un-uploaded bytes per stream, what a close "
-                         "uploads at most (default 4 MiB, half the Config default: without --store-preallocate a "
-                         "close's PUT costs ~4 ms per MiB on this VM under load, and the half-load target needed the "
-                         "smaller tail; 0: no bound)")
+                         "uploads at most (default 2 MiB, a quarter of the Config default: the slow moves are those "
+                         "whose close PUTs a full tail, and the half-load target needs the smaller tail; a smaller "
+                         "bound throttles producers at saturation; 0: no bound)")
     ap.add_argument("--store-preallocate", type=parse_size, default=64 * MiB,
                     help="the default store's preallocate_bytes (LocalObjectStore): each node process keeps that "
                          "many bytes of files written ahead, so a close's PUT copies into pages already allocated "

@@ -287,7 +287,8 @@ class Cluster:
         assigned_at = self.runtime.wall_ns() / 1e9
         opened = self.wait_open(name, version, timeout, node=to_node, feed=feed)
         failed_over = False
-        if not self._opened_by_current(opened, version, to_node) and source is not None and source != to_node:
+        current = self._opened_by_current(opened, version, to_node)     # a read: once if it holds
+        if not current and source is not None and source != to_node:
             closed = get_json(self.meta, f"closed/{name}")
             if not closed or closed["version"] < version:
                 log.warning("migration of %s: node %d did not let go in %.1f s: failing it over", name, source, timeout)
@@ -295,7 +296,7 @@ class Cluster:
                                reason=f"did not close {name!r} for migration to node {to_node} within {timeout} s")
                 failed_over = True
                 opened = self.wait_open(name, version, timeout, node=to_node)
-        if not self._opened_by_current(opened, version, to_node):
+        if not current and not self._opened_by_current(opened, version, to_node):
             found = dict(assignment=self.assignment(name), opened=get_json(self.meta, f"opened/{name}"),
                          closed=get_json(self.meta, f"closed/{name}"), serving_nodes=self.live_nodes(serving=True))
             raise S3StreamError(f"partition {name!r} was not opened by node {to_node} at version {version} within "

@@ -103,10 +103,10 @@ def test_partition_checkpoint_survives_moves(tmp_path, metadata_url, monkeypatch
             p.append(RecordBatch(b"x%d" % i, 2)).result(10)
         node_reads = []
         get_node = c.cluster.meta.get_node
-        monkeypatch.setattr(c.cluster.meta, "get_node", lambda node_id: node_reads.append(node_id) or get_node(node_id))
-        rep = c.cluster.migrate("p", 2)
+        with monkeypatch.context() as m:
+            m.setattr(c.cluster.meta, "get_node", lambda node_id: node_reads.append(node_id) or get_node(node_id))
+            rep = c.cluster.migrate("p", 2)
         assert node_reads == [2]                 # the target's incarnation, read once on the way out
-        monkeypatch.undo()
         rep = c.cluster.with_close_record(rep)
         assert (rep.source, rep.target, rep.leader_epoch, rep.failed_over) == (1, 2, 2, False)
         assert rep.tail_bytes == 10            # the five un-uploaded records, nothing older

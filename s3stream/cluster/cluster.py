@@ -287,7 +287,8 @@ class Cluster:
         assigned_at = self.runtime.wall_ns() / 1e9
         opened = self.wait_open(name, version, timeout, node=to_node, feed=feed)
         failed_over = False
-        current = self._opened_by_current(opened, version, to_node)     # a read: once if it holds
+        # One node read when the target serves; read again only after a fallback or to fail.
+        current = self._opened_by_current(opened, version, to_node)
         if not current and source is not None and source != to_node:
             closed = get_json(self.meta, f"closed/{name}")
             if not closed or closed["version"] < version:

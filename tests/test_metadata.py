@@ -19,7 +19,7 @@ from s3stream.errors import (ConfigError, KVConflictError, MetadataBusyError, Me
                              StreamNotClosedError, StreamNotFoundError)
 from s3stream.metadata import (CommitRange, CommitRequest, CommitSSO, CommitStreamObject,
                                ObjectState, ObjectType, Range, SqliteMetadataStore, StreamRange,
-                               StreamState, object_key, open_metadata)
+                               StreamState, commit_key, object_key, open_metadata, tailing_key)
 
 SECOND = 1_000_000_000
 TTL = 60 * SECOND
@@ -1248,6 +1248,41 @@ def test_change_feed_wakes_on_writes_under_its_prefixes(store, open_same, meta_u
         assert feed.wait(5)
         feed.wake()                                         # from another thread, as stop() does
         assert feed.wait(5)
+    finally:
+        feed.close()
+
+
+def test_commits_are_pushed_to_the_feeds_of_streams_a_reader_tails(store, open_same):
+    """A commit that extends a stream pushes commit_key(stream) while a reader's tailing_key of
+    that stream is there. Without one, PostgreSQL sends no notice (each wakes every listening
+    session and serialises the committing transactions); SQLite's datagrams go out anyway. A
+    tailing key of another stream, or a longer id sharing the prefix, does not count."""
+    node = store.register_node(1, "/wal/1")
+    tailed = store.create_stream(1, node.node_epoch)
+    feed = open_same().kv_changes((commit_key(tailed.stream_id),))
+    pushes_untailed = isinstance(store, SqliteMetadataStore)
+    try:
+        assert feed.pushes and not feed.wait(0.1)
+        end = 0
+
+        def extend() -> None:
+            nonlocal end
+            store.commit(upload(store, node, sos=[rng(tailed, end, end + 5)]))
+            end += 5
+
+        store.put_kv(tailing_key(tailed.stream_id + 1, "other"), b"{}")
+        store.put_kv(tailing_key(int(f"{tailed.stream_id}0"), "longer"), b"{}")
+        extend()
+        assert feed.wait(0.5) is pushes_untailed
+        store.put_kv(tailing_key(tailed.stream_id, "r1"), b"{}")
+        assert not feed.wait(0.1)          # the interest's own write is no commit of the stream
+        t0 = time.monotonic()
+        extend()
+        assert feed.wait(5) and time.monotonic() - t0 < 1.0
+        store.delete_kv(tailing_key(tailed.stream_id, "r1"))
+        extend()
+        assert feed.wait(0.5) is pushes_untailed
+        assert store.get_stream(tailed.stream_id).end_offset == 15
     finally:
         feed.close()
 

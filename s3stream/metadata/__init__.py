@@ -7,7 +7,7 @@ import os
 from ..errors import ConfigError
 from .base import (CommitRange, CommitRequest, CommitResult, CommitSSO, CommitStreamObject,
                    ChangeFeed, MetadataStore, NodeMeta, ObjectMeta, ObjectRef, ObjectState, ObjectType, Range,
-                   StreamMeta, StreamRange, StreamState, commit_key, object_key, redact_url)
+                   StreamMeta, StreamRange, StreamState, commit_key, object_key, redact_url, tailing_key)
 from .sqlite import SqliteMetadataStore
 
 
@@ -58,5 +58,5 @@ __all__ = [
     "ChangeFeed", "CommitRange", "CommitRequest", "CommitResult", "CommitSSO", "CommitStreamObject",
     "MetadataStore", "NodeMeta", "ObjectMeta", "ObjectRef", "ObjectState", "ObjectType",
     "PostgresMetadataStore", "Range", "SqliteMetadataStore", "StreamMeta", "StreamRange",
-    "StreamState", "commit_key", "object_key", "open_metadata", "redact_url",
+    "StreamState", "commit_key", "object_key", "open_metadata", "redact_url", "tailing_key",
 ]

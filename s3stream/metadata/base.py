@@ -238,13 +238,30 @@ class CommitResult:
 
 def commit_key(stream_id: int) -> str:
     """The change-feed key a commit that extends stream `stream_id` notifies (not a KV key: no
-    value is stored under it). A tailing reader waits on kv_changes((commit_key(id),))."""
+    value is stored under it). A tailing reader waits on kv_changes((commit_key(id),)), having
+    put a `tailing_key` of that stream first: a store may notify a stream's commits only while
+    one is there (PostgreSQL does, see commit_notices)."""
     return f"commit/{stream_id}"
+
+
+#: Where readers register their interest in a stream's commits (tailing_key).
+TAILING_PREFIX = "tailing/"
+
+
+def tailing_key(stream_id: int, token: str) -> str:
+    """The KV key a reader puts (any value) while it waits for stream `stream_id`'s commits, and
+    deletes when it stops; `token` tells readers apart. A reader that died leaves its key, which
+    only costs the stream's commits their notices (as if someone tailed it)."""
+    return f"{TAILING_PREFIX}{stream_id}/{token}"
 
 
 def commit_notices(request: "CommitRequest") -> list[str]:
     """The change-feed keys a commit notifies once it is committed: `commit_key` of each stream
-    whose committed end it moves (tailing readers), and its `kv` keys."""
+    whose committed end it moves (tailing readers), and its `kv` keys. The PostgreSQL store
+    sends a stream's commit key only if a reader registered a `tailing_key` for it: each NOTIFY
+    wakes every listening session (node agents, migrations) and holds a lock that serialises
+    the committing transactions, and at a hundred upload commits a second nobody tailing, the
+    notices alone made migrations under load slower (issue 28)."""
     return [commit_key(stream_id) for stream_id in extended_streams(request)] + [key for key, _ in request.kv]
 
 

@@ -79,7 +79,7 @@ import psycopg.conninfo
 from psycopg_pool import ConnectionPool
 
 from ..errors import (ConfigError, MetadataBusyError, MetadataError, StreamFencedError)
-from .base import (ChangeFeed, commit_notices, redact_url, CommitRequest, CommitResult, MetadataStore, NodeMeta, ObjectMeta, ObjectRef, ObjectState,
+from .base import (TAILING_PREFIX, ChangeFeed, commit_key, commit_notices, redact_url, CommitRequest, CommitResult, MetadataStore, NodeMeta, ObjectMeta, ObjectRef, ObjectState,
                    ObjectType, StreamMeta, StreamState, object_key)
 # The checks and loaders are the SQLite store's own: both stores must decide alike. They take any
 # connection-like object whose execute() takes qmark SQL; _Db adapts a psycopg connection.
@@ -879,10 +879,20 @@ _NOTIFYING = "WITH w AS ({}) SELECT pg_notify(?, key) FROM w"
 
 
 def _notify(db: "_Db", keys: str | Sequence[str]) -> None:
-    """NOTIFY the change feeds of `keys`, in order, in one statement (delivered at COMMIT)."""
+    """NOTIFY the change feeds of `keys`, in order, in one statement (delivered at COMMIT). A
+    stream's commit key only while a reader registered its interest (tailing_key: a KV key
+    under TAILING_PREFIX + the stream id + "/"; "0" follows "/" in code point order)."""
     keys = [keys] if isinstance(keys, str) else list(keys)
     if keys:
-        db.execute("SELECT pg_notify(?, key) FROM unnest(?::text[]) AS key", (KV_CHANNEL, keys))
+        db.execute(_NOTIFY_WANTED, (KV_CHANNEL, keys))
+
+
+_COMMIT_PREFIX = commit_key(0)[:-1]
+_NOTIFY_WANTED = (
+    "SELECT pg_notify(?, n.key) FROM unnest(?::text[]) AS n (key) "
+    f"WHERE left(n.key, {len(_COMMIT_PREFIX)}) <> '{_COMMIT_PREFIX}' OR EXISTS (SELECT 1 FROM kv "
+    f"WHERE kv.key >= '{TAILING_PREFIX}' || substr(n.key, {len(_COMMIT_PREFIX) + 1}) || '/' "
+    f"AND kv.key < '{TAILING_PREFIX}' || substr(n.key, {len(_COMMIT_PREFIX) + 1}) || '0')")
 
 
 class PgChangeFeed(ChangeFeed):

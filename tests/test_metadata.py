@@ -941,66 +941,6 @@ def pg_execute(url, *statements):
     return results
 
 
-def test_postgres_open_streams_is_one_round_trip_and_opens_as_the_full_transaction(pg_url, clock, monkeypatch):
-    """PostgreSQL opens streams that can be opened in one round trip (every statement sent with
-    COMMIT, the checks failing the transaction otherwise). What it makes of them is what the
-    full transaction makes (run here on a twin set of streams): epochs, owner, reservation and
-    ranges (a new one after a range that holds data, an empty last one taken over). What cannot
-    be opened falls back to the full transaction and its exact error, changing nothing."""
-    from psycopg import _pipeline_base
-    from s3stream.metadata import PostgresMetadataStore
-    from s3stream.metadata.postgres import _RANGE_COLUMNS, _open_rows, _send_node_check
-    s = PostgresMetadataStore(pg_url, clock=clock)
-    nodes = {1: s.register_node(1, "/wal/1"), 2: s.register_node(2, "/wal/2")}
-    fast = [s.create_stream(1, nodes[1].node_epoch).stream_id for _ in range(3)]
-    twins = [s.create_stream(1, nodes[1].node_epoch).stream_id for _ in range(3)]
-    waits = []         # a pipeline waiting for results it asked the server to flush: a round trip
-    fetch = _pipeline_base.BasePipeline._fetch_gen
-
-    def counted(self, *, flush):
-        if flush and self.result_queue:
-            waits.append(1)
-        return (yield from fetch(self, flush=flush))
-
-    def shape(streams):
-        metas = [s.get_stream(x) if isinstance(x, int) else x for x in streams]
-        return [(m.epoch, m.state, m.owner_node_id, m.end_offset, m.reserved_end,
-                 [(r.index, r.node_id, r.epoch, r.start_offset, r.end_offset) for r in m.ranges]) for m in metas]
-
-    for round_, to in enumerate([2, 1, 2]):
-        for ids in (fast, twins):
-            metas = [s.get_stream(i) for i in ids]
-            owner = nodes[metas[0].owner_node_id]
-            if round_:            # data in the first and last stream; the middle one's range stays empty
-                s.commit(upload(s, owner, sos=[rng(m, m.end_offset, m.end_offset + 4 + round_, m.epoch)
-                                               for m in (metas[0], metas[2])]))
-            for m in metas:
-                s.close_stream(m.stream_id, m.epoch, owner.node_id)
-        waits.clear()
-        with monkeypatch.context() as patch:
-            patch.setattr(_pipeline_base.BasePipeline, "_fetch_gen", counted)
-            opened = s.open_streams(fast[::-1], to, nodes[to].node_epoch, 7)
-        assert len(waits) == 1
-        assert [m.stream_id for m in opened] == fast[::-1]
-        with s._transaction(write=True) as db:           # the full transaction, on the twins
-            check = _send_node_check(db, to, nodes[to].node_epoch, lock=" FOR SHARE")
-            _open_rows(db, twins, to, 7, f"INSERT INTO ranges ({_RANGE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?) "
-                       "ON CONFLICT (stream_id, range_index) DO UPDATE SET node_id = EXCLUDED.node_id, "
-                       "epoch = EXCLUDED.epoch, start_offset = EXCLUDED.start_offset, end_offset = EXCLUDED.end_offset",
-                       lock=" FOR UPDATE", check=check)
-        assert shape(opened[::-1]) == shape(fast) == shape(twins)
-    assert [len(r) for *_, r in shape(fast)] == [3, 1, 3]      # the middle one's empty range taken over
-    before = snapshot(s)
-    with pytest.raises(StreamNotClosedError):
-        s.open_streams([fast[0]], 1, nodes[1].node_epoch)             # open on node 2
-    with pytest.raises(StreamFencedError):
-        s.open_streams([fast[0]], 2, nodes[2].node_epoch + 1)
-    with pytest.raises(StreamNotFoundError):
-        s.open_streams([fast[0], 10_000], 2, nodes[2].node_epoch)
-    assert snapshot(s) == before
-    s.close()
-
-
 def test_postgres_schema_types_and_reopen(pg_url, clock):
     from s3stream.metadata import PostgresMetadataStore
     s = PostgresMetadataStore(pg_url, clock=clock)

@@ -530,18 +530,6 @@ class PostgresMetadataStore(MetadataStore):
 
     def open_streams(self, stream_ids: Sequence[int], node_id: int, node_epoch: int,
                      reserve: int = 0) -> list[StreamMeta]:
-        ids = list(stream_ids)
-        if ids and len(set(ids)) == len(ids):
-            # The usual case (a partition's streams, closed elsewhere) in one round trip: every
-            # statement goes with COMMIT, the writes made only if every stream can be opened
-            # here. If they were not, the transaction below finds out why and says so (or opens
-            # what changed meanwhile).
-            with self._transaction(write=True) as db:
-                load = _send_open_if_openable(db, ids, node_id, node_epoch, reserve)
-            metas = load()
-            if metas is not None:
-                by_id = {m.stream_id: m for m in metas}
-                return [by_id[stream_id] for stream_id in ids]
         with self._transaction(write=True) as db:
             # Locks as they are read (node, then streams), none sent only to lock. The node's row
             # and the streams' are read in one round trip, the writes travel with COMMIT.
@@ -1010,40 +998,6 @@ def _one(cursor: psycopg.Cursor) -> tuple[Any, ...]:
     if row is None:
         raise MetadataError("the metadata database returned no row where one was expected")
     return row
-
-
-def _send_open_if_openable(db: _Db, ids: list[int], node_id: int, node_epoch: int,
-                           reserve: int) -> Callable[[], list[StreamMeta] | None]:
-    """open_streams of distinct `ids` as statements whose results are read only after COMMIT:
-    the node row locked (FOR SHARE), then the streams (FOR UPDATE, in id order); then what
-    _open_rows writes (a range from each end, replacing an empty last one; epoch + 1), each
-    write only if the node is at `node_epoch` and every stream exists, has a range, and is
-    CLOSED or OPENED by `node_id`. Nothing fails on the server (an error would abort the
-    pipeline, and psycopg then takes a statement prepared in it for one the server has).
-    Returns what reads the streams as the writes left them, or None if nothing was written."""
-    db.execute("SELECT 1 FROM nodes WHERE node_id = ? FOR SHARE", (node_id,))
-    db.execute("SELECT 1 FROM streams WHERE stream_id = ANY(?) ORDER BY stream_id FOR UPDATE", (ids,))
-    openable = ("EXISTS (SELECT 1 FROM nodes WHERE node_id = ? AND node_epoch = ?) AND (SELECT count(*) = ? "
-                "AND bool_and((o.state = ? OR (o.state = ? AND o.owner_node_id = ?)) "
-                "AND EXISTS (SELECT 1 FROM ranges r WHERE r.stream_id = o.stream_id)) "
-                "FROM streams o WHERE o.stream_id = ANY(?))")
-    checks = (node_id, node_epoch, len(ids), StreamState.CLOSED.value, StreamState.OPENED.value, node_id, ids)
-    db.execute(f"INSERT INTO ranges ({_RANGE_COLUMNS}) "
-               "SELECT s.stream_id, CASE WHEN l.start_offset = l.end_offset THEN l.range_index "
-               "ELSE l.range_index + 1 END, ?, s.epoch + 1, s.end_offset, s.end_offset "
-               "FROM streams s CROSS JOIN LATERAL (SELECT range_index, start_offset, end_offset FROM ranges "
-               f"WHERE stream_id = s.stream_id ORDER BY range_index DESC LIMIT 1) l WHERE s.stream_id = ANY(?) AND {openable} "
-               "ON CONFLICT (stream_id, range_index) DO UPDATE SET node_id = EXCLUDED.node_id, "
-               "epoch = EXCLUDED.epoch, start_offset = EXCLUDED.start_offset, end_offset = EXCLUDED.end_offset",
-               (node_id, ids, *checks))
-    opened = db.execute("UPDATE streams SET epoch = epoch + 1, state = ?, owner_node_id = ?, "
-                        f"reserved_end = end_offset + ? WHERE stream_id = ANY(?) AND {openable} RETURNING stream_id",
-                        (StreamState.OPENED.value, node_id, reserve, ids, *checks))
-    load = _send_load_streams(db, "WHERE stream_id = ANY(?)", (ids,))
-
-    def loaded() -> list[StreamMeta] | None:
-        return load() if len(opened.fetchall()) == len(ids) else None
-    return loaded
 
 
 def _lock_node(db: _Db, node_id: int, mode: str) -> None:

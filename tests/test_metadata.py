@@ -4,6 +4,7 @@ contiguity, retries, compaction), reads, the object lifecycle, KV, several threa
 URLs. Tests about SQLite files and PostgreSQL servers as such run on their own backend only."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import sqlite3
@@ -1250,6 +1251,42 @@ def test_change_feed_wakes_on_writes_under_its_prefixes(store, open_same, meta_u
         assert feed.wait(5)
     finally:
         feed.close()
+
+
+def test_a_commit_reads_each_stream_s_last_range_only(store, monkeypatch):
+    """A stream gains a range at every open by another owner; a commit checks and extends only
+    the last one, and loads only that (its cost must not grow with the stream's history of
+    owners). What it commits is as before."""
+    import s3stream.metadata.postgres as pg_store
+    import s3stream.metadata.sqlite as sqlite_store
+    nodes = {1: store.register_node(1, "/wal/1"), 2: store.register_node(2, "/wal/2")}
+    a, b = (store.create_stream(1, nodes[1].node_epoch) for _ in range(2))
+    owner = 1
+    for i in range(12):            # data from each owner, then the other one opens both
+        metas = [store.get_stream(s.stream_id) for s in (a, b)]
+        request = upload(store, nodes[owner], sos=[rng(m, m.end_offset, m.end_offset + 3, m.epoch) for m in metas])
+        store.commit(dataclasses.replace(request, closes=tuple((m.stream_id, m.epoch) for m in metas)))
+        owner = 3 - owner
+        store.open_streams([a.stream_id, b.stream_id], owner, nodes[owner].node_epoch)
+    before = {s.stream_id: store.get_stream(s.stream_id) for s in (a, b)}
+    assert [len(m.ranges) for m in before.values()] == [13, 13]
+    seen = []
+
+    def spy(real):
+        def apply(db, request, now, rows, streams, *args, **kwargs):
+            seen.append({sid: m.ranges for sid, m in streams.items()})
+            return real(db, request, now, rows, streams, *args, **kwargs)
+        return apply
+
+    monkeypatch.setattr(sqlite_store, "_apply_commit", spy(sqlite_store._apply_commit))
+    monkeypatch.setattr(pg_store, "_apply_commit", spy(pg_store._apply_commit))
+    result = store.commit(upload(store, nodes[owner], sos=[rng(m, m.end_offset, m.end_offset + 4, m.epoch)
+                                                           for m in before.values()]))
+    assert seen == [{sid: m.ranges[-1:] for sid, m in before.items()}]
+    after = {s.stream_id: store.get_stream(s.stream_id) for s in (a, b)}
+    assert result.end_offsets == {sid: m.end_offset + 4 for sid, m in before.items()}
+    assert {sid: m.ranges[:-1] for sid, m in after.items()} == {sid: m.ranges[:-1] for sid, m in before.items()}
+    assert [m.ranges[-1].end_offset for m in after.values()] == [m.end_offset + 4 for m in before.values()]
 
 
 def test_commits_are_pushed_to_the_feeds_of_streams_a_reader_tails(store, open_same):

@@ -675,7 +675,8 @@ class PostgresMetadataStore(MetadataStore):
                     "UNION SELECT stream_id FROM stream_objects WHERE object_id = ANY(?)", (compacted, compacted))))
             # One statement each for every object and every stream of the request (a round trip
             # per row made a commit of 4 streams 24 statements), sent before any result is read.
-            load = _send_load_streams(db, "WHERE stream_id = ANY(?)", (sorted(stream_ids),), lock=" FOR UPDATE")
+            load = _send_load_streams(db, "WHERE stream_id = ANY(?)", (sorted(stream_ids),), lock=" FOR UPDATE",
+                                      last_range=True)
             object_rows = db.execute("SELECT object_id, state, expire_ns FROM objects WHERE object_id = ANY(?) "
                                      "ORDER BY object_id FOR UPDATE",
                                      (sorted(set(object_ids) | set(request.compacted_ids)),)).fetchall()

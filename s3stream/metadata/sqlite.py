@@ -488,7 +488,7 @@ class SqliteMetadataStore(MetadataStore):
             streams = {}
             for stream_id in {r.stream_id for r in ranges} | {sid for sid, _ in request.closes}:
                 try:
-                    streams[stream_id] = _load_stream(db, stream_id)
+                    streams[stream_id] = _load_stream(db, stream_id, last_range=True)
                 except StreamNotFoundError:
                     raise MetadataError(f"commit names stream {stream_id}, which does not "
                                         f"exist") from None
@@ -651,7 +651,8 @@ class _Connection(Protocol):
 def _apply_commit(db: _Connection, request: CommitRequest, now: int, rows: dict[int, tuple],
                   streams: dict[int, StreamMeta], set_ends, lock: str = "") -> CommitResult:
     """The part of a commit both stores share, once the node epoch is checked and the objects'
-    (state, expire_ns) `rows` and the request's `streams` are loaded (under the store's locks):
+    (state, expire_ns) `rows` and the request's `streams` are loaded (under the store's locks;
+    with their last range only, which is all it reads):
     the retry, expiry, append and compaction checks, then the writes. `set_ends(db, ends)`
     moves each stream's end and its last range's end, ends = [(stream id, end, range index)]."""
     ranges = request.all_ranges()
@@ -815,21 +816,31 @@ def _send_node_check(db: _Connection, node_id: int, node_epoch: int, lock: str =
     return check
 
 
-def _load_streams(db: _Connection, where: str, params: Sequence, lock: str = "") -> list[StreamMeta]:
-    """The streams `where` selects, with their ranges. Both statements are sent before either
-    result is read (PostgreSQL's pipeline: one round trip); `lock` (" FOR UPDATE") locks the
-    streams' rows, by the first of them."""
-    return _send_load_streams(db, where, params, lock)()
+def _load_streams(db: _Connection, where: str, params: Sequence, lock: str = "",
+                  last_range: bool = False) -> list[StreamMeta]:
+    """The streams `where` selects, with their ranges (`last_range`: only the last one). Both
+    statements are sent before either result is read (PostgreSQL's pipeline: one round trip);
+    `lock` (" FOR UPDATE") locks the streams' rows, by the first of them."""
+    return _send_load_streams(db, where, params, lock, last_range)()
 
 
-def _send_load_streams(db: _Connection, where: str, params: Sequence,
-                       lock: str = "") -> Callable[[], list[StreamMeta]]:
+def _send_load_streams(db: _Connection, where: str, params: Sequence, lock: str = "",
+                       last_range: bool = False) -> Callable[[], list[StreamMeta]]:
     """_load_streams in two halves: sends its statements and returns what reads their results
-    (statements sent in between travel with them on PostgreSQL)."""
+    (statements sent in between travel with them on PostgreSQL). `last_range`: each stream's
+    last range only, found through the primary key (what a commit checks and extends): a stream
+    gains a range at every open, and a commit must not cost more the more owners it had."""
     stream_rows = db.execute(f"SELECT {_STREAM_COLUMNS} FROM streams {where} ORDER BY stream_id{lock}", params)
-    range_rows = db.execute(f"SELECT {_RANGE_COLUMNS}, lost "
-                            f"FROM ranges WHERE stream_id IN (SELECT stream_id FROM streams {where}) "
-                            f"ORDER BY stream_id, range_index", params)
+    if last_range:
+        range_rows = db.execute(
+            f"SELECT {', '.join(f'r.{c}' for c in _RANGE_COLUMNS.split(', '))}, r.lost FROM (SELECT stream_id, "
+            f"(SELECT max(range_index) FROM ranges m WHERE m.stream_id = streams.stream_id) AS last "
+            f"FROM streams {where}) s JOIN ranges r ON r.stream_id = s.stream_id AND r.range_index = s.last "
+            f"ORDER BY r.stream_id", params)
+    else:
+        range_rows = db.execute(f"SELECT {_RANGE_COLUMNS}, lost "
+                                f"FROM ranges WHERE stream_id IN (SELECT stream_id FROM streams {where}) "
+                                f"ORDER BY stream_id, range_index", params)
 
     def load() -> list[StreamMeta]:
         ranges: dict[int, list[Range]] = {}
@@ -862,8 +873,8 @@ def _abandon(db: _Connection, stream: StreamMeta) -> None:
                (StreamState.CLOSED.value, stream.stream_id))
 
 
-def _load_stream(db: _Connection, stream_id: int) -> StreamMeta:
-    found = _load_streams(db, "WHERE stream_id = ?", (stream_id,))
+def _load_stream(db: _Connection, stream_id: int, last_range: bool = False) -> StreamMeta:
+    found = _load_streams(db, "WHERE stream_id = ?", (stream_id,), last_range=last_range)
     if not found:
         raise StreamNotFoundError(f"stream {stream_id} does not exist")
     return found[0]

@@ -1,9 +1,8 @@
 """A reader that is not a node: committed records of any stream or partition, from any host.
 
 `open_reader(metadata=URL, object_store=URL)` needs neither a WAL nor a node id: it registers
-no node, opens no stream and writes nothing to the store, and nothing to metadata but a tail's
-interest (below), so any number of processes on any hosts can read while the streams' owners
-keep appending. It reads what is
+nothing, opens no stream and writes nothing, to metadata or to the store, so any number of
+processes on any hosts can read while the streams' owners keep appending. It reads what is
 committed to objects (what metadata names): a stream open on some node may hold acknowledged
 records beyond that in its owner's WAL, readable here once they are uploaded.
 
@@ -17,18 +16,12 @@ records beyond that in its owner's WAL, readable here once they are uploaded.
 - `tail(stream_id, start)`: every committed batch from `start` on, as it is committed. It waits
   on the metadata store's pushed changes where it has them (commits notify `commit/<stream id>`:
   PostgreSQL LISTEN/NOTIFY, SQLite between the processes of its host) and polls every
-  `poll_interval` otherwise, and in any case at least that often. While it runs, a KV key
-  (`tailing_key`) says someone tails the stream: PostgreSQL notifies only such streams' commits.
+  `poll_interval` otherwise, and in any case at least that often.
 """
 from __future__ import annotations
 
-import json
-import logging
-import os
-import socket
 import threading
 import time
-import uuid
 from collections import OrderedDict
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -37,7 +30,7 @@ from .config import Config
 from .errors import (ConfigError, CorruptDataError, ObjectNotFoundError, OffsetOutOfRangeError, OffsetsLostError,
                      S3StreamError, StreamNotFoundError, check_int)
 from .logcache import new_log_cache
-from .metadata import MetadataStore, StreamMeta, StreamState, commit_key, open_metadata, tailing_key
+from .metadata import MetadataStore, StreamMeta, StreamState, commit_key, open_metadata
 from .objectstore import ObjectStore, open_object_store
 from .read import Reader
 from .recordbatch import FetchedBatch, FetchResult
@@ -46,8 +39,6 @@ if TYPE_CHECKING:
     from .cluster.partition import PartitionReader
 
 __all__ = ["StreamReader", "open_reader", "fetch_committed"]
-
-log = logging.getLogger("s3stream.reader")
 
 #: Seconds a StreamReader serves fetches inside a stream's committed range as last read from
 #: metadata before it reads the range again (module docstring).
@@ -189,14 +180,6 @@ class StreamReader:
             raise ConfigError(f"poll_interval must be positive seconds, got {poll_interval!r}")
         self._check_open()
         feed = self._meta.kv_changes((commit_key(stream_id),))
-        # Registered before the first look at the end: a commit after it is pushed (a store may
-        # push only the commits of streams someone tails), one before it is seen by that look.
-        interest = tailing_key(stream_id, uuid.uuid4().hex)
-        try:
-            self._meta.put_kv(interest, json.dumps({"host": socket.gethostname(), "pid": os.getpid()}).encode())
-        except BaseException:
-            feed.close()
-            raise
         try:
             position = start_offset
             idle_since = time.monotonic()
@@ -216,10 +199,6 @@ class StreamReader:
                 feed.wait(wait) if feed.pushes else self._closed.wait(wait)
         finally:
             feed.close()
-            try:
-                self._meta.delete_kv(interest)
-            except S3StreamError as e:      # left behind, it costs the stream's commits their notices
-                log.warning("tail of stream %d: could not remove its interest %s: %s", stream_id, interest, e)
 
     def close(self) -> None:
         if self._closed.is_set():

@@ -1290,38 +1290,51 @@ def test_a_commit_reads_each_stream_s_last_range_only(store, monkeypatch):
 
 
 def test_commits_are_pushed_to_the_feeds_of_streams_a_reader_tails(store, open_same):
-    """A commit that extends a stream pushes commit_key(stream) while a reader's tailing_key of
-    that stream is there. Without one, PostgreSQL sends no notice (each wakes every listening
-    session and serialises the committing transactions); SQLite's datagrams go out anyway. A
-    tailing key of another stream, or a longer id sharing the prefix, does not count."""
+    """A commit that extends a stream wakes a change feed on its commit_key. On PostgreSQL the
+    commit sends that notice only while such a feed is open (each NOTIFY wakes every listening
+    session and serialises the committing transactions): the feed registers a tailing_key and
+    its close removes it; a tailing key of another stream, or of a longer id sharing the
+    prefix, does not count. SQLite's datagrams go out anyway."""
     node = store.register_node(1, "/wal/1")
-    tailed = store.create_stream(1, node.node_epoch)
+    tailed, other = store.create_stream(1, node.node_epoch), store.create_stream(1, node.node_epoch)
+    ends = {tailed.stream_id: 0, other.stream_id: 0}
+
+    def extend(stream) -> None:
+        store.commit(upload(store, node, sos=[rng(stream, ends[stream.stream_id], ends[stream.stream_id] + 5)]))
+        ends[stream.stream_id] += 5
+
+    store.put_kv(tailing_key(int(f"{other.stream_id}0"), "longer"), b"")
+    listener = None
+    if not isinstance(store, SqliteMetadataStore):
+        import psycopg
+        from s3stream.metadata.postgres import KV_CHANNEL
+        listener = psycopg.connect(store.url, autocommit=True)
+        listener.execute(f"LISTEN {KV_CHANNEL}")
+
+    def notices() -> list[str]:
+        return [n.payload for n in listener.notifies(timeout=0.3) if n.payload.startswith("commit/")]
+
     feed = open_same().kv_changes((commit_key(tailed.stream_id),))
-    pushes_untailed = isinstance(store, SqliteMetadataStore)
     try:
         assert feed.pushes and not feed.wait(0.1)
-        end = 0
-
-        def extend() -> None:
-            nonlocal end
-            store.commit(upload(store, node, sos=[rng(tailed, end, end + 5)]))
-            end += 5
-
-        store.put_kv(tailing_key(tailed.stream_id + 1, "other"), b"{}")
-        store.put_kv(tailing_key(int(f"{tailed.stream_id}0"), "longer"), b"{}")
-        extend()
-        assert feed.wait(0.5) is pushes_untailed
-        store.put_kv(tailing_key(tailed.stream_id, "r1"), b"{}")
-        assert not feed.wait(0.1)          # the interest's own write is no commit of the stream
+        assert len(store.list_kv("tailing/")) == (1 if listener else 0) + 1
         t0 = time.monotonic()
-        extend()
+        extend(tailed)
         assert feed.wait(5) and time.monotonic() - t0 < 1.0
-        store.delete_kv(tailing_key(tailed.stream_id, "r1"))
-        extend()
-        assert feed.wait(0.5) is pushes_untailed
-        assert store.get_stream(tailed.stream_id).end_offset == 15
+        extend(other)                      # no feed on it (the "longer" key is another stream's)
+        if listener is not None:
+            assert notices() == [commit_key(tailed.stream_id)]
     finally:
         feed.close()
+    try:
+        assert list(store.list_kv("tailing/")) == [tailing_key(int(f"{other.stream_id}0"), "longer")]
+        extend(tailed)
+        if listener is not None:
+            assert notices() == []
+        assert store.get_stream(tailed.stream_id).end_offset == 10
+    finally:
+        if listener is not None:
+            listener.close()
 
 
 def test_sqlite_change_feed_is_woken_by_another_process(tmp_path):

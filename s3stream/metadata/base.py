@@ -238,27 +238,27 @@ class CommitResult:
 
 def commit_key(stream_id: int) -> str:
     """The change-feed key a commit that extends stream `stream_id` notifies (not a KV key: no
-    value is stored under it). A tailing reader waits on kv_changes((commit_key(id),)), having
-    put a `tailing_key` of that stream first: a store may notify a stream's commits only while
-    one is there (PostgreSQL does, see commit_notices)."""
+    value is stored under it). A tailing reader waits on kv_changes((commit_key(id),)); a
+    store may notify a stream's commits only while such a feed is open (PostgreSQL's feed
+    registers a `tailing_key`, see commit_notices)."""
     return f"commit/{stream_id}"
 
 
-#: Where readers register their interest in a stream's commits (tailing_key).
+#: Where change feeds register their interest in a stream's commits (tailing_key).
 TAILING_PREFIX = "tailing/"
 
 
 def tailing_key(stream_id: int, token: str) -> str:
-    """The KV key a reader puts (any value) while it waits for stream `stream_id`'s commits, and
-    deletes when it stops; `token` tells readers apart. A reader that died leaves its key, which
-    only costs the stream's commits their notices (as if someone tailed it)."""
+    """The KV key a change feed on stream `stream_id`'s commits puts (empty) while it is open,
+    and deletes when it closes; `token` tells feeds apart. One of a process that died stays,
+    which only costs the stream's commits their notices (as if someone tailed it)."""
     return f"{TAILING_PREFIX}{stream_id}/{token}"
 
 
 def commit_notices(request: "CommitRequest") -> list[str]:
     """The change-feed keys a commit notifies once it is committed: `commit_key` of each stream
     whose committed end it moves (tailing readers), and its `kv` keys. The PostgreSQL store
-    sends a stream's commit key only if a reader registered a `tailing_key` for it: each NOTIFY
+    sends a stream's commit key only while a change feed on it has a `tailing_key`: each NOTIFY
     wakes every listening session (node agents, migrations) and holds a lock that serialises
     the committing transactions, and at a hundred upload commits a second nobody tailing, the
     notices alone made migrations under load slower (issue 28)."""

@@ -66,10 +66,13 @@ silent" holds here too; times come from the injected clock, never from the serve
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import select
+import socket
 import threading
 import time
+import uuid
 import weakref
 from typing import Any, Callable, Iterator, Sequence
 from urllib.parse import unquote
@@ -79,7 +82,7 @@ import psycopg.conninfo
 from psycopg_pool import ConnectionPool
 
 from ..errors import (ConfigError, MetadataBusyError, MetadataError, StreamFencedError)
-from .base import (TAILING_PREFIX, ChangeFeed, commit_key, commit_notices, redact_url, CommitRequest, CommitResult, MetadataStore, NodeMeta, ObjectMeta, ObjectRef, ObjectState,
+from .base import (TAILING_PREFIX, ChangeFeed, commit_key, commit_notices, tailing_key, redact_url, CommitRequest, CommitResult, MetadataStore, NodeMeta, ObjectMeta, ObjectRef, ObjectState,
                    ObjectType, StreamMeta, StreamState, object_key)
 # The checks and loaders are the SQLite store's own: both stores must decide alike. They take any
 # connection-like object whose execute() takes qmark SQL; _Db adapts a psycopg connection.
@@ -88,6 +91,8 @@ from .sqlite import (_COMMITTED, _DEAD_SSOS, _MARK_DESTROYED, _NO_OFFSET, _NODE_
                      _apply_commit, _check_node_epoch, _check_request_shape, _check_stream_epoch, _ids,
                      _live_stream, _load_objects, _load_stream, _load_streams, _mark_destroyed, _node_meta, _node_row,
                      _open_rows, _send_load_streams, _send_node_check)
+
+log = logging.getLogger("s3stream.metadata")
 
 SCHEMA_VERSION = 2
 
@@ -906,7 +911,12 @@ class PgChangeFeed(ChangeFeed):
     `wait`. If the connection is lost, `wait` reconnects, LISTENs again and returns True: what
     changed meanwhile was not seen, so the caller must look again (it re-reads state after every
     wake-up anyway). `wait` takes notifications in slices of WAKE_SLICE_S so that `wake` from
-    another thread (an agent stopping) is seen within one."""
+    another thread (an agent stopping) is seen within one.
+
+    A feed on a stream's `commit_key` (a tailing reader) registers its interest while it is
+    open (`tailing_key`, deleted by close): commits notify only the streams that have one
+    (_notify). A feed of a process that died leaves its key, which only costs the stream's
+    commits their notices."""
 
     pushes = True
     WAKE_SLICE_S = 0.05
@@ -917,6 +927,15 @@ class PgChangeFeed(ChangeFeed):
         self._conn: psycopg.Connection | None = None
         self._closed = False
         self._connect()
+        token = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self._interests = [tailing_key(int(p[len(_COMMIT_PREFIX):]), token) for p in prefixes
+                           if p.startswith(_COMMIT_PREFIX) and p[len(_COMMIT_PREFIX):].isdigit()]
+        try:
+            for key in self._interests:
+                store.put_kv(key, b"")
+        except BaseException:
+            self.close()
+            raise
 
     def _connect(self) -> None:
         conninfo = self._store._listen_conninfo
@@ -963,6 +982,12 @@ class PgChangeFeed(ChangeFeed):
         self._closed = True
         super().close()
         self._drop()
+        interests, self._interests = self._interests, []
+        for key in interests:
+            try:
+                self._store.delete_kv(key)
+            except MetadataError as e:   # left behind, it costs the stream's commits their notices
+                log.warning("change feed: could not remove its interest %s: %s", key, e)
 
 
 # ---- helpers -------------------------------------------------------------------------------------

@@ -110,13 +110,15 @@ def test_pauses_shorter_than_the_heartbeat_timeout(request, tmp_path, backend):
     assert_safe(run_scenario(request, tmp_path, backend, script))
 
 
-@pytest.mark.parametrize("wal", ["file", "objects"])
-@pytest.mark.parametrize("backend", BOTH, indirect=True)
+@pytest.mark.parametrize("backend,wal", [("pg-s3", "file"), ("pg-s3", "objects"), ("sqlite-local", "objects")],
+                         indirect=["backend"])
 def test_pauses_longer_than_the_heartbeat_timeout(request, tmp_path, backend, wal):
     """SIGSTOP for 3 s, three times (plain, after a burst, mid-transaction): each paused node is
     failed over; when it wakes it must not acknowledge what its successor will never see. With
     the WALs on the store (issue 27) the failover's fence is in the store too: the woken node's
-    next PUT fails."""
+    next PUT fails (S3's and the local store's fences). SQLite with a WAL file is left out (about
+    20 s of CI): the file WAL's lease is the metadata store's, which pg-s3 covers; the other
+    cluster tests run it on SQLite."""
     rng = random.Random(2602)
 
     def script(run):

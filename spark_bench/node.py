@@ -219,7 +219,10 @@ def run_node(spec: dict) -> dict:
             timeline[(acked - origin_ns) // 1_000_000_000] += len(data)
             ticks[(acked - origin_ns) // 100_000_000] += len(data)
             if keep_acks:
-                acks.append((name, base, node_id, seq, digest(data)))
+                # No digest: the verifier regenerates the payload from (name, node, seq) and
+                # compares it byte for byte (hashing every acknowledged byte here took ~7% of
+                # the box's CPU beside the nodes at half load, perf).
+                acks.append((name, base, node_id, seq))
 
     trimmed = [0]
 

@@ -85,6 +85,45 @@ def test_close_uploads_only_its_streams_while_background_uploads_stall(tmp_path)
         c.close()
 
 
+def test_a_close_commits_ahead_of_a_block_whose_puts_ended_during_its_own(tmp_path):
+    """A close goes first: from its start, a block's commit does not take the commit gate, so
+    the close finds it free once its PUTs are done. Here the close's PUT takes 0.4 s and a
+    block of another stream is PUT meanwhile: the block commits after the close (before the
+    change it committed first, and the close waited for it), and both read back."""
+    store = ThreadGatedStore(LocalObjectStore(str(tmp_path / "objects")), hang_others=0.4)
+    c = client(tmp_path, store, upload_threshold=256 * KiB, split_size=64 * KiB)
+    try:
+        a, b = c.create_stream(), c.create_stream()
+        pa = [os.urandom(3000) for _ in range(10)]
+        for p in pa:
+            a.append(RecordBatch(p, 1)).result(10)
+        commits: list[tuple[str, float]] = []
+        meta = c._uploader._meta
+        real = meta.commit
+        meta.commit = lambda request: (commits.append(("close" if request.closes else "block", time.monotonic())),
+                                       real(request))[1]
+        try:
+            closing = threading.Thread(target=a.close, kwargs=dict(timeout=10))
+            closing.start()
+            time.sleep(0.1)                                   # the close is in its PUT
+            pb = [os.urandom(3000) for _ in range(10)]
+            for p in pb:
+                b.append(RecordBatch(p, 1)).result(10)
+            t0 = time.monotonic()
+            c.force_upload(10)                                # B's block: PUT at once, then its commit
+            closing.join(10)
+        finally:
+            del meta.commit
+        kinds = [k for k, _ in commits]
+        assert kinds[:2] == ["close", "block"], commits
+        assert commits[1][1] - t0 > 0.1                       # the block's commit waited for the close
+        assert c._uploader.stats["close_conflicts"] == 0
+        assert [p for _, p in read_stream(c, a.stream_id)] == pa
+        assert [p for _, p in read_stream(c, b.stream_id)] == pb
+    finally:
+        c.close()
+
+
 def test_a_stream_tail_stays_bounded_under_a_store_slower_than_the_producer(tmp_path):
     """A producer that outruns the store (every background PUT takes 60 ms): the stream's
     un-uploaded tail never exceeds stream_tail_limit plus the batches in flight, appends wait
@@ -148,9 +187,13 @@ def test_a_stream_reopened_on_the_same_node_after_its_close_takes_appends(tmp_pa
         c.close()
 
 
-def test_a_close_racing_a_block_commit_uploads_only_what_is_left(tmp_path):
+def test_a_close_racing_a_block_commit_uploads_only_what_is_left(tmp_path, monkeypatch):
     """A block holding part of the tail commits while the close's own PUT is in flight: the close
-    notices, uploads the rest again holding the commit gate, and the stream stays dense."""
+    notices, uploads the rest again holding the commit gate, and the stream stays dense. (A
+    block's commit waits for an announced close for CLOSE_PRIORITY_MAX_WAIT, set to 0 here: the
+    race remains for a block waiting longer, or whose commit began before the close.)"""
+    from s3stream import upload
+    monkeypatch.setattr(upload, "CLOSE_PRIORITY_MAX_WAIT", 0.0)
     store = ThreadGatedStore(LocalObjectStore(str(tmp_path / "objects")), hang_others=0.3)
     c = client(tmp_path, store, upload_threshold=128 * KiB, split_size=32 * KiB, upload_idle=False)
     try:
@@ -256,6 +299,37 @@ def test_an_append_waiting_on_its_tail_is_refused_when_its_stream_closes(tmp_pat
         assert c.metadata.get_stream(s.stream_id).end_offset == s.next_offset
     finally:
         c.close(timeout=1)
+
+
+def test_blocks_take_object_ids_prepared_ahead(tmp_path):
+    """Blocks take their object ids from those prepared ahead (BLOCK_IDS_AHEAD at a time): 24
+    uploaded blocks cost two prepare transactions, not 24; their ids rise with block order; a
+    clean shutdown leaves no PREPARED object."""
+    from s3stream.upload import BLOCK_IDS_AHEAD
+    c = client(tmp_path, f"file://{tmp_path}/objects")
+    try:
+        s = c.create_stream()
+        calls: list[int] = []
+        meta = c._uploader._meta
+        real = meta.prepare_objects
+        meta.prepare_objects = lambda count, ttl_ns: (calls.append(count), real(count, ttl_ns))[1]
+        try:
+            for _ in range(24):
+                s.append(RecordBatch(os.urandom(2000), 1)).result(10)
+                c.force_upload(timeout=10)
+        finally:
+            del meta.prepare_objects
+        assert calls == [1 + BLOCK_IDS_AHEAD] * 2, calls
+        committed = sorted(c.metadata.list_objects(state=ObjectState.COMMITTED), key=lambda o: o.order_id)
+        ids = [o.object_id for o in committed]
+        assert len(ids) == 24 and ids == sorted(ids)          # in commit (block) order
+        assert len(c.metadata.list_objects(state=ObjectState.PREPARED)) == 2 * (1 + BLOCK_IDS_AHEAD) - 24
+        assert [b for _, b in read_stream(c, s.stream_id)] and c.metadata.get_stream(s.stream_id).end_offset == 24
+    finally:
+        c.close()
+    meta = SqliteMetadataStore(str(tmp_path / "meta.db"))
+    assert meta.list_objects(state=ObjectState.PREPARED) == []
+    meta.close()
 
 
 def test_a_close_is_one_metadata_transaction(tmp_path):

@@ -297,11 +297,12 @@ class StreamClient:
         self._check_usable()
         return self._partition_table().reader(name)
 
-    def open_partition(self, name: str, *, hinted: bool = False) -> Any:
+    def open_partition(self, name: str, *, hinted: bool = False, version: int | None = None) -> Any:
         """Create the named partition or open it on this node (s3stream.cluster.partition;
-        `hinted`, for node agents: open from the hint its last close recorded, if it holds)."""
+        `hinted` and `version`, for node agents: open from the hint its last close recorded, if
+        it holds, for that assignment version)."""
         self._check_usable()
-        return self._partition_table().open(name, hinted)
+        return self._partition_table().open(name, hinted, version)
 
     def partitions(self) -> list:
         """The partitions open on this node."""

@@ -442,6 +442,44 @@ def test_a_hinted_open_reads_one_key_and_a_stale_hint_still_opens_the_newest_che
         two.close()
 
 
+def test_an_open_for_a_newer_assignment_waits_for_the_source_without_locking(tmp_path):
+    """An agent tries to open a partition as soon as it is assigned there, usually before the
+    source's close. While the last close's record is of an older assignment version and the
+    source holds the partition, the open reads the meta stream's state and raises
+    StreamNotClosedError: no open transaction (whose row locks the source's close commit would
+    wait for). Once the source closed for this version, it opens from the hint as before."""
+    from s3stream.errors import StreamNotClosedError
+    store = f"file://{tmp_path}/objects"
+    one = StreamClient(1, tmp_path / "n1.wal", store, f"sqlite:///{tmp_path}/meta.db", small_config())
+    two = StreamClient(2, tmp_path / "n2.wal", store, f"sqlite:///{tmp_path}/meta.db", small_config())
+    try:
+        p = one.open_partition("p")
+        p.append(RecordBatch(b"r0", 1)).result(10)
+        p.close(timeout=10, record={"version": 1})
+        p = one.open_partition("p", hinted=True, version=2)    # moved back to node 1 at version 2
+        p.append(RecordBatch(b"r1", 1)).result(10)
+        calls: list[str] = []
+        meta = two.metadata
+        for name in ("open_streams", "get_stream"):
+            real = getattr(meta, name)
+            setattr(meta, name, lambda *a, _real=real, _name=name, **k: (calls.append(_name), _real(*a, **k))[1])
+        try:
+            with pytest.raises(StreamNotClosedError, match="open on node 1"):
+                two.open_partition("p", hinted=True, version=3)
+            assert calls == ["get_stream"]
+            p.close(timeout=10, record={"version": 3})
+            calls.clear()
+            q = two.open_partition("p", hinted=True, version=3)
+            assert calls == ["open_streams"]
+        finally:
+            for name in ("open_streams", "get_stream"):
+                meta.__dict__.pop(name, None)
+        assert [bytes(b.payload) for b in q.log.fetch(0, 2).batches] == [b"r0", b"r1"]
+    finally:
+        one.close()
+        two.close()
+
+
 def test_blocks_submitted_out_of_order_commit_in_block_order(tmp_path):
     """A seal and its submit are two steps: a block sealed later (here by hand; in the engine by
     an appender, a close, the WAL pressure or the age timer racing each other) may reach the

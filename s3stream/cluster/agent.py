@@ -396,7 +396,7 @@ class NodeAgent:
         t0 = self.clock()
         try:
             # Hinted: the source's close record names the streams and the checkpoint.
-            partition = self.client.open_partition(name, hinted=True)
+            partition = self.client.open_partition(name, hinted=True, version=version)
         except StreamNotClosedError:
             raise                             # the source has not let go yet: not a failure
         except S3StreamError as e:

@@ -392,13 +392,13 @@ class PartitionTable:
         self._lock = threading.Lock()
         self._partitions: dict[str, Partition] = {}
 
-    def open(self, name: str, hinted: bool = False) -> Partition:
+    def open(self, name: str, hinted: bool = False, version: int | None = None) -> Partition:
         """Create the named partition or open it on this node (see the module docstring);
-        `hinted`: as open_partition's."""
+        `hinted`, `version`: as open_partition's."""
         with self._lock:
             if name in self._partitions:
                 return self._partitions[name]
-        partition = open_partition(self._client, self, name, hinted)
+        partition = open_partition(self._client, self, name, hinted, version)
         with self._lock:
             self._partitions[name] = partition
         return partition
@@ -432,7 +432,8 @@ class PartitionTable:
         return errors
 
 
-def open_partition(client: StreamClient, table: PartitionTable, name: str, hinted: bool = False) -> Partition:
+def open_partition(client: StreamClient, table: PartitionTable, name: str, hinted: bool = False,
+                   version: int | None = None) -> Partition:
     """Create the partition if it is new, else open it on this node (see module docstring).
 
     `hinted` (node agents): read the hint of the partition's last close first (`closed_key`,
@@ -440,12 +441,22 @@ def open_partition(client: StreamClient, table: PartitionTable, name: str, hinte
     the open is one read and one write, its streams' open, and the close's checkpoint is the
     last one. Otherwise the usual open follows. A hinted open leaves the trim of older
     checkpoints to `Partition.trim_checkpoints` (`trim_due`), which the agent calls after it
-    has published the open."""
+    has published the open.
+
+    `version` (with `hinted`): the assignment version this open is for. While the last close's
+    record is of an older version, the source may still hold the partition (an agent tries as
+    soon as the assignment changes, before the source's close): its meta stream's state is read
+    first, without a lock, and StreamNotClosedError raised if another node holds it. The
+    locking transaction of a failing open would otherwise run beside the source's close, and
+    could hold the rows that close's commit waits for."""
     if not name or "/" in name:
         raise ValueError(f"partition names must be non-empty and contain no '/', got {name!r}")
     timing: dict[str, float] = {"started": time.perf_counter()}
     if hinted:
-        together = _open_hinted(client, client.metadata.get_kv(closed_key(name)), timing)
+        raw = client.metadata.get_kv(closed_key(name))
+        if version is not None:
+            _check_let_go(client, raw, version)
+        together = _open_hinted(client, raw, timing)
         if together is not None:
             return _opened(client, table, name, *together, trim_later=True, timing=timing, defer_trim=True)
     meta_kv = client.metadata.get_kv(_kv_key(name))
@@ -508,6 +519,22 @@ def _open_all(client: StreamClient, meta_id: int,
     timing["read"] = time.perf_counter()
     handles = client.open_streams([meta_id, *(checkpoint.streams[r] for r in roles)])
     return handles[0], dict(zip(roles, handles[1:])), checkpoint
+
+
+def _check_let_go(client: StreamClient, raw: bytes | None, version: int) -> None:
+    """StreamNotClosedError if the last close (`raw`, its record) was for an assignment older
+    than `version` and the partition's meta stream is open on another node (open_partition)."""
+    record = None if raw is None else json.loads(raw)
+    if not record or record.get("version", 0) >= version or not record.get("hint"):
+        return
+    meta_id = int(record["hint"]["meta"])
+    try:
+        meta = client.metadata.get_stream(meta_id)
+    except StreamNotFoundError:
+        return                            # the usual open finds out what happened
+    if meta.state == StreamState.OPENED and meta.owner_node_id != client.node_id:
+        raise StreamNotClosedError(f"stream {meta_id} is open on node {meta.owner_node_id} at epoch {meta.epoch}; "
+                                   "close it there or fail that node over first")
 
 
 def _open_hinted(client: StreamClient, raw: bytes | None,

@@ -1253,6 +1253,24 @@ def test_change_feed_wakes_on_writes_under_its_prefixes(store, open_same, meta_u
         feed.close()
 
 
+def test_a_feed_s_wake_ends_a_wait_in_progress_once(store):
+    """wake() from another thread ends a wait already blocked (an agent's task that ended asks
+    its loop to look again: PostgreSQL's feed selects on a socket pair beside its connection),
+    and is used up by it: the next wait blocks until its timeout."""
+    feed = store.kv_changes(("x/",))
+    try:
+        result: list[bool] = []
+        waiter = threading.Thread(target=lambda: result.append(feed.wait(30)))
+        waiter.start()
+        time.sleep(0.2)
+        feed.wake()
+        waiter.join(10)
+        assert result == [True] and not waiter.is_alive()
+        assert not feed.wait(0.2)
+    finally:
+        feed.close()
+
+
 def test_a_commit_reads_each_stream_s_last_range_only(store, monkeypatch):
     """A stream gains a range at every open by another owner; a commit checks and extends only
     the last one, and loads only that (its cost must not grow with the stream's history of

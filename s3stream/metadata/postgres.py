@@ -910,8 +910,10 @@ class PgChangeFeed(ChangeFeed):
     Notifications that arrive while nobody waits are queued by libpq and seen by the next
     `wait`. If the connection is lost, `wait` reconnects, LISTENs again and returns True: what
     changed meanwhile was not seen, so the caller must look again (it re-reads state after every
-    wake-up anyway). `wait` takes notifications in slices of WAKE_SLICE_S so that `wake` from
-    another thread (an agent stopping) is seen within one.
+    wake-up anyway). `wake` from another thread (an agent's task that ended, an agent stopping)
+    writes to a socket pair that `wait` selects on beside the connection, so it returns at once
+    (it used to take notifications in 50 ms slices and see a wake only at a slice's end: a
+    target's retry after its early open attempt waited up to that long).
 
     A feed on a stream's `commit_key` (a tailing reader) registers its interest while it is
     open (`tailing_key`, deleted by close): commits notify only the streams that have one
@@ -919,14 +921,21 @@ class PgChangeFeed(ChangeFeed):
     commits their notices."""
 
     pushes = True
-    WAKE_SLICE_S = 0.05
 
     def __init__(self, store: PostgresMetadataStore, prefixes: Sequence[str]) -> None:
         super().__init__(prefixes)
         self._store = store
         self._conn: psycopg.Connection | None = None
         self._closed = False
-        self._connect()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        try:
+            self._connect()
+        except BaseException:
+            self._wake_r.close()
+            self._wake_w.close()
+            raise
         token = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self._interests = [tailing_key(int(p[len(_COMMIT_PREFIX):]), token) for p in prefixes
                            if p.startswith(_COMMIT_PREFIX) and p[len(_COMMIT_PREFIX):].isdigit()]
@@ -964,13 +973,29 @@ class PgChangeFeed(ChangeFeed):
                 if self._conn is None:
                     self._connect()
                     return True             # changes while disconnected went unseen: look again
-                for note in self._conn.notifies(timeout=min(left, self.WAKE_SLICE_S), stop_after=1):
-                    if note.payload.startswith(self.prefixes):
-                        return True
+                conn = self._conn
+                ready, _, _ = select.select([conn.fileno(), self._wake_r], [], [], left)
+                if self._wake_r in ready:
+                    self._drain_wakes()
+                    continue                # _woken is set: returns True above
+                if ready and any(note.payload.startswith(self.prefixes) for note in list(conn.notifies(timeout=0))):
+                    return True
+            except (OSError, ValueError):
+                return True                 # closed under us (close from another thread)
             except (psycopg.Error, MetadataBusyError):
                 self._drop()
                 time.sleep(min(max(left, 0.0), 0.1))
         return True
+
+    def _drain_wakes(self) -> None:
+        with contextlib.suppress(OSError):
+            while self._wake_r.recv(4096):
+                pass
+
+    def wake(self) -> None:
+        super().wake()
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"w")
 
     def _drop(self) -> None:
         conn, self._conn = self._conn, None
@@ -982,6 +1007,8 @@ class PgChangeFeed(ChangeFeed):
         self._closed = True
         super().close()
         self._drop()
+        self._wake_r.close()
+        self._wake_w.close()
         interests, self._interests = self._interests, []
         for key in interests:
             try:

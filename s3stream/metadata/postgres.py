@@ -974,8 +974,9 @@ class PgChangeFeed(ChangeFeed):
                     self._connect()
                     return True             # changes while disconnected went unseen: look again
                 conn = self._conn
-                ready, _, _ = select.select([conn.fileno(), self._wake_r], [], [], left)
-                if self._wake_r in ready:
+                wake_fd = self._wake_r.fileno()
+                ready, _, _ = select.select([conn.fileno(), wake_fd], [], [], left)
+                if wake_fd in ready:
                     self._drain_wakes()
                     continue                # _woken is set: returns True above
                 if ready and any(note.payload.startswith(self.prefixes) for note in list(conn.notifies(timeout=0))):

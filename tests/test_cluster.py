@@ -170,6 +170,32 @@ def test_moves_trim_old_checkpoints_after_the_open_not_in_it(tmp_path, metadata_
         c.close()
 
 
+def test_a_target_waits_for_the_source_s_close_without_spinning(tmp_path, metadata_url):
+    """A partition assigned to node 2 while node 1 still holds it (its agent stopped): node 2's
+    agent tries, finds it held, and tries again when a change is pushed or within
+    agent_interval, not as fast as its tries fail (each failed try used to wake its loop at
+    once: on both stores it spun hundreds of reads a second beside the source's close). Once
+    node 1 closes it for that version, node 2 opens it."""
+    config = ClusterConfig(agent_interval=0.05, heartbeat_interval=0.1, heartbeat_timeout=30.0, migration_timeout=5.0)
+    c = InProcessCluster(tmp_path, metadata_url, nodes=(1, 2), config=config)
+    try:
+        c.cluster.assign("p", 1)
+        assert c.cluster.wait_open("p", 1, 5)
+        c.agents[1].stop()
+        tries: list[float] = []
+        real = c.clients[2].open_partition
+        c.clients[2].open_partition = lambda *a, **k: (tries.append(time.monotonic()), real(*a, **k))[1]
+        version = c.cluster.assign("p", 2)
+        time.sleep(1.0)
+        held = len(tries)
+        assert 1 <= held <= 1.0 / config.agent_interval + 5, held
+        c.clients[1].partition("p").close(record=dict(node=1, version=version))
+        opened = c.cluster.wait_open("p", version, 5, node=2)
+        assert opened is not None and opened["node"] == 2
+    finally:
+        c.close()
+
+
 def test_many_migrations_under_load_lose_nothing(tmp_path, metadata_url):
     c = InProcessCluster(tmp_path, metadata_url)
     names = ["a", "b"]

@@ -49,6 +49,8 @@ class NodeAgent:
         self.runtime = cluster.runtime
         self.clock: Callable[[], int] = cluster.monotonic
         self._busy: set[str] = set()
+        # Names a pass wanted to start a task for while one ran (a change came meanwhile).
+        self._wanted_while_busy: set[str] = set()
         self._not_before: dict[str, tuple[int, int]] = {}   # task name -> (retry not before, failures)
         self._published: dict[str, int] = {}      # partition -> assignment version confirmed open
         self._open_failures: dict[tuple[str, int], list[str]] = {}   # (partition, version) -> errors
@@ -254,8 +256,14 @@ class NodeAgent:
                   self._last_report + self.config.report_interval - now,
                   self._last_reconciled / 1e9 + self.config.push_fallback_interval - now)
         # At least agent_interval: a pass that failed before its due steps (the store down)
-        # must not spin.
-        return self._feed.wait(max(self.config.agent_interval, min(self.config.push_fallback_interval, due)))
+        # must not spin. At most that while a task runs: one that ends with the source not
+        # let go does not wake this loop (_submit), which then retries within agent_interval
+        # if no change is pushed first.
+        with self._lock:
+            busy = bool(self._busy)
+        timeout = self.config.agent_interval if busy else max(self.config.agent_interval,
+                                                              min(self.config.push_fallback_interval, due))
+        return self._feed.wait(timeout)
 
     # ---- judging peers --------------------------------------------------------------------------
 
@@ -350,17 +358,22 @@ class NodeAgent:
 
     def _submit(self, name: str, fn, *args, **kwargs) -> None:
         with self._lock:
-            if name in self._busy or self.clock() < self._not_before.get(name, (0, 0))[0]:
+            if name in self._busy:
+                self._wanted_while_busy.add(name)
+                return
+            if self.clock() < self._not_before.get(name, (0, 0))[0]:
                 return
             self._busy.add(name)
 
         def task():
             failed = True
+            not_closed = False
             try:
                 fn(*args, **kwargs)
                 failed = False
             except StreamNotClosedError:
                 failed = False             # the source has not let go yet: no backoff, a pass soon
+                not_closed = True
                 self._retry_soon = True
             except StreamFencedError as e:
                 if self.client.fenced:
@@ -375,6 +388,8 @@ class NodeAgent:
             finally:
                 with self._lock:
                     self._busy.discard(name)
+                    again = name in self._wanted_while_busy
+                    self._wanted_while_busy.discard(name)
                     # A move that failed is tried again after a backoff (50 ms doubling to 2 s),
                     # not at every pass: a close failing at once (the metadata store refusing it)
                     # must not spin.
@@ -384,7 +399,12 @@ class NodeAgent:
                         self._not_before[name] = (self.clock() + int(delay * 1e9), tries)
                     else:
                         self._not_before.pop(name, None)
-                self._feed.wake()
+                if not not_closed or again:
+                    # The loop looks again now. Not after an open the source had not let go of,
+                    # unless a change came while it ran: the next try waits for the source's
+                    # close to be pushed (closed/), or agent_interval (_wait_for_change); woken
+                    # at once it would spin reads beside that close.
+                    self._feed.wake()
 
         try:
             self._pool.submit(task)

@@ -27,6 +27,12 @@ def client(tmp_path, store, **overrides):
     return StreamClient(1, tmp_path / "node1.wal", store, f"sqlite:///{tmp_path}/meta.db", cfg)
 
 
+def two_nodes(tmp_path):
+    """Nodes 1 and 2 sharing one SQLite database and one local store."""
+    store, meta = f"file://{tmp_path}/objects", f"sqlite:///{tmp_path}/meta.db"
+    return tuple(StreamClient(n, tmp_path / f"n{n}.wal", store, meta, small_config()) for n in (1, 2))
+
+
 def read_stream(c, stream_id):
     """Every committed batch of the stream, as [(base, payload)]."""
     out, pos = [], 0
@@ -365,9 +371,7 @@ def test_a_close_is_one_metadata_transaction(tmp_path):
 def test_a_partition_open_is_one_metadata_write(tmp_path):
     """A partition closed on node 1 opens on node 2 with one metadata write (its streams opened
     together) besides reads; the older checkpoints are trimmed only every few moves."""
-    store = f"file://{tmp_path}/objects"
-    one = StreamClient(1, tmp_path / "n1.wal", store, f"sqlite:///{tmp_path}/meta.db", small_config())
-    two = StreamClient(2, tmp_path / "n2.wal", store, f"sqlite:///{tmp_path}/meta.db", small_config())
+    one, two = two_nodes(tmp_path)
     writes = ("open_streams", "open_stream", "create_stream", "trim_stream", "commit", "close_stream",
               "reserve_offsets", "prepare_objects", "put_kv", "put_kv_if_absent")
     try:
@@ -402,9 +406,7 @@ def test_a_hinted_open_reads_one_key_and_a_stale_hint_still_opens_the_newest_che
     newest checkpoint (it is read from the meta stream)."""
     import json
     from s3stream.cluster import partition as P
-    store = f"file://{tmp_path}/objects"
-    one = StreamClient(1, tmp_path / "n1.wal", store, f"sqlite:///{tmp_path}/meta.db", small_config())
-    two = StreamClient(2, tmp_path / "n2.wal", store, f"sqlite:///{tmp_path}/meta.db", small_config())
+    one, two = two_nodes(tmp_path)
     try:
         p = one.open_partition("p")
         p.append(RecordBatch(b"r0", 1)).result(10)
@@ -449,9 +451,7 @@ def test_an_open_for_a_newer_assignment_waits_for_the_source_without_locking(tmp
     StreamNotClosedError: no open transaction (whose row locks the source's close commit would
     wait for). Once the source closed for this version, it opens from the hint as before."""
     from s3stream.errors import StreamNotClosedError
-    store = f"file://{tmp_path}/objects"
-    one = StreamClient(1, tmp_path / "n1.wal", store, f"sqlite:///{tmp_path}/meta.db", small_config())
-    two = StreamClient(2, tmp_path / "n2.wal", store, f"sqlite:///{tmp_path}/meta.db", small_config())
+    one, two = two_nodes(tmp_path)
     try:
         p = one.open_partition("p")
         p.append(RecordBatch(b"r0", 1)).result(10)

@@ -1073,9 +1073,9 @@ class SimClient:
             self.addons[key] = make(self)
         return self.addons[key]
 
-    def open_partition(self, name: str, *, hinted: bool = False):
+    def open_partition(self, name: str, *, hinted: bool = False, version: int | None = None):
         self._check_usable()
-        return self.addon("partitions", PartitionTable).open(name, hinted)
+        return self.addon("partitions", PartitionTable).open(name, hinted, version)
 
     def partitions(self) -> list:
         table = self.addons.get("partitions")

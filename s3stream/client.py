@@ -39,6 +39,7 @@ from .recovery import close_node_streams, replay_wal
 from .stream import Stream
 from .upload import UploadAborted, Uploader
 from .walopen import epoch_checker, is_object_wal, open_node_wal, registered_location
+from .threads import normal_priority
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -220,7 +221,8 @@ class StreamClient:
             self._lease_expired_error, self._reserve_offsets,  # type: ignore[arg-type]  # a Stream is its writer
             self.config.stream_tail_limit or 0, self._tail_wait)  # type: ignore[arg-type]
         # Extends streams' offset reservations ahead of their appends (one thread, idle mostly).
-        self._reserver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="s3stream-reserve")
+        self._reserver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="s3stream-reserve",
+                                            initializer=normal_priority)
         self._reserving: set[int] = set()
         # User callbacks (AppendFuture.add_done_callback, future(), await) run here, never on
         # the WAL's writer threads or the uploader's.

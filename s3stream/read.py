@@ -45,6 +45,7 @@ from .metadata import MetadataStore, ObjectRef, ObjectType
 from .objectformat import (BATCH_HEADER_SIZE, BLOCK_HEADER_SIZE, Batch, IndexEntry, decode_blocks, entries_for,
                            index_from_tail, read_blocks, read_index)
 from .objectstore import ObjectStore
+from .threads import normal_priority
 
 _RETRIES = 3
 #: Object indexes kept (bytes, estimated): 64 MiB is about 1.2 million index entries.
@@ -195,7 +196,8 @@ class Reader:
         self.blocks = BlockCache(config.block_cache_size, on_evict=self._evicted)
         self.indexes = LRUCache(INDEX_CACHE_BYTES)
         self._refs = LRUCache(REF_CACHE_ENTRIES)
-        self._pool = ThreadPoolExecutor(config.read_concurrency, thread_name_prefix="s3stream-read")
+        self._pool = ThreadPoolExecutor(config.read_concurrency, thread_name_prefix="s3stream-read",
+                                        initializer=normal_priority)
         self._lock = threading.Lock()
         self._inflight: dict[tuple[int, int], Future] = {}
         self._inflight_bytes = 0

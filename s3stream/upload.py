@@ -80,6 +80,7 @@ from .metadata import (
 )
 from .objectstore import ObjectStore
 from .objectstore.base import PutData, data_size, write_requests
+from .threads import thread_nice
 
 log = logging.getLogger("s3stream.upload")
 
@@ -260,15 +261,10 @@ class RetryEpisode(NamedTuple):
 
 
 def lower_thread_priority(nice: int) -> None:
-    """Raise the calling thread's nice value by `nice` (Linux, where each thread has its own;
-    elsewhere, or if refused, the thread keeps the process's priority)."""
-    if nice <= 0 or not sys.platform.startswith("linux"):
-        return
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
-    except OSError:
-        log.debug("could not lower the priority of upload thread %s", threading.current_thread().name)
+    """Run the calling thread `nice` steps below the process (its nice value the process's plus
+    `nice`, whichever thread started it: s3stream.threads; elsewhere than Linux, or if refused,
+    it keeps its priority)."""
+    thread_nice(max(0, nice))
 
 
 def set_thread_idle(idle: bool, tid: int = 0) -> bool:

@@ -26,8 +26,8 @@ FAST = ClusterConfig(agent_interval=0.01, heartbeat_interval=0.1, heartbeat_time
 
 
 class InProcessCluster:
-    def __init__(self, tmp: Path, metadata_url: str, nodes=(1, 2, 3), config=FAST):
-        self.tmp, self.metadata_url = tmp, metadata_url
+    def __init__(self, tmp: Path, metadata_url: str, nodes=(1, 2, 3), config=FAST, store_query: str = ""):
+        self.tmp, self.metadata_url, self.store_query = tmp, metadata_url, store_query
         self.meta = open_metadata(metadata_url)
         self.store = LocalObjectStore(str(tmp / "objects"))
         self.cluster = Cluster(self.meta, self.store, config, small_config())
@@ -37,7 +37,7 @@ class InProcessCluster:
             self.start(n)
 
     def start(self, n):
-        self.clients[n] = StreamClient(n, self.tmp / f"node{n}.wal", f"file://{self.tmp}/objects",
+        self.clients[n] = StreamClient(n, self.tmp / f"node{n}.wal", f"file://{self.tmp}/objects{self.store_query}",
                                        self.metadata_url, small_config())
         self.agents[n] = NodeAgent(self.clients[n], self.cluster)
 
@@ -192,6 +192,47 @@ def test_a_target_waits_for_the_source_s_close_without_spinning(tmp_path, metada
         c.clients[1].partition("p").close(record=dict(node=1, version=version))
         opened = c.cluster.wait_open("p", version, 5, node=2)
         assert opened is not None and opened["node"] == 2
+    finally:
+        c.close()
+
+
+def test_the_agent_s_threads_run_above_the_process_and_what_they_start_does_not(tmp_path, metadata_url):
+    """agent_priority: a node agent's loop, lease keeper and move workers run that many nice
+    steps above the process; threads they happen to start (pools started lazily by a move: the
+    reads, the store's preallocation) run at the process's priority or below, never above. Here
+    the first PUT of each node is a close's (its tail, from an agent's worker), which starts the
+    store's preallocating thread."""
+    from s3stream.errors import ConfigError
+    for bad in (-1, 40):
+        with pytest.raises(ConfigError, match=f"agent_priority must be 0-39 nice steps above the process, got {bad}"):
+            ClusterConfig(agent_priority=bad)
+    if not sys.platform.startswith("linux"):
+        pytest.skip("per-thread nice values are Linux's")
+    base = os.getpriority(os.PRIO_PROCESS, os.getpid())
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), base - 1)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), base)
+    except OSError:
+        pytest.skip("this process may not raise a thread's priority (CAP_SYS_NICE, RLIMIT_NICE)")
+    config = ClusterConfig(agent_interval=0.01, heartbeat_interval=0.1, heartbeat_timeout=1.0, migration_timeout=5.0,
+                           agent_priority=5)
+    c = InProcessCluster(tmp_path, metadata_url, nodes=(1, 2), config=config, store_query="?preallocate_bytes=1048576")
+    try:
+        c.cluster.assign("p", 1)
+        assert c.cluster.wait_open("p", 1, 5)
+        c.partition("p").append(RecordBatch(b"x", 1)).result(10)
+        c.cluster.migrate("p", 2)
+        c.partition("p").append(RecordBatch(b"y", 1)).result(10)
+        c.cluster.migrate("p", 1)
+        nice = {t.name: os.getpriority(os.PRIO_PROCESS, t.native_id) for t in threading.enumerate()
+                if t.native_id is not None and t.is_alive()}
+        agents = {n: v for n, v in nice.items() if n.startswith(("node-agent-", "node-lease-", "agent-"))}
+        assert {"node-agent-1", "node-agent-2", "node-lease-1", "node-lease-2"} <= agents.keys()
+        assert any(n.startswith("agent-2") for n in agents)          # the worker that opened it on node 2
+        assert "s3stream-store-prealloc" in nice
+        assert set(agents.values()) == {base - 5}, agents
+        others = {n: v for n, v in nice.items() if n not in agents}
+        assert all(v >= base for v in others.values()), others
     finally:
         c.close()
 

@@ -32,6 +32,8 @@ from .detector import FailureDetector
 from . import metrics as cluster_metrics
 from .loadreport import LoadReporter
 from .partition import closed_key
+from .runtime import THREADS
+from ..threads import thread_nice
 
 log = logging.getLogger("s3stream.cluster")
 
@@ -58,6 +60,7 @@ class NodeAgent:
         self._stop = self.runtime.event()
         self._lease_wake = self.runtime.event()      # set when the lease keeper must stop at once
         self._pool = self.runtime.executor(self.config.max_parallel_moves, f"agent-{self.node_id}")
+        self._raised = threading.local()          # this agent's threads that run at agent_priority
         self.detector = FailureDetector(self.config.heartbeat_timeout, 2 * self.config.heartbeat_interval)
         self._last_judged = 0
         self._last_reconciled = 0
@@ -188,6 +191,7 @@ class NodeAgent:
         """Heartbeat every heartbeat_interval until the client is closed or this node fenced
         (not when the agent stops: see stop)."""
         interval = self.config.heartbeat_interval
+        self._raise_priority()
         while not self.fenced and not self.client.closed:
             started = self.clock()
             try:
@@ -198,7 +202,20 @@ class NodeAgent:
 
     # ---- the agent loop ------------------------------------------------------------------------
 
+    def _raise_priority(self) -> None:
+        """Run the calling thread (one of this agent's) at agent_priority, once per thread; only
+        with the real runtime (a simulation's threads are not the process's)."""
+        if self.runtime is not THREADS or not self.config.agent_priority or getattr(self._raised, "done", False):
+            return
+        self._raised.done = True
+        if not thread_nice(-self.config.agent_priority) and not _PRIORITY_REFUSED:
+            _PRIORITY_REFUSED.append(self.node_id)
+            log.info("node %d: the agent's threads keep the process's priority (raising it by agent_priority %d needs "
+                     "CAP_SYS_NICE or RLIMIT_NICE); moves may wait behind producers for the CPU", self.node_id,
+                     self.config.agent_priority)
+
     def _run(self) -> None:
+        self._raise_priority()
         failing = False
         changed = True
         while not self._stop.is_set():
@@ -366,6 +383,7 @@ class NodeAgent:
             self._busy.add(name)
 
         def task():
+            self._raise_priority()
             failed = True
             not_closed = False
             try:
@@ -467,5 +485,8 @@ class NodeAgent:
                  dict(report.record or record, tail_bytes=report.tail_bytes, seconds=report.seconds,
                       phases=report.phases, at=self.runtime.wall_ns() / 1e9))
 
+
+#: Nodes whose agents could not raise their threads' priority (logged once per process).
+_PRIORITY_REFUSED: list[int] = []
 
 __all__ = ["NodeAgent"]

@@ -32,6 +32,7 @@ from typing import Iterable, Iterator
 from _native.walio import write_file_durably
 
 from ..errors import ConfigError, ObjectNotFoundError, ObjectStoreError, ObjectStorePermanentError
+from ..threads import normal_priority
 from .base import (
     BytesLike, ObjectInfo, PutData, check_conditional_size, data_size, default_multipart_threshold,
 )
@@ -245,7 +246,9 @@ class LocalObjectStore:
     def _fill(self) -> None:
         """The preallocating thread: while the pool holds less than preallocate_bytes, make a
         file of the next wanted size. A write that fails (the file system is full) ends the
-        thread; puts then allocate as they would without it."""
+        thread; puts then allocate as they would without it. At the process's priority, though
+        the first put may come from a node agent's thread (s3stream.threads)."""
+        normal_priority()
         while True:
             with self._lock:
                 # Every put notifies (after taking a pooled file, if it found one).

@@ -38,6 +38,7 @@ from .base import (
     write_requests,
 )
 from .local import check_range
+from ..threads import normal_priority
 
 log = logging.getLogger("s3stream.objectstore")
 
@@ -136,7 +137,7 @@ class S3ObjectStore:
         # botocore's pool does not block when full (it opens and discards extra connections), so
         # the bound on requests in flight is this semaphore, taken around every request.
         self._slots = threading.BoundedSemaphore(max_concurrency)
-        self._executor = ThreadPoolExecutor(max_concurrency, thread_name_prefix="s3-part")
+        self._executor = ThreadPoolExecutor(max_concurrency, thread_name_prefix="s3-part", initializer=normal_priority)
         self._stats_lock = threading.Lock()
         self._stats = dict.fromkeys(
             ("put", "put_if_absent", "upload_part", "create_multipart", "complete_multipart", "abort_multipart",

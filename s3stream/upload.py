@@ -129,16 +129,18 @@ RETRY_STEPS = ("plan", "prepare", "encode", "put", "durable", "commit")
 
 class _CommitGate:
     """One metadata commit at a time, a block's or a close's, and closes first. A close
-    announces itself when it starts (`close_coming`); from then until it ends, a block's commit
-    does not take the gate (`for_block`) for up to `max_wait`, so that the close, once its PUTs
-    are done, finds the gate free instead of waiting for a block's commit that started
-    meanwhile (measured at half load on PostgreSQL: up to 14 ms). The blocks' commits wait
-    instead; the producers do not."""
+    announces itself when it starts (`close_coming`); a block's commit that reaches the gate
+    after that waits for it (`for_block`, up to `max_wait`), so that the close, once its PUTs are
+    done, finds the gate free instead of waiting for a block's commit that started meanwhile
+    (measured at half load on PostgreSQL: up to 14 ms). A block waits only for the closes
+    announced before it reached the gate: closes one after another cannot starve the blocks.
+    The blocks' commits wait instead; the producers do not."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._held = False
-        self._closes = 0             # closes announced and not ended
+        self._announced = 0              # closes announced so far (a close's ticket: its number)
+        self._pending: set[int] = set()  # tickets of the closes announced and not ended
 
     def acquire(self, timeout: float = -1) -> bool:
         """Take it (a close's way: closes do not wait for each other's announcement); False if
@@ -156,10 +158,11 @@ class _CommitGate:
 
     @contextlib.contextmanager
     def for_block(self, max_wait: float) -> Iterator[None]:
-        """Held for a block's commit: taken once no close is announced, or after `max_wait`
-        seconds of announced closes, whichever comes first."""
+        """Held for a block's commit: taken once the closes announced before now have ended,
+        or after `max_wait` seconds, whichever comes first."""
         with self._cond:
-            self._cond.wait_for(lambda: not self._closes, max_wait)
+            arrived = self._announced
+            self._cond.wait_for(lambda: not any(t < arrived for t in self._pending), max_wait)
             self._cond.wait_for(lambda: not self._held)
             self._held = True
         try:
@@ -170,12 +173,14 @@ class _CommitGate:
     @contextlib.contextmanager
     def close_coming(self) -> Iterator[None]:
         with self._cond:
-            self._closes += 1
+            ticket = self._announced
+            self._announced += 1
+            self._pending.add(ticket)
         try:
             yield
         finally:
             with self._cond:
-                self._closes -= 1
+                self._pending.discard(ticket)
                 self._cond.notify_all()
 
 

@@ -17,7 +17,7 @@ from compaction import CompactionConfig, Compactor, object_stats
 from compaction.plan import plan_stream_merges, split_pieces, Piece
 from s3stream import ConfigError, RecordBatch, StreamClient, StreamFencedError
 from s3stream.lifecycle import ObjectReclaimer
-from s3stream.metadata import ObjectMeta, ObjectState, ObjectType, StreamRange
+from s3stream.metadata import ObjectMeta, ObjectState, ObjectType, SqliteMetadataStore, StreamRange
 from s3stream.objectformat import IndexEntry
 from conftest import KiB, MiB, small_config
 from test_engine import read_all
@@ -336,9 +336,15 @@ def test_deleted_stream_data_is_dropped_and_reclaimed(tmp_path):
     node.reclaimer.run_once()
     for o in node.meta.list_objects():
         assert all(r.stream_id != gone for r in o.ranges if o.state != ObjectState.MARK_DESTROYED)
-    assert not [o for o in node.meta.list_objects() if o.state != ObjectState.COMMITTED]
+    # Every object is COMMITTED but the ids the uploader prepared ahead for its next objects.
+    ahead = {object_id for object_id, _ in node.client._uploader._spare_ids}
+    assert ahead
+    assert not [o for o in node.meta.list_objects() if o.state != ObjectState.COMMITTED and o.object_id not in ahead]
     node.check_reads()
     node.close()
+    meta = SqliteMetadataStore(str(tmp_path / "meta.db"))
+    assert not meta.list_objects(state=ObjectState.PREPARED)               # let go by the close
+    meta.close()
 
 
 # ---- concurrency --------------------------------------------------------------------------------

@@ -141,3 +141,19 @@ def test_wal_objects_bench_quick(tmp_path):
     whats = [t["what"] for t in report["targets"]]
     assert any("maximum / file maximum" in w for w in whats) and any("p99 at half load" in w for w in whats)
     assert (tmp_path / "out" / "report.json").exists() and (tmp_path / "out" / "latency.png").exists()
+
+
+def test_wake_bench_quick(tmp_path):
+    """The wake-up probe runs every case, the producers append in theirs and nobody else's, and
+    each case's percentiles come from its own samples (issue 28's tail, s3stream.bench_wake)."""
+    from s3stream import bench_wake
+    report = bench_wake.run(["--quick", "--out", str(tmp_path), "--busy", "1", "--workdir", str(tmp_path)])
+    assert set(report["cases"]) == set(bench_wake.CASES)
+    for case, s in report["cases"].items():
+        assert s["samples"] > 50, (case, s)
+        assert 0 <= s["p50_ms"] <= s["p99_ms"] <= s["p999_ms"] <= s["max_ms"], (case, s)
+    appended = {r["case"]: r["appended"] for r in report["rounds"]}
+    assert all((n > 0) == ("appends" in case) for case, n in appended.items()), appended
+    saved = json.loads((tmp_path / "report.json").read_text())
+    assert saved["cases"] == report["cases"] and (tmp_path / "wake.png").stat().st_size > 0
+    assert saved["plots"] == [str(tmp_path / "wake.png")]

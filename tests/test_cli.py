@@ -379,7 +379,7 @@ def test_bench_errors_of_the_benchmark(tmp_path):
 
 
 BENCH_KINDS = {"engine", "wal", "lease", "metadata", "spark-throughput", "spark-migration", "spark-balance",
-               "spark-mirror", "spark-pipeline", "spark-datasource", "wal-objects", "records", "reader"}
+               "spark-mirror", "spark-pipeline", "spark-datasource", "wal-objects", "records", "reader", "wake"}
 
 
 def test_bench_kinds_come_from_entry_points(monkeypatch):

@@ -16,11 +16,11 @@ was late p99 0.1-0.3 ms in quiet, busy and appends, 2.9-5.4 ms in appends+busy, 
 in appends+busy with the probe apart. So the wait is the node process's, not the kernel's alone:
 the likeliest cause is the GIL's hand-over, the probe woken by the thread that let the GIL go
 and waiting behind it for a core while both are busy. What did not shorten it, each tried in 2-3
-rounds beside the default: `--switch-interval 0.0005`; every thread of the process at nice -10
-(so the spinning processes cannot preempt a GIL holder); upload threads at nice 0 or 10 without
-SCHED_IDLE; the probe given a 0.1 ms EEVDF slice (sched_setattr, at the process's nice). A move
-is some 10-20 such wake-ups in a row (round trips and hand-offs), so cutting their number is the
-lever left.
+rounds in runs next to the default's (appends+busy stayed at p99 3.6-5.3 ms): `--switch-interval
+0.0005`; every thread of the process at nice -10 (so the spinning processes cannot preempt a GIL
+holder); upload threads at nice 0 or 10 without SCHED_IDLE; the probe given a 0.1 ms EEVDF slice
+(sched_setattr, at the process's nice). A move is some 10-20 such wake-ups in a row (round trips
+and hand-offs), so cutting their number is the lever left.
 
 Writes report.json and wake.png under `--out`. No target: the figures explain the moves' tail.
 """

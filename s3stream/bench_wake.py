@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", default=None, help="where the WAL and the objects go (default: a temporary "
                    "directory)")
     p.add_argument("--out", default="reports/wake", help="report directory")
-    p.add_argument("--quick", action="store_true", help="1 round of 0.5 s cases, 20 MB/s")
+    p.add_argument("--quick", action="store_true", help="1 round of 0.3 s cases, 20 MB/s")
     return p
 
 
@@ -160,7 +160,7 @@ def summary(late_ns: list[int]) -> dict:
 def run(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     if args.quick:
-        args.rounds, args.seconds, args.rate = 1, 0.5, 20.0
+        args.rounds, args.seconds, args.rate = 1, 0.3, 20.0
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     work = tempfile.mkdtemp(prefix="s3stream-wake-", dir=args.workdir)

@@ -18,7 +18,9 @@ from spark_bench.common import shared_fs_only  # noqa: E402
 #: Tiny jobs: a few seconds each on two cores (sizes as in tests/test_spark_bench.py).
 JOB_ARGS = {
     "throughput": ["--nodes", "2", "--partitions", "1", "--duration", "3", "--verify"],
-    "migration": ["--histories", "4M,16M", "--migrations", "3", "--tail", "4M", "--pause", "0.1"],
+    # The measuring windows as short as test_spark_bench's smoke run: this test is about cluster mode.
+    "migration": ["--histories", "4M,16M", "--migrations", "3", "--tail", "4M", "--pause", "0.1",
+                  "--quiet-seconds", "1", "--windows", "2", "--warmup-seconds", "1"],
 }
 
 

@@ -12,15 +12,15 @@ on the cores), appends (producers append to the node, nothing else on the box), 
 (both), and appends+busy with the probe in a process of its own (no GIL shared with the node).
 
 On 2 cores on 2026-11-27 (a VM, kernel 6.18, PREEMPT_NONE, HZ=250), 3 rounds of 3 s: the probe
-was late p99 0.1-0.3 ms in quiet, busy and appends, 2.9-5.4 ms in appends+busy, and 0.13-0.24 ms
-in appends+busy with the probe apart. So the wait is the node process's, not the kernel's alone:
-the likeliest cause is the GIL's hand-over, the probe woken by the thread that let the GIL go
-and waiting behind it for a core while both are busy. What did not shorten it, each tried in 2-3
-rounds in runs next to the default's (appends+busy stayed at p99 3.6-5.3 ms): `--switch-interval
-0.0005`; every thread of the process at nice -10 (so the spinning processes cannot preempt a GIL
-holder); upload threads at nice 0 or 10 without SCHED_IDLE; the probe given a 0.1 ms EEVDF slice
-(sched_setattr, at the process's nice). A move is some 10-20 such wake-ups in a row (round trips
-and hand-offs), so cutting their number is the lever left.
+was late p99 0.1-0.4 ms (per round) in quiet, busy and appends, 2.9-5.4 ms in appends+busy, and
+0.13-0.24 ms in appends+busy with the probe apart. So the wait is the node process's, not the
+kernel's alone: the likeliest cause is the GIL's hand-over, the probe woken by the thread that
+let the GIL go and waiting behind it for a core while both are busy. What did not shorten it,
+each tried in 2-3 rounds in runs next to the default's (appends+busy stayed at p99 3.6-5.3 ms):
+`--switch-interval 0.0005`; every thread of the process at nice -10 (so the spinning processes
+cannot preempt a GIL holder); upload threads at nice 0 or 10 without SCHED_IDLE; the probe given
+a 0.1 ms EEVDF slice (sched_setattr, at the process's nice). A move is some 10-20 such wake-ups
+in a row (round trips and hand-offs), so cutting their number is the lever left.
 
 Writes report.json and wake.png under `--out`. No target: the figures explain the moves' tail.
 """
@@ -56,7 +56,7 @@ DEFAULT_SWITCH_INTERVAL_S = 0.005
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="s3stream bench --kind wake", description=__doc__.split("\n\n")[0])
-    p.add_argument("--rounds", type=int, default=3, help="rounds of the four cases")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of the cases")
     p.add_argument("--seconds", type=float, default=3.0, help="seconds per case and round")
     p.add_argument("--busy", type=int, default=2, help="spinning processes in the busy cases (one per core)")
     p.add_argument("--rate", type=float, default=100.0, help="MB/s the producers append in all, paced")
@@ -109,46 +109,34 @@ class _Producers:
         return sum(self.appended)
 
 
-def probe(seconds: float, priority: int) -> list[int]:
-    """Oversleeps in ns of PROBE_SLEEP_S sleeps for `seconds`, on a thread `priority` nice
-    steps above the process (kept at the process's if that is refused)."""
-    late: list[int] = []
+def sleep_loop(seconds: float, priority: int) -> list[int]:
+    """On the calling thread, raised `priority` nice steps above the process (kept at the
+    process's if that is refused): oversleeps in ns of PROBE_SLEEP_S sleeps for `seconds`."""
+    thread_nice(-priority)
     asleep = int(PROBE_SLEEP_S * 1e9)
+    late: list[int] = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        t0 = time.perf_counter_ns()
+        time.sleep(PROBE_SLEEP_S)
+        late.append(time.perf_counter_ns() - t0 - asleep)
+    return late
 
-    def body() -> None:
-        thread_nice(-priority)
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            t0 = time.perf_counter_ns()
-            time.sleep(PROBE_SLEEP_S)
-            late.append(time.perf_counter_ns() - t0 - asleep)
 
-    t = threading.Thread(target=body, name="wake-probe")
+def probe(seconds: float, priority: int) -> list[int]:
+    """`sleep_loop` on a thread of this process."""
+    late: list[int] = []
+    t = threading.Thread(target=lambda: late.extend(sleep_loop(seconds, priority)), name="wake-probe")
     t.start()
     t.join()
     return late
 
 
-#: The probe of the last case, run by a process of its own: argv seconds, priority; prints JSON.
-_PROBE_APART = """
-import json, os, sys, time
-seconds, priority = float(sys.argv[1]), int(sys.argv[2])
-try:
-    os.setpriority(os.PRIO_PROCESS, 0, os.getpriority(os.PRIO_PROCESS, 0) - priority)
-except OSError:
-    pass
-late, end = [], time.monotonic() + seconds
-while time.monotonic() < end:
-    t0 = time.perf_counter_ns()
-    time.sleep(%r)
-    late.append(time.perf_counter_ns() - t0 - %d)
-print(json.dumps(late))
-""" % (PROBE_SLEEP_S, int(PROBE_SLEEP_S * 1e9))
-
-
 def probe_apart(seconds: float, priority: int) -> list[int]:
-    """As `probe`, from a process of its own (sharing no GIL with this one)."""
-    done = subprocess.run([sys.executable, "-c", _PROBE_APART, str(seconds), str(priority)], capture_output=True,
+    """`sleep_loop` in a process of its own (sharing no GIL with this one)."""
+    code = ("import json, sys; from s3stream.bench_wake import sleep_loop; "
+            "print(json.dumps(sleep_loop(float(sys.argv[1]), int(sys.argv[2]))))")
+    done = subprocess.run([sys.executable, "-c", code, str(seconds), str(priority)], capture_output=True,
                           text=True, check=True, timeout=seconds + 60)
     return json.loads(done.stdout)
 

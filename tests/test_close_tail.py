@@ -506,3 +506,24 @@ def test_blocks_submitted_out_of_order_commit_in_block_order(tmp_path):
         assert read_stream(c, s.stream_id) == list(enumerate(payloads))
     finally:
         c.close()
+
+
+def test_a_block_waits_for_the_closes_announced_before_it_and_no_later_one():
+    """The commit gate: a block's commit that arrives while close A is announced waits for A
+    (A's commit goes first), but a close B announced after the block arrived does not hold it
+    back, so closes one after another cannot starve the blocks' commits."""
+    from s3stream.upload import _CommitGate
+    gate = _CommitGate()
+    took: list[str] = []
+    a = gate.close_coming()
+    a.__enter__()
+    block = threading.Thread(target=lambda: gate.for_block(30.0).__enter__() or took.append("block"))
+    block.start()
+    time.sleep(0.1)
+    assert not took                         # A announced before the block came: the block waits
+    b = gate.close_coming()
+    b.__enter__()                           # B announced after the block came
+    a.__exit__(None, None, None)
+    block.join(5.0)
+    assert took == ["block"], "the block waited for a close announced after it"
+    b.__exit__(None, None, None)

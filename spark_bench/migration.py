@@ -10,7 +10,9 @@ copy baseline (issue 28).
    `--inflight` appends in flight). Below 1, the driver first runs a calibration job (the same two
    nodes, producers flat out, no migrations, `--calibration-seconds` of load) to measure this
    run's saturating acknowledged rate, then paces every producer so that the total is `load` x
-   that rate, split evenly across the partitions.
+   that rate, split evenly across the partitions. `--rate MB/S` paces at that total instead,
+   without calibrating: an A/B of two builds at one load (the calibrated rate drifted from 215 to
+   395 MB/s between runs of one session here, and moves slow with the load).
 4. Two Spark tasks act as nodes 1 and 2, the partitions assigned to them in turn; producers
    write to every partition wherever it is open. After `--warmup-seconds` of load, quiet windows
    (`--quiet-seconds` each, no migrations) alternate with `--windows` migrating windows, starting
@@ -116,6 +118,10 @@ def parse(argv):
                     help="fraction of the saturating load: 1 (the default) runs every producer flat out; below "
                          "1 a calibration job measures this run's saturating acknowledged rate first, and every "
                          "producer is paced so that the total is LOAD x that rate")
+    ap.add_argument("--rate", type=float, default=None, metavar="MB/S",
+                    help="pace the producers at this total (MB/s, split evenly) instead of calibrating: for A/B "
+                         "comparisons at one fixed load, which the calibrated rate (it drifts by a third between "
+                         "runs here) does not give; the p99 target is still the one of --load")
     ap.add_argument("--calibration-seconds", type=int, default=4,
                     help="whole seconds of flat-out load the calibration job measures (--load below 1)")
     ap.add_argument("--quiet-seconds", type=float, default=2.0,
@@ -129,6 +135,8 @@ def parse(argv):
     args = ap.parse_args(argv)
     if not 0 < args.load <= 1:
         ap.error(f"--load is a fraction of the saturating load, in (0, 1]; got {args.load:g}")
+    if args.rate is not None and not args.rate > 0:
+        ap.error(f"--rate is the producers' total in MB/s, above 0; got {args.rate:g}")
     if args.calibration_seconds < 1 or args.quiet_seconds < 0.5 or args.windows < 1 or args.warmup_seconds < 0:
         ap.error("--calibration-seconds must be at least 1, --quiet-seconds at least 0.5, --windows at least 1 and "
                  "--warmup-seconds at least 0")
@@ -386,7 +394,13 @@ def _run(args, dep, histories: dict[str, int]) -> dict:
     meta = open_metadata(meta_url)
     cluster = Cluster(meta, open_object_store(store), ClusterConfig(**CLUSTER))
     calibration, rates, earlier = None, None, []
-    if args.load < 1:
+    if args.rate is not None:
+        paced = args.rate * 1e6
+        rates = {name: paced / len(histories) for name in histories}
+        calibration = dict(mb_s=None, whole_seconds=0, paced_mb_s=args.rate,
+                           paced_partition_mb_s=args.rate / len(histories))
+        progress(f"--rate: producers paced at {args.rate:g} MB/s in all, no calibration")
+    elif args.load < 1:
         progress(f"calibration: the saturating rate, producers flat out for {args.calibration_seconds} s, "
                  "no migrations")
         calibration, earlier = calibrate(args, dep, cluster, meta, histories)
@@ -541,8 +555,9 @@ def format_report(report: dict) -> str:
     head = (f"Migration under load on {report['master']}, {report['metadata']} metadata: load {load:g} of saturation ")
     if report["calibration"]:
         c = report["calibration"]
-        head += (f"(calibrated: {c['mb_s']:.0f} MB/s acknowledged flat out in {c['whole_seconds']} s; producers "
-                 f"paced at {c['paced_mb_s']:.0f} MB/s in all, {c['paced_partition_mb_s']:.1f} MB/s per partition)")
+        head += ("(not calibrated: --rate; " if c["mb_s"] is None else
+                 f"(calibrated: {c['mb_s']:.0f} MB/s acknowledged flat out in {c['whole_seconds']} s; ")
+        head += f"producers paced at {c['paced_mb_s']:.0f} MB/s in all, {c['paced_partition_mb_s']:.1f} MB/s per partition)"
     else:
         head += f"(producers flat out, {report['inflight']} appends in flight each)"
     lines.append(head)

@@ -113,3 +113,14 @@ def test_spark_balance_smoke_converges_and_loses_nothing(tmp_path):
     saved = json.loads((tmp_path / "report.json").read_text())
     assert {"imbalance_before", "imbalance_after", "seconds_to_balance", "moves", "acked", "lost"} <= saved.keys()
     assert (tmp_path / "traffic.png").stat().st_size > 0
+
+
+def test_migration_rate_paces_without_calibrating_and_refuses_a_rate_of_nothing(capsys):
+    """--rate (an A/B at one fixed load) replaces the calibration; a rate of 0 is refused."""
+    from spark_bench.migration import parse
+    args = parse(["--rate", "150", "--load", "0.5"])
+    assert args.rate == 150.0 and args.load == 0.5
+    assert parse([]).rate is None
+    with pytest.raises(SystemExit):
+        parse(["--rate", "0"])
+    assert "--rate is the producers' total in MB/s" in capsys.readouterr().err

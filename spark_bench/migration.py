@@ -552,10 +552,12 @@ def _ratio(value: float | None) -> str:
 def format_report(report: dict) -> str:
     t, load, target = TARGETS, report["load"], report["p99_target_s"]
     lines = ["=" * 124]
-    head = (f"Migration under load on {report['master']}, {report['metadata']} metadata: load {load:g} of saturation ")
+    head = f"Migration under load on {report['master']}, {report['metadata']} metadata: "
+    rated = bool(report["calibration"]) and report["calibration"]["mb_s"] is None
+    head += (f"a fixed rate, judged as load {load:g} " if rated else f"load {load:g} of saturation ")
     if report["calibration"]:
         c = report["calibration"]
-        head += ("(not calibrated: --rate; " if c["mb_s"] is None else
+        head += ("(--rate, not calibrated: " if rated else
                  f"(calibrated: {c['mb_s']:.0f} MB/s acknowledged flat out in {c['whole_seconds']} s; ")
         head += f"producers paced at {c['paced_mb_s']:.0f} MB/s in all, {c['paced_partition_mb_s']:.1f} MB/s per partition)"
     else:

@@ -395,10 +395,7 @@ def _run(args, dep, histories: dict[str, int]) -> dict:
     cluster = Cluster(meta, open_object_store(store), ClusterConfig(**CLUSTER))
     calibration, rates, earlier = None, None, []
     if args.rate is not None:
-        paced = args.rate * 1e6
-        rates = {name: paced / len(histories) for name in histories}
-        calibration = dict(mb_s=None, whole_seconds=0, paced_mb_s=args.rate,
-                           paced_partition_mb_s=args.rate / len(histories))
+        rates = {name: args.rate * 1e6 / len(histories) for name in histories}
         progress(f"--rate: producers paced at {args.rate:g} MB/s in all, no calibration")
     elif args.load < 1:
         progress(f"calibration: the saturating rate, producers flat out for {args.calibration_seconds} s, "
@@ -509,7 +506,7 @@ def summarize(args, histories, baseline, moves, windows, results, lost, failures
     plain = migrating["mb_s"] / quiet["mb_s"] if quiet and migrating and quiet["mb_s"] and migrating["mb_s"] else None
     produced = sum(r["bytes"] for r in results)
     return dict(kind="migration", targets=TARGETS, anchors=ANCHORS, load=args.load, inflight=args.inflight,
-                p99_target_s=target, p99_target_applies=applies, calibration=calibration,
+                p99_target_s=target, p99_target_applies=applies, calibration=calibration, rate_mb_s=args.rate,
                 upload_threshold=args.upload_threshold, stream_tail_limit=node_tail_limit(args),
                 histories=rows, flatness=flat,
                 warmup_seconds=args.warmup_seconds, windows=measured, quiet=quiet, migrating=migrating,
@@ -553,15 +550,17 @@ def format_report(report: dict) -> str:
     t, load, target = TARGETS, report["load"], report["p99_target_s"]
     lines = ["=" * 124]
     head = f"Migration under load on {report['master']}, {report['metadata']} metadata: "
-    rated = bool(report["calibration"]) and report["calibration"]["mb_s"] is None
-    head += (f"a fixed rate, judged as load {load:g} " if rated else f"load {load:g} of saturation ")
-    if report["calibration"]:
+    rate = report.get("rate_mb_s")
+    if rate:
+        head += (f"a fixed rate, judged as load {load:g} (--rate, not calibrated: producers paced at {rate:.0f} MB/s "
+                 f"in all, {rate / len(report['histories']):.1f} MB/s per partition)")
+    elif report["calibration"]:
         c = report["calibration"]
-        head += ("(--rate, not calibrated: " if rated else
-                 f"(calibrated: {c['mb_s']:.0f} MB/s acknowledged flat out in {c['whole_seconds']} s; ")
-        head += f"producers paced at {c['paced_mb_s']:.0f} MB/s in all, {c['paced_partition_mb_s']:.1f} MB/s per partition)"
+        head += (f"load {load:g} of saturation (calibrated: {c['mb_s']:.0f} MB/s acknowledged flat out in "
+                 f"{c['whole_seconds']} s; producers paced at {c['paced_mb_s']:.0f} MB/s in all, "
+                 f"{c['paced_partition_mb_s']:.1f} MB/s per partition)")
     else:
-        head += f"(producers flat out, {report['inflight']} appends in flight each)"
+        head += f"load {load:g} of saturation (producers flat out, {report['inflight']} appends in flight each)"
     lines.append(head)
     quiet, migrating, ratio = report["quiet"], report["migrating"], report["throughput_ratio"]
     if quiet and migrating:
@@ -674,8 +673,9 @@ def plot(report: dict, out: str) -> list[str]:
             label = (f"{'without migrations' if quiet else 'migrations'}: {_mb_s(report[key]['mb_s'])} MB/s "
                      f"({report[key]['windows']} windows)")
         load.axvspan(w["start_s"], w["end_s"], color="tab:green" if quiet else "tab:orange", alpha=0.15, label=label)
-    if report["calibration"]:
-        load.axhline(report["calibration"]["paced_mb_s"], color="grey", ls=":", lw=1, label="paced rate")
+    paced = report["calibration"]["paced_mb_s"] if report["calibration"] else report.get("rate_mb_s")
+    if paced:
+        load.axhline(paced, color="grey", ls=":", lw=1, label="paced rate")
     load.set_xlabel("seconds of the job")
     load.set_ylabel("MB/s")
     load.set_title("Throughput with and without migrations")

@@ -1615,8 +1615,8 @@ def _lax_opened(self, opened, version, node_id):
 _ORIGINAL_WAIT_OPEN = _cluster.Cluster.wait_open
 
 
-def _any_node_wait_open(self, name, version, timeout, node=None):
-    return _ORIGINAL_WAIT_OPEN(self, name, version, timeout, None)
+def _any_node_wait_open(self, name, version, timeout, node=None, feed=None):
+    return _ORIGINAL_WAIT_OPEN(self, name, version, timeout, None, feed)
 
 
 @contextlib.contextmanager

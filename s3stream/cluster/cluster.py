@@ -225,7 +225,7 @@ class Cluster:
         """The `opened/` record of `name` once some node (`node`, if given) reports `version`
         open; None after `timeout`. Woken by the store's pushes where it has them, else polling
         every 2 ms. `feed`: one of `kv_changes((opened_key,))`, opened before the change waited
-        for (closed here), else one is opened now."""
+        for and closed by the caller, else one is opened (and closed) here."""
         return self._wait_record(
             f"opened/{name}", lambda o: o["version"] >= version and (node is None or o["node"] == node), timeout,
             feed)
@@ -233,8 +233,10 @@ class Cluster:
     def _wait_record(self, key: str, wanted: Callable[[dict], bool], timeout: float,
                      feed: ChangeFeed | None = None) -> dict | None:
         """The JSON record at `key` once `wanted(record)`; None after `timeout`. Woken by the
-        store's pushes where it has them, else polling every 2 ms."""
+        store's pushes where it has them, else polling every 2 ms. A `feed` given is left open
+        (closing it is the caller's: after its clock stopped)."""
         deadline = self.monotonic() + int(timeout * 1e9)
+        own = feed is None
         feed = self.meta.kv_changes((key,)) if feed is None else feed
         try:
             while True:
@@ -249,7 +251,8 @@ class Cluster:
                 else:
                     self.runtime.sleep(min(left, 0.002))
         finally:
-            feed.close()
+            if own:
+                feed.close()
 
     def _opened_by_current(self, opened: dict | None, version: int, node_id: int) -> bool:
         """Whether `opened` says the current incarnation of `node_id` serves `version`."""
@@ -276,13 +279,22 @@ class Cluster:
         source = json.loads(raw)["node"] if raw is not None else None
         # Listening before the move starts: a new listener is a connection (PostgreSQL: a
         # server process), whose set-up would compete with the close and the open for the CPU.
+        # Closed once the move is over (that took 0.1-4 ms of the driver's under load, after the
+        # target had served).
         feed = self.meta.kv_changes((f"opened/{name}",))
         try:
-            t0 = self.monotonic()
-            version = self._assign(name, to_node, guard, None, None, raw)
-        except BaseException:
+            report = self._migrate(name, to_node, timeout, guard, raw, source, feed)
+        finally:
             feed.close()
-            raise
+        MIGRATION_SECONDS.observe(report.seconds)
+        return _with_close(report, get_json(self.meta, f"closed/{name}"))
+
+    def _migrate(self, name: str, to_node: int, timeout: float, guard: tuple[str, bytes] | None,
+                 raw: bytes | None, source: int | None, feed: ChangeFeed) -> MigrationReport:
+        """`migrate` from its assignment on, with the assignment as read (`raw`), its node
+        (`source`) and a feed on the opened/ record, opened before."""
+        t0 = self.monotonic()
+        version = self._assign(name, to_node, guard, None, None, raw)
         assign_seconds = (self.monotonic() - t0) / 1e9
         assigned_at = self.runtime.wall_ns() / 1e9
         opened = self.wait_open(name, version, timeout, node=to_node, feed=feed)
@@ -306,11 +318,9 @@ class Cluster:
         # The migration is over once the target is seen serving; reading the source's record of
         # its close is bookkeeping for the report, not part of the move.
         seconds = (self.monotonic() - t0) / 1e9
-        report = MigrationReport(name, source, to_node, seconds, 0, opened["leader_epoch"], failed_over,
-                                 open_seconds=opened.get("seconds", 0.0), version=version, assigned_at=assigned_at,
-                                 assign_seconds=assign_seconds, seen_at=self.runtime.wall_ns() / 1e9, opened=opened)
-        MIGRATION_SECONDS.observe(report.seconds)
-        return _with_close(report, get_json(self.meta, f"closed/{name}"))
+        return MigrationReport(name, source, to_node, seconds, 0, opened["leader_epoch"], failed_over,
+                               open_seconds=opened.get("seconds", 0.0), version=version, assigned_at=assigned_at,
+                               assign_seconds=assign_seconds, seen_at=self.runtime.wall_ns() / 1e9, opened=opened)
 
     def with_close_record(self, report: MigrationReport, timeout: float = 2.0) -> MigrationReport:
         """`report` with the source's close (tail, close seconds, phases) filled in, waiting up to

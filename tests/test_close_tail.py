@@ -517,7 +517,12 @@ def test_a_block_waits_for_the_closes_announced_before_it_and_no_later_one():
     took: list[str] = []
     a = gate.close_coming()
     a.__enter__()
-    block = threading.Thread(target=lambda: gate.for_block(30.0).__enter__() or took.append("block"))
+
+    def commit_block() -> None:
+        with gate.for_block(30.0):
+            took.append("block")
+
+    block = threading.Thread(target=commit_block)
     block.start()
     time.sleep(0.1)
     assert not took                         # A announced before the block came: the block waits

@@ -108,9 +108,10 @@ def parse(argv):
                          "whose close PUTs a full tail, and the half-load target needs the smaller tail; a smaller "
                          "bound throttles producers at saturation; 0: no bound)")
     ap.add_argument("--store-preallocate", type=parse_size, default=64 * MiB,
-                    help="the default store's preallocate_bytes (LocalObjectStore): each node process keeps that "
-                         "many bytes of files written ahead, so a close's PUT copies into pages already allocated "
-                         "(default 64M; 0: off; ignored with --store, whose URL says it)")
+                    help="the default store's preallocate_bytes (LocalObjectStore): each node process writes a "
+                         "file ahead for each put, of its size, keeping up to that many bytes of them, so that a "
+                         "close's PUT copies into pages already allocated (default 64M; 0: off; ignored with "
+                         "--store, whose URL says it)")
     ap.add_argument("--migrations", type=int, default=10, help="migrations per partition")
     ap.add_argument("--pause", type=float, default=0.3, help="seconds of load between rounds of migrations")
     ap.add_argument("--inflight", type=int, default=8, help="appends in flight per producer")

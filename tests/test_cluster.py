@@ -170,6 +170,41 @@ def test_moves_trim_old_checkpoints_after_the_open_not_in_it(tmp_path, metadata_
         c.close()
 
 
+def test_an_agent_s_open_says_it_serves_before_its_checkpoint_is_durable_then_waits_for_it(
+        tmp_path, metadata_url, monkeypatch):
+    """A node agent publishes opened/ once the open's checkpoint is appended, without waiting
+    for it to be durable (the appends it takes are acknowledged only after it, in WAL order),
+    then waits for it before its upkeep: the checkpoint ends durable and the partition serves."""
+    published: list[bool] = []
+    real = NodeAgent._publish_opened
+
+    def spy(self, name, version, *args):
+        partition = next(p for p in self.client.partitions() if p.name == name)
+        published.append(partition.open_checkpoint is not None)
+        return real(self, name, version, *args)
+
+    monkeypatch.setattr(NodeAgent, "_publish_opened", spy)
+    c = InProcessCluster(tmp_path, metadata_url, nodes=(1, 2))
+    try:
+        c.cluster.assign("p", 1)
+        c.cluster.wait_open("p", 1, 5)
+        c.partition("p").append(RecordBatch(b"x", 1)).result(10)
+        c.cluster.migrate("p", 2)
+        # The partition's creation waits for its first checkpoint; the move's open does not.
+        assert published == [False, True]
+        target = c.partition("p")
+        deadline = time.monotonic() + 10
+        while target.open_checkpoint is not None:  # the agent's upkeep waits for it
+            assert time.monotonic() < deadline, "the agent never waited for the open's checkpoint"
+            time.sleep(0.01)
+        meta = target.meta_stream
+        assert meta.confirm_offset == meta.next_offset and target.checkpoint.leader_epoch == 2
+        target.append(RecordBatch(b"y", 1)).result(10)
+        assert [b.payload for b in target.fetch(target.log.start_offset).batches] == [b"x", b"y"]
+    finally:
+        c.close()
+
+
 def test_a_target_waits_for_the_source_s_close_without_spinning(tmp_path, metadata_url):
     """A partition assigned to node 2 while node 1 still holds it (its agent stopped): node 2's
     agent tries, finds it held, and tries again when a change is pushed or within

@@ -450,7 +450,8 @@ class NodeAgent:
             self._publish_opened(name, version, partition.leader_epoch, (self.clock() - t0) / 1e9,
                                  partition.open_phases)
             try:
-                partition.trim_checkpoints()     # after the move, not in it: upkeep
+                # After the move, not in it: the open's checkpoint durable, then upkeep.
+                partition.trim_checkpoints(self.config.migration_timeout)
             except S3StreamError as e:           # the next open trims what is left
                 self.errors.append(f"{name}: trimming old checkpoints: {e}")
 

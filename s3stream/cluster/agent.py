@@ -453,7 +453,7 @@ class NodeAgent:
                 # After the move, not in it: the open's checkpoint durable, then upkeep.
                 partition.trim_checkpoints(self.config.migration_timeout)
             except S3StreamError as e:           # the next open trims what is left
-                self.errors.append(f"{name}: trimming old checkpoints: {e}")
+                self.errors.append(f"{name}: after its open (the checkpoint made durable, older ones trimmed): {e}")
 
     def _hand_on(self, name: str, version: int, failures: list[str]) -> None:
         """This node failed to open `name` open_attempts times: assign it to another node that

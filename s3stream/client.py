@@ -579,7 +579,7 @@ class StreamClient:
             self._uploader.wait_committed(max(pending), timeout)
 
     def close_streams(self, streams: list[Stream], timeout: float | None = None, timing: dict | None = None,
-                      kv: tuple[tuple[str, bytes], ...] = ()) -> None:
+                      kv: tuple[tuple[str, bytes], ...] = (), not_durable: tuple[Stream, ...] = ()) -> None:
         """Close several streams together: wait for their pending appends, then upload their
         un-uploaded tails only (each at most about Config.stream_tail_limit; nothing of other
         streams, nothing older), on this thread ahead of the background uploads, and commit
@@ -590,8 +590,13 @@ class StreamClient:
         accepted), so that calling it again does every step left. `timing`, if given, receives
         where the upload's time went (Uploader.upload_and_close). `kv`: KV entries written by
         the commit that closes them all (CommitRequest.kv); not written when they close one by
-        one (a stream was fenced) or none was open."""
-        closing = [s for s in streams if s._begin_close(timeout)]
+        one (a stream was fenced) or none was open.
+
+        `not_durable`: streams of `streams` whose last appends are not waited for: nobody was
+        told they are durable (a partition's clean checkpoint), and the log cache holds them from
+        the append on, so the close's own object carries them and its commit makes them durable.
+        The WAL still writes them; recovery skips them as below the committed end."""
+        closing = [s for s in streams if s._begin_close(timeout, wait=not any(s is n for n in not_durable))]
         closed: set[int] = set()
         try:
             if self._uploader.failure is not None:

@@ -159,15 +159,17 @@ class Stream(StreamWriter):
         If that fails the stream stays open here (a later close tries again)."""
         self._client.close_streams([self], timeout)
 
-    def _begin_close(self, timeout: float | None) -> bool:
-        """Refuse new appends and wait until the pending ones are durable. False if there is
-        nothing to close (already closed or fenced)."""
+    def _begin_close(self, timeout: float | None, wait: bool = True) -> bool:
+        """Refuse new appends and (`wait`) wait until the pending ones are durable. False if
+        there is nothing to close (already closed or fenced)."""
         with self._lock:
             if self._writer_state() in (appendpath.CLOSED, appendpath.FENCED):
                 self._client._forget(self)
                 return False
             self._set_writer_state(appendpath.CLOSING)
             target = self.next_offset
+        if not wait:
+            return True
         try:
             self._wait_confirmed(target, timeout)
         except BaseException:

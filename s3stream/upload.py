@@ -761,7 +761,8 @@ class Uploader:
 
     def upload_and_close(self, streams: list[tuple[int, int]], timeout: float | None,
                          timing: dict | None = None, kv: tuple[tuple[str, bytes], ...] = ()) -> CommitResult:
-        """Close `streams` ((stream id, epoch), whose appends have stopped and are durable): PUT
+        """Close `streams` ((stream id, epoch), whose appends have stopped and are durable, or
+        are carried by this close alone: Client.close_streams' `not_durable`): PUT
         each one's un-uploaded tail as a StreamObject on the calling thread, ahead of the
         background uploads, and commit them with the streams' close in one metadata
         transaction, without waiting for older blocks (module docstring). Store and metadata

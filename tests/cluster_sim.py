@@ -938,12 +938,14 @@ class SimClient:
             except S3StreamError:
                 pass
 
-    def upload(self, streams: Iterable[SimStream]) -> None:
-        """Commit what is durable of `streams` above their committed ends; raises if it fails."""
+    def upload(self, streams: Iterable[SimStream], carry: tuple = ()) -> None:
+        """Commit what is durable of `streams` above their committed ends, and all of those in
+        `carry` (a close's not_durable); raises if it fails."""
         hub = self.world.hub
         writes = []
         for stream in streams:
-            batch = [(r.base, r.count, r.payload) for r in stream.records if r.durable_at is not None]
+            carried = any(stream is c for c in carry)
+            batch = [(r.base, r.count, r.payload) for r in stream.records if carried or r.durable_at is not None]
             durable = []
             for item in batch:
                 if durable and item[0] != durable[-1][0] + durable[-1][1]:
@@ -1034,19 +1036,20 @@ class SimClient:
         return self.streams.get(stream_id)
 
     def close_streams(self, streams: list, timeout: float | None = None, timing: dict | None = None,
-                      kv: tuple = ()) -> None:
+                      kv: tuple = (), not_durable: tuple = ()) -> None:
         closing = [s for s in streams if s.state == "open"]
         for s in closing:
             s.state = "closing"
         closed = set()
         try:
             for s in closing:
-                s.flush(timeout)
+                if not any(s is n for n in not_durable):
+                    s.flush(timeout)
             hub = self.world.hub
             deadline = hub.now + int((timeout if timeout is not None else 5.0) * S)
             while any(s.records for s in closing):
                 try:
-                    self.upload(closing)
+                    self.upload(closing, carry=not_durable)
                 except StreamFencedError:
                     raise
                 except S3StreamError:

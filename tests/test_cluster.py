@@ -205,6 +205,46 @@ def test_an_agent_s_open_says_it_serves_before_its_checkpoint_is_durable_then_wa
         c.close()
 
 
+def test_a_partition_s_close_commits_its_clean_checkpoint_without_waiting_for_the_wal(
+        tmp_path, metadata_url, monkeypatch):
+    """A close waits for its data streams' pending appends, not for its clean checkpoint in the
+    WAL (nobody was told that one is durable): the force upload carries it from the log cache
+    and the close's commit makes it durable. The committed checkpoint is the clean one, and the
+    next owner reads the data and appends after it."""
+    from s3stream.cluster.partition import _committed_checkpoint
+    from s3stream.stream import Stream
+    c = InProcessCluster(tmp_path, metadata_url, nodes=(1, 2))
+    try:
+        c.cluster.assign("p", 1)
+        c.cluster.wait_open("p", 1, 5)
+        source = c.partition("p")
+        source.append(RecordBatch(b"x", 1)).result(10)
+        c.agents[1].stop()
+        c.agents[2].stop()
+        waits: list[tuple[int, int]] = []
+        real = Stream._wait_confirmed
+
+        def spy(self, offset, timeout=None):
+            waits.append((self.stream_id, offset))
+            return real(self, offset, timeout)
+
+        monkeypatch.setattr(Stream, "_wait_confirmed", spy)
+        meta_id, checkpoint_at = source.meta_stream.stream_id, source.meta_stream.next_offset
+        source.append(RecordBatch(b"y", 1))                 # pending when the close starts
+        source.close(record={"node": 1, "version": 999})
+        assert (source.log.stream_id, source.log.next_offset) in waits        # the data: waited for
+        assert not [w for w in waits if w[0] == meta_id and w[1] > checkpoint_at], waits
+        meta = c.clients[1].metadata.get_stream(meta_id)
+        assert meta.end_offset == checkpoint_at + 1
+        committed = _committed_checkpoint(c.clients[1], meta)
+        assert committed is not None and committed.clean and committed == source.checkpoint
+        target = c.clients[2].open_partition("p", hinted=True)
+        target.append(RecordBatch(b"z", 1)).result(10)
+        assert [b.payload for b in target.fetch(target.log.start_offset).batches] == [b"x", b"y", b"z"]
+    finally:
+        c.close()
+
+
 def test_a_target_waits_for_the_source_s_close_without_spinning(tmp_path, metadata_url):
     """A partition assigned to node 2 while node 1 still holds it (its agent stopped): node 2's
     agent tries, finds it held, and tries again when a change is pushed or within

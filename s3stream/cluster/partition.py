@@ -97,7 +97,7 @@ def _kv_key(name: str) -> str:
 class CloseReport:
     """What closing a partition cost: the un-uploaded tail it forced up, and how long; `phases`
     (seconds): "flush" (its pending appends acknowledged), "checkpoint" (the clean checkpoint
-    appended and acknowledged), "upload" (its streams' tails PUT and committed with their close),
+    appended; the close's commit makes it durable, not the WAL's ack), "upload" (its streams' tails PUT and committed with their close),
     and of the upload "upload.put", "upload.gate", "upload.commit" (Uploader.upload_and_close).
     `record`: what the close wrote at `closed_key(name)` in its commit (Partition.close), if it
     was asked to."""
@@ -312,12 +312,13 @@ class Partition:
                 tail = sum(self._client.unuploaded_bytes(s) for s in self.streams.values())
                 if self.meta_stream.is_open:
                     # Into the meta stream first, so that one force upload carries the data
-                    # streams' tails and the checkpoint together.
+                    # streams' tails and the checkpoint together. Not waited for in the WAL:
+                    # that upload's commit makes it durable (close_streams' not_durable).
                     with self._producer_lock:      # appends stopped: the table is whole
                         done = Checkpoint(self.checkpoint.streams, self.checkpoint.leader_epoch, True,
                                           {role: s.start_offset for role, s in self.streams.items()},
                                           self.producers.snapshot())
-                    _write_checkpoint(self.meta_stream, done, timeout, trim=False)
+                    _write_checkpoint(self.meta_stream, done, timeout, trim=False, wait=False)
                     self.checkpoint = done
                 t2 = time.perf_counter()
                 timing: dict = {}
@@ -329,7 +330,7 @@ class Partition:
                             meta=self.meta_stream.stream_id, checkpoint=json.loads(self.checkpoint.encode()),
                             epochs={str(s.stream_id): s.epoch for s in (self.meta_stream, *self.streams.values())})
                     kv = ((closed_key(self.name), json.dumps(record, sort_keys=True).encode()),)
-                self._client.close_streams(open_streams, timeout, timing, kv)
+                self._client.close_streams(open_streams, timeout, timing, kv, not_durable=(self.meta_stream,))
             except BaseException as e:
                 self.close_error = e
                 # Serve again if every stream still can; else keep refusing until a close finishes.

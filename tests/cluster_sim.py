@@ -746,6 +746,16 @@ class SimStream:
         for rec in list(self.records):
             SimFuture(self.client, rec).result(timeout)
 
+    def destroy(self) -> None:
+        """A partition's creation that lost the race to publish its meta stream deletes its own."""
+        self.client._check(self)
+        self.state = "closing"
+        try:
+            self.client.metadata.delete_stream(self.stream_id, self.epoch)
+        finally:
+            self.state = "closed"
+            self.client.streams.pop(self.stream_id, None)
+
     def trim(self, offset: int) -> None:
         if offset > self.start_offset:
             self.client.metadata.trim_stream(self.stream_id, self.epoch, offset)
@@ -1123,6 +1133,7 @@ class Incarnation:
         try:
             self.client.start()
             self.agent = NodeAgent(self.client, cluster)   # type: ignore[arg-type]
+            world.agents.append(self.agent)
         except S3StreamError as e:
             world.hub.log(f"node {self.node_id} #{self.number} could not start: {e}")
             world.hub.at(world.hub.now + S, lambda: world.restart(self.node_id), None)
@@ -1183,6 +1194,7 @@ class World:
         self.fault_end = int(seconds * S)
         self.buggify_rate = self.hub.rng.choice([0.0, 0.0005, 0.002])
         self.partition_acks: dict[str, int] = {}       # partition -> time of its latest acknowledgment
+        self.agents: list[NodeAgent] = []              # every incarnation's, the crashed ones too
 
     def wall(self) -> int:
         return SimRuntime.WALL_BASE + self.hub.now
@@ -1533,6 +1545,12 @@ class World:
                 counts["unavailable"] = counts.get("unavailable", 0) + 1
                 problems.append(f"partition {name} acknowledged nothing in the last 3 s of the settling "
                                 f"(its last acknowledgment at {last / S:.3f} s)")
+        for agent in self.agents:
+            # A move that failed of an error no step raises on purpose (a TypeError, say) is
+            # retried, and the partition serves at its source meanwhile: nothing else sees it.
+            if agent.stats["unexpected_errors"]:
+                problems.append(f"node {agent.node_id}'s agent failed unexpectedly "
+                                f"{agent.stats['unexpected_errors']} times, last: {list(agent.errors)[-1:]}")
         problems += self.violations
         problems += self.hub.errors
         return dict(seed=self.seed, mutant=self.mutant, ok=not problems, counts=counts, problems=problems[:20],

@@ -77,7 +77,7 @@ class NodeAgent:
         self.fenced = False
         self.errors: deque[str] = deque(maxlen=100)     # the latest failures, bounded
         self.stats = dict(heartbeats=0, heartbeat_failures=0, failovers_started=0, opens=0, open_failures=0,
-                          closes=0, close_failures=0, handed_on=0)
+                          closes=0, close_failures=0, handed_on=0, unexpected_errors=0)
         # Opened before the first pass reads the assignments, so no change in between is missed.
         self._feed = client.metadata.kv_changes(("assignment/", "closed/"))
         self._threads: list = []
@@ -234,6 +234,7 @@ class NodeAgent:
                 self.errors.append(str(e))
             except Exception as e:   # noqa: BLE001 - the next pass retries
                 log.exception("node agent %d pass failed", self.node_id)
+                self.stats["unexpected_errors"] += not isinstance(e, (S3StreamError, OSError))
                 self.errors.append(str(e))
             changed = self._wait_for_change()
 
@@ -400,7 +401,11 @@ class NodeAgent:
                     self.errors.append(f"{name}: {e}")
                     self._retry_soon = True
             except Exception as e:        # noqa: BLE001 - reported, retried by the next pass
-                log.warning("node %d: %s failed: %s", self.node_id, name, e)
+                if isinstance(e, (S3StreamError, OSError)):
+                    log.warning("node %d: %s failed: %s", self.node_id, name, e)
+                else:                     # not raised on purpose: a bug, with its traceback
+                    self.stats["unexpected_errors"] += 1
+                    log.error("node %d: %s failed unexpectedly", self.node_id, name, exc_info=True)
                 self.errors.append(f"{name}: {e}")
                 self._retry_soon = True
             finally:

@@ -25,6 +25,8 @@ AGENT_COUNTERS = {
     "closes": "Partitions this node's agent closed (moved away)",
     "close_failures": "Closes that failed (the partition serves again; retried)",
     "handed_on": "Partitions this node could not open and assigned to another node, with the reason",
+    "unexpected_errors": "Moves (opens, closes, failovers) that failed of an error no step raises on purpose: a bug "
+                         "(logged with its traceback; retried)",
 }
 
 

@@ -1629,15 +1629,15 @@ def _naive():
 _ORIGINAL_DETECTOR_INIT = _detector.FailureDetector.__init__
 
 
-def _lax_opened(self, opened, version, node_id):
+def _lax_opened(self, opened, version, node_id, node=None):
     return bool(opened) and opened["version"] >= version
 
 
-_ORIGINAL_WAIT_OPEN = _cluster.Cluster.wait_open
+_ORIGINAL_WAIT_OPENED = _cluster.Cluster._wait_opened
 
 
-def _any_node_wait_open(self, name, version, timeout, node=None, feed=None):
-    return _ORIGINAL_WAIT_OPEN(self, name, version, timeout, None, feed)
+def _any_node_wait_opened(self, name, version, timeout, node=None, feed=None):
+    return _ORIGINAL_WAIT_OPENED(self, name, version, timeout, None, feed)
 
 
 @contextlib.contextmanager
@@ -1645,7 +1645,7 @@ def _any_opened():
     """Cluster.migrate before issue 32: the first "opened" record of a recent enough version,
     from any node, is success."""
     with _patched(_cluster.Cluster, "_opened_by_current", _lax_opened), \
-            _patched(_cluster.Cluster, "wait_open", _any_node_wait_open):
+            _patched(_cluster.Cluster, "_wait_opened", _any_node_wait_opened):
         yield
 
 

@@ -101,12 +101,15 @@ def test_partition_checkpoint_survives_moves(tmp_path, metadata_url, monkeypatch
         p = c.partition("p")
         for i in range(5):
             p.append(RecordBatch(b"x%d" % i, 2)).result(10)
-        node_reads = []
-        get_node = c.cluster.meta.get_node
+        node_reads, together = [], []
+        get_node, get_both = c.cluster.meta.get_node, c.cluster.meta.get_kv_and_node
         with monkeypatch.context() as m:
             m.setattr(c.cluster.meta, "get_node", lambda node_id: node_reads.append(node_id) or get_node(node_id))
+            m.setattr(c.cluster.meta, "get_kv_and_node",
+                      lambda key, node_id: together.append((key, node_id)) or get_both(key, node_id))
             rep = c.cluster.migrate("p", 2)
-        assert node_reads == [2]                 # the target's incarnation, read once on the way out
+        # The target's incarnation is read with its opened/ record, not on its own.
+        assert node_reads == [] and together and set(together) == {("opened/p", 2)}
         rep = c.cluster.with_close_record(rep)
         assert (rep.source, rep.target, rep.leader_epoch, rep.failed_over) == (1, 2, 2, False)
         assert rep.tail_bytes == 10            # the five un-uploaded records, nothing older

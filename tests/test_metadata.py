@@ -695,6 +695,17 @@ def test_kv(store):
     assert store.get_kv("p") is None and store.get_kv("q") == b"\x00\xff"
 
 
+def test_get_kv_and_node_reads_both_or_names_the_unknown_node(store):
+    node = store.register_node(3, "/wal3")
+    assert store.get_kv_and_node("opened/p", 3) == (None, store.get_node(3))
+    store.put_kv("opened/p", b"\x00{}")
+    store.fence_node(3)
+    value, got = store.get_kv_and_node("opened/p", 3)
+    assert value == b"\x00{}" and got == store.get_node(3) and got.node_epoch == node.node_epoch + 1 and got.failover
+    with pytest.raises(MetadataError, match="node 4 is not registered"):
+        store.get_kv_and_node("opened/p", 4)
+
+
 def test_put_kv_if_absent_has_one_winner(open_same):
     stores = [open_same() for _ in range(4)]
     results = []

@@ -226,26 +226,35 @@ class Cluster:
         open; None after `timeout`. Woken by the store's pushes where it has them, else polling
         every 2 ms. `feed`: one of `kv_changes((opened_key,))`, opened before the change waited
         for and closed by the caller, else one is opened (and closed) here."""
+        return self._wait_opened(name, version, timeout, node, feed)[0]
+
+    def _wait_opened(self, name: str, version: int, timeout: float, node: int | None = None,
+                     feed: ChangeFeed | None = None) -> tuple[dict | None, NodeMeta | None]:
+        """`wait_open`, and `node`'s row read with the record (None without `node`, or after
+        `timeout`): `migrate`'s check of the target's incarnation costs no read of its own."""
         return self._wait_record(
             f"opened/{name}", lambda o: o["version"] >= version and (node is None or o["node"] == node), timeout,
-            feed)
+            feed, node)
 
     def _wait_record(self, key: str, wanted: Callable[[dict], bool], timeout: float,
-                     feed: ChangeFeed | None = None) -> dict | None:
-        """The JSON record at `key` once `wanted(record)`; None after `timeout`. Woken by the
-        store's pushes where it has them, else polling every 2 ms. A `feed` given is left open
-        (closing it is the caller's: after its clock stopped)."""
+                     feed: ChangeFeed | None = None,
+                     node: int | None = None) -> tuple[dict | None, NodeMeta | None]:
+        """The JSON record at `key` once `wanted(record)`, and (`node`) that node's row read
+        with it (get_kv_and_node: one round trip where the store can); (None, None) after
+        `timeout`. Woken by the store's pushes where it has them, else polling every 2 ms. A
+        `feed` given is left open (closing it is the caller's: after its clock stopped)."""
         deadline = self.monotonic() + int(timeout * 1e9)
         own = feed is None
         feed = self.meta.kv_changes((key,)) if feed is None else feed
         try:
             while True:
-                record = get_json(self.meta, key)
+                raw, row = (self.meta.get_kv(key), None) if node is None else self.meta.get_kv_and_node(key, node)
+                record = None if raw is None else json.loads(raw)
                 if record and wanted(record):
-                    return record
+                    return record, row
                 left = (deadline - self.monotonic()) / 1e9
                 if left <= 0:
-                    return None
+                    return None, None
                 if feed.pushes:
                     feed.wait(min(left, self.config.push_fallback_interval))
                 else:
@@ -254,11 +263,13 @@ class Cluster:
             if own:
                 feed.close()
 
-    def _opened_by_current(self, opened: dict | None, version: int, node_id: int) -> bool:
-        """Whether `opened` says the current incarnation of `node_id` serves `version`."""
+    def _opened_by_current(self, opened: dict | None, version: int, node_id: int,
+                           node: NodeMeta | None = None) -> bool:
+        """Whether `opened` says the current incarnation of `node_id` serves `version`; `node`:
+        its row read with `opened` (else read here)."""
         if not opened or opened["version"] != version or opened["node"] != node_id:
             return False
-        node = self.meta.get_node(node_id)
+        node = self.meta.get_node(node_id) if node is None else node
         return not node.failover and opened.get("node_epoch", node.node_epoch) == node.node_epoch
 
     def migrate(self, name: str, to_node: int, timeout: float | None = None,
@@ -297,10 +308,11 @@ class Cluster:
         version = self._assign(name, to_node, guard, None, None, raw)
         assign_seconds = (self.monotonic() - t0) / 1e9
         assigned_at = self.runtime.wall_ns() / 1e9
-        opened = self.wait_open(name, version, timeout, node=to_node, feed=feed)
+        opened, target = self._wait_opened(name, version, timeout, node=to_node, feed=feed)
         failed_over = False
-        # One node read when the target serves; read again only after a fallback or to fail.
-        current = self._opened_by_current(opened, version, to_node)
+        # The target's row read with its record when it serves; read again only after a
+        # fallback or to fail.
+        current = self._opened_by_current(opened, version, to_node, target)
         if not current and source is not None and source != to_node:
             closed = get_json(self.meta, f"closed/{name}")
             if not closed or closed["version"] < version:
@@ -330,9 +342,9 @@ class Cluster:
         was no source to close (a first assignment, a failover)."""
         if report.phases or report.source is None or report.source == report.target or report.failed_over:
             return report
-        closed = self._wait_record(f"closed/{report.partition}",
-                                   lambda c: c["version"] > report.version or (c["version"] == report.version
-                                                                                and "seconds" in c), timeout)
+        closed, _ = self._wait_record(f"closed/{report.partition}",
+                                      lambda c: c["version"] > report.version or (c["version"] == report.version
+                                                                                   and "seconds" in c), timeout)
         return _with_close(report, closed)
 
     # ---- failover ------------------------------------------------------------------------------

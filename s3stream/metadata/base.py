@@ -481,6 +481,11 @@ class MetadataStore(abc.ABC):
     @abc.abstractmethod
     def get_kv(self, key: str) -> bytes | None: ...
 
+    def get_kv_and_node(self, key: str, node_id: int) -> tuple[bytes | None, NodeMeta]:
+        """`get_kv(key)` and `get_node(node_id)` together: one round trip (and one snapshot)
+        where the store can, two reads otherwise. MetadataError if the node is unknown."""
+        return self.get_kv(key), self.get_node(node_id)
+
     @abc.abstractmethod
     def put_kv(self, key: str, value: bytes) -> None: ...
 

@@ -800,6 +800,16 @@ class PostgresMetadataStore(MetadataStore):
         rows = self._read_rows("SELECT value FROM kv WHERE key = ?", (key,))
         return bytes(rows[0][0]) if rows else None
 
+    def get_kv_and_node(self, key: str, node_id: int) -> tuple[bytes | None, NodeMeta]:
+        # One statement: a migration's driver reads the target's opened/ record and its node
+        # row (the incarnation check) in one round trip once the record is pushed.
+        rows = self._read_rows(f"SELECT (SELECT value FROM kv WHERE key = ?), {_NODE_COLUMNS} FROM nodes "
+                               "WHERE node_id = ?", (key, node_id))
+        if not rows:
+            raise MetadataError(f"node {node_id} is not registered; call register_node first")
+        value = rows[0][0]
+        return (None if value is None else bytes(value)), _node_meta(rows[0][1:])
+
     # Every KV write notifies KV_CHANNEL with the key, in its own transaction: PostgreSQL delivers
     # the notification to the listeners (kv_changes) when, and only if, the write commits.
 

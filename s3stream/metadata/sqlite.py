@@ -587,6 +587,12 @@ class SqliteMetadataStore(MetadataStore):
             row = db.execute("SELECT value FROM kv WHERE key = ?", (key,)).fetchone()
         return None if row is None else bytes(row[0])
 
+    def get_kv_and_node(self, key: str, node_id: int) -> tuple[bytes | None, NodeMeta]:
+        with self._transaction(write=False) as db:
+            row = db.execute("SELECT value FROM kv WHERE key = ?", (key,)).fetchone()
+            node = _node_meta(_node_row(db, node_id))
+        return (None if row is None else bytes(row[0])), node
+
     # Every KV write that changed something wakes the feeds of this host's processes
     # (kv_changes) once it has committed.
 

@@ -22,7 +22,7 @@ TIMED_OPERATIONS = (
     "get_streams", "list_streams",
     "prepare_objects", "commit", "get_object", "list_objects", "get_object_refs", "node_stream_set_objects",
     "mark_destroyed", "objects_to_delete", "remove_objects",
-    "get_kv", "put_kv", "put_kv_if_absent", "replace_kv", "delete_kv", "list_kv",
+    "get_kv", "get_kv_and_node", "put_kv", "put_kv_if_absent", "replace_kv", "delete_kv", "list_kv",
 )
 
 
@@ -155,6 +155,9 @@ class InstrumentedMetadataStore(MetadataStore):
 
     def get_kv(self, key: str) -> bytes | None:
         return self._timed("get_kv", self.inner.get_kv, key)
+
+    def get_kv_and_node(self, key: str, node_id: int) -> tuple[bytes | None, NodeMeta]:
+        return self._timed("get_kv_and_node", self.inner.get_kv_and_node, key, node_id)
 
     def put_kv(self, key: str, value: bytes) -> None:
         return self._timed("put_kv", self.inner.put_kv, key, value)

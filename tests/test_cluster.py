@@ -248,6 +248,43 @@ def test_a_partition_s_close_commits_its_clean_checkpoint_without_waiting_for_th
         c.close()
 
 
+def test_a_close_whose_checkpoint_misses_the_log_cache_fails_and_commits_nothing(tmp_path, metadata_url,
+                                                                                 monkeypatch):
+    """The close does not wait for its checkpoint, but an append of it that failed at once (in
+    the WAL, not in the log cache) fails the close before its commit: no CLOSED stream, no
+    closed/ record, the data still where it was."""
+    from _native import appendpath
+    from s3stream.cluster import partition as P
+    from s3stream.metadata import StreamState
+    c = InProcessCluster(tmp_path, metadata_url, nodes=(1, 2))
+    try:
+        c.cluster.assign("p", 1)
+        c.cluster.wait_open("p", 1, 5)
+        source = c.partition("p")
+        source.append(RecordBatch(b"x", 1)).result(10)
+        c.agents[1].stop()
+        c.agents[2].stop()
+        real = P._write_checkpoint
+
+        def doomed(*args, **kwargs):
+            appendpath.set_failpoint("cache_insert", True)
+            try:
+                return real(*args, **kwargs)
+            finally:
+                appendpath.set_failpoint("cache_insert", False)
+
+        monkeypatch.setattr(P, "_write_checkpoint", doomed)
+        with pytest.raises(s3stream.AppendFailedError, match="reached the WAL but not the log cache"):
+            source.close(record={"node": 1, "version": 999})
+        meta = c.clients[1].metadata
+        assert meta.get_stream(source.meta_stream.stream_id).state == StreamState.OPENED
+        assert meta.get_stream(source.log.stream_id).state == StreamState.OPENED
+        assert meta.get_kv(P.closed_key("p")) is None
+        assert [b.payload for b in source.fetch(source.log.start_offset).batches] == [b"x"]
+    finally:
+        c.close()
+
+
 def test_a_target_waits_for_the_source_s_close_without_spinning(tmp_path, metadata_url):
     """A partition assigned to node 2 while node 1 still holds it (its agent stopped): node 2's
     agent tries, finds it held, and tries again when a change is pushed or within

@@ -97,8 +97,9 @@ def _kv_key(name: str) -> str:
 class CloseReport:
     """What closing a partition cost: the un-uploaded tail it forced up, and how long; `phases`
     (seconds): "flush" (its pending appends acknowledged), "checkpoint" (the clean checkpoint
-    appended; the close's commit makes it durable, not the WAL's ack), "upload" (its streams' tails PUT and committed with their close),
-    and of the upload "upload.put", "upload.gate", "upload.commit" (Uploader.upload_and_close).
+    appended; the close's commit makes it durable, not the WAL's ack), "upload" (its streams'
+    tails PUT and committed with their close), and of the upload "upload.put", "upload.gate",
+    "upload.commit" (Uploader.upload_and_close).
     `record`: what the close wrote at `closed_key(name)` in its commit (Partition.close), if it
     was asked to."""
     tail_bytes: int
@@ -641,7 +642,9 @@ def _write_checkpoint(meta: "Stream", checkpoint: Checkpoint, timeout: float | N
     older ones (`_trim_checkpoints`). A close does not trim (its one metadata transaction is its
     commit): the next open trims what it left. Returns the append's future."""
     written = meta.append(RecordBatch(checkpoint.encode(), 1))
-    if wait:
+    if wait or written.done():
+        # Not waiting still raises what is known already: an append that reached the WAL but
+        # not the log cache fails at once, and a close must not commit without its checkpoint.
         written.result(timeout)
     if trim:
         assert wait, "a trim keeps the newest durable checkpoint: wait for this one first"

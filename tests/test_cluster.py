@@ -208,6 +208,18 @@ def test_an_agent_s_open_says_it_serves_before_its_checkpoint_is_durable_then_wa
         c.close()
 
 
+def _holding_x_on_node_1(c: InProcessCluster):
+    """Partition "p" opened on node 1 with one acknowledged record, b"x"; both agents stopped,
+    so that the test closes and opens it by hand."""
+    c.cluster.assign("p", 1)
+    c.cluster.wait_open("p", 1, 5)
+    source = c.partition("p")
+    source.append(RecordBatch(b"x", 1)).result(10)
+    c.agents[1].stop()
+    c.agents[2].stop()
+    return source
+
+
 def test_a_partition_s_close_commits_its_clean_checkpoint_without_waiting_for_the_wal(
         tmp_path, metadata_url, monkeypatch):
     """A close waits for its data streams' pending appends, not for its clean checkpoint in the
@@ -218,12 +230,7 @@ def test_a_partition_s_close_commits_its_clean_checkpoint_without_waiting_for_th
     from s3stream.stream import Stream
     c = InProcessCluster(tmp_path, metadata_url, nodes=(1, 2))
     try:
-        c.cluster.assign("p", 1)
-        c.cluster.wait_open("p", 1, 5)
-        source = c.partition("p")
-        source.append(RecordBatch(b"x", 1)).result(10)
-        c.agents[1].stop()
-        c.agents[2].stop()
+        source = _holding_x_on_node_1(c)
         waits: list[tuple[int, int]] = []
         real = Stream._wait_confirmed
 
@@ -258,12 +265,7 @@ def test_a_close_whose_checkpoint_misses_the_log_cache_fails_and_commits_nothing
     from s3stream.metadata import StreamState
     c = InProcessCluster(tmp_path, metadata_url, nodes=(1, 2))
     try:
-        c.cluster.assign("p", 1)
-        c.cluster.wait_open("p", 1, 5)
-        source = c.partition("p")
-        source.append(RecordBatch(b"x", 1)).result(10)
-        c.agents[1].stop()
-        c.agents[2].stop()
+        source = _holding_x_on_node_1(c)
         real = P._write_checkpoint
 
         def doomed(*args, **kwargs):

@@ -23,6 +23,9 @@ Backpressure: like the sync append, an append blocks (here: the loop) while the 
 un-uploaded data exceeds Config.cache_size or the WAL is full, up to append_timeout /
 the WAL's full_timeout, then raises WALFullError (from append_nowait). Size cache_size and the WAL so that this stays
 exceptional.
+A move on the node (its agent closing or opening a partition, s3stream.cluster.hold) holds
+`AsyncPartition.append` without blocking the loop (it sleeps on it until the move ends, at most
+ClusterConfig.move_hold); `append_nowait` is not held.
 
 Cancellation. Cancelling `await stream.append(...)` does not un-append: the record already has
 its offset and becomes durable (or fails) as any other; the cancelled caller only stops waiting,
@@ -59,6 +62,7 @@ import collections
 import functools
 import logging
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterable
 from typing import Any, Callable, TypeVar
@@ -80,6 +84,8 @@ log = logging.getLogger("s3stream.aio")
 #: Threads of an AsyncStreamClient's executor unless given: the blocking calls it runs wait on
 #: I/O (object GETs, metadata, fsync), so a few threads serve a loop's concurrent ones.
 DEFAULT_EXECUTOR_THREADS = 4
+#: How often an AsyncPartition.append held by a move on its node looks whether it may go on.
+HOLD_POLL_S = 0.002
 
 T = TypeVar("T")
 
@@ -360,18 +366,31 @@ class AsyncPartition:
     is_open = property(lambda self: self.sync.is_open)
 
     def append_nowait(self, batch: RecordBatch) -> "asyncio.Future[AppendResult]":
-        """As AsyncStream.append_nowait; PartitionMovedError at once if it moved away."""
+        """As AsyncStream.append_nowait; PartitionMovedError at once if it moved away. It does
+        not wait for a move on this node (`append` does: s3stream.cluster.hold)."""
         settler = self._client._settler_here("append_nowait")
-        return settler.watch(self.sync.append(batch))
+        return settler.watch(self.sync.append(batch, wait_for_moves=False))
 
     async def append(self, batch: RecordBatch) -> AppendResult:
+        """append_nowait, awaited, after waiting (without blocking the loop) for a move that
+        holds this node's appends (Partition.append)."""
+        await self._wait_for_moves()
         return await self.append_nowait(batch)
+
+    async def _wait_for_moves(self) -> None:
+        hold = self.sync.hold
+        if hold is None or hold.remaining() <= 0:
+            return
+        started = time.monotonic()
+        while (left := hold.remaining()) > 0:
+            await asyncio.sleep(min(left, HOLD_POLL_S))
+        hold.count_wait(time.monotonic() - started)
 
     async def append_records(self, records: Iterable[Record], *, compression: str | None = None,
                              producer: Producer | None = None) -> AppendResult:
         """Partition.append_records (with a `producer`: idempotent), awaited."""
         batch = records_batch(records, compression) if producer is None else producer.batch(self.name, records, compression)
-        return await self.append_nowait(batch)
+        return await self.append(batch)
 
     async def fetch(self, start_offset: int, end_offset: int | None = None, max_bytes: int = 1 << 20) -> FetchResult:
         """Partition.fetch on the executor (it meters every fetch)."""

@@ -316,3 +316,28 @@ async def test_append_records_on_streams_and_partitions(tmp_path):
             assert (await partition.append(batch)).base_offset == first.base_offset + 1   # a retry
             assert partition.sync.log.next_offset == first.base_offset + 2
         await stream.close()
+
+
+async def test_an_async_partition_append_waits_for_a_move_without_blocking_the_loop(tmp_path):
+    """A move on the node holds AsyncPartition.append (s3stream.cluster.hold) while the loop runs
+    on; append_nowait is not held."""
+    from s3stream.cluster.hold import AppendHold
+    from s3stream.cluster.partition import PartitionTable
+    from s3stream.cluster.runtime import THREADS
+    async with make_client(tmp_path) as client:
+        async with await client.open_partition("orders") as partition:
+            hold = client.client.addon("partitions", PartitionTable).hold = AppendHold(THREADS, 30.0, 1.0)
+            move = hold.moving()
+            move.__enter__()
+            try:
+                held = asyncio.ensure_future(partition.append(RecordBatch(b"held")))
+                ticks = 0
+                for _ in range(20):                   # the loop keeps running meanwhile
+                    await asyncio.sleep(0.01)
+                    ticks += 1
+                assert ticks == 20 and not held.done()
+                first = await partition.append_nowait(RecordBatch(b"first"))
+            finally:
+                move.__exit__(None, None, None)
+            assert (await held).base_offset == first.base_offset + 1
+            assert hold.stats["appends_held"] == 1 and hold.stats["append_hold_seconds"] >= 0.2

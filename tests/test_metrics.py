@@ -399,6 +399,8 @@ def test_agent_metrics_come_from_the_cluster_layer(tmp_path, local):
         assert value(samples, "s3stream_node_serving", node="72") == 1.0
         assert 0 < value(samples, "s3stream_lease_remaining_seconds", node="72") <= 0.5
         assert value(samples, "s3stream_agent_handed_on_total", node="72") == 0
+        for name in ("moves_held", "held_seconds", "appends_held", "append_hold_seconds"):
+            assert value(samples, f"s3stream_agent_{name}_total", node="72") == 0
     finally:
         agent.stop()
         client.close()

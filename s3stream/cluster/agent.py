@@ -31,7 +31,8 @@ from .cluster import Cluster, put_json
 from .detector import FailureDetector
 from . import metrics as cluster_metrics
 from .loadreport import LoadReporter
-from .partition import closed_key
+from .hold import AppendHold
+from .partition import Partition, PartitionTable, closed_key
 from .runtime import THREADS
 from ..threads import thread_nice
 
@@ -78,6 +79,9 @@ class NodeAgent:
         self.errors: deque[str] = deque(maxlen=100)     # the latest failures, bounded
         self.stats = dict(heartbeats=0, heartbeat_failures=0, failovers_started=0, opens=0, open_failures=0,
                           closes=0, close_failures=0, handed_on=0, unexpected_errors=0)
+        # This node's moves go first: they hold its partitions' appends (s3stream.cluster.hold).
+        self.hold = AppendHold(self.runtime, self.config.move_hold, self.config.move_hold_share)
+        client.addon("partitions", PartitionTable).hold = self.hold
         # Opened before the first pass reads the assignments, so no change in between is missed.
         self._feed = client.metadata.kv_changes(("assignment/", "closed/"))
         self._threads: list = []
@@ -436,6 +440,18 @@ class NodeAgent:
                 self._busy.discard(name)
 
     def _open(self, name: str, version: int) -> None:
+        # Until the record that the partition serves is written: the move ends when it is seen.
+        with self.hold.moving():
+            partition = self._open_partition(name, version)
+        if partition is not None:
+            try:
+                # After the move, not in it: the open's checkpoint durable, then upkeep.
+                partition.trim_checkpoints(self.config.migration_timeout)
+            except S3StreamError as e:           # the next open trims what is left
+                self.errors.append(f"{name}: after its open (the checkpoint made durable, older ones trimmed): {e}")
+
+    def _open_partition(self, name: str, version: int) -> Partition | None:
+        """`_open` up to its record: the partition if it serves, else None."""
         t0 = self.clock()
         try:
             # Hinted: the source's close record names the streams and the checkpoint.
@@ -451,14 +467,11 @@ class NodeAgent:
             raise
         self._open_failures.pop((name, version), None)
         self.stats["opens"] += 1
-        if partition.is_open:
-            self._publish_opened(name, version, partition.leader_epoch, (self.clock() - t0) / 1e9,
-                                 partition.open_phases)
-            try:
-                # After the move, not in it: the open's checkpoint durable, then upkeep.
-                partition.trim_checkpoints(self.config.migration_timeout)
-            except S3StreamError as e:           # the next open trims what is left
-                self.errors.append(f"{name}: after its open (the checkpoint made durable, older ones trimmed): {e}")
+        if not partition.is_open:
+            return None
+        self._publish_opened(name, version, partition.leader_epoch, (self.clock() - t0) / 1e9,
+                             partition.open_phases)
+        return partition
 
     def _hand_on(self, name: str, version: int, failures: list[str]) -> None:
         """This node failed to open `name` open_attempts times: assign it to another node that
@@ -480,7 +493,8 @@ class NodeAgent:
         try:
             # The close's commit records it (closed/<name>, with the open hint): the target
             # wakes then, not one metadata write later.
-            report = partition.close(record=record)
+            with self.hold.moving():
+                report = partition.close(record=record)
         except Exception:
             self.stats["close_failures"] += 1
             raise

@@ -44,6 +44,13 @@ class ClusterConfig:
         CAP_SYS_NICE or an RLIMIT_NICE that allows it (root has both); without, the threads keep
         the process's priority and the agent says so once (INFO). Measured in the migration
         bench at half load on PostgreSQL: moves p99 76 ms at 0, 48 ms at 10.
+    move_hold: seconds for which a move (the node agent closing or opening a partition) may hold
+        the appends of this node's partitions, so that the move's threads are not queued behind
+        producers for the process's GIL and the cores (s3stream.cluster.hold): appends arriving
+        meanwhile wait until the move ends, at most this long per move. 0: never held.
+        move_hold_share: the most of the time the holds may take in all (a budget of held
+        seconds refilled at this many per second, up to move_hold), so moves one after another
+        slow producers by at most this share.
     """
     agent_interval: float = 0.02
     push_fallback_interval: float = 0.5
@@ -58,6 +65,8 @@ class ClusterConfig:
     report_interval: float = 1.0
     report_window: float = 10.0
     agent_priority: int = 10
+    move_hold: float = 0.05
+    move_hold_share: float = 0.25
 
     def __post_init__(self) -> None:
         for name in ("agent_interval", "push_fallback_interval", "heartbeat_interval", "heartbeat_timeout",
@@ -83,6 +92,10 @@ class ClusterConfig:
             raise ConfigError(f"max_parallel_moves must be >= 1, got {self.max_parallel_moves}")
         if not 0 <= self.agent_priority <= 39:
             raise ConfigError(f"agent_priority must be 0-39 nice steps above the process, got {self.agent_priority}")
+        if not self.move_hold >= 0:
+            raise ConfigError(f"move_hold must be >= 0 seconds (0: moves never hold appends), got {self.move_hold}")
+        if not 0 < self.move_hold_share <= 1:
+            raise ConfigError(f"move_hold_share must be a share of the time in (0, 1], got {self.move_hold_share}")
         if self.open_attempts < 1:
             raise ConfigError(f"open_attempts must be >= 1, got {self.open_attempts}")
 

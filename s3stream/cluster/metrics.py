@@ -29,6 +29,15 @@ AGENT_COUNTERS = {
                          "(logged with its traceback; retried)",
 }
 
+#: NodeAgent.hold.stats exported (s3stream.cluster.hold), with their help.
+HOLD_COUNTERS = {
+    "moves_held": "Moves (closes, opens) during which this node's partitions' appends waited for the move",
+    "held_seconds": "Seconds moves held this node's appends (each at most move_hold, in all at most move_hold_share "
+                    "of the time)",
+    "appends_held": "Appends that waited for a move on their node",
+    "append_hold_seconds": "Seconds appends waited for moves on their node, summed over the appends",
+}
+
 
 def track(agent: "NodeAgent") -> None:
     """Export `agent`'s metrics while it runs or its client (whose lease it keeps) is open."""
@@ -48,6 +57,8 @@ def _collect(families: Families) -> None:
         node = str(agent.node_id)
         for name, doc in AGENT_COUNTERS.items():
             families.counter(f"agent_{name}_total", doc, node, agent.stats.get(name, 0))
+        for name, doc in HOLD_COUNTERS.items():
+            families.counter(f"agent_{name}_total", doc, node, agent.hold.stats[name])
         families.gauge("node_serving", "1 if the node's last heartbeat said it can serve, else 0", node,
                        1.0 if agent.last_health.get("serving", False) else 0.0)
         remaining = agent.client.lease_remaining

@@ -33,6 +33,7 @@ from ..errors import (
 from ..metadata import StreamMeta, StreamState
 from ..recordbatch import AppendFuture, FetchResult, RecordBatch, encoded_batch, records_batch
 from ..records import Record
+from .hold import AppendHold
 from .loadreport import SAMPLE_EVERY, TrafficMeter
 from .producers import SNAPSHOT_BYTES, ProducedBatch, Producer, ProducerTable
 
@@ -147,6 +148,11 @@ class Partition:
         self.trim_due = False
 
     @property
+    def hold(self) -> AppendHold | None:
+        """The hold of this node's moves on its appends, if a node agent runs it."""
+        return self._table.hold
+
+    @property
     def leader_epoch(self) -> int:
         return self.checkpoint.leader_epoch
 
@@ -177,10 +183,17 @@ class Partition:
         """Closed for good here (every stream CLOSED in metadata)."""
         return self._closed is not None
 
-    def append(self, batch: RecordBatch) -> AppendFuture:
+    def append(self, batch: RecordBatch, *, wait_for_moves: bool = True) -> AppendFuture:
         """Append one batch to the log. A ProducedBatch (Producer.batch) is taken idempotently:
         a batch this partition took already returns its original answer (module
-        s3stream.cluster.producers); OutOfOrderSequenceError / ProducerFencedError refuse it."""
+        s3stream.cluster.producers); OutOfOrderSequenceError / ProducerFencedError refuse it.
+        While this node's agent closes or opens a partition, it first waits for that move, at
+        most ClusterConfig.move_hold (s3stream.cluster.hold), unless `wait_for_moves` is false
+        (s3stream.aio waits its own way, without blocking the loop: `hold`)."""
+        if wait_for_moves:
+            hold = self._table.hold
+            if hold is not None:
+                hold.wait()           # a move on this node goes first (s3stream.cluster.hold)
         if isinstance(batch, ProducedBatch):
             return self._append_produced(batch)
         future = self._append(batch)
@@ -401,6 +414,8 @@ class PartitionTable:
         self._client = client
         self._lock = threading.Lock()
         self._partitions: dict[str, Partition] = {}
+        #: Set by the node's agent: its moves hold this node's appends (s3stream.cluster.hold).
+        self.hold: AppendHold | None = None
 
     def open(self, name: str, hinted: bool = False, version: int | None = None) -> Partition:
         """Create the named partition or open it on this node (see the module docstring);

@@ -55,7 +55,8 @@ process writes files ahead, off the puts' path, and a close's 4 MiB PUT took 3-4
 15-27 ms (half load, PostgreSQL). `--store-preallocate 0` measures without it.
 
 `--meta postgres` starts a throwaway PostgreSQL server on 127.0.0.1 for the run and stops it
-after (s3stream.pgserver); `--meta postgresql://user@host/db` uses a server of yours.
+after (s3stream.pgserver); `--meta postgresql://user@host/db` uses a server of yours, which must not
+hold the run's partitions yet (a database an earlier run used is refused: its objects are gone).
 """
 from __future__ import annotations
 
@@ -211,6 +212,8 @@ def run(argv=None) -> dict:
     args = parse(argv)
     histories = {f"h{h}": parse_size(h) for h in args.histories.split(",")}
     throwaway = args.meta == "postgres"
+    if args.meta and not throwaway:
+        refuse_used_metadata(args.meta, histories)
     with contextlib.ExitStack() as stack:
         if throwaway:
             args.meta = stack.enter_context(throwaway_metadata(args))
@@ -219,6 +222,22 @@ def run(argv=None) -> dict:
             report = _run(args, dep, histories)
     report["metadata"] = "postgresql (a throwaway server)" if throwaway else dep.meta.split(":", 1)[0]
     return publish(report, dep.out, plot, format_report)
+
+
+def refuse_used_metadata(url: str, names: dict[str, int]) -> None:
+    """A `--meta` of the user's must not hold the run's partitions already: an earlier run left
+    them there, with objects in that run's store (by default a directory removed at its end), so
+    the histories would be built on top of them or read back from objects that are gone."""
+    from s3stream.metadata import open_metadata
+    meta = open_metadata(url)
+    try:
+        taken = [name for name in names if meta.get_kv(f"partition/{name}") is not None]
+    finally:
+        meta.close()
+    if taken:
+        raise SystemExit(f"--meta {url} already holds partition(s) {', '.join(taken)} from an earlier run (their "
+                         "objects went with that run's store): give --meta a fresh database, or --meta postgres "
+                         "for a throwaway server")
 
 
 @contextlib.contextmanager

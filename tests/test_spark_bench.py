@@ -115,6 +115,20 @@ def test_spark_balance_smoke_converges_and_loses_nothing(tmp_path):
     assert (tmp_path / "traffic.png").stat().st_size > 0
 
 
+def test_migration_refuses_a_metadata_store_an_earlier_run_used(tmp_path):
+    """A --meta of the user's that holds the run's partitions already (an earlier run's, whose
+    objects went with its store) is refused before anything starts, naming them and the fix."""
+    from s3stream.metadata import open_metadata
+    from spark_bench.migration import run
+    url = f"sqlite:///{tmp_path}/meta.db"
+    meta = open_metadata(url)
+    meta.put_kv("partition/h16M", b"{}")
+    meta.close()
+    with pytest.raises(SystemExit, match=r"already holds partition\(s\) h16M .*fresh database"):
+        run(["--histories", "4M,16M", "--meta", url, "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
+
+
 def test_migration_rate_option_is_parsed_and_a_rate_of_nothing_refused(capsys):
     """--rate (an A/B at one fixed load, run in place of the calibration) parses; a rate of 0 is
     refused naming the option. The paced run itself is measured by the bench, not here."""

@@ -73,8 +73,8 @@ from wal.benchkit import parse_size, progress as progress_bar, pyplot, save_figu
 
 
 from .common import (
-    MiB, add_common_args, assign_metrics_ports, deployment, format_placement, is_cluster, latency_summary,
-    new_run_id, node_spec, placement, progress, publish, run_nodes, verdict, verify_acks,
+    MiB, add_common_args, assign_metrics_ports, check_cluster_storage, deployment, format_placement, is_cluster,
+    latency_summary, new_run_id, node_spec, placement, progress, publish, run_nodes, verdict, verify_acks,
 )
 
 #: Issue 28's targets, by its names.
@@ -213,6 +213,7 @@ def run(argv=None) -> dict:
     histories = {f"h{h}": parse_size(h) for h in args.histories.split(",")}
     throwaway = args.meta == "postgres"
     if args.meta and not throwaway:
+        check_cluster_storage(args)         # its refusals first: they need no connection
         refuse_used_metadata(args.meta, histories)
     with contextlib.ExitStack() as stack:
         if throwaway:

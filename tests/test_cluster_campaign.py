@@ -156,8 +156,9 @@ def test_resuming_means_acknowledging_steadily_again():
 # ---- short seeds ----------------------------------------------------------------------------
 
 #: (backend, seed, seconds): each schedule holds a lost host; the pg-s3 one PostgreSQL outages and
-#: an S3 stall too. About 2.5 minutes in all on 2 cores.
-SEEDS = [("sqlite-local", 4, 20), ("sqlite-local", 15, 20), ("pg-s3", 12, 30)]
+#: an S3 stall too. About a minute in all on 2 cores; more seeds run with tests/cluster_campaign.py
+#: (a second SQLite seed, 15, was dropped from CI for its 24 s).
+SEEDS = [("sqlite-local", 4, 20), ("pg-s3", 12, 30)]
 
 
 @pytest.mark.parametrize("backend,seed,seconds", SEEDS)

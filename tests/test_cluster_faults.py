@@ -142,11 +142,12 @@ def test_kill_and_restart(request, tmp_path, backend):
     assert_safe(run_scenario(request, tmp_path, backend, script))
 
 
-@pytest.mark.parametrize("seconds", [10, 60])
+@pytest.mark.parametrize("seconds", [60])
 @pytest.mark.parametrize("backend", PG, indirect=True)
 def test_postgres_outage(request, tmp_path, backend, seconds):
     """pg_ctl stop -m immediate, then start on the same port and data directory after `seconds`:
-    nobody is failed over for the store's outage, and nothing acknowledged is lost."""
+    nobody is failed over for the store's outage, and nothing acknowledged is lost. A 10 s
+    outage ran here too (18 s of CI); the randomized campaign's PostgreSQL outages are 3-12 s."""
     def script(run):
         run.inject("pg-outage", seconds=seconds)
         run.sleep(3.0)

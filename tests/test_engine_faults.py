@@ -22,7 +22,7 @@ from test_engine import read_all
 from wal_payload import parse_payload
 
 HERE = Path(__file__).parent
-ROUNDS = int(os.environ.get("ENGINE_CRASH_ROUNDS", "6"))
+ROUNDS = int(os.environ.get("ENGINE_CRASH_ROUNDS", "4"))
 
 
 def run_child(tmp: Path, rnd: int, nstreams: int, rng: random.Random, url: str, metadata_url: str,

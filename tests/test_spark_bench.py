@@ -103,7 +103,7 @@ def test_spark_balance_smoke_converges_and_loses_nothing(tmp_path):
     """Four Spark tasks as nodes, the hottest 8 of 32 Zipf partitions on node 1: the nodes'
     balancers (one leads) spread the load, then rebalance after the cold partition turns hot."""
     from spark_bench import main
-    report = main(["balance", "--duration", "36", "--warmup", "6", "--lead", "10", "--out", str(tmp_path),
+    report = main(["balance", "--duration", "36", "--warmup", "6", "--lead", "5", "--out", str(tmp_path),
                    "--store", f"file://{tmp_path}/objects", "--wal-capacity", "64M"])
     assert report["imbalance_before"] > 2.0
     assert report["imbalance_before_change"] < 1.3 and report["imbalance_after"] < 1.3

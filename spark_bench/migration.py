@@ -229,10 +229,11 @@ def refuse_used_metadata(url: str, names: dict[str, int]) -> None:
     """A `--meta` of the user's must not hold the run's partitions already: an earlier run left
     them there, with objects in that run's store (by default a directory removed at its end), so
     the histories would be built on top of them or read back from objects that are gone."""
+    from s3stream.cluster.partition import partition_kv_key
     from s3stream.metadata import open_metadata
     meta = open_metadata(url)
     try:
-        taken = [name for name in names if meta.get_kv(f"partition/{name}") is not None]
+        taken = [name for name in names if meta.get_kv(partition_kv_key(name)) is not None]
     finally:
         meta.close()
     if taken:
@@ -535,7 +536,7 @@ def summarize(args, histories, baseline, moves, windows, results, lost, failures
                 load_mb_s=produced / max(r["seconds"] for r in results) / 1e6 if results else 0,
                 moves=[dict(partition=m["report"].partition, source=m["report"].source, target=m["report"].target,
                             start_s=m["start_s"], end_s=m["end_s"], seconds=m["report"].seconds,
-                            tail_bytes=m["report"].tail_bytes, close_seconds=m["report"].close_seconds,
+                            assigned_at=m["report"].assigned_at, tail_bytes=m["report"].tail_bytes, close_seconds=m["report"].close_seconds,
                             open_seconds=m["report"].open_seconds, failed_over=m["report"].failed_over,
                             phases=m["report"].phases)
                        for m in moves],

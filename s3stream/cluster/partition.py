@@ -90,7 +90,8 @@ class Checkpoint:
                    producers=d.get("producers", {}), scan_from=d.get("scan_from"))
 
 
-def _kv_key(name: str) -> str:
+def partition_kv_key(name: str) -> str:
+    """The metadata KV key naming partition `name`'s meta stream (its id, as text)."""
     return f"partition/{name}"
 
 
@@ -381,9 +382,9 @@ class PartitionReader:
     def __init__(self, client: CommittedSource, name: str) -> None:
         self._client = client
         self.name = name
-        raw = client.metadata.get_kv(_kv_key(name))
+        raw = client.metadata.get_kv(partition_kv_key(name))
         if raw is None:
-            raise StreamNotFoundError(f"there is no partition {name!r} (no KV key {_kv_key(name)!r})")
+            raise StreamNotFoundError(f"there is no partition {name!r} (no KV key {partition_kv_key(name)!r})")
         self.meta_stream_id = int(raw)
         checkpoint = _committed_checkpoint(client, client.metadata.get_stream(self.meta_stream_id))
         if checkpoint is None:
@@ -484,11 +485,11 @@ def open_partition(client: StreamClient, table: PartitionTable, name: str, hinte
         together = _open_hinted(client, raw, timing)
         if together is not None:
             return _opened(client, table, name, *together, trim_later=True, timing=timing, defer_trim=True)
-    meta_kv = client.metadata.get_kv(_kv_key(name))
+    meta_kv = client.metadata.get_kv(partition_kv_key(name))
     if meta_kv is None:
         # Create a meta stream and race to publish it; the loser destroys its own.
         candidate = client.create_stream()
-        winner = int(client.metadata.put_kv_if_absent(_kv_key(name), str(candidate.stream_id).encode()))
+        winner = int(client.metadata.put_kv_if_absent(partition_kv_key(name), str(candidate.stream_id).encode()))
         if winner == candidate.stream_id:
             meta = candidate
         else:

@@ -63,6 +63,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 from ..balancer.lease import Lease, expire, is_held, read_lease
 from ..cluster import Cluster, ClusterConfig
+from ..cluster.partition import partition_kv_key
 from ..config import Config
 from ..errors import ConfigError, InvalidArgumentError, S3StreamError, StreamFencedError, StreamNotClosedError
 from ..metadata import MetadataStore, StreamState
@@ -660,7 +661,7 @@ class MirrorWorker:
 
     def _holder_node(self, name: str) -> int | None:
         """The target node that holds partition `name` open (its meta stream's owner), if any."""
-        raw = self.target_meta.get_kv(f"partition/{name}")
+        raw = self.target_meta.get_kv(partition_kv_key(name))
         if raw is None:
             return None
         meta = self.target_meta.get_stream(int(raw))

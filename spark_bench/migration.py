@@ -73,8 +73,8 @@ from wal.benchkit import parse_size, progress as progress_bar, pyplot, save_figu
 
 
 from .common import (
-    MiB, add_common_args, assign_metrics_ports, check_cluster_storage, deployment, format_placement, is_cluster,
-    latency_summary, new_run_id, node_spec, placement, progress, publish, run_nodes, verdict, verify_acks,
+    MiB, add_common_args, assign_metrics_ports, check_cluster_storage, deployment, format_placement, frozen_heap,
+    is_cluster, latency_summary, new_run_id, node_spec, placement, progress, publish, run_nodes, verdict, verify_acks,
 )
 
 #: Issue 28's targets, by its names.
@@ -413,63 +413,66 @@ def _run(args, dep, histories: dict[str, int]) -> dict:
     build_history(store, meta_url, work, histories, args.batch)
     progress("Kafka-style copy baseline")
     baseline = {name: copy_baseline(store, meta_url, work, name) for name in histories}
-    meta = open_metadata(meta_url)
-    cluster = Cluster(meta, open_object_store(store), ClusterConfig(**CLUSTER))
-    calibration, rates, earlier = None, None, []
-    if args.rate is not None:
-        rates = {name: args.rate * 1e6 / len(histories) for name in histories}
-        progress(f"--rate: producers paced at {args.rate:g} MB/s in all, no calibration")
-    elif args.load < 1:
-        progress(f"calibration: the saturating rate, producers flat out for {args.calibration_seconds} s, "
-                 "no migrations")
-        calibration, earlier = calibrate(args, dep, cluster, meta, histories)
-        paced = args.load * calibration["mb_s"] * 1e6
-        rates = {name: paced / len(histories) for name in histories}
-        calibration.update(paced_mb_s=paced / 1e6, paced_partition_mb_s=paced / len(histories) / 1e6)
-        progress(f"  saturating: {calibration['mb_s']:.0f} MB/s acknowledged; load {args.load:g}: producers paced "
-                 f"at {paced / 1e6:.0f} MB/s in all, {paced / len(histories) / 1e6:.1f} MB/s per partition")
-    moves: list[dict] = []
-    windows: list[tuple[str, float, float]] = []
-    bar = progress_bar(total=args.migrations * len(histories), desc="migrations", unit="move")
-    # The rounds (each partition moves once) of each migrating window, as even as they split.
-    groups = [n for n in (args.migrations // args.windows + (i < args.migrations % args.windows)
-                          for i in range(args.windows)) if n]
+    # From here to the verification the driver only drives and times the jobs: what it built
+    # so far (clients, Spark) stays out of the cyclic GC's full walks (frozen_heap).
+    with frozen_heap():
+        meta = open_metadata(meta_url)
+        cluster = Cluster(meta, open_object_store(store), ClusterConfig(**CLUSTER))
+        calibration, rates, earlier = None, None, []
+        if args.rate is not None:
+            rates = {name: args.rate * 1e6 / len(histories) for name in histories}
+            progress(f"--rate: producers paced at {args.rate:g} MB/s in all, no calibration")
+        elif args.load < 1:
+            progress(f"calibration: the saturating rate, producers flat out for {args.calibration_seconds} s, "
+                     "no migrations")
+            calibration, earlier = calibrate(args, dep, cluster, meta, histories)
+            paced = args.load * calibration["mb_s"] * 1e6
+            rates = {name: paced / len(histories) for name in histories}
+            calibration.update(paced_mb_s=paced / 1e6, paced_partition_mb_s=paced / len(histories) / 1e6)
+            progress(f"  saturating: {calibration['mb_s']:.0f} MB/s acknowledged; load {args.load:g}: producers paced "
+                     f"at {paced / 1e6:.0f} MB/s in all, {paced / len(histories) / 1e6:.1f} MB/s per partition")
+        moves: list[dict] = []
+        windows: list[tuple[str, float, float]] = []
+        bar = progress_bar(total=args.migrations * len(histories), desc="migrations", unit="move")
+        # The rounds (each partition moves once) of each migrating window, as even as they split.
+        groups = [n for n in (args.migrations // args.windows + (i < args.migrations % args.windows)
+                              for i in range(args.windows)) if n]
 
-    def quiet_window(clock, halt, start: float) -> float:
-        start = math.ceil(start * 10) / 10        # on the nodes' 100 ms steps: all of it is measured
-        end = start + args.quiet_seconds
-        wait_until(clock, halt, end + 0.1)        # the nodes' last 100 ms step is whole
-        windows.append(("quiet", start, end))
-        return clock()
+        def quiet_window(clock, halt, start: float) -> float:
+            start = math.ceil(start * 10) / 10        # on the nodes' 100 ms steps: all of it is measured
+            end = start + args.quiet_seconds
+            wait_until(clock, halt, end + 0.1)        # the nodes' last 100 ms step is whole
+            windows.append(("quiet", start, end))
+            return clock()
 
-    def script(clock, halt) -> None:
-        at = math.ceil(clock() + args.warmup_seconds)
-        wait_until(clock, halt, at)
-        for rounds in groups:
-            at = quiet_window(clock, halt, at)
-            for _ in range(rounds):
-                for name in histories:
-                    if halt.is_set():
-                        raise RuntimeError(f"the nodes stopped after {len(moves)} migrations")
-                    target = 2 if cluster.owner(name) == 1 else 1
-                    began = clock()
-                    report = cluster.migrate(name, target)
-                    ended = clock()
-                    # the source's record of its close, if the target served first (bookkeeping)
-                    moves.append(dict(report=cluster.with_close_record(report), start_s=began, end_s=ended))
-                    bar.update()                                 # after the migration's own clock stopped
-                    halt.wait(args.pause / len(histories))
-            windows.append(("migrating", at, clock()))
-            at = clock()
-            progress(f"  migrations: {len(moves)} of {args.migrations * len(histories)}")
-        quiet_window(clock, halt, at)
+        def script(clock, halt) -> None:
+            at = math.ceil(clock() + args.warmup_seconds)
+            wait_until(clock, halt, at)
+            for rounds in groups:
+                at = quiet_window(clock, halt, at)
+                for _ in range(rounds):
+                    for name in histories:
+                        if halt.is_set():
+                            raise RuntimeError(f"the nodes stopped after {len(moves)} migrations")
+                        target = 2 if cluster.owner(name) == 1 else 1
+                        began = clock()
+                        report = cluster.migrate(name, target)
+                        ended = clock()
+                        # the source's record of its close, if the target served first (bookkeeping)
+                        moves.append(dict(report=cluster.with_close_record(report), start_s=began, end_s=ended))
+                        bar.update()                                 # after the migration's own clock stopped
+                        halt.wait(args.pause / len(histories))
+                windows.append(("migrating", at, clock()))
+                at = clock()
+                progress(f"  migrations: {len(moves)} of {args.migrations * len(histories)}")
+            quiet_window(clock, halt, at)
 
-    try:
-        progress(f"2 nodes under load {args.load:g} on {dep.master}: {args.quiet_seconds} s without migrations, "
-                 f"then {args.migrations} migrations per partition")
-        results, failures = run_job(args, dep, cluster, meta, histories, script, rates)
-    finally:
-        bar.close()
+        try:
+            progress(f"2 nodes under load {args.load:g} on {dep.master}: {args.quiet_seconds} s without migrations, "
+                     f"then {args.migrations} migrations per partition")
+            results, failures = run_job(args, dep, cluster, meta, histories, script, rates)
+        finally:
+            bar.close()
     where = placement(results)
     progress(f"  placement: {format_placement(where)}")
     progress("verifying every acknowledged record through the driver's own client")

@@ -120,7 +120,7 @@ def run_node(spec: dict) -> dict:
     from s3stream.objectstore import open_object_store
     from s3stream.cluster import PartitionMovedError
 
-    from .common import serve_task_metrics, stop_task_metrics
+    from .common import frozen_heap, serve_task_metrics, stop_task_metrics
 
     node_id = spec["node_id"]
     retention = spec.get("retention")
@@ -253,29 +253,31 @@ def run_node(spec: dict) -> dict:
                 continue
             trimmed[0] += 1
 
-    threads = [threading.Thread(target=produce, args=(n,), daemon=True) for n in spec["partitions"]]
-    for t in threads:
-        t.start()
-    balancer = None
-    balancer_at = origin_ns + int(spec.get("balancer_start", 0) * 1e9)
-    deadline = start + spec["duration"]
-    next_trim = start
-    while time.monotonic() < deadline:
-        if meta.get_kv(f"{keys}/stop") is not None or agent.fenced:
-            break
-        if retention and time.monotonic() >= next_trim:
-            retain()
-            next_trim = time.monotonic() + 0.2
-        if balancer is None and spec.get("balancer") is not None and time.monotonic_ns() >= balancer_at:
-            from s3stream.balancer import BalancerConfig
-            from s3stream.balancer.loop import Balancer
-            balancer = Balancer(Cluster(meta, store, ccfg, cfg), node_id, BalancerConfig(**spec["balancer"])).start()
-        time.sleep(0.05)
-    if balancer is not None:
-        balancer.stop()
-    stop.set()
-    for t in threads:
-        t.join()
+    # The setup's objects out of the cyclic GC's full walks while the load runs (frozen_heap).
+    with frozen_heap():
+        threads = [threading.Thread(target=produce, args=(n,), daemon=True) for n in spec["partitions"]]
+        for t in threads:
+            t.start()
+        balancer = None
+        balancer_at = origin_ns + int(spec.get("balancer_start", 0) * 1e9)
+        deadline = start + spec["duration"]
+        next_trim = start
+        while time.monotonic() < deadline:
+            if meta.get_kv(f"{keys}/stop") is not None or agent.fenced:
+                break
+            if retention and time.monotonic() >= next_trim:
+                retain()
+                next_trim = time.monotonic() + 0.2
+            if balancer is None and spec.get("balancer") is not None and time.monotonic_ns() >= balancer_at:
+                from s3stream.balancer import BalancerConfig
+                from s3stream.balancer.loop import Balancer
+                balancer = Balancer(Cluster(meta, store, ccfg, cfg), node_id, BalancerConfig(**spec["balancer"])).start()
+            time.sleep(0.05)
+        if balancer is not None:
+            balancer.stop()
+        stop.set()
+        for t in threads:
+            t.join()
     elapsed = time.monotonic() - start
     stats = client.stats()
     agent.stop()

@@ -139,3 +139,22 @@ def test_migration_rate_option_is_parsed_and_a_rate_of_nothing_refused(capsys):
     with pytest.raises(SystemExit):
         parse(["--rate", "0"])
     assert "--rate is the producers' total in MB/s" in capsys.readouterr().err
+
+
+def test_frozen_heap_leaves_setup_out_of_collections_and_hands_it_back():
+    """Inside, what existed on entry is frozen (gc.get_freeze_count) and a full collection walks
+    only what came after; on exit, also by an exception, nothing stays frozen."""
+    import gc
+    from spark_bench.common import frozen_heap
+    setup = [[i] for i in range(10_000)]            # tracked objects made before the load
+    assert gc.get_freeze_count() == 0
+    with frozen_heap():
+        assert gc.get_freeze_count() >= len(setup)
+        before = gc.get_freeze_count()
+        made = [[i] for i in range(100)]
+        gc.collect()
+        assert gc.get_freeze_count() == before and made
+    assert gc.get_freeze_count() == 0
+    with pytest.raises(RuntimeError), frozen_heap():
+        raise RuntimeError("the job failed")
+    assert gc.get_freeze_count() == 0

@@ -12,7 +12,7 @@ if not shutil.which("java"):
 
 def test_spark_mirror_loses_nothing_across_a_kill_and_a_consumer_failover(tmp_path):
     from spark_bench import main
-    report = main(["mirror", "--quick", "--duration", "22", "--lead", "8", "--rate", "2", "--out", str(tmp_path),
+    report = main(["mirror", "--quick", "--duration", "18", "--lead", "5", "--rate", "2", "--out", str(tmp_path),
                    "--store", f"file://{tmp_path}/objects", "--wal-capacity", "64M"])
     assert report["records"] > 0 and report["records"] == report["source_batches"] == report["acked"]
     assert report["lost"] == 0 and report["duplicates"] == 0 and report["translation_errors"] == 0

@@ -3,6 +3,8 @@ object store and metadata).
 
     python -m spark_bench throughput [--nodes 1,2,4] [--duration S] [--verify] ...
     python -m spark_bench migration  [--histories 16M,256M,1G] [--tail 16M] [--migrations N] ...
+    python -m spark_bench migration-campaign [--rounds 2] [--cases sqlite-0.5,...] [-- ARGS]
+                                     the migration test in issue 28's four cases, several rounds
     python -m spark_bench balance    [--nodes 4] [--partitions 32] [--rate MB/s] [--quick] ...
     python -m spark_bench mirror     [--workers 2] [--rate MB/s] [--duration S] [--quick] ...
     python -m spark_bench pipeline   [--inputs 4] [--outputs 2] [--rate MB/s] [--duration S] [--quick] ...
@@ -42,6 +44,8 @@ def main(argv: list[str] | None = None) -> dict:
         from .throughput import run
     elif kind == "migration":
         from .migration import run
+    elif kind == "migration-campaign":
+        from .migration_campaign import run
     elif kind == "balance":
         from .balance import run
     elif kind == "mirror":
@@ -51,7 +55,7 @@ def main(argv: list[str] | None = None) -> dict:
     elif kind == "datasource":
         from .datasource import run
     else:
-        print(f"unknown load test {kind!r}: choose throughput, migration, balance, mirror, pipeline or datasource\n\n{USAGE}", file=sys.stderr)
+        print(f"unknown load test {kind!r}: choose throughput, migration, migration-campaign, balance, mirror, pipeline or datasource\n\n{USAGE}", file=sys.stderr)
         raise SystemExit(2)
     return run(rest)
 

@@ -161,3 +161,57 @@ def test_frozen_heap_leaves_setup_out_of_collections_and_hands_it_back():
     with pytest.raises(RuntimeError), frozen_heap():
         raise RuntimeError("the job failed")
     assert gc.get_freeze_count() == 0
+
+
+def _migration_report(p99_ms, flatness, ratio, lost=0, target=0.05, partitions=("h16M", "h256M", "h1G")):
+    """A migration report with just what the campaign reads."""
+    return dict(histories=[dict(p99_s=v / 1000) for v in p99_ms], p99_target_s=target, flatness=flatness,
+                throughput_ratio=ratio, verification=dict(lost=lost), failures=[], load_mb_s=150.0,
+                moves=[dict(partition=p, seconds=v / 1000) for p, v in zip(partitions, p99_ms)])
+
+
+def test_migration_campaign_runs_each_case_and_counts_the_runs_that_met_every_target(tmp_path, monkeypatch):
+    """Each round runs each case in a process of its own with the issue's command and the case's
+    load and metadata; a run is judged on every target of issue 28 (one missed fails it, a run
+    that failed counts as a miss); the moves are pooled per history."""
+    import subprocess
+    from spark_bench import migration_campaign as mc
+    seen = []
+    figures = iter([([10, 12, 11], 1.1, 0.95, 0),      # r1 postgres-0.5: every target
+                    ([10, 12, 60], 1.1, 0.95, 0),      # r1 sqlite-0.5: p99 over 50 ms
+                    None,                              # r2 postgres-0.5: the run failed
+                    ([10, 12, 14], 1.4, 0.95, 0)])     # r2 sqlite-0.5: flatness over 1.3
+
+    def fake_run(cmd, stdout, stderr, timeout):
+        seen.append(cmd)
+        figs = next(figures)
+        out = cmd[cmd.index("--out") + 1]
+        if figs is None:
+            return subprocess.CompletedProcess(cmd, 1)
+        (tmp_path / out).mkdir(parents=True)
+        (tmp_path / out / "report.json").write_text(json.dumps(_migration_report(*figs)))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(mc.subprocess, "run", fake_run)
+    result = mc.run(["--rounds", "2", "--cases", "postgres-0.5,sqlite-0.5", "--out", str(tmp_path / "c"),
+                     "--", "--tail-limit", "4M"])
+    assert [c[3:] for c in seen][0] == ["migration", "--histories", "16M,256M,1G", "--migrations", "10", "--load",
+                                        "0.5", "--out", str(tmp_path / "c" / "r1-postgres-0.5"), "--meta",
+                                        "postgres", "--tail-limit", "4M"]
+    assert "--meta" not in seen[1] and seen[1][-2:] == ["--tail-limit", "4M"]
+    assert [r["every_target"] for r in result["runs"]] == [True, False, False, False]
+    assert result["runs"][1]["met"] == dict(p99=False, flatness=True, throughput_ratio=True, lost=True)
+    assert result["runs"][3]["met"]["flatness"] is False and "exit status 1" in result["runs"][2]["error"]
+    assert (result["every_target"], result["of"]) == (1, 4)
+    assert result["pooled"]["h1G"]["moves"] == 3 and result["pooled"]["h1G"]["max_s"] == 0.060
+    assert json.loads((tmp_path / "c" / "report.json").read_text())["every_target"] == 1
+    assert (tmp_path / "c" / "migration-campaign.png").stat().st_size > 0
+
+
+def test_migration_campaign_refuses_a_case_it_cannot_run(capsys):
+    from spark_bench.migration_campaign import parse
+    with pytest.raises(SystemExit):
+        parse(["--cases", "mysql-0.5"])
+    assert "'mysql-0.5' is not META-LOAD" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse(["--rounds", "0"])

@@ -165,8 +165,15 @@ def format_row(row: dict) -> str:
     p99 = "/".join(f"{v * 1000:.0f}" for v in row["p99_s"])
     missed = [k for k, ok in row["met"].items() if not ok]
     return (f"{row['run']:<16} load {row['load_mb_s']:4.0f} MB/s  p99 ms {p99:<10} (< {row['p99_target_s'] * 1000:.0f})  "
-            f"flatness {row['flatness']:.2f}  throughput ratio {row['throughput_ratio']:.3f}  lost {row['lost']}  "
+            f"flatness {_figure(row['flatness'], 2)}  throughput ratio {_figure(row['throughput_ratio'], 3)}  "
+            f"lost {row['lost']}  "
             + ("every target met" if not missed else "MISSED " + ", ".join(missed)))
+
+
+def _figure(value: float | None, digits: int) -> str:
+    """A ratio for the summary; "n/a" where the run could not compute it (no moves in a history,
+    no quiet window)."""
+    return "n/a" if value is None else f"{value:.{digits}f}"
 
 
 def format_report(result: dict) -> str:

@@ -203,6 +203,8 @@ def test_migration_campaign_runs_each_case_and_counts_the_runs_that_met_every_ta
     assert result["runs"][1]["met"] == dict(p99=False, flatness=True, throughput_ratio=True, lost=True)
     assert result["runs"][3]["met"]["flatness"] is False and "exit status 1" in result["runs"][2]["error"]
     assert (result["every_target"], result["of"]) == (1, 4)
+    unmeasured = dict(result["runs"][0], flatness=None, throughput_ratio=None)
+    assert "flatness n/a  throughput ratio n/a" in mc.format_row(unmeasured)
     assert result["pooled"]["h1G"]["moves"] == 3 and result["pooled"]["h1G"]["max_s"] == 0.060
     assert json.loads((tmp_path / "c" / "report.json").read_text())["every_target"] == 1
     assert (tmp_path / "c" / "migration-campaign.png").stat().st_size > 0

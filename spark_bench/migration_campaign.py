@@ -26,7 +26,7 @@ import time
 from wal.benchkit import publish, pyplot, save_figure
 
 from .common import progress
-from .migration import ANCHORS, TARGETS
+from .migration import ANCHORS, TARGETS, _ratio, targets_met
 
 #: The issue's cases: metadata store and load (a fraction of the saturating rate).
 CASES = ("postgres-0.5", "postgres-1", "sqlite-0.5", "sqlite-1")
@@ -71,15 +71,10 @@ def case_argv(case: str, out: str, extra: list[str]) -> list[str]:
 
 def judge(report: dict) -> dict:
     """The issue's targets for one run's report: each target met or not, and the figures."""
-    p99 = [h["p99_s"] for h in report["histories"]]
-    lost = report["verification"]["lost"] if isinstance(report["verification"], dict) else report["verification"]
-    met = dict(p99=all(v < report["p99_target_s"] for v in p99),
-               flatness=report["flatness"] is not None and report["flatness"] <= TARGETS["flatness"],
-               throughput_ratio=(report["throughput_ratio"] is not None
-                                 and report["throughput_ratio"] >= TARGETS["throughput_ratio_during_migrations"]),
-               lost=lost == TARGETS["lost"] and not report["failures"])
-    return dict(p99_s=p99, p99_target_s=report["p99_target_s"], flatness=report["flatness"],
-                throughput_ratio=report["throughput_ratio"], lost=lost, load_mb_s=report["load_mb_s"],
+    met = dict(targets_met(report), no_failures=not report["failures"])
+    return dict(p99_s=[h["p99_s"] for h in report["histories"]], p99_target_s=report["p99_target_s"],
+                flatness=report["flatness"], throughput_ratio=report["throughput_ratio"],
+                lost=report["verification"]["lost"], load_mb_s=report["load_mb_s"],
                 met=met, every_target=all(met.values()))
 
 
@@ -165,15 +160,9 @@ def format_row(row: dict) -> str:
     p99 = "/".join(f"{v * 1000:.0f}" for v in row["p99_s"])
     missed = [k for k, ok in row["met"].items() if not ok]
     return (f"{row['run']:<16} load {row['load_mb_s']:4.0f} MB/s  p99 ms {p99:<10} (< {row['p99_target_s'] * 1000:.0f})  "
-            f"flatness {_figure(row['flatness'], 2)}  throughput ratio {_figure(row['throughput_ratio'], 3)}  "
+            f"flatness {_ratio(row['flatness'])}  throughput ratio {_ratio(row['throughput_ratio'])}  "
             f"lost {row['lost']}  "
             + ("every target met" if not missed else "MISSED " + ", ".join(missed)))
-
-
-def _figure(value: float | None, digits: int) -> str:
-    """A ratio for the summary; "n/a" where the run could not compute it (no moves in a history,
-    no quiet window)."""
-    return "n/a" if value is None else f"{value:.{digits}f}"
 
 
 def format_report(result: dict) -> str:

@@ -165,8 +165,10 @@ def test_frozen_heap_leaves_setup_out_of_collections_and_hands_it_back():
 
 def _migration_report(p99_ms, flatness, ratio, lost=0, target=0.05, partitions=("h16M", "h256M", "h1G")):
     """A migration report with just what the campaign reads."""
-    return dict(histories=[dict(p99_s=v / 1000) for v in p99_ms], p99_target_s=target, flatness=flatness,
-                throughput_ratio=ratio, verification=dict(lost=lost), failures=[], load_mb_s=150.0,
+    from spark_bench.migration import TARGETS
+    return dict(histories=[dict(p99_s=v / 1000, p99_met=v / 1000 < target) for v in p99_ms], p99_target_s=target,
+                flatness=flatness, throughput_ratio=ratio, verification=dict(acknowledged=100, lost=lost),
+                targets=TARGETS, failures=[], load_mb_s=150.0,
                 moves=[dict(partition=p, seconds=v / 1000) for p, v in zip(partitions, p99_ms)])
 
 
@@ -200,7 +202,7 @@ def test_migration_campaign_runs_each_case_and_counts_the_runs_that_met_every_ta
                                         "postgres", "--tail-limit", "4M"]
     assert "--meta" not in seen[1] and seen[1][-2:] == ["--tail-limit", "4M"]
     assert [r["every_target"] for r in result["runs"]] == [True, False, False, False]
-    assert result["runs"][1]["met"] == dict(p99=False, flatness=True, throughput_ratio=True, lost=True)
+    assert result["runs"][1]["met"] == dict(p99=False, flatness=True, throughput_ratio=True, lost=True, no_failures=True)
     assert result["runs"][3]["met"]["flatness"] is False and "exit status 1" in result["runs"][2]["error"]
     assert (result["every_target"], result["of"]) == (1, 4)
     unmeasured = dict(result["runs"][0], flatness=None, throughput_ratio=None)

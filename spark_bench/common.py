@@ -96,10 +96,34 @@ def check_cluster_storage(args) -> None:
             "the same file system at the same path, or --standalone N for a cluster on this host alone.")
 
 
+def refuse_used_metadata(url: str, option: str = "--meta") -> None:
+    """A metadata URL of the user's must be fresh: one an earlier run used holds its streams and
+    partitions, whose objects went with that run's store (by default a directory removed at its
+    end), so this run would build on top of them or read back from objects that are gone.
+    Refused naming what it holds and the fix; a missing SQLite file is created (fresh)."""
+    from s3stream.cluster.partition import PARTITION_KV_PREFIX
+    from s3stream.metadata import open_metadata
+    meta = open_metadata(url)
+    try:
+        partitions = sorted(k.removeprefix(PARTITION_KV_PREFIX) for k in meta.list_kv(PARTITION_KV_PREFIX))
+        streams = len(meta.list_streams())
+    finally:
+        meta.close()
+    if partitions or streams:
+        held = [f"partition(s) {', '.join(partitions[:5])}{' ...' if len(partitions) > 5 else ''}"] if partitions else []
+        held += [f"{streams} stream(s)"] if streams else []
+        raise SystemExit(f"{option} {url} already holds {' and '.join(held)} from an earlier run (their objects "
+                         f"went with that run's store): give {option} a fresh database, or leave it out for SQLite "
+                         "in the run's work directory")
+
+
 def storage(args, name: str, store_query: str = "") -> tuple[str, str, str, str, list[str]]:
     """(out, workdir, store URL, meta URL, directories to remove at the end). `store_query`: the
     query (LocalObjectStore options) the default store's URL gets when it is on /dev/shm (the
-    options it is for are meant for a RAM disk); a --store is used as given."""
+    options it is for are meant for a RAM disk); a --store is used as given. A --meta must be
+    fresh (refuse_used_metadata), checked before anything is made."""
+    if args.meta:
+        refuse_used_metadata(args.meta)
     out = os.path.abspath(args.out or os.path.join("reports", f"spark-{name}"))
     work = os.path.abspath(args.workdir or os.path.join(out, "work"))
     cleanup = []

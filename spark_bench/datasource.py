@@ -37,7 +37,7 @@ import time
 
 from wal.benchkit import parse_size, pyplot, save_figure
 
-from .common import cleanup_dirs, progress, publish, verdict
+from .common import cleanup_dirs, progress, publish, refuse_used_metadata, verdict
 
 TARGET = 0.7
 
@@ -129,6 +129,8 @@ def run(argv=None) -> dict:
     args = parse_args(argv or [])
     import s3stream
     from .pipeline import spark_session
+    if args.meta:
+        refuse_used_metadata(args.meta)
     out = os.path.abspath(args.out or os.path.join("reports", "spark-datasource"))
     work = os.path.join(out, "work")
     shutil.rmtree(work, ignore_errors=True)

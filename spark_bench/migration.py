@@ -73,8 +73,8 @@ from wal.benchkit import parse_size, progress as progress_bar, pyplot, save_figu
 
 
 from .common import (
-    MiB, add_common_args, assign_metrics_ports, check_cluster_storage, deployment, format_placement, frozen_heap,
-    is_cluster, latency_summary, new_run_id, node_spec, placement, progress, publish, run_nodes, verdict, verify_acks,
+    MiB, add_common_args, assign_metrics_ports, deployment, format_placement, frozen_heap, is_cluster,
+    latency_summary, new_run_id, node_spec, placement, progress, publish, run_nodes, verdict, verify_acks,
 )
 
 #: Issue 28's targets, by its names.
@@ -212,9 +212,6 @@ def run(argv=None) -> dict:
     args = parse(argv)
     histories = {f"h{h}": parse_size(h) for h in args.histories.split(",")}
     throwaway = args.meta == "postgres"
-    if args.meta and not throwaway:
-        check_cluster_storage(args)         # its refusals first: they need no connection
-        refuse_used_metadata(args.meta, histories)
     with contextlib.ExitStack() as stack:
         if throwaway:
             args.meta = stack.enter_context(throwaway_metadata(args))
@@ -223,23 +220,6 @@ def run(argv=None) -> dict:
             report = _run(args, dep, histories)
     report["metadata"] = "postgresql (a throwaway server)" if throwaway else dep.meta.split(":", 1)[0]
     return publish(report, dep.out, plot, format_report)
-
-
-def refuse_used_metadata(url: str, names: dict[str, int]) -> None:
-    """A `--meta` of the user's must not hold the run's partitions already: an earlier run left
-    them there, with objects in that run's store (by default a directory removed at its end), so
-    the histories would be built on top of them or read back from objects that are gone."""
-    from s3stream.cluster.partition import partition_kv_key
-    from s3stream.metadata import open_metadata
-    meta = open_metadata(url)
-    try:
-        taken = [name for name in names if meta.get_kv(partition_kv_key(name)) is not None]
-    finally:
-        meta.close()
-    if taken:
-        raise SystemExit(f"--meta {url} already holds partition(s) {', '.join(taken)} from an earlier run (their "
-                         "objects went with that run's store): give --meta a fresh database, or --meta postgres "
-                         "for a throwaway server")
 
 
 @contextlib.contextmanager

@@ -47,7 +47,7 @@ from wal.benchkit import percentiles, pyplot, save_figure
 
 
 from .common import (KiB, MiB, add_common_args, assign_metrics_ports, deployment, new_run_id, progress, publish,
-                     run_nodes, serve_task_metrics, stop_task_metrics, verdict)
+                     refuse_used_metadata, run_nodes, serve_task_metrics, stop_task_metrics, verdict)
 from .node import digest, payload_for, where_am_i
 
 TARGETS = dict(lost=0, duplicates=0, translation_errors=0)
@@ -509,6 +509,9 @@ def cluster_urls(args, dep) -> dict:
 
 def run(argv=None) -> dict:
     args = parse(argv)
+    for option, url in (("--source-meta", args.source_meta), ("--target-meta", args.target_meta)):
+        if url:
+            refuse_used_metadata(url, option)
     with deployment(args, "mirror", args.source_nodes + args.workers) as dep:
         report = _run(args, dep)
     return publish(report, dep.out, plot, format_report)

@@ -129,6 +129,25 @@ def test_migration_refuses_a_metadata_store_an_earlier_run_used(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("bench, option", [("throughput", "--meta"), ("balance", "--meta"), ("mirror", "--target-meta"),
+                                           ("mirror", "--source-meta"), ("datasource", "--meta")])
+def test_every_bench_refuses_a_metadata_store_an_earlier_run_used(tmp_path, bench, option):
+    """The same refusal for the other benches' user-given metadata, here one holding a stream
+    (and no partition), before the run makes anything."""
+    import importlib
+    from s3stream.metadata import open_metadata
+    url = f"sqlite:///{tmp_path}/meta.db"
+    meta = open_metadata(url)
+    node = meta.register_node(1, "wal")
+    meta.create_stream(1, node.node_epoch)
+    meta.close()
+    module = importlib.import_module(f"spark_bench.{bench}")
+    with pytest.raises(SystemExit, match=rf"{option} {url} already holds 1 stream\(s\) .*{option} a fresh database"):
+        module.run([option, url, "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
+    assert len(open_metadata(url).list_streams()) == 1        # left as it was
+
+
 def test_migration_rate_option_is_parsed_and_a_rate_of_nothing_refused(capsys):
     """--rate (an A/B at one fixed load, run in place of the calibration) parses; a rate of 0 is
     refused naming the option. The paced run itself is measured by the bench, not here."""

@@ -34,6 +34,7 @@ from ..latency import DURATION_BUCKETS, LatencyHistogram
 from ..metadata import ChangeFeed, MetadataStore, NodeMeta
 from ..objectstore import ObjectStore
 from .config import ClusterConfig
+from .partition import PARTITION_KV_PREFIX
 from .runtime import THREADS, Runtime
 
 log = logging.getLogger("s3stream.cluster")
@@ -461,7 +462,7 @@ class Cluster:
                                 "readable, fail the node over instead: its acknowledged records are replayed")
         fenced = self.meta.fence_node(node_id, failover=True)
         partitions = {}
-        for key, raw in self.meta.list_kv("partition/").items():
+        for key, raw in self.meta.list_kv(PARTITION_KV_PREFIX).items():
             try:
                 partitions[int(raw)] = key.split("/", 1)[1]
             except ValueError:

@@ -90,9 +90,13 @@ class Checkpoint:
                    producers=d.get("producers", {}), scan_from=d.get("scan_from"))
 
 
+#: The prefix of every partition's KV key (partition_kv_key): list_kv(PARTITION_KV_PREFIX) lists them.
+PARTITION_KV_PREFIX = "partition/"
+
+
 def partition_kv_key(name: str) -> str:
     """The metadata KV key naming partition `name`'s meta stream (its id, as text)."""
-    return f"partition/{name}"
+    return PARTITION_KV_PREFIX + name
 
 
 @dataclass

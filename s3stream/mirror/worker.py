@@ -63,7 +63,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 from ..balancer.lease import Lease, expire, is_held, read_lease
 from ..cluster import Cluster, ClusterConfig
-from ..cluster.partition import partition_kv_key
+from ..cluster.partition import PARTITION_KV_PREFIX, partition_kv_key
 from ..config import Config
 from ..errors import ConfigError, InvalidArgumentError, S3StreamError, StreamFencedError, StreamNotClosedError
 from ..metadata import MetadataStore, StreamState
@@ -485,8 +485,8 @@ class MirrorWorker:
     def _discover(self) -> dict[str, str]:
         """{target partition: source partition} of every source partition this flow mirrors."""
         out: dict[str, str] = {}
-        for key in self.source_meta.list_kv("partition/"):
-            name = key[len("partition/"):]
+        for key in self.source_meta.list_kv(PARTITION_KV_PREFIX):
+            name = key.removeprefix(PARTITION_KV_PREFIX)
             if not name or name == HEARTBEATS or "/" in name:
                 continue
             if self.partition_filter is not None and not self.partition_filter(name):

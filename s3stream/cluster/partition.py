@@ -84,7 +84,11 @@ class Checkpoint:
 
     @classmethod
     def decode(cls, raw: bytes | memoryview) -> "Checkpoint":
-        d = json.loads(bytes(raw))
+        return cls.from_dict(json.loads(bytes(raw)))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Checkpoint":
+        """The checkpoint `encode` wrote, once parsed (a close record's hint carries it so)."""
         return cls(streams={k: int(v) for k, v in d["streams"].items()}, leader_epoch=d["leader_epoch"],
                    clean=d["clean"], start_offsets={k: int(v) for k, v in d.get("start_offsets", {}).items()},
                    producers=d.get("producers", {}), scan_from=d.get("scan_from"))
@@ -579,7 +583,7 @@ def _open_hinted(client: StreamClient, raw: bytes | None,
     hint = None if raw is None else json.loads(raw).get("hint")
     if not hint:
         return None
-    checkpoint = Checkpoint.decode(json.dumps(hint["checkpoint"]).encode())
+    checkpoint = Checkpoint.from_dict(hint["checkpoint"])
     roles = list(checkpoint.streams)
     ids = [int(hint["meta"]), *(checkpoint.streams[r] for r in roles)]
     epochs = {int(sid): int(epoch) for sid, epoch in hint["epochs"].items()}

@@ -18,12 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
 
-from wal.benchkit import publish, pyplot, save_figure
+from wal.benchkit import percentiles, publish, pyplot, save_figure
 
 from .common import progress
 from .migration import ANCHORS, TARGETS, _ratio, targets_met
@@ -86,9 +85,8 @@ def pooled(reports: list[dict]) -> dict:
             by.setdefault(m["partition"], []).append(m["seconds"])
     out = {}
     for name, values in by.items():
-        values.sort()
-        out[name] = dict(moves=len(values), mean_s=statistics.fmean(values), p50_s=values[len(values) // 2],
-                         p90_s=values[int(0.9 * (len(values) - 1))], max_s=values[-1])
+        ms = percentiles([int(v * 1e9) for v in values], ps=(0.5, 0.9))
+        out[name] = dict(moves=ms["samples"], **{f"{k}_s": ms[f"{k}_ms"] / 1e3 for k in ("mean", "p50", "p90", "max")})
     return out
 
 

@@ -38,7 +38,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable, Hashable, NamedTuple
 
 from .config import Config
-from .errors import CorruptDataError, ObjectNotFoundError, ObjectStoreError, OffsetsLostError
+from .errors import CorruptDataError, ObjectNotFoundError, ObjectStoreError, OffsetOutOfRangeError, OffsetsLostError
 from .latency import LatencyHistogram
 from .logcache import LogCache
 from .metadata import MetadataStore, ObjectRef, ObjectType
@@ -61,6 +61,25 @@ _NO_END = (1 << 63) - 1
 PAST_END_RECHECK = 1.0
 #: A StreamObject of at most this many read_fetch_size is read whole, index and blocks in one GET.
 WHOLE_OBJECT_FETCHES = 4
+
+
+def fetch_end(stream_id: int, start_offset: int, end_offset: int | None, first: int, last: int, readable: str) -> int:
+    """Where a fetch from `start_offset` towards `end_offset` ends, in a stream readable over
+    [first, last) (`readable` names that range in the error): `end_offset` capped at `last`,
+    None meaning `last`. The one rule of every fetch (Stream.fetch, fetch_committed, partitions'
+    and s3stream.aio's): as Kafka's Fetch returns what exists below the high watermark, asking
+    past the end is not an error; a start below `first` or past `last`, or past `end_offset`, is
+    OffsetOutOfRangeError (Kafka's OFFSET_OUT_OF_RANGE)."""
+    if not first <= start_offset <= last:
+        raise OffsetOutOfRangeError(
+            f"stream {stream_id}: fetch from {start_offset} is outside {readable} [{first}, {last}]: start at an "
+            f"offset in it")
+    end = last if end_offset is None else min(end_offset, last)
+    if start_offset > end:
+        raise OffsetOutOfRangeError(
+            f"stream {stream_id}: fetch from {start_offset} towards {end_offset} starts past its end: give an end "
+            f"offset at or after the start")
+    return end
 
 
 class LRUCache:

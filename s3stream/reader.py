@@ -27,12 +27,12 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from .config import Config
-from .errors import (ConfigError, CorruptDataError, ObjectNotFoundError, OffsetOutOfRangeError, OffsetsLostError,
-                     S3StreamError, StreamNotFoundError, check_int)
+from .errors import (ConfigError, CorruptDataError, ObjectNotFoundError, OffsetsLostError, S3StreamError,
+                     StreamNotFoundError, check_int)
 from .logcache import new_log_cache
 from .metadata import MetadataStore, StreamMeta, StreamState, commit_key, open_metadata
 from .objectstore import ObjectStore, open_object_store
-from .read import Reader
+from .read import Reader, fetch_end
 from .recordbatch import FetchedBatch, FetchResult
 
 if TYPE_CHECKING:
@@ -49,8 +49,9 @@ KNOWN_RANGES = 4096
 
 def fetch_committed(meta: MetadataStore, reader: Reader, stream_id: int, start_offset: int,
                     end_offset: int | None, max_bytes: int) -> FetchResult:
-    """A stream's committed batches in [start_offset, end_offset) (default: its committed end),
-    read through `reader` without opening the stream (StreamClient.fetch_committed's contract)."""
+    """A stream's committed batches in [start_offset, end_offset) (default, and at most: its
+    committed end), read through `reader` without opening the stream (StreamClient.fetch_committed's
+    contract; the bounds are read.fetch_end's)."""
     _check_fetch(stream_id, start_offset, end_offset, max_bytes)
     return _fetch_in(meta.get_stream(stream_id), reader, start_offset, end_offset, max_bytes)
 
@@ -69,11 +70,8 @@ def _fetch_in(stream: StreamMeta, reader: Reader, start_offset: int, end_offset:
     stream_id = stream.stream_id
     if stream.state == StreamState.DELETED:
         raise StreamNotFoundError(f"stream {stream_id} was deleted")
-    end = stream.end_offset if end_offset is None else end_offset
-    if start_offset < stream.start_offset or end > stream.end_offset or start_offset > end:
-        raise OffsetOutOfRangeError(
-            f"stream {stream_id}: fetch [{start_offset}, {end}) is outside its committed range "
-            f"[{stream.start_offset}, {stream.end_offset}]")
+    end = fetch_end(stream_id, start_offset, end_offset, stream.start_offset, stream.end_offset,
+                    "its committed range")
     if start_offset == end:
         return FetchResult([])
     return FetchResult(reader.read(stream_id, start_offset, end, max_bytes))
@@ -133,18 +131,20 @@ class StreamReader:
     def fetch_committed(self, stream_id: int, start_offset: int, end_offset: int | None = None,
                         max_bytes: int = 1 << 20) -> FetchResult:
         """Batches of the stream's committed records from the one holding `start_offset` towards
-        `end_offset` (default: the committed end, as read from metadata at most RANGE_RECHECK
-        seconds ago), up to `max_bytes` (at least one batch).
+        `end_offset` (default, and at most: the committed end, as read from metadata at most
+        RANGE_RECHECK seconds ago), up to `max_bytes` (at least one batch).
         StreamNotFoundError for a stream that does not exist or was deleted, OffsetOutOfRangeError
-        outside its committed range."""
+        for a start outside its committed range (s3stream.read.fetch_end)."""
         self._check_open()
         _check_fetch(stream_id, start_offset, end_offset, max_bytes)
         with self._known_lock:
             known = self._known.get(stream_id)
         if known is not None and time.monotonic() - known[1] < RANGE_RECHECK:
             stream = known[0]
-            end = stream.end_offset if end_offset is None else end_offset
-            if stream.start_offset <= start_offset < end <= stream.end_offset:
+            # An end past the committed end as last read is capped there, as None is: what was
+            # committed since is seen within RANGE_RECHECK, like the committed end itself.
+            end = stream.end_offset if end_offset is None else min(end_offset, stream.end_offset)
+            if stream.start_offset <= start_offset < end:
                 try:
                     return _fetch_in(stream, self._reader, start_offset, end, max_bytes)
                 except (CorruptDataError, ObjectNotFoundError, OffsetsLostError):

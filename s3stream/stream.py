@@ -10,6 +10,7 @@ from _native.appendpath import StreamWriter
 
 from .errors import OffsetOutOfRangeError, StreamClosedError, StreamFencedError, check_int
 from .metadata import StreamMeta
+from .read import fetch_end
 from .recordbatch import AppendFuture, FetchResult, encoded_batch, records_batch
 from .records import Record
 
@@ -88,8 +89,11 @@ class Stream(StreamWriter):
     # ---- fetch --------------------------------------------------------------------------------
 
     def fetch(self, start_offset: int, end_offset: int | None = None, max_bytes: int = 1 << 20) -> FetchResult:
-        """Batches from the one containing `start_offset` towards `end_offset` (default: the
-        confirm offset), up to `max_bytes` (at least one batch if any is in range).
+        """Batches from the one containing `start_offset` towards `end_offset` (default, and at
+        most: the confirm offset), up to `max_bytes` (at least one batch if any is in range).
+        OffsetOutOfRangeError for a start below start_offset or past the confirm offset (or past
+        `end_offset`); an `end_offset` past the confirm offset is capped there, as Kafka's fetch
+        returns what exists (s3stream.read.fetch_end).
 
         Reads need an open handle: a closed or destroyed one raises StreamClosedError (another
         node may have trimmed or appended since), a fenced one StreamFencedError. Offsets and
@@ -117,13 +121,8 @@ class Stream(StreamWriter):
             check_int("end_offset", end_offset)
         check_int("max_bytes", max_bytes, minimum=1)
         self._check_readable()
-        confirm = self.confirm_offset
-        end = confirm if end_offset is None else end_offset
-        if start_offset < self._start_offset or end > confirm or start_offset > end:
-            raise OffsetOutOfRangeError(
-                f"stream {self.stream_id}: fetch [{start_offset}, {end}) is outside the readable range "
-                f"[{self._start_offset}, {confirm}]")
-        return end
+        return fetch_end(self.stream_id, start_offset, end_offset, self._start_offset, self.confirm_offset,
+                         "the readable range")
 
     # ---- trim, close, destroy -------------------------------------------------------------------
 

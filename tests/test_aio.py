@@ -234,6 +234,7 @@ async def test_errors_are_the_sync_apis(tmp_path):
         await stream.append(RecordBatch(b"x"))
         with pytest.raises(OffsetOutOfRangeError):
             await stream.fetch(5)
+        assert [b.base_offset for b in (await stream.fetch(0, 100)).batches] == [0]    # capped, as Stream.fetch
         await stream.close()
         with pytest.raises(StreamClosedError):
             stream.append_nowait(RecordBatch(b"y"))          # refused at once

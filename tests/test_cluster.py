@@ -676,8 +676,9 @@ def test_read_partition_reads_committed_records_without_opening(tmp_path, metada
         after = c.meta.get_stream(p.log.stream_id)
         assert (after.epoch, after.owner_node_id) == (before.epoch, 1)     # still node 1's
         p.append(RecordBatch(b"more", 1)).result(10)                      # the owner goes on
+        assert reader.fetch(0, 6).end_offset == 5                         # capped at the committed end
         with pytest.raises(s3stream.OffsetOutOfRangeError, match="committed range"):
-            reader.fetch(0, 6)
+            reader.fetch(6, 7)
         with pytest.raises(s3stream.StreamNotFoundError, match="no partition 'nope'"):
             c.clients[2].read_partition("nope")
     finally:

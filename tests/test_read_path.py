@@ -312,6 +312,50 @@ def test_fetch_stops_at_its_end_offset_and_at_the_trim_offset_with_blocks_cached
     third.close()
 
 
+def test_an_end_past_what_exists_is_capped_a_start_past_it_is_out_of_range(tmp_path):
+    """Issue 50, item 7: fetch(0, 100) of a stream ending at 10 returns [0, 10), as Kafka's fetch
+    returns what exists below the high watermark; a start past the end still raises. One rule
+    (read.fetch_end) for a stream (log cache and objects), fetch_cached, a partition, a
+    partition's reader, fetch_committed of a node and of a reader that is not a node."""
+    import s3stream.cluster  # noqa: F401  (installs partitions)
+    store = f"file://{tmp_path}/objects"
+    one = node(tmp_path, 1, store, small_config())
+    try:
+        s = one.create_stream()
+        for i in range(10):
+            s.append(RecordBatch(b"%d" % i)).result(10)
+        p = one.open_partition("p")
+        for i in range(10):
+            p.append(RecordBatch(b"%d" % i)).result(10)
+
+        def offsets(result):
+            return [b.base_offset for b in result.batches]
+
+        for fetch in (s.fetch, s.fetch_cached, p.fetch):
+            assert offsets(fetch(0, 100)) == list(range(10))
+            assert offsets(fetch(7, 11)) == [7, 8, 9]
+            assert fetch(10, 100).batches == []
+            for start, end in ((11, 100), (11, None), (5, 4)):
+                with pytest.raises(s3stream.OffsetOutOfRangeError):
+                    fetch(start, end)
+        one.force_upload(30)
+        assert offsets(s.fetch(3, 1 << 40)) == list(range(3, 10))          # from objects now
+        with s3stream.open_reader(f"sqlite:///{tmp_path}/meta.db", store) as reader:
+            part = reader.read_partition("p")
+            for fetch in (lambda a, b: one.fetch_committed(s.stream_id, a, b),
+                          lambda a, b: reader.fetch_committed(s.stream_id, a, b), part.fetch):
+                for _ in range(2):                  # the reader's second call is served from what it knows
+                    assert offsets(fetch(0, 100)) == list(range(10))
+                assert fetch(10, 11).batches == []
+                with pytest.raises(s3stream.OffsetOutOfRangeError, match="committed range"):
+                    fetch(11, 100)
+        s.trim(4)
+        with pytest.raises(s3stream.OffsetOutOfRangeError, match="readable range"):
+            s.fetch(3, 100)
+    finally:
+        one.close()
+
+
 # ---- memory bounds -------------------------------------------------------------------------------
 
 def test_hundred_concurrent_readers_stay_within_cache_and_inflight_bounds(tmp_path):

@@ -68,8 +68,9 @@ def test_reader_reads_what_a_node_committed_and_changes_nothing(node, store_url,
             got += [bytes(b.payload) for b in res.batches]
             pos = res.end_offset
         assert got == payloads
+        assert reader.fetch_committed(s.stream_id, 49, 51).end_offset == 50    # not committed: not readable
         with pytest.raises(OffsetOutOfRangeError):
-            reader.fetch_committed(s.stream_id, 0, 51)                   # not committed: not readable
+            reader.fetch_committed(s.stream_id, 51)
         assert reader.fetch_committed(s.stream_id, 50).batches == []
         part = reader.read_partition("p1")
         records = [r for b in part.fetch(part.start_offset).batches for r in b.records()]
@@ -193,6 +194,6 @@ def test_fetches_inside_the_known_range_do_not_ask_metadata(node, store_url, met
             node.force_upload(30)
             assert [bytes(b.payload) for b in reader.fetch_committed(s.stream_id, 40).batches] == [b"new"]
             with pytest.raises(OffsetOutOfRangeError):
-                reader.fetch_committed(s.stream_id, 0, 42)
+                reader.fetch_committed(s.stream_id, 42, 43)
     finally:
         meta.close()

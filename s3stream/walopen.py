@@ -1,6 +1,7 @@
 """Where a node's WAL lives: `wal_path` as a path or a URL, opened as a file ring or as objects.
 
 - a path, or `file:///abs/path`: the ring on a file or block device (`wal.WriteAheadLog`);
+  anything else that looks like a URL (`http://...`, `s3:/bucket`) is refused (s3stream.urls);
 - `s3://bucket[/prefix][?...]`: a WAL kept as objects on that store (`wal.objectlog.ObjectWAL`),
   with the URL form and options of `object_store` (endpoint_url, region, timeouts...). The
   node's objects go under `prefix/node-{id}/`, so one URL serves every node;
@@ -24,8 +25,9 @@ from wal.objectlog import ObjectWAL
 
 from .errors import ConfigError, ObjectStorePermanentError
 from .objectstore import ObjectStore, open_object_store
+from .urls import OBJECTS_PREFIX, url_scheme
 
-OBJECTS_PREFIX = "objects+"
+_ACCEPTED = "a path, file:///absolute/path, s3://bucket[/prefix][?...] or objects+URL (e.g. objects+file:///dir)"
 _WAL_PARAMS = ("wal_fencing",)
 _FENCING = ("store", "epoch")
 
@@ -37,9 +39,15 @@ def is_object_wal(location: Any) -> bool:
 
 
 def file_path(location: str | os.PathLike) -> str:
-    """The absolute path of a file WAL location (a path or file:///path)."""
+    """The absolute path of a file WAL location (a path or file:///path). ConfigError for
+    anything else that looks like a URL (`http://...`, `s3:/bucket`: s3stream.urls), which
+    would otherwise become a relative path."""
     text = os.fspath(location)
-    if text.startswith("file://"):
+    # s3 is named here so that a malformed s3 URL is told so; a well-formed one is no file.
+    scheme = url_scheme(text, what="WAL location", schemes=("file", "s3"), accepted=_ACCEPTED)
+    if scheme == "s3":
+        raise ConfigError(f"WAL location {text!r} is a WAL of objects, not a file path")
+    if scheme == "file":
         parts = urlsplit(text)
         if parts.netloc not in ("", "localhost") or parts.query or parts.fragment:
             raise ConfigError(f"WAL URL {text!r}: use file:///absolute/path (no host, query or fragment)")

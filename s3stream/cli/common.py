@@ -18,6 +18,7 @@ import wal
 from ..errors import S3StreamError
 from ..metadata import MetadataStore, open_metadata, redact_url
 from ..objectstore import ObjectStore, open_object_store
+from ..urls import looks_like_url
 
 META_HELP = ("Metadata URL: sqlite:////abs/path.db, sqlite:///rel/path.db or a path ending in .db "
              "(env S3STREAM_META).")
@@ -52,11 +53,12 @@ def table(headers: list[str], rows: list[list[Any]], indent: str = "  ") -> str:
 
 
 def _local_path(url: str) -> str | None:
-    """The path of a local object store URL (file:// or a plain path); None for other schemes."""
-    if "://" not in url:
+    """The path of a local object store URL (file:// or a plain path); None for other schemes,
+    and for anything else that looks like a URL (open_object_store refuses it, saying why)."""
+    if not looks_like_url(url):
         return url
-    parts = urlsplit(url)
-    return unquote(parts.path) if parts.scheme.lower() == "file" else None
+    scheme, _, rest = url.partition(":")
+    return unquote(urlsplit(url).path) if scheme.lower() == "file" and rest.startswith("//") else None
 
 
 def _sqlite_path(url: str) -> str | None:

@@ -3,8 +3,10 @@ implementations, and `open_metadata(url)` to pick an implementation from a URL."
 from __future__ import annotations
 
 import os
+import re
 
 from ..errors import ConfigError
+from ..urls import url_scheme
 from .base import (CommitRange, CommitRequest, CommitResult, CommitSSO, CommitStreamObject,
                    ChangeFeed, MetadataStore, NodeMeta, ObjectMeta, ObjectRef, ObjectState, ObjectType, Range,
                    StreamMeta, StreamRange, StreamState, commit_key, object_key, redact_url, tailing_key)
@@ -39,19 +41,33 @@ def open_metadata(url: str, **kw) -> MetadataStore:
     `postgres://` URLs (libpq's syntax) open a PostgresMetadataStore on that database; psycopg is
     imported only then. Through PgBouncer in transaction mode add `?pgbouncer=1` (and optionally
     `listen_url=`, a direct URL for pushed changes): see PostgresMetadataStore.
+
+    ConfigError for anything else that looks like a URL (`postgresql:/host`, `sqlite:/x.db`:
+    s3stream.urls).
     """
     url = os.fspath(url)
-    if url.startswith("sqlite:"):
-        if not url.startswith("sqlite:///") or len(url) == len("sqlite:///"):
-            raise ConfigError(f"metadata URL {url!r} names no file (in-memory and remote SQLite "
-                              f"are not supported); use {_SUPPORTED}")
-        return SqliteMetadataStore(url[len("sqlite:///"):], **kw)
-    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+    shown = _redacted(url)
+    scheme = url_scheme(url, what="metadata URL", schemes=("sqlite", "postgresql", "postgres"), accepted=_SUPPORTED,
+                        shown=shown)
+    if scheme == "sqlite":
+        rest = url[len("sqlite:"):]
+        if not rest.startswith("///") or rest == "///":
+            raise ConfigError(f"metadata URL {shown!r} names no file (in-memory and remote SQLite are not "
+                              "supported): the path comes after three slashes, sqlite:////absolute/path.db (four "
+                              "in all) or sqlite:///relative/path.db")
+        return SqliteMetadataStore(rest[len("///"):], **kw)
     if scheme in ("postgresql", "postgres"):
         return _postgres_store_class()(url, **kw)
-    if not scheme and url.endswith(".db"):
+    if url.endswith(".db"):
         return SqliteMetadataStore(url, **kw)
-    raise ConfigError(f"unsupported metadata URL {url!r}; use {_SUPPORTED}")
+    raise ConfigError(f"unsupported metadata URL {shown!r}; use {_SUPPORTED}")
+
+
+def _redacted(url: str) -> str:
+    """redact_url, also for a malformed URL (`postgresql:/user:secret@host`) whose user info
+    redact_url does not find."""
+    url = redact_url(url)
+    return url if "://" in url else re.sub(r":[^:@/]*@", ":***@", url)
 
 
 __all__ = [

@@ -7,6 +7,7 @@ from typing import Any, Mapping
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from ..errors import ConfigError
+from ..urls import url_scheme
 from .base import ObjectInfo, ObjectStore, probe_conditional_put
 from .local import LocalObjectStore
 from .s3 import S3ObjectStore
@@ -26,6 +27,7 @@ _S3_PARAMS = {
 _FILE_PARAMS = {"part_size": ("part_size", int), "multipart_threshold": ("multipart_threshold", int),
                 "recycle_bytes": ("recycle_bytes", int), "recycle_delay": ("recycle_delay", float),
                 "preallocate_bytes": ("preallocate_bytes", int)}
+_ACCEPTED = "file:///absolute/path, a plain directory path, s3://bucket[/prefix]"
 _TRUE = {"1", "true", "yes"}
 _FALSE = {"0", "false", "no"}
 
@@ -41,16 +43,16 @@ def open_object_store(url: str, **kw: Any) -> ObjectStore:
       The bucket must exist unless create_bucket=1, which creates it if missing.
 
     Keyword arguments go to the store's constructor and override the URL's query parameters.
-    Raises ConfigError for an unsupported scheme, unknown or malformed parameters, or a missing
-    bucket.
+    Raises ConfigError for an unsupported scheme, anything else that looks like a URL
+    (`s3:/bucket`, `s3//bucket`: s3stream.urls says what does), unknown or malformed parameters,
+    or a missing bucket. A directory whose name looks like a URL is named `./s3:/...`.
     """
     if not isinstance(url, str) or not url.strip():
-        raise ConfigError(f"object store URL {url!r} is empty or not a string; use file:///absolute/path, a "
-                          "directory path, or s3://bucket[/prefix]")
-    if "://" not in url:
+        raise ConfigError(f"object store URL {url!r} is empty or not a string; use {_ACCEPTED}")
+    scheme = url_scheme(url, what="object store URL", schemes=("file", "s3"), accepted=_ACCEPTED)
+    if scheme is None:
         return LocalObjectStore(url, **kw)
     parts = urlsplit(url)
-    scheme = parts.scheme.lower()
     if parts.fragment:
         raise ConfigError(f"object store URL {url!r} has a fragment ('#...'); remove it")
     if scheme == "file":
@@ -61,23 +63,19 @@ def open_object_store(url: str, **kw: Any) -> ObjectStore:
         args = _parse_query(url, parts.query, _FILE_PARAMS, allowed_flags=())
         args.update(kw)
         return LocalObjectStore(unquote(parts.path), **args)
-    if scheme == "s3":
-        if not parts.netloc:
-            raise ConfigError(f"S3 URL {url!r} has no bucket; use s3://bucket[/prefix]")
-        args = _parse_query(url, parts.query, _S3_PARAMS, allowed_flags=("create_bucket",))
-        create = args.pop("create_bucket", False)
-        args.update(kw)
-        create = bool(args.pop("create_bucket", create))
-        store = S3ObjectStore(parts.netloc, unquote(parts.path).strip("/"), **args)
-        try:
-            store.ensure_bucket(create=create)
-        except BaseException:
-            store.close()
-            raise
-        return store
-    raise ConfigError(
-        f"unsupported object store URL scheme {parts.scheme!r} in {url!r}; supported: "
-        f"file:///absolute/path, a plain directory path, s3://bucket[/prefix]")
+    if not parts.netloc:                        # s3, the only other scheme url_scheme lets through
+        raise ConfigError(f"S3 URL {url!r} has no bucket; use s3://bucket[/prefix]")
+    args = _parse_query(url, parts.query, _S3_PARAMS, allowed_flags=("create_bucket",))
+    create = args.pop("create_bucket", False)
+    args.update(kw)
+    create = bool(args.pop("create_bucket", create))
+    store = S3ObjectStore(parts.netloc, unquote(parts.path).strip("/"), **args)
+    try:
+        store.ensure_bucket(create=create)
+    except BaseException:
+        store.close()
+        raise
+    return store
 
 
 def _parse_query(url: str, query: str, params: Mapping[str, tuple[str, type]],

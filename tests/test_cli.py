@@ -264,6 +264,12 @@ def test_streams_text_and_json(engine_dir):
 def test_streams_errors(tmp_path, engine_dir):
     fails(run("streams", "--meta", tmp_path / "missing.db"), 1, "no metadata database")
     assert not (tmp_path / "missing.db").exists()          # not created by looking
+    # Three slashes where four were meant: the library names the relative path it became, its
+    # missing directory and the URL forms.
+    fails(run("streams", "--meta", f"sqlite://{tmp_path}/meta.db"), 1,
+          f"'{str(tmp_path)[1:]}/meta.db' ({os.getcwd()}{tmp_path}/meta.db, relative to the working directory)",
+          "does not exist", "sqlite:////absolute/path/meta.db")
+    fails(run("streams", "--meta", "s3:/bkt/meta.db"), 1, "unsupported metadata URL scheme 's3'")
     (tmp_path / "dir.db").mkdir()
     fails(run("streams", "--meta", tmp_path / "dir.db"), 1, "is a directory")
     fails(run("streams", "--meta", "mysql://x/y"), 1, "unsupported metadata URL")

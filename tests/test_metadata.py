@@ -157,6 +157,46 @@ def test_unusable_paths_raise_config_error(tmp_path):
         SqliteMetadataStore(":memory:")
 
 
+@pytest.mark.parametrize("url", ["sqlite:///data/meta.db", "data/meta.db"])
+def test_a_missing_directory_is_named_with_the_url_forms(url, tmp_path, monkeypatch):
+    """`sqlite:///data/meta.db` written for /data/meta.db is relative: the error names the path it
+    became, its missing directory, and the four-slash form; nothing is created."""
+    monkeypatch.chdir(tmp_path)
+    for create in (True, False):
+        with pytest.raises(ConfigError) as e:
+            open_metadata(url, create=create)
+        message = str(e.value)
+        assert f"'data/meta.db' ({tmp_path}/data/meta.db, relative to the working directory)" in message
+        assert f"its directory {tmp_path}/data does not exist" in message
+        assert "sqlite:////absolute/path/meta.db" in message and "sqlite:///relative.db" in message
+    assert os.listdir(tmp_path) == []
+
+
+def test_two_slashes_name_no_file_and_say_how_many(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        open_metadata(f"sqlite:/{tmp_path}/meta.db")               # sqlite://tmp/...: two slashes
+    assert "three slashes" in str(e.value) and "sqlite:////absolute/path.db" in str(e.value)
+    assert not (tmp_path / "meta.db").exists()
+
+
+def test_create_false_refuses_a_missing_file_and_opens_an_existing_one(tmp_path):
+    path = tmp_path / "meta.db"
+    with pytest.raises(ConfigError, match="no metadata database at .*the file does not exist") as e:
+        open_metadata(f"sqlite:///{path}", create=False)
+    assert str(path) in str(e.value) and "sqlite:////absolute/path/meta.db" in str(e.value)
+    assert not path.exists()
+    open_metadata(f"sqlite:///{path}").close()
+    open_metadata(f"sqlite:///{path}", create=False).close()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes to any directory")
+def test_an_unwritable_directory_is_named(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    with pytest.raises(ConfigError, match=f"its directory {locked} is not writable"):
+        open_metadata(f"sqlite:///{locked}/meta.db")
+
+
 def test_open_metadata_urls(tmp_path, monkeypatch, clock):
     absolute = str(tmp_path / "abs.db")
     s = open_metadata("sqlite:///" + absolute, clock=clock)  # sqlite:////tmp/... (4 slashes)

@@ -61,15 +61,6 @@ def _local_path(url: str) -> str | None:
     return unquote(urlsplit(url).path) if scheme.lower() == "file" and rest.startswith("//") else None
 
 
-def _sqlite_path(url: str) -> str | None:
-    """The database file a SQLite metadata URL names (the rules of open_metadata); None otherwise."""
-    if url.startswith("sqlite:///") and len(url) > len("sqlite:///"):
-        return url[len("sqlite:///"):]
-    if "://" not in url and url.endswith(".db"):
-        return url
-    return None
-
-
 def open_store(url: str) -> ObjectStore:
     """The object store at `url`, which must already exist (opening a local store would create
     its directory, which hides a mistyped path)."""
@@ -84,17 +75,10 @@ def open_store(url: str) -> ObjectStore:
 
 
 def open_meta(url: str) -> MetadataStore:
-    """The metadata store at `url`, which must already exist (SQLite would create an empty one)."""
-    path = _sqlite_path(url)
-    if path is not None and os.path.isdir(path):
-        raise click.ClickException(f"metadata path {path!r} (from metadata URL {url!r}) is a directory; "
-                                   "give the database file")
-    if path is not None and not os.path.isfile(path):
-        raise click.ClickException(
-            f"no metadata database at {path!r} (from metadata URL {url!r}); check the path "
-            "(sqlite:////abs/path.db has four slashes)")
+    """The metadata store at `url`, which must already exist (SQLite would create an empty one:
+    open_metadata's create=False refuses it, saying how to fix the path)."""
     try:
-        return open_metadata(url)
+        return open_metadata(url, create=False)
     except S3StreamError as e:
         raise click.ClickException(f"cannot open metadata {redact_url(url)!r}: {e}") from e
 

@@ -33,7 +33,7 @@ _SUPPORTED = ("sqlite:////absolute/path.db, sqlite:///relative/path.db, a file p
               ".db, or postgresql://user:password@host:port/dbname (postgres:// too)")
 
 
-def open_metadata(url: str, **kw) -> MetadataStore:
+def open_metadata(url: str, *, create: bool = True, **kw) -> MetadataStore:
     """The MetadataStore for `url`; keyword arguments go to the store's constructor.
 
     As in SQLAlchemy, `sqlite:///` is followed by the path: `sqlite:////var/lib/m.db` is
@@ -42,8 +42,11 @@ def open_metadata(url: str, **kw) -> MetadataStore:
     imported only then. Through PgBouncer in transaction mode add `?pgbouncer=1` (and optionally
     `listen_url=`, a direct URL for pushed changes): see PostgresMetadataStore.
 
-    ConfigError for anything else that looks like a URL (`postgresql:/host`, `sqlite:/x.db`:
-    s3stream.urls).
+    `create`: a SQLite file that does not exist is created (its directory must exist); with
+    False it is refused instead (tools that read an existing cluster). A PostgreSQL database is
+    never created. ConfigError for anything else that looks like a URL (`postgresql:/host`,
+    `sqlite://x.db`: s3stream.urls), and for a SQLite file that cannot be opened, naming its
+    path, whether its directory exists, and the URL forms.
     """
     url = os.fspath(url)
     shown = _redacted(url)
@@ -55,11 +58,11 @@ def open_metadata(url: str, **kw) -> MetadataStore:
             raise ConfigError(f"metadata URL {shown!r} names no file (in-memory and remote SQLite are not "
                               "supported): the path comes after three slashes, sqlite:////absolute/path.db (four "
                               "in all) or sqlite:///relative/path.db")
-        return SqliteMetadataStore(rest[len("///"):], **kw)
+        return SqliteMetadataStore(rest[len("///"):], create=create, **kw)
     if scheme in ("postgresql", "postgres"):
         return _postgres_store_class()(url, **kw)
     if url.endswith(".db"):
-        return SqliteMetadataStore(url, **kw)
+        return SqliteMetadataStore(url, create=create, **kw)
     raise ConfigError(f"unsupported metadata URL {shown!r}; use {_SUPPORTED}")
 
 

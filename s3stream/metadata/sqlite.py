@@ -157,15 +157,40 @@ _DEAD_SSOS = f"""
     ORDER BY d.object_id"""
 
 
+def _where(path: str) -> str:
+    """`path`, and for a relative one where it lands."""
+    return repr(path) if os.path.isabs(path) else f"{path!r} ({os.path.abspath(path)}, relative to the working directory)"
+
+
+def _path_hint(path: str) -> str:
+    """What is wrong with a database path SQLite cannot open or that does not exist, and the fix:
+    the directory (missing, or not writable), and the URL forms, since the usual cause is
+    `sqlite:///data/meta.db` written for /data/meta.db."""
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        problem = f"its directory {directory} does not exist (create it, or fix the path)"
+    elif not os.path.exists(path) and not os.access(directory, os.W_OK | os.X_OK):
+        problem = f"its directory {directory} is not writable, so the file cannot be created there"
+    elif not os.path.exists(path):
+        problem = "the file does not exist"
+    else:
+        problem = "check the file's permissions"
+    return (f"{problem}. In a URL the path comes after three slashes: sqlite:////absolute/path/meta.db (four in "
+            "all) for an absolute path, sqlite:///relative.db for one relative to the working directory")
+
+
 class SqliteMetadataStore(MetadataStore):
     """The metadata of one cluster in the SQLite file `path` (created if absent).
 
     `clock` gives the time in nanoseconds (inject a fake one in tests); `busy_timeout_s` bounds how
-    long an operation waits for another process's write transaction.
+    long an operation waits for another process's write transaction. `create=False` refuses a
+    file that does not exist instead of creating it. A file that cannot be opened is a
+    ConfigError naming its path, whether its directory exists, and the URL forms (a missing
+    directory is not created: it is most often a path given relative by mistake).
     """
 
     def __init__(self, path: str, *, clock: Callable[[], int] = time.time_ns,
-                 busy_timeout_s: float = 30.0) -> None:
+                 busy_timeout_s: float = 30.0, create: bool = True) -> None:
         path = os.fspath(path)
         if not path or path == ":memory:" or path.startswith("file:"):
             raise ConfigError(f"metadata database path {path!r} is not a file path; SQLite "
@@ -173,6 +198,8 @@ class SqliteMetadataStore(MetadataStore):
         if os.path.isdir(path):
             raise ConfigError(f"metadata database path {path!r} is a directory; give a file "
                               f"path such as {os.path.join(path, 'metadata.db')!r}")
+        if not create and not os.path.exists(path):
+            raise ConfigError(f"no metadata database at {_where(path)}: {_path_hint(path)}")
         if busy_timeout_s < 0:
             raise ConfigError(f"busy_timeout_s must be >= 0, got {busy_timeout_s}")
         self.path = path
@@ -212,7 +239,8 @@ class SqliteMetadataStore(MetadataStore):
         except sqlite3.Error as e:
             if conn is not None:
                 conn.close()
-            raise ConfigError(f"cannot open metadata database {self.path!r}: {e}") from e
+            hint = f"; {_path_hint(self.path)}" if "unable to open" in str(e) else ""
+            raise ConfigError(f"cannot open metadata database {_where(self.path)}: {e}{hint}") from e
         if str(mode).lower() != "wal":
             conn.close()
             raise ConfigError(f"metadata database {self.path!r} cannot use WAL journal mode (got "

@@ -223,7 +223,7 @@ def spark_session(master: str, name: str, cores: int, cluster: bool = False):
                .config("spark.task.maxFailures", "1")
                .config("spark.python.worker.reuse", "false")
                .config("spark.driver.memory", "2g"))
-    environ: dict[str, str] = {}
+    environ = worker_python()
     if not cluster or master.split("://", 1)[-1].rsplit(":", 1)[0] in ("127.0.0.1", "localhost"):
         # The driver's RPC and block manager on loopback (where executors on this host reach it),
         # not on the address this host's name resolves to; SPARK_LOCAL_IP spares the JVM looking
@@ -231,16 +231,13 @@ def spark_session(master: str, name: str, cores: int, cluster: bool = False):
         builder = builder.config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
         environ["SPARK_LOCAL_IP"] = "127.0.0.1"
     if not cluster:
-        with _environ(environ):
+        with environ_set(environ):
             return builder.config("spark.default.parallelism", str(cores)).getOrCreate()
     builder = (builder.config("spark.executor.cores", "1")
                .config("spark.cores.max", str(cores))
                .config("spark.scheduler.minRegisteredResourcesRatio", "1.0")
                .config("spark.scheduler.maxRegisteredResourcesWaitingTime", f"{EXECUTOR_WAIT:g}s"))
-    # Executors start the interpreter the driver names (PYSPARK_PYTHON, read when the context is
-    # made): this one unless told otherwise, so that they import the same s3stream.
-    environ["PYSPARK_PYTHON"] = os.environ.get("PYSPARK_PYTHON", sys.executable)
-    with _environ(environ):
+    with environ_set(environ):
         spark = builder.getOrCreate()
     try:
         wait_for_executors(spark, cores, master)
@@ -250,8 +247,19 @@ def spark_session(master: str, name: str, cores: int, cluster: bool = False):
     return spark
 
 
+def worker_python() -> dict[str, str]:
+    """The environment under which a new Spark context starts its Python workers with this
+    interpreter, unless the user named one in PYSPARK_PYTHON.
+
+    Spark starts them (tasks, and a Python data source's planning and commits) with
+    PYSPARK_PYTHON, read when the context is made, else the `python3` on PATH, in local mode
+    too. Run as `/venv/bin/python -m spark_bench` by cron or systemd, with no venv on PATH, that
+    is another interpreter, without s3stream's dependencies: every task failed importing them."""
+    return {"PYSPARK_PYTHON": os.environ.get("PYSPARK_PYTHON") or sys.executable}
+
+
 @contextlib.contextmanager
-def _environ(values: dict[str, str]) -> Iterator[None]:
+def environ_set(values: dict[str, str]) -> Iterator[None]:
     """os.environ with `values` set (the JVM that getOrCreate starts inherits them), restored after."""
     saved = {key: os.environ.get(key) for key in values}
     os.environ.update(values)

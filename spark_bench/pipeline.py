@@ -36,7 +36,7 @@ import time
 
 from wal.benchkit import parse_size, pyplot, save_figure
 
-from .common import cleanup_dirs, latency_summary, progress, publish, storage, verdict
+from .common import cleanup_dirs, environ_set, latency_summary, progress, publish, storage, verdict, worker_python
 
 FILTER_MOD = 5          # records whose sequence is a multiple of this are dropped by the query
 KEY_MOD = 97
@@ -189,10 +189,11 @@ def python_workers() -> list[int]:
 def spark_session(name: str):
     from pyspark.sql import SparkSession
     os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
-    return (SparkSession.builder.master("local[2,4]").appName(name)
-            .config("spark.ui.enabled", "false").config("spark.driver.host", "127.0.0.1")
-            .config("spark.driver.bindAddress", "127.0.0.1").config("spark.driver.memory", "2g")
-            .config("spark.sql.shuffle.partitions", "2").getOrCreate())
+    with environ_set(worker_python()):
+        return (SparkSession.builder.master("local[2,4]").appName(name)
+                .config("spark.ui.enabled", "false").config("spark.driver.host", "127.0.0.1")
+                .config("spark.driver.bindAddress", "127.0.0.1").config("spark.driver.memory", "2g")
+                .config("spark.sql.shuffle.partitions", "2").getOrCreate())
 
 
 def start_query(spark, args, meta: str, store: str, checkpoint: str):

@@ -240,3 +240,44 @@ def test_migration_campaign_refuses_a_case_it_cannot_run(capsys):
     assert "'mysql-0.5' is not META-LOAD" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parse(["--rounds", "0"])
+
+
+def interpreter_without_dependencies(where) -> str:
+    """A directory whose `python3` is another interpreter than this one, lacking s3stream's
+    dependencies (a venv without packages): what a cron job or a systemd unit finds first on
+    PATH when it runs /venv/bin/python without the venv activated."""
+    import subprocess
+    import sys
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(where)], check=True)
+    bin_dir = where / "bin"
+    lacks = subprocess.run([str(bin_dir / "python3"), "-c", "import tenacity"], capture_output=True)
+    assert lacks.returncode != 0, "the venv should not see this interpreter's packages"
+    return str(bin_dir)
+
+
+def test_spark_bench_workers_use_the_drivers_interpreter_whatever_python3_is_on_path(tmp_path):
+    """Local mode, PYSPARK_PYTHON unset, a `python3` first on PATH that lacks tenacity, run from
+    the repository (so the workers find s3stream in their working directory, as in the report):
+    every task failed with ModuleNotFoundError 'tenacity'. Now the workers run the driver's
+    interpreter and the run completes."""
+    import os
+    import subprocess
+    import sys
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k not in ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON")}
+    env["PATH"] = interpreter_without_dependencies(tmp_path / "other") + os.pathsep + env["PATH"]
+    run = subprocess.run([sys.executable, "-m", "spark_bench", "throughput", "--nodes", "1", "--partitions", "1",
+                          "--duration", "1", "--out", str(tmp_path / "out"), "--store", f"file://{tmp_path}/objects",
+                          "--wal-capacity", "64M"], cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, "\n".join(line for line in run.stderr.splitlines() if "Error" in line)[:3000]
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["runs"][0]["mb_s"] > 0 and not report["runs"][0]["errors"]
+
+
+def test_a_pyspark_python_of_the_users_is_kept(monkeypatch):
+    import sys
+    from spark_bench.common import worker_python
+    monkeypatch.delenv("PYSPARK_PYTHON", raising=False)
+    assert worker_python() == {"PYSPARK_PYTHON": sys.executable}
+    monkeypatch.setenv("PYSPARK_PYTHON", "/opt/python/bin/python3")
+    assert worker_python() == {"PYSPARK_PYTHON": "/opt/python/bin/python3"}

@@ -140,6 +140,29 @@ cdef object _error(str kind, str message):
     return _error_types[kind](message)
 
 
+cdef object _not_a_batch(object cause, int64_t base_offset, int64_t count, Py_ssize_t size):
+    """The error of a stored batch (records [base_offset, base_offset + count), `size` bytes)
+    whose payload the decoder refused for its length or its magic byte (`cause`): no Kafka record
+    batch at all, but bytes appended as they are. The decoder's own message, written for bytes a
+    caller cut or mislabelled, would send the reader looking for the rest of a batch."""
+    if isinstance(cause, _error_types["magic"]):
+        why = "its magic byte (byte 16) is not 2"
+    elif size < BATCH_HEADER:
+        why = f"it is shorter than a batch header ({BATCH_HEADER} bytes)"
+    else:
+        why = "its batchLength (bytes 8-11) does not match its size"
+    return type(cause)(f"the batch at offset {base_offset} ({size} bytes over {count} offsets) is not a Kafka record "
+                       f"batch (v2): {why}. It was appended as bytes (a RecordBatch of its own), not with "
+                       f"append_records or a producer: read its bytes (batch.payload)")
+
+
+def not_a_record_batch(cause, int64_t base_offset, int64_t count, Py_ssize_t size):
+    """The error FetchedBatch.records and ColumnBuilder.add raise, of `cause`'s type, for a
+    stored batch whose payload is not a Kafka record batch (`cause`: the decoder's length or
+    magic error)."""
+    return _not_a_batch(cause, base_offset, count, size)
+
+
 cdef object _malformed(Py_ssize_t batch_at, str what):
     return _error("invalid", f"record batch at byte {batch_at}: {what}; its CRC matched, so its producer wrote it "
                              f"so: refuse the batch and fix or replace that producer")
@@ -997,7 +1020,10 @@ cdef class ColumnBuilder:
         cdef Py_ssize_t header_value_nulls = self.header_values.nulls
         PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE)
         try:
-            _check_header(<const unsigned char*>view.buf, view.len, 0, True, False, &header, check_crc)
+            try:
+                _check_header(<const unsigned char*>view.buf, view.len, 0, True, False, &header, check_crc)
+            except (_error_types["length"], _error_types["magic"]) as e:
+                raise _not_a_batch(e, base_offset, count, view.len) from None
             if (header.count != 0 and header.count != count) or header.last_offset_delta != count - 1:
                 raise _error("invalid", f"the batch at offset {base_offset} was appended as {count} records, but "
                                         f"its payload is a record batch of {header.count} (last offset delta "

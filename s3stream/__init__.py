@@ -12,7 +12,7 @@ from .errors import (
     OffsetOutOfRangeError, OffsetsLostError, OperationTimeoutError, S3StreamError, StreamClosedError, StreamFencedError, StreamNotClosedError,
     StreamNotFoundError, UnsupportedFormatError, WALCorruptError, WALError, WALFullError, InvalidRecordBatchError,
     RecordBatchChecksumError, RecordBatchLengthError, UnsupportedCompressionError, UnsupportedMagicError,
-    DecompressionLimitError, OutOfOrderSequenceError, ProducerFencedError,
+    DecompressionLimitError, DuplicateSequenceError, OutOfOrderSequenceError, ProducerFencedError,
 )
 from .cluster.producers import DuplicateAppend, ProducedBatch, Producer, new_producer
 from .reader import StreamReader, open_reader
@@ -29,5 +29,6 @@ __all__ = [
     "StreamNotFoundError", "UnsupportedFormatError", "WALCorruptError", "WALError", "WALFullError",
     "Record", "ConsumedRecord", "StreamReader", "open_reader", "InvalidRecordBatchError", "RecordBatchChecksumError", "RecordBatchLengthError",
     "UnsupportedCompressionError", "UnsupportedMagicError", "DecompressionLimitError",
-    "Producer", "ProducedBatch", "DuplicateAppend", "new_producer", "OutOfOrderSequenceError", "ProducerFencedError",
+    "Producer", "ProducedBatch", "DuplicateAppend", "new_producer", "OutOfOrderSequenceError", "DuplicateSequenceError",
+    "ProducerFencedError",
 ]

@@ -178,7 +178,7 @@ __all__ = [
     "ConfigError", "CorruptDataError", "FencedLeaderError", "InvalidArgumentError", "InvalidBatchError",
     "LeaseExpiredError", "MetadataBusyError", "MetadataError", "NodeAliveError", "NodeConflictError", "ObjectNotFoundError", "ObjectStoreError",
     "ObjectStorePermanentError", "OffsetOutOfRangeError", "OffsetsLostError", "OperationTimeoutError",
-    "OutOfOrderSequenceError", "ProducerFencedError", "S3StreamError",
+    "DuplicateSequenceError", "OutOfOrderSequenceError", "ProducerFencedError", "S3StreamError",
     "StreamClosedError", "StreamFencedError", "StreamNotClosedError", "StreamNotFoundError", "WALCorruptError",
     "WALError", "WALFullError",
 ]
@@ -240,3 +240,11 @@ class OutOfOrderSequenceError(S3StreamError):
     on that partition nor repeats one of its recent batches: batches between were lost (their
     appends failed for good) or never sent. Nothing was appended; start a new producer
     (Kafka's OUT_OF_ORDER_SEQUENCE_NUMBER)."""
+
+
+class DuplicateSequenceError(OutOfOrderSequenceError):
+    """An idempotent producer's batch whose sequences lie before the next one the partition
+    expects from it: the partition took that batch already, too long ago to answer it with its
+    offset (it keeps a producer's last 5 batches). Nothing was appended again. The batch is in
+    the log: treat it as appended (Kafka's DUPLICATE_SEQUENCE_NUMBER, which its producer counts
+    as a success without an offset). An OutOfOrderSequenceError, as such retries were before."""

@@ -10,10 +10,10 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from _native import appendpath
+from _native import appendpath, kafkarecords
 from _native.appendpath import AppendFuture, AppendResult, RecordBatch
 
-from .errors import InvalidBatchError, InvalidRecordBatchError
+from .errors import InvalidBatchError, InvalidRecordBatchError, RecordBatchLengthError, UnsupportedMagicError
 from .records import MAX_DECOMPRESSED_BYTES, ConsumedRecord, DecodedBatch, Record, decode_batch, encode_records
 
 appendpath.set_error_types(invalid_batch=InvalidBatchError)
@@ -43,7 +43,11 @@ class FetchedBatch(NamedTuple):
         number of records than the batch was appended with; DecompressionLimitError if its
         compressed records decompress to more than `max_decompressed_bytes`. A gap
         (records.encode_gap: no records over its offsets) yields nothing."""
-        decoded = decode_batch(self.payload, max_decompressed_bytes=max_decompressed_bytes)
+        try:
+            decoded = decode_batch(self.payload, max_decompressed_bytes=max_decompressed_bytes)
+        except (RecordBatchLengthError, UnsupportedMagicError) as e:
+            # Stored payloads are whole: a length that does not fit them is no cut batch.
+            raise kafkarecords.not_a_record_batch(e, self.base_offset, self.count, len(self.payload)) from None
         if len(decoded.records) not in (0, self.count) or decoded.last_offset_delta != self.count - 1:
             raise InvalidRecordBatchError(
                 f"the batch at offset {self.base_offset} was appended as {self.count} records, but its payload is a "

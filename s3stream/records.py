@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import struct
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -136,7 +136,8 @@ def _as_bytes(name: str, value: object) -> bytes | None:
 class Record:
     """A record to encode. `timestamp` is in ms since the epoch; None takes the batch's time of
     encoding. Keys and values are bytes or None (bytearray and memoryview are copied to bytes);
-    `headers` are (str key, bytes-or-None value) pairs, a list is kept as a tuple."""
+    `headers` are (str key, bytes-or-None value) pairs, a list is kept as a tuple; a mapping
+    (`{"h": b"v"}`) is taken as its items, in its order."""
     key: bytes | None = None
     value: bytes | None = None
     timestamp: int | None = None
@@ -148,6 +149,10 @@ class Record:
         if self.timestamp is not None:
             check_int("record timestamp (ms since the epoch)", self.timestamp, 0, _MAX_INT64)
         headers: tuple[tuple[object, ...], ...] = self.headers
+        if isinstance(headers, Mapping):
+            # Kafka's headers are an ordered list of pairs that may repeat a key; a mapping's
+            # items are such a list, with no key twice (confluent-kafka takes either too).
+            headers = tuple(headers.items())
         if type(headers) is not tuple or any(type(h) is not tuple for h in headers):
             try:
                 headers = tuple(tuple(h) for h in headers)
@@ -156,7 +161,11 @@ class Record:
                     f"record headers must be a sequence of (str, bytes or None) pairs, got {self.headers!r:.80}") from None
         checked = []
         for header in headers:
-            if len(header) != 2 or not isinstance(header[0], str):
+            if len(header) != 2:
+                raise InvalidArgumentError(
+                    f"a record header must be a (str key, bytes or None value) pair, got {header!r:.80} in headers "
+                    f"{self.headers!r:.80}; give them as pairs: headers=[(\"h\", b\"v\")]")
+            if not isinstance(header[0], str):
                 raise InvalidArgumentError(
                     f"a record header must be a (str key, bytes or None value) pair, got {header!r:.80}; "
                     f"decode a bytes key first (header keys are UTF-8 strings)")

@@ -14,8 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import s3stream.cluster  # noqa: F401  (installs partitions)
-from s3stream import (OutOfOrderSequenceError, ProducerFencedError, Record, RecordBatch, StreamClient, InvalidArgumentError,
-                      new_producer)
+from s3stream import (DuplicateSequenceError, OutOfOrderSequenceError, ProducerFencedError, Record, RecordBatch, StreamClient,
+                      InvalidArgumentError, new_producer)
 from s3stream.cluster import partition as P
 from s3stream.cluster.producers import ProducerTable, producer_header
 
@@ -88,8 +88,8 @@ def test_the_table_moves_with_the_partition(tmp_path, hinted):
         q = two.open_partition("p", hinted=hinted)
         # The last RECENT batches are known to the new owner: retries answer their offsets.
         assert [q.append(b).result(5).base_offset for b in batches[-5:]] == offsets[-5:]
-        with pytest.raises(OutOfOrderSequenceError):
-            q.append(batches[0])                     # too old to be recognised: not appended again
+        with pytest.raises(DuplicateSequenceError, match="took them already"):
+            q.append(batches[0])                     # too old to be answered: not appended again
         assert q.append(producer.batch("p", [Record(value=b"next")])).result(5).base_offset == 8
         assert q.log.next_offset == 9
     finally:
@@ -156,6 +156,47 @@ def test_the_table_survives_a_kill_9(tmp_path, snapshot_bytes):
         assert p.log.next_offset == end
     finally:
         one.close()
+
+
+def test_an_old_retry_is_a_duplicate_a_gap_is_out_of_order(tmp_path):
+    """Issue 50, item 9: a retry older than the batches a partition answers was said to have
+    lost batches between, though it is stored: it is DuplicateSequenceError (an
+    OutOfOrderSequenceError), naming where it lies; a gap stays OutOfOrderSequenceError."""
+    one = node(tmp_path, 1)
+    try:
+        p = one.open_partition("p")
+        producer = new_producer(one)
+        batches = [producer.batch("p", [Record(value=b"%d" % i)] * 2) for i in range(8)]
+        offsets = [p.append(b).result(5).base_offset for b in batches]
+        end = p.log.next_offset
+        with pytest.raises(DuplicateSequenceError) as e:
+            p.append(batches[1])
+        assert f"sent sequences 2-3 to partition 'p' again: it took them already (it expects 16 next)" in str(e.value)
+        assert f"the batch is in the log before offset {offsets[3]}" in str(e.value) and "lost" not in str(e.value)
+        producer.batch("p", [Record(value=b"never sent")])
+        with pytest.raises(OutOfOrderSequenceError, match="lost or never sent") as gap:
+            p.append(producer.batch("p", [Record(value=b"after a gap")]))
+        assert not isinstance(gap.value, DuplicateSequenceError)
+        assert p.log.next_offset == end
+    finally:
+        one.close()
+
+
+def test_sequences_before_the_expected_one_wrap_as_sequences_do():
+    from s3stream.cluster.producers import MAX_SEQUENCE
+    table = ProducerTable()
+    table.record(7, 0, MAX_SEQUENCE - 9, 10, 100)            # sequences MAX-9 .. MAX: next is 0
+    table.record(7, 0, 0, 10, 110)
+    for offset in range(120, 170, 10):                       # five more: the first two fall out of RECENT
+        table.record(7, 0, (offset - 110), 10, offset)
+    with pytest.raises(DuplicateSequenceError):
+        table.check(7, 0, MAX_SEQUENCE - 9, 10, "p")          # before the wrap, taken
+    with pytest.raises(DuplicateSequenceError):
+        table.check(7, 0, 0, 10, "p")
+    with pytest.raises(OutOfOrderSequenceError) as ahead:
+        table.check(7, 0, 70, 10, "p")                       # expects 60: a gap
+    assert not isinstance(ahead.value, DuplicateSequenceError)
+    assert table.check(7, 0, 60, 10, "p") is None
 
 
 def test_producer_header_takes_only_producer_batches():

@@ -67,6 +67,48 @@ def test_a_batch_appended_as_bytes_is_not_records(client):
         list(s.fetch(4).batches[0].records())
 
 
+def _magic_1() -> bytes:
+    """Bytes shaped as a record batch (its length fits) whose magic byte is 1."""
+    from s3stream.records import encode_batch
+    batch = bytearray(encode_batch([Record(b"a")] * 3))
+    batch[16] = 1
+    return bytes(batch)
+
+
+@pytest.mark.parametrize("payload", [b"just bytes", b'{"order": 17, "items": ["a", "b", "c", "d"]}' * 3,
+                                     bytes(80), _magic_1()], ids=["short", "json", "zeros", "magic 1"])
+def test_records_of_bytes_say_they_are_bytes_not_a_cut_batch(client, payload):
+    """Issue 50, item 9: records() of a payload appended as bytes said the batch was truncated
+    (pass all of it); a stored payload is whole, so it says what is true: it is not a Kafka
+    record batch, read its bytes. The Spark source's decoder (ColumnBuilder) says the same."""
+    from _native.kafkarecords import ColumnBuilder
+    from s3stream.records import MAX_DECOMPRESSED_BYTES, decompress_payload
+    s = client.create_stream()
+    s.append(RecordBatch(b"x", 1)).result(10)
+    s.append(RecordBatch(payload, 3)).result(10)
+    batch = s.fetch(1).batches[0]
+    for read in (lambda: list(batch.records()),
+                 lambda: ColumnBuilder(b"p").add(batch.payload, 1, 3, 0, 10, decompress_payload, MAX_DECOMPRESSED_BYTES)):
+        with pytest.raises(InvalidRecordBatchError) as e:
+            read()
+        message = str(e.value)
+        assert isinstance(e.value, UnsupportedMagicError) == (payload[16:17] == b"\x01")
+        assert f"the batch at offset 1 ({len(payload)} bytes over 3 offsets) is not a Kafka record batch" in message
+        assert "read its bytes (batch.payload)" in message and "truncated" not in message
+
+
+def test_headers_given_as_a_mapping_are_its_items_in_order():
+    """Issue 50, item 9: Kafka's headers are an ordered list that may repeat a key; a dict is
+    taken as its items (as confluent-kafka takes one), and a malformed list names the form."""
+    from s3stream.records import encode_batch
+    as_dict = Record(value=b"v", timestamp=1, headers={"h": b"v", "g": None})
+    assert as_dict.headers == (("h", b"v"), ("g", None))
+    assert as_dict == Record(value=b"v", timestamp=1, headers=[("h", b"v"), ("g", None)])
+    assert decode_batch(encode_batch([as_dict])).records[0].headers == (("h", b"v"), ("g", None))
+    with pytest.raises(InvalidArgumentError, match=r'give them as pairs: headers=\[\("h", b"v"\)\]'):
+        Record(headers=["h"])
+
+
 @pytest.mark.parametrize("records, kwargs", [
     ([], {}),
     (["a str is not a record"], {}),

@@ -9,6 +9,9 @@ and where its last RECENT batches went:
 - a batch whose sequences are one of those RECENT is a duplicate, a retry whose first answer
   was lost: it is not appended again, and its answer is the original's offset;
 - a batch that continues the last sequence is appended;
+- a batch whose sequences come before the last one and is not one of the RECENT was taken
+  already, too long ago to be answered with its offset: DuplicateSequenceError (an
+  OutOfOrderSequenceError), nothing appended (Kafka's DUPLICATE_SEQUENCE_NUMBER);
 - any other sequence is OutOfOrderSequenceError (records were lost between, or the producer
   skipped some), an older epoch ProducerFencedError (a newer incarnation of that id exists);
   a newer epoch starts again at sequence 0.
@@ -32,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from _native.checksum import crc32c
 
-from ..errors import InvalidArgumentError, OutOfOrderSequenceError, ProducerFencedError
+from ..errors import DuplicateSequenceError, InvalidArgumentError, OutOfOrderSequenceError, ProducerFencedError
 from ..recordbatch import AppendResult, RecordBatch
 from ..records import Record, encode_records
 
@@ -212,6 +215,15 @@ class ProducerTable:
             if first == first_seq and last == last_seq:
                 return future if future is not None else DuplicateAppend(offset, count)
         expected = (state.last_seq + 1) % (MAX_SEQUENCE + 1)
+        if _before(first_seq, expected) and _before(last_seq, expected):
+            # Sequences are taken once and a partition takes them only in order: the batch was
+            # taken, before the RECENT whose answers are kept.
+            where = f" before offset {state.recent[0][2]}" if state.recent else ""
+            raise DuplicateSequenceError(
+                f"producer {producer_id} epoch {epoch} sent sequences {first_seq}-{last_seq} to partition "
+                f"{partition!r} again: it took them already (it expects {expected} next), too long ago to answer "
+                f"with their offset (it keeps a producer's last {RECENT} batches). Nothing was appended again; the "
+                f"batch is in the log{where}: count it as appended, and drop it from what you retry")
         if first_seq != expected:
             raise OutOfOrderSequenceError(
                 f"producer {producer_id} epoch {epoch} sent sequence {first_seq} to partition {partition!r}, which "
@@ -259,6 +271,13 @@ class ProducerTable:
                 self.record(header[0], header[1], header[2], b.count, b.base_offset)
                 taken += 1
         return taken
+
+
+def _before(sequence: int, expected: int) -> bool:
+    """Whether `sequence` comes before `expected`, sequences wrapping after MAX_SEQUENCE: within
+    half their range behind it."""
+    behind = (expected - sequence) % (MAX_SEQUENCE + 1)
+    return 0 < behind <= (MAX_SEQUENCE + 1) // 2
 
 
 def producer_header(payload: Any, count: int) -> tuple[int, int, int] | None:

@@ -10,6 +10,7 @@ from _native.logcache cimport LogCache, CacheSlice
 cdef class RecordBatch:
     cdef readonly object payload
     cdef readonly uint32_t count
+    cdef readonly bint kafka         # a Kafka record batch: the append writes its base offset in
 
 
 cdef class AppendResult:
@@ -86,5 +87,5 @@ cdef class AppendPath:
 
     cdef void _lock_append(self) noexcept
     cdef void _unlock_append(self) noexcept
-    cdef AppendFuture _append(self, StreamWriter w, object payload, uint32_t count)
+    cdef AppendFuture _append(self, StreamWriter w, object payload, uint32_t count, bint kafka)
     cdef object _wal_failure(self)

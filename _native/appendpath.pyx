@@ -7,6 +7,12 @@ payload) straight into the ring's open batch, and copy the payload into the stre
 log cache's active block. Holding one lock across both keeps the cache's blocks in WAL order (see
 logcache.pyx). No Python object is created per append beyond the returned AppendFuture.
 
+A Kafka record batch (`RecordBatch.kafka`) is stored with its real base offset in its first 8
+bytes (baseOffset, big-endian, outside the batch's CRC), as a broker sets it on append, so that a
+tool parsing the stored payload reads the stream's offsets: the WAL record takes those 8 bytes
+from its prefix and the rest from the payload (no extra copy), and the log cache's copy of the
+payload has them written over. Any other payload is stored byte for byte.
+
 Durability is the ring's: an AppendFuture is done when the WAL's acknowledged watermark passes
 its record (durable, and within the node's lease when the node holds one: walring.pyx). Each writer keeps a queue of (WAL end, stream end offset) of its pending appends; its
 confirm offset, the bound of every read, advances along that queue as the watermark moves. No
@@ -36,6 +42,7 @@ from _native.sysdeps cimport (
     pthread_mutex_trylock, pthread_mutex_lock, trylock_spinning,
 )
 from _native.endian cimport store32, store64
+from _native.kafkarecords cimport BATCH_HEADER, store_be64
 from _native.walrecord cimport RECORD_HEADER_SIZE
 from _native.walring cimport Ring
 from _native.logcache cimport LogCache, CacheSlice, CacheBlock, held_owner
@@ -101,35 +108,63 @@ cdef inline AppendResult _result(uint64_t base_offset):
     return r
 
 
+cdef int _check_kafka(object payload) except -1:
+    """Refuse a payload said to be a Kafka record batch that is too short for its header or
+    whose magic byte is not 2: the append writes its first 8 bytes."""
+    cdef Py_buffer view
+    cdef int magic = -1
+    PyObject_GetBuffer(payload, &view, PyBUF_SIMPLE)
+    try:
+        if view.len >= BATCH_HEADER:
+            magic = (<const unsigned char*>view.buf)[16]
+        if magic != 2:
+            why = "too short for its header" if magic == -1 else f"magic byte {magic}"
+            raise _error_types["invalid_batch"](
+                f"kafka=True says the payload is a Kafka record batch (v2), whose base offset the append sets, but "
+                f"these {view.len} bytes are not one ({why}): build it with s3stream.records, or append the bytes "
+                f"as they are (kafka=False)")
+    finally:
+        PyBuffer_Release(&view)
+    return 0
+
+
 @cython.no_gc
 @cython.freelist(64)
 cdef class RecordBatch:
     """`count` records carried as one opaque payload; they occupy offsets [base, base + count).
-    Immutable; the payload is copied when appended, so a bytearray may be reused afterwards."""
+    Immutable; the payload is copied when appended, so a bytearray may be reused afterwards.
+    `kafka`: the payload is a Kafka record batch (v2), stored with its base offset set to the
+    offset it gets, as a broker stores one (records_batch and encoded_batch make such batches);
+    otherwise it is stored byte for byte."""
 
-    def __cinit__(self, payload, count=1):
+    def __cinit__(self, payload, count=1, kafka=False):
         if not isinstance(payload, (bytes, bytearray, memoryview)):
             raise _error_types["invalid_batch"](
                 f"payload must be bytes-like (bytes, bytearray, memoryview), got {type(payload).__name__}")
         if type(count) is not int or not 0 < count <= 0xFFFFFFFF:
             raise _error_types["invalid_batch"](
                 f"a record batch needs an int count between 1 and {0xFFFFFFFF}, got {count!r}")
+        if kafka:
+            _check_kafka(payload)
         self.payload = payload
         self.count = count
+        self.kafka = kafka
 
     def __eq__(self, other):
         if not isinstance(other, RecordBatch):
             return NotImplemented
-        return self.count == (<RecordBatch>other).count and self.payload == (<RecordBatch>other).payload
+        return (self.count == (<RecordBatch>other).count and self.kafka == (<RecordBatch>other).kafka
+                and self.payload == (<RecordBatch>other).payload)
 
     def __hash__(self):
-        return hash((bytes(self.payload), self.count))
+        return hash((bytes(self.payload), self.count, self.kafka))
 
     def __reduce__(self):
-        return (RecordBatch, (self.payload, self.count))
+        return (RecordBatch, (self.payload, self.count, self.kafka))
 
     def __repr__(self):
-        return f"RecordBatch(payload=<{len(self.payload)} bytes>, count={self.count})"
+        kafka = ", kafka=True" if self.kafka else ""
+        return f"RecordBatch(payload=<{len(self.payload)} bytes>, count={self.count}{kafka})"
 
 
 @cython.freelist(64)
@@ -327,7 +362,8 @@ cdef class StreamWriter:
                 raise _error_types["invalid_batch"](f"append takes a RecordBatch, got {type(batch).__name__}")
         if self.path is None:
             raise RuntimeError("this StreamWriter was never opened by a client")
-        return self.path._append(self, (<RecordBatch>batch).payload, (<RecordBatch>batch).count)
+        return self.path._append(self, (<RecordBatch>batch).payload, (<RecordBatch>batch).count,
+                                 (<RecordBatch>batch).kafka)
 
     def append_many(self, batches) -> list:
         """Append several RecordBatches in order; their AppendFutures, in the same order. On an
@@ -338,7 +374,8 @@ cdef class StreamWriter:
         for batch in batches:
             if not isinstance(batch, RecordBatch):
                 raise _error_types["invalid_batch"](f"append_many takes RecordBatches, got {type(batch).__name__}")
-            out.append(self.path._append(self, (<RecordBatch>batch).payload, (<RecordBatch>batch).count))
+            out.append(self.path._append(self, (<RecordBatch>batch).payload, (<RecordBatch>batch).count,
+                                         (<RecordBatch>batch).kafka))
         return out
 
     @property
@@ -458,9 +495,9 @@ cdef class AppendPath:
     cdef object _wal_failure(self):
         return self.map_error(self.ring._failure())
 
-    cdef AppendFuture _append(self, StreamWriter w, object payload, uint32_t count):
+    cdef AppendFuture _append(self, StreamWriter w, object payload, uint32_t count, bint kafka):
         cdef Py_buffer view
-        cdef unsigned char prefix[WAL_PREFIX]
+        cdef unsigned char prefix[WAL_PREFIX + 8]     # + a Kafka batch's base offset
         cdef uint64_t pos = 0, base, wal_end
         cdef size_t n
         cdef bint seal = False
@@ -483,6 +520,10 @@ cdef class AppendPath:
                 raise self.errors["invalid_batch"](
                     f"batch payload of {n} bytes exceeds max_batch_bytes ({self.max_batch_bytes}); split it "
                     "or raise Config.max_batch_bytes")
+            if kafka and n < BATCH_HEADER:
+                # Checked when the batch was made; a bytearray may have shrunk since.
+                raise self.errors["invalid_batch"](
+                    f"a Kafka record batch of {n} bytes is shorter than its header ({BATCH_HEADER} bytes)")
             if self.refusal is not None:
                 raise self.refusal[0](self.refusal[1])
             if self.uncommitted + n > self.admit_limit:
@@ -518,7 +559,12 @@ cdef class AppendPath:
                     store64(prefix + 16, base)
                     store32(prefix + 24, count)
                     try:
-                        self.ring.place_record(prefix, WAL_PREFIX, data, n, &pos, _lock_attempts)
+                        if kafka:
+                            # The batch's baseOffset comes from the prefix, the rest from the payload.
+                            store_be64(prefix + WAL_PREFIX, base)
+                            self.ring.place_record(prefix, WAL_PREFIX + 8, data + 8, n - 8, &pos, _lock_attempts)
+                        else:
+                            self.ring.place_record(prefix, WAL_PREFIX, data, n, &pos, _lock_attempts)
                     except BaseException as e:
                         raise self.map_error(e) from e
                     # The record is in the WAL from here on: its offsets are taken whatever happens.
@@ -535,7 +581,12 @@ cdef class AppendPath:
                         if s is None or s.block_id != self.cache.active.block_id:
                             s = self.cache._slice_for(w.stream_id, w.epoch)
                             w.slice = s
-                        seal = self.cache.insert(s, base, count, data, n, pos, wal_end, True, held_owner(payload, n)) == 1
+                        # A Kafka batch is copied, never held (the caller's bytes keep their
+                        # baseOffset), and its copy takes the offset.
+                        seal = self.cache.insert(s, base, count, data, n, pos, wal_end, True,
+                                                 None if kafka else held_owner(payload, n)) == 1
+                        if kafka:
+                            store_be64(<unsigned char*>s.data[s.n - 1], base)
                         self.uncommitted += n
                         w.tail += n
                         w._push_pending(wal_end, base + count)

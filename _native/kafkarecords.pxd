@@ -1,6 +1,6 @@
 # Kafka record batches v2 (kafkarecords.pyx): the batch header, the records section's varints and
 # its decoder, for any module of the core that encodes or reads Kafka records in its own buffers.
-from libc.stdint cimport int16_t, int32_t, int64_t, uint32_t
+from libc.stdint cimport int16_t, int32_t, int64_t, uint16_t, uint32_t, uint64_t
 
 cdef enum:
     BATCH_HEADER = 61             # baseOffset .. recordsCount: the records section follows
@@ -26,6 +26,22 @@ cdef struct BatchHeader:
     int16_t producer_epoch
     int32_t base_sequence
     int32_t count
+
+# Big-endian stores of a batch's fields (the append path writes a batch's baseOffset with one).
+cdef inline void store_be16(unsigned char* p, uint16_t v) noexcept nogil:
+    p[0] = (v >> 8) & 0xFF
+    p[1] = v & 0xFF
+
+
+cdef inline void store_be32(unsigned char* p, uint32_t v) noexcept nogil:
+    store_be16(p, <uint16_t>(v >> 16))
+    store_be16(p + 2, <uint16_t>(v & 0xFFFF))
+
+
+cdef inline void store_be64(unsigned char* p, uint64_t v) noexcept nogil:
+    store_be32(p, <uint32_t>(v >> 32))
+    store_be32(p + 4, <uint32_t>(v & 0xFFFFFFFFu))
+
 
 cdef size_t varint_size(int64_t value) noexcept nogil
 cdef unsigned char* put_varint(unsigned char* p, int64_t value) noexcept nogil

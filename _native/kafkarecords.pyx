@@ -168,22 +168,7 @@ cdef object _malformed(Py_ssize_t batch_at, str what):
                              f"so: refuse the batch and fix or replace that producer")
 
 
-# ---- big-endian fields and zigzag varints ---------------------------------------------------
-
-cdef inline void store_be16(unsigned char* p, uint16_t v) noexcept nogil:
-    p[0] = (v >> 8) & 0xFF
-    p[1] = v & 0xFF
-
-
-cdef inline void store_be32(unsigned char* p, uint32_t v) noexcept nogil:
-    store_be16(p, <uint16_t>(v >> 16))
-    store_be16(p + 2, <uint16_t>(v & 0xFFFF))
-
-
-cdef inline void store_be64(unsigned char* p, uint64_t v) noexcept nogil:
-    store_be32(p, <uint32_t>(v >> 32))
-    store_be32(p + 4, <uint32_t>(v & 0xFFFFFFFFu))
-
+# ---- big-endian fields and zigzag varints (the stores are in kafkarecords.pxd) -----------------
 
 cdef inline uint16_t load_be16(const unsigned char* p) noexcept nogil:
     return <uint16_t>((p[0] << 8) | p[1])

@@ -6,6 +6,7 @@ bytes-like or a count outside [1, 2**32).
 """
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -14,7 +15,7 @@ from _native import appendpath, kafkarecords
 from _native.appendpath import AppendFuture, AppendResult, RecordBatch
 
 from .errors import InvalidBatchError, InvalidRecordBatchError, RecordBatchLengthError, UnsupportedMagicError
-from .records import MAX_DECOMPRESSED_BYTES, ConsumedRecord, DecodedBatch, Record, decode_batch, encode_records
+from .records import HEADER_SIZE, MAX_DECOMPRESSED_BYTES, ConsumedRecord, DecodedBatch, Record, decode_batch, encode_records
 
 appendpath.set_error_types(invalid_batch=InvalidBatchError)
 
@@ -35,6 +36,14 @@ class FetchedBatch(NamedTuple):
     @property
     def end_offset(self) -> int:
         return self.base_offset + self.count
+
+    def as_record_batch(self) -> RecordBatch:
+        """The RecordBatch that appends this batch again, to another stream (a mirror's copy): a
+        Kafka record batch stored with its base offset (RecordBatch.kafka: its header's
+        baseOffset is this batch's) stays one, so that its copy carries the offset it gets there;
+        any other payload is copied byte for byte. (A Kafka batch stored before base offsets were
+        written, with baseOffset 0, is copied as bytes, as it was stored: records() shifts it.)"""
+        return RecordBatch(self.payload, self.count, _stored_as_kafka(self.payload, self.base_offset, self.count))
 
     def records(self, *, max_decompressed_bytes: int = MAX_DECOMPRESSED_BYTES) -> Iterator[ConsumedRecord]:
         """The records of a batch appended with append_records (a Kafka record batch, v2), each
@@ -58,17 +67,33 @@ class FetchedBatch(NamedTuple):
             yield record._replace(offset=record.offset + shift)
 
 
+_STORED_HEADER = struct.Struct(">qi4xbxxxxxxi")     # baseOffset, batchLength, magic, lastOffsetDelta
+
+
+def _stored_as_kafka(payload: memoryview | bytes, base_offset: int, count: int) -> bool:
+    """Whether a stored payload is a Kafka record batch the append path wrote its base offset
+    into: its header gives its size, magic 2, `count` offsets and `base_offset`. No other
+    payload matches all of them but by a coincidence of 16 bytes."""
+    if len(payload) < HEADER_SIZE:
+        return False
+    stored_base, batch_length, magic, last_delta = _STORED_HEADER.unpack_from(payload, 0)
+    return (stored_base == base_offset and batch_length == len(payload) - 12 and magic == 2
+            and last_delta == count - 1)
+
+
 def records_batch(records: Iterable[Record], compression: str | None = None) -> RecordBatch:
     """The RecordBatch that append_records appends: `records` as one Kafka record batch (v2,
-    s3stream.records), one offset per record. InvalidArgumentError for bad records or an unknown
-    compression (nothing is appended)."""
-    return RecordBatch(*encode_records(records, compression))
+    s3stream.records), one offset per record, stored with its base offset (RecordBatch.kafka).
+    InvalidArgumentError for bad records or an unknown compression (nothing is appended)."""
+    payload, count = encode_records(records, compression)
+    return RecordBatch(payload, count, True)
 
 
 def encoded_batch(raw: bytes | bytearray | memoryview, *,
                   max_decompressed_bytes: int = MAX_DECOMPRESSED_BYTES) -> tuple[RecordBatch, "DecodedBatch"]:
     """A Kafka record batch (v2) built elsewhere (any Kafka client library), checked whole as a
-    broker checks it before it is appended: (the RecordBatch to append, one offset per record;
+    broker checks it before it is appended: (the RecordBatch to append, one offset per record,
+    stored with its base offset as a broker stores it (RecordBatch.kafka);
     the decoded batch, whose producer fields say whether an idempotent producer sent it).
     InvalidRecordBatchError or a subclass naming the cause (magic, CRC, length, codec, size) for
     a batch that does not decode; InvalidRecordBatchError for one whose records are not dense
@@ -83,7 +108,7 @@ def encoded_batch(raw: bytes | bytearray | memoryview, *,
         raise InvalidRecordBatchError(
             f"this record batch holds {len(decoded.records)} records over offset deltas 0..{decoded.last_offset_delta}: "
             "appended batches must number their records densely (it was compacted); re-encode its records")
-    return RecordBatch(data, len(decoded.records)), decoded
+    return RecordBatch(data, len(decoded.records), True), decoded
 
 
 @dataclass(frozen=True)

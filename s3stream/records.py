@@ -72,6 +72,7 @@ from .errors import (
 __all__ = [
     "COMPRESSION_CODECS", "ConsumedRecord", "DecodedBatch", "LOG_APPEND_TIME", "CREATE_TIME", "MAGIC",
     "MAX_DECOMPRESSED_BYTES", "Record", "decode_batch", "encode_batch", "encode_gap", "encode_records", "iter_batches",
+    "with_base_offset",
 ]
 
 MAGIC = 2
@@ -530,17 +531,35 @@ def encode_records(records: Iterable[Record], compression: str | None = None,
                                      compress_payload), len(records)
 
 
-def encode_gap(count: int, now_ms: int | None = None) -> bytes:
+def encode_gap(count: int, now_ms: int | None = None, base_offset: int = 0) -> bytes:
     """A batch of no records over `count` offsets (lastOffsetDelta count - 1), as Kafka's
     compaction leaves one: it takes offsets and yields no record when read. The Spark sink
-    (pyspark_s3stream.sink) commits one over offsets a failed task had reserved and never wrote."""
+    (pyspark_s3stream.sink) commits one over offsets a failed task had reserved and never wrote,
+    at `base_offset` (written into the batch, as the append path writes it: with_base_offset)."""
     check_int("count", count)
+    check_int("base_offset", base_offset)
     if not 0 < count <= 0x7FFFFFFF:
         raise InvalidArgumentError(f"a gap covers 1 to 2**31 - 1 offsets, got {count}")
     now = int(time.time() * 1000) if now_ms is None else now_ms
     tail = struct.pack(">hiqqqhii", 0, count - 1, now, now, -1, -1, -1, 0)
     crc = checksum.crc32c(tail)
-    return struct.pack(">qiibI", 0, len(tail) + 9, -1, MAGIC, crc) + tail
+    return struct.pack(">qiibI", base_offset, len(tail) + 9, -1, MAGIC, crc) + tail
+
+
+_BASE_OFFSET = struct.Struct(">q")
+
+
+def with_base_offset(batch: bytes | bytearray | memoryview, base_offset: int) -> bytes:
+    """`batch` (a Kafka record batch) with its baseOffset (its first 8 bytes, outside the CRC,
+    which stays valid) set to `base_offset`, as a broker sets it when it appends the batch. The
+    append path does so itself for the batches it knows are Kafka batches (RecordBatch.kafka);
+    this is for writers of objects that bypass it (the Spark sink), which know the offsets only
+    once reserved. InvalidArgumentError for a buffer too short for a batch header."""
+    check_int("base_offset", base_offset)
+    if len(batch) < HEADER_SIZE:
+        raise InvalidArgumentError(
+            f"a record batch is at least {HEADER_SIZE} bytes, got {len(batch)}: pass a whole batch")
+    return _BASE_OFFSET.pack(base_offset) + bytes(memoryview(batch)[8:])
 
 
 def _decode_at(view: memoryview, at: int, whole: bool, partial_ok: bool, limit: int) -> DecodedBatch | None:

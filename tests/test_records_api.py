@@ -206,3 +206,122 @@ def test_a_batch_from_an_idempotent_kafka_producer_is_taken_once(client):
         p.append_encoded(kafka_python_batch([Record(value=b"c")], producer=(42, 0, 5)))
     assert p.append_encoded(kafka_python_batch([Record(value=b"c")], producer=(42, 0, 2))).result(5).base_offset == 2
     assert p.log.next_offset == 3
+
+
+# ---- stored Kafka batches carry their offsets (issue 50, item 10) --------------------------------
+
+def kafka_python_offsets(payload) -> tuple[int, list[int]]:
+    """(base offset, record offsets) of a stored payload as kafka-python parses it, CRC checked."""
+    from test_records import kafka_read
+    [(batch, records)] = kafka_read(payload)
+    return batch.base_offset, [r[0] for r in records]
+
+
+def test_stored_kafka_batches_carry_their_offsets_plain_payloads_their_bytes(tmp_path, store_url):
+    """A Kafka batch appended (append_records, compressed or not, small or held-size; a batch
+    built by kafka-python, whose header says another offset; a producer's batch) is stored with
+    its base offset in its header, as a broker stores it: kafka-python reads the stream's offsets
+    from the payload, its CRC intact, from the log cache, from objects and after a crash and
+    recovery from the WAL. A payload appended as bytes stays byte for byte, a Kafka batch's too."""
+    import os
+    import s3stream.cluster  # noqa: F401
+    from s3stream import new_producer
+    from s3stream.records import encode_batch
+    from test_engine_model import crash
+    config = small_config(reclaim_interval=None)
+    client = StreamClient(1, tmp_path / "node1.wal", store_url, f"sqlite:///{tmp_path}/meta.db", config)
+    as_bytes = encode_batch([Record(value=b"kept as bytes")] * 2)
+    elsewhere = bytearray(kafka_python_batch([Record(value=b"e%d" % i, timestamp=1) for i in range(3)]))
+    elsewhere[:8] = (12345).to_bytes(8, "big")                          # outside the CRC: still valid
+    try:
+        s = client.create_stream()
+        p = client.open_partition("p")
+        producer = new_producer(client)
+        s.append(RecordBatch(b"x", 1)).result(10)
+        s.append_records([Record(value=b"a"), Record(value=b"b")]).result(10)
+        s.append_records([Record(value=os.urandom(20_000))] * 2, compression="gzip").result(10)  # held-size
+        s.append_records([Record(value=os.urandom(9_000))]).result(10)
+        s.append_encoded(bytes(elsewhere)).result(10)
+        s.append(RecordBatch(as_bytes, 2)).result(10)
+        s.append(RecordBatch(b"plain bytes " * 1000, 4)).result(10)
+        p.append(RecordBatch(b"plain", 1)).result(10)
+        p.append(producer.batch("p", [Record(value=b"p%d" % i) for i in range(3)])).result(10)
+        plain = {0: b"x", 9: as_bytes, 11: b"plain bytes " * 1000}
+        kafka = {1: 2, 3: 2, 5: 1, 6: 3}
+
+        def check(phase):
+            batches = s.fetch(0, max_bytes=1 << 30).batches
+            assert [b.base_offset for b in batches] == sorted([*plain, *kafka]), phase
+            for b in batches:
+                if b.base_offset in plain:
+                    assert b.payload == plain[b.base_offset], phase
+                    continue
+                want = list(range(b.base_offset, b.base_offset + kafka[b.base_offset]))
+                assert kafka_python_offsets(b.payload) == (b.base_offset, want), phase
+                assert [r.offset for r in b.records()] == want, phase
+            [produced] = p.fetch(1).batches
+            assert kafka_python_offsets(produced.payload) == (1, [1, 2, 3]), phase
+
+        check("log cache")
+        client.force_upload(30)
+        check("objects")
+        s.append_records([Record(value=b"c")]).result(10)
+        s.append(RecordBatch(b"y", 1)).result(10)
+        plain[16], kafka[15] = b"y", 1
+        crash(client)
+        client = StreamClient(1, tmp_path / "node1.wal", store_url, f"sqlite:///{tmp_path}/meta.db", config)
+        s = client.open_stream(s.stream_id)
+        p = client.open_partition("p")
+        batches = s.fetch(15, max_bytes=1 << 30).batches
+        assert kafka_python_offsets(batches[0].payload) == (15, [15]) and batches[1].payload == b"y"
+        check("recovered")
+    finally:
+        client.close()
+
+
+def test_a_copy_of_a_stored_batch_takes_the_offset_it_gets_there(client):
+    """FetchedBatch.as_record_batch (the mirror's copy): a Kafka batch stored with its offset is
+    appended as one, so its copy carries its new offset; bytes stay bytes, and so does a Kafka
+    batch stored before offsets were written (header 0 at another offset)."""
+    from s3stream.records import encode_batch
+    source, target = client.create_stream(), client.create_stream()
+    as_bytes = encode_batch([Record(value=b"old")] * 2)
+    source.append(RecordBatch(b"x", 1)).result(10)
+    source.append_records([Record(value=b"a"), Record(value=b"b")]).result(10)
+    source.append(RecordBatch(as_bytes, 2)).result(10)
+    target.append(RecordBatch(b"pad", 1)).result(10)
+    copies = [b.as_record_batch() for b in source.fetch(0).batches]
+    assert [c.kafka for c in copies] == [False, True, False]
+    for c in copies:
+        target.append(c).result(10)
+    x, kafka, old = target.fetch(1).batches
+    assert (x.payload, old.payload) == (b"x", as_bytes)
+    assert kafka_python_offsets(kafka.payload) == (2, [2, 3])
+    assert [r.offset for r in old.records()] == [4, 5]                 # shifted from its header's 0
+
+
+def test_a_kafka_batch_is_said_so_and_kept_so():
+    """RecordBatch(kafka=True) refuses what is no Kafka batch; the flag is part of the batch's
+    identity and survives pickling (a kept batch appends as the original would)."""
+    import pickle
+    from s3stream import InvalidBatchError
+    from s3stream.recordbatch import records_batch
+    batch = records_batch([Record(value=b"v")])
+    assert batch.kafka and "kafka=True" in repr(batch)
+    assert pickle.loads(pickle.dumps(batch)) == batch and pickle.loads(pickle.dumps(batch)).kafka
+    assert RecordBatch(batch.payload, batch.count) != batch
+    for payload, why in ((b"short", "too short"), (b"\x00" * 16 + b"\x01" + bytes(60), "magic byte 1")):
+        with pytest.raises(InvalidBatchError, match=f"kafka=True says .*{why}.*kafka=False"):
+            RecordBatch(payload, 1, True)
+
+
+def test_batches_written_around_the_append_path_take_their_offset():
+    """For writers of objects (the Spark sink): with_base_offset sets a batch's offset, its CRC
+    still valid; encode_gap takes one too."""
+    from s3stream.records import encode_batch, encode_gap, with_base_offset
+    moved = with_base_offset(encode_batch([Record(value=b"v", timestamp=1)] * 3), 1000)
+    assert kafka_python_offsets(moved) == (1000, [1000, 1001, 1002])
+    gap = decode_batch(encode_gap(5, base_offset=70))
+    assert (gap.base_offset, gap.last_offset, gap.records) == (70, 74, [])
+    with pytest.raises(InvalidArgumentError, match="at least 61 bytes"):
+        with_base_offset(b"short", 1)

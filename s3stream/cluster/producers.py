@@ -107,7 +107,7 @@ class ProducedBatch(RecordBatch):
     @classmethod
     def of(cls, payload: bytes | bytearray | memoryview, count: int, partition: str, producer_id: int, epoch: int,
            base_sequence: int) -> "ProducedBatch":
-        batch = cls(payload, count)
+        batch = cls(payload, count, True)
         batch.partition, batch.producer_id, batch.epoch, batch.base_sequence = (
             partition, producer_id, epoch, base_sequence)
         return batch

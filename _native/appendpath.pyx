@@ -88,6 +88,20 @@ def set_lock_attempts(int attempts) -> None:
 _error_types = {"invalid_batch": ValueError}
 
 
+#: RecordBatch subclasses a stream refuses (a tuple), and the error it raises for one:
+#: refusal(writer, batch). s3stream.cluster.producers registers ProducedBatch, whose sequences
+#: only a partition checks. Looked at only for subclasses, off the path of RecordBatch itself.
+_refused_types = ()
+_refusal = None
+
+
+def set_refused_batches(tuple types, refusal) -> None:
+    """Make StreamWriter.append and append_many raise refusal(writer, batch) for a batch of one
+    of `types` (RecordBatch subclasses), before anything is appended."""
+    global _refused_types, _refusal
+    _refused_types, _refusal = types, refusal
+
+
 def set_error_types(**types) -> None:
     """Name the exception types raised by this module: invalid_batch (bad RecordBatch)."""
     _error_types.update(types)
@@ -360,6 +374,8 @@ cdef class StreamWriter:
         if type(batch) is not RecordBatch:
             if not isinstance(batch, RecordBatch):
                 raise _error_types["invalid_batch"](f"append takes a RecordBatch, got {type(batch).__name__}")
+            if isinstance(batch, _refused_types):
+                raise _refusal(self, batch)
         if self.path is None:
             raise RuntimeError("this StreamWriter was never opened by a client")
         return self.path._append(self, (<RecordBatch>batch).payload, (<RecordBatch>batch).count,
@@ -374,6 +390,8 @@ cdef class StreamWriter:
         for batch in batches:
             if not isinstance(batch, RecordBatch):
                 raise _error_types["invalid_batch"](f"append_many takes RecordBatches, got {type(batch).__name__}")
+            if type(batch) is not RecordBatch and isinstance(batch, _refused_types):
+                raise _refusal(self, batch)
             out.append(self.path._append(self, (<RecordBatch>batch).payload, (<RecordBatch>batch).count,
                                          (<RecordBatch>batch).kafka))
         return out

@@ -12,7 +12,7 @@ from .errors import (
     OffsetOutOfRangeError, OffsetsLostError, OperationTimeoutError, S3StreamError, StreamClosedError, StreamFencedError, StreamNotClosedError,
     StreamNotFoundError, UnsupportedFormatError, WALCorruptError, WALError, WALFullError, InvalidRecordBatchError,
     RecordBatchChecksumError, RecordBatchLengthError, UnsupportedCompressionError, UnsupportedMagicError,
-    DecompressionLimitError, DuplicateSequenceError, OutOfOrderSequenceError, ProducerFencedError,
+    DecompressionLimitError, DuplicateSequenceError, NotIdempotentError, OutOfOrderSequenceError, ProducerFencedError,
 )
 from .cluster.producers import DuplicateAppend, ProducedBatch, Producer, new_producer
 from .reader import StreamReader, open_reader
@@ -30,5 +30,5 @@ __all__ = [
     "Record", "ConsumedRecord", "StreamReader", "open_reader", "InvalidRecordBatchError", "RecordBatchChecksumError", "RecordBatchLengthError",
     "UnsupportedCompressionError", "UnsupportedMagicError", "DecompressionLimitError",
     "Producer", "ProducedBatch", "DuplicateAppend", "new_producer", "OutOfOrderSequenceError", "DuplicateSequenceError",
-    "ProducerFencedError",
+    "NotIdempotentError", "ProducerFencedError",
 ]

@@ -178,7 +178,7 @@ __all__ = [
     "ConfigError", "CorruptDataError", "FencedLeaderError", "InvalidArgumentError", "InvalidBatchError",
     "LeaseExpiredError", "MetadataBusyError", "MetadataError", "NodeAliveError", "NodeConflictError", "ObjectNotFoundError", "ObjectStoreError",
     "ObjectStorePermanentError", "OffsetOutOfRangeError", "OffsetsLostError", "OperationTimeoutError",
-    "DuplicateSequenceError", "OutOfOrderSequenceError", "ProducerFencedError", "S3StreamError",
+    "DuplicateSequenceError", "NotIdempotentError", "OutOfOrderSequenceError", "ProducerFencedError", "S3StreamError",
     "StreamClosedError", "StreamFencedError", "StreamNotClosedError", "StreamNotFoundError", "WALCorruptError",
     "WALError", "WALFullError",
 ]
@@ -240,6 +240,13 @@ class OutOfOrderSequenceError(S3StreamError):
     on that partition nor repeats one of its recent batches: batches between were lost (their
     appends failed for good) or never sent. Nothing was appended; start a new producer
     (Kafka's OUT_OF_ORDER_SEQUENCE_NUMBER)."""
+
+
+class NotIdempotentError(InvalidBatchError):
+    """An idempotent producer's batch (a ProducedBatch) appended to a stream, which keeps no
+    producer sequences: each retry of it would append its records again. Nothing was appended;
+    append it to its partition (Partition.append), which takes it once. (Kafka has no
+    such write: every produce goes to a partition.)"""
 
 
 class DuplicateSequenceError(OutOfOrderSequenceError):

@@ -14,8 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import s3stream.cluster  # noqa: F401  (installs partitions)
-from s3stream import (DuplicateSequenceError, OutOfOrderSequenceError, ProducerFencedError, Record, RecordBatch, StreamClient,
-                      InvalidArgumentError, new_producer)
+from s3stream import (DuplicateSequenceError, NotIdempotentError, OutOfOrderSequenceError, ProducedBatch, ProducerFencedError,
+                      Record, RecordBatch, StreamClient, InvalidArgumentError, new_producer)
 from s3stream.cluster import partition as P
 from s3stream.cluster.producers import ProducerTable, producer_header
 
@@ -197,6 +197,133 @@ def test_sequences_before_the_expected_one_wrap_as_sequences_do():
         table.check(7, 0, 70, 10, "p")                       # expects 60: a gap
     assert not isinstance(ahead.value, DuplicateSequenceError)
     assert table.check(7, 0, 60, 10, "p") is None
+
+
+# ---- a batch kept for a retry (issue 50, item 2) ---------------------------------------------------
+
+def test_a_produced_batch_stays_one_pickled_or_copied_and_shows_its_producer():
+    import copy
+    import pickle
+    batch = ProducedBatch.of(encode_with_producer(7, 2, 40, 3), 3, "orders", 7, 2, 40)
+    for kept in (pickle.loads(pickle.dumps(batch)), copy.copy(batch), copy.deepcopy(batch)):
+        assert type(kept) is ProducedBatch and kept == batch and kept.kafka
+        assert (kept.partition, kept.producer_id, kept.epoch, kept.base_sequence) == ("orders", 7, 2, 40)
+    assert repr(batch).startswith("ProducedBatch(partition='orders', producer_id=7, epoch=2, base_sequence=40, count=3")
+
+
+def encode_with_producer(producer_id, epoch, sequence, count, value=b"x"):
+    from s3stream.records import encode_batch
+    return encode_batch([Record(value=value)] * count, producer_id=producer_id, producer_epoch=epoch,
+                        base_sequence=sequence)
+
+
+def test_a_plain_batch_whose_header_names_a_producer_is_taken_once(tmp_path):
+    """As a Kafka broker reads a batch's producer from its header, a partition takes a plain
+    RecordBatch carrying a producer's batch idempotently (a ProducedBatch kept as bytes, another
+    client's batch); a mirror's copy (copied=True) is appended as it is; bytes stay bytes."""
+    one = node(tmp_path, 1)
+    try:
+        p = one.open_partition("p")
+        producer = new_producer(one)
+        first = producer.batch("p", [Record(value=b"a"), Record(value=b"b")])
+        assert p.append(first).result(5).base_offset == 0
+        as_bytes = RecordBatch(bytes(first.payload), first.count)
+        assert p.append(as_bytes).result(5).base_offset == 0                     # its retry, as bytes
+        other = RecordBatch(encode_with_producer(9999, 0, 0, 2), 2)              # another client's
+        assert [p.append(other).result(5).base_offset for _ in range(2)] == [2, 2]
+        with pytest.raises(OutOfOrderSequenceError):
+            p.append(RecordBatch(encode_with_producer(9999, 0, 5, 1), 1))
+        assert p.append(first, copied=True).result(5).base_offset == 4           # a copy: no check
+        assert p.append(RecordBatch(b"x" * 100, 1)).result(5).base_offset == 6
+        assert p.log.next_offset == 7
+        assert p.producers.check(9999, 0, 2, 1, "p") is None                      # it continues at 2
+    finally:
+        one.close()
+
+
+def test_a_stream_refuses_a_produced_batch_naming_its_partition(tmp_path):
+    """A stream keeps no producer sequences: Stream.append of a ProducedBatch would append it
+    again on each retry, so it is refused (NotIdempotentError), nothing appended."""
+    one = node(tmp_path, 1)
+    try:
+        s = one.create_stream()
+        batch = new_producer(one).batch("orders", [Record(value=b"a")])
+        for append in (s.append, lambda b: s.append_many([RecordBatch(b"fine"), b])):
+            with pytest.raises(NotIdempotentError, match=r"append it to its partition, client.open_partition\('orders'\)"):
+                append(batch)
+        assert s.next_offset == 1                                                # the batch before it only
+        p = one.open_partition("orders")
+        assert [p.append(batch).result(5).base_offset for _ in range(2)] == [0, 0]
+    finally:
+        one.close()
+
+
+RETRY_CHILD = textwrap.dedent("""
+    import sys, json, pickle
+    sys.path.insert(0, {tests!r})
+    import s3stream.cluster
+    from s3stream import StreamClient, Record, new_producer
+    from conftest import small_config
+    tmp = {tmp!r}
+    c = StreamClient(1, tmp + "/n1.wal", "file://" + tmp + "/objects", "sqlite:///" + tmp + "/meta.db", small_config())
+    p = c.open_partition("p")
+    producer = new_producer(c)
+    batches = [producer.batch("p", [Record(value=b"%d.%d" % (i, k)) for k in range(1 + i % 3)]) for i in range({count})]
+    with open(tmp + "/batches.pickle", "wb") as f:
+        pickle.dump(batches, f)              # kept, to retry them after a crash
+    for i, b in enumerate(batches[:-1]):
+        print(json.dumps([i, p.append(b).result(10).base_offset]), flush=True)
+    p.append(batches[-1])                    # its answer never comes: the process dies first
+    print("sent", flush=True)
+    sys.stdin.read()
+""")
+
+
+def test_pickled_batches_retried_after_a_kill_9_are_taken_once(tmp_path):
+    """Issue 50, item 2: a process pickles its producer's batches before appending them and is
+    SIGKILLed; a new process retries the pickled batches. Each answers its original offset (the
+    recent ones, the one whose answer never came) or is a DuplicateSequenceError (older ones),
+    also as plain RecordBatches of the same bytes: the log holds every batch once, densely."""
+    import pickle
+    count = 50
+    child = subprocess.Popen([sys.executable, "-c", RETRY_CHILD.format(tests=HERE, tmp=str(tmp_path), count=count)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    acked = {}
+    for line in child.stdout:
+        if line.strip() == "sent":
+            break
+        i, offset = json.loads(line)
+        acked[i] = offset
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait()
+    assert len(acked) == count - 1
+    with open(tmp_path / "batches.pickle", "rb") as f:
+        batches = pickle.load(f)
+    assert all(type(b) is ProducedBatch and b.partition == "p" for b in batches)
+    one = node(tmp_path, 1)
+    try:
+        p = one.open_partition("p")
+        last = p.append(batches[-1]).result(10).base_offset                   # durable before the kill, or now
+        end = p.log.next_offset
+        assert last == acked[count - 2] + batches[-2].count and end == last + batches[-1].count
+        for i in range(count - 5, count - 1):                                  # answered from the table
+            assert p.append(batches[i]).result(5).base_offset == acked[i]
+            assert p.append(RecordBatch(batches[i].payload, batches[i].count)).result(5).base_offset == acked[i]
+        for i in (0, 30, count - 6):                                           # older: taken, not answered
+            for again in (batches[i], RecordBatch(batches[i].payload, batches[i].count)):
+                with pytest.raises(DuplicateSequenceError, match="took them already"):
+                    p.append(again)
+        assert p.log.next_offset == end
+        records = []
+        pos = 0
+        while pos < end:
+            fetched = p.fetch(pos, end).batches
+            records += [(r.offset, r.value) for b in fetched for r in b.records()]
+            pos = fetched[-1].end_offset
+        assert [offset for offset, _ in records] == list(range(end))          # dense
+        assert [value for _, value in records] == [b"%d.%d" % (i, k) for i in range(count) for k in range(1 + i % 3)]
+    finally:
+        one.close()
 
 
 def test_producer_header_takes_only_producer_batches():

@@ -35,7 +35,7 @@ from ..recordbatch import AppendFuture, FetchResult, RecordBatch, encoded_batch,
 from ..records import Record
 from .hold import AppendHold
 from .loadreport import SAMPLE_EVERY, TrafficMeter
-from .producers import SNAPSHOT_BYTES, ProducedBatch, Producer, ProducerTable
+from .producers import SNAPSHOT_BYTES, ProducedBatch, Producer, ProducerTable, producer_header
 
 if TYPE_CHECKING:
     from ..stream import Stream
@@ -192,10 +192,16 @@ class Partition:
         """Closed for good here (every stream CLOSED in metadata)."""
         return self._closed is not None
 
-    def append(self, batch: RecordBatch, *, wait_for_moves: bool = True) -> AppendFuture:
+    def append(self, batch: RecordBatch, *, wait_for_moves: bool = True, copied: bool = False) -> AppendFuture:
         """Append one batch to the log. A ProducedBatch (Producer.batch) is taken idempotently:
         a batch this partition took already returns its original answer (module
         s3stream.cluster.producers); OutOfOrderSequenceError / ProducerFencedError refuse it.
+        So is any batch whose payload is a Kafka record batch from an idempotent producer (a
+        producer id and a base sequence in its header, its CRC valid), as a Kafka broker reads
+        a batch's producer from its header: a ProducedBatch kept as a plain RecordBatch, a batch
+        another client built. `copied`: the batch is a copy of another log's (a mirror's), whose
+        producers are that cluster's: appended as it is, its producer fields neither checked nor
+        remembered.
         While this node's agent closes or opens a partition, it first waits for that move, at
         most ClusterConfig.move_hold (s3stream.cluster.hold), unless `wait_for_moves` is false
         (s3stream.aio waits its own way, without blocking the loop: `hold`)."""
@@ -203,8 +209,14 @@ class Partition:
             hold = self._table.hold
             if hold is not None:
                 hold.wait()           # a move on this node goes first (s3stream.cluster.hold)
-        if isinstance(batch, ProducedBatch):
-            return self._append_produced(batch)
+        if not copied:
+            if isinstance(batch, ProducedBatch):
+                return self._append_produced(batch)
+            header = producer_header(batch.payload, batch.count)
+            if header is not None:
+                return self._append_produced(ProducedBatch.of(batch.payload, batch.count, self.name, *header))
+        elif isinstance(batch, ProducedBatch):
+            batch = RecordBatch(batch.payload, batch.count, True)      # streams refuse a ProducedBatch
         future = self._append(batch)
         if self._scan_from is not None:
             self._snapshot_bytes += len(batch.payload)
@@ -231,7 +243,8 @@ class Partition:
                 except (StreamClosedError, StreamFencedError) as e:
                     raise PartitionMovedError(self.name, f"partition {self.name!r} moved away from node "
                                                          f"{self._client.node_id}: {e}") from e
-            future = self._append(batch)
+            # The stream appends the bytes; the sequences were this partition's to check.
+            future = self._append(RecordBatch(batch.payload, batch.count, True))
             self.producers.record(batch.producer_id, batch.epoch, batch.base_sequence, batch.count,
                                   future.base_offset, future)
             self._produced_since += 1
@@ -292,12 +305,8 @@ class Partition:
         """Append a Kafka record batch (v2) built elsewhere (any Kafka client library), checked
         whole first (recordbatch.encoded_batch: a bad one raises InvalidRecordBatchError or a
         subclass and appends nothing). One sent by an idempotent producer (a producer id and a
-        base sequence in its header) is taken idempotently, as a ProducedBatch is."""
-        batch, decoded = encoded_batch(raw)
-        if decoded.producer_id >= 0 and decoded.base_sequence >= 0:
-            batch = ProducedBatch.of(batch.payload, batch.count, self.name, decoded.producer_id,
-                                     decoded.producer_epoch, decoded.base_sequence)
-        return self.append(batch)
+        base sequence in its header) is taken idempotently, as append takes any such batch."""
+        return self.append(encoded_batch(raw)[0])
 
     def fetch(self, start_offset: int, end_offset: int | None = None, max_bytes: int = 1 << 20) -> FetchResult:
         m = self.meter

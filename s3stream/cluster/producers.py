@@ -33,9 +33,11 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from _native import appendpath
 from _native.checksum import crc32c
 
-from ..errors import DuplicateSequenceError, InvalidArgumentError, OutOfOrderSequenceError, ProducerFencedError
+from ..errors import (DuplicateSequenceError, InvalidArgumentError, NotIdempotentError, OutOfOrderSequenceError,
+                      ProducerFencedError)
 from ..recordbatch import AppendResult, RecordBatch
 from ..records import Record, encode_records
 
@@ -97,7 +99,9 @@ class Producer:
 
 class ProducedBatch(RecordBatch):
     """A RecordBatch a Producer built for one partition: a Kafka record batch carrying the
-    producer's id, epoch and first sequence. Partition.append takes it idempotently."""
+    producer's id, epoch and first sequence. Partition.append takes it idempotently; a stream
+    refuses it (NotIdempotentError): it keeps no sequences. Pickled or copied, it stays a
+    ProducedBatch, so a batch kept for a retry across a crash is retried idempotently."""
     __slots__ = ("partition", "producer_id", "epoch", "base_sequence")
     partition: str
     producer_id: int
@@ -111,6 +115,27 @@ class ProducedBatch(RecordBatch):
         batch.partition, batch.producer_id, batch.epoch, batch.base_sequence = (
             partition, producer_id, epoch, base_sequence)
         return batch
+
+    def __reduce__(self) -> tuple:
+        # RecordBatch's would make a RecordBatch of it, whose retry a stream takes as new records.
+        return (ProducedBatch.of, (self.payload, self.count, self.partition, self.producer_id, self.epoch,
+                                   self.base_sequence))
+
+    def __repr__(self) -> str:
+        return (f"ProducedBatch(partition={self.partition!r}, producer_id={self.producer_id}, epoch={self.epoch}, "
+                f"base_sequence={self.base_sequence}, count={self.count}, payload=<{len(self.payload)} bytes>)")
+
+
+def _refuse_on_stream(stream: Any, batch: ProducedBatch) -> NotIdempotentError:
+    return NotIdempotentError(
+        f"stream {stream.stream_id} keeps no producer sequences: appended here, this batch of producer "
+        f"{batch.producer_id} (epoch {batch.epoch}, sequence {batch.base_sequence}) would be appended again by each "
+        f"retry. Nothing was appended: append it to its partition, client.open_partition({batch.partition!r})"
+        f".append(batch), which takes it once")
+
+
+# Stream.append is native: it asks this of the RecordBatch subclasses it is given.
+appendpath.set_refused_batches((ProducedBatch,), _refuse_on_stream)
 
 
 def new_producer(metadata: Any, producer_id: int | None = None) -> Producer:
@@ -285,6 +310,10 @@ def producer_header(payload: Any, count: int) -> tuple[int, int, int] | None:
     the payload is a whole Kafka record batch v2 of `count` records, with a producer id and a
     base sequence, and its CRC-32C holds."""
     if len(payload) < _HEADER.size:
+        return None
+    if type(payload) is not memoryview and (payload[16] != 2 or payload[43] & 0x80):
+        # The usual answers, found without unpacking: not a v2 batch (magic), or a batch
+        # without a producer (its producerId, at 43, is negative: -1).
         return None
     (_, length, _, magic, crc, _, last_delta, _, _, producer_id, epoch, base_sequence,
      records) = _HEADER.unpack_from(payload, 0)

@@ -26,14 +26,19 @@ them, as Spark's protocol asks (tasks write, the driver commits a batch or abort
   same batch at the same time fails without writing. The writer id is the option `writerId`,
   else derived from the query's checkpointLocation (the same across restarts of one query).
 
-Partitions must exist (a node created them: `client.open_partition(name)`) and have a committed
-checkpoint; the sink writes only partitions no node holds open (a node's open fences the sink:
-its commit fails and Spark retries the batch; a sink's commit closes what it opened). Rows name
-their partition in a `partition` column, else the option `partition` names one for all.
+A partition that does not exist is created by the first task that writes to it, as Kafka
+brokers create a topic on its first write (`auto.create.topics.enable`, true by default):
+option `createPartitions` (default true; false refuses it). Its streams and first checkpoint
+are committed before its KV key is published with put-if-absent (_Context.create_partition),
+so racing tasks and batches create it once and no one sees it half made. A partition named but without a committed checkpoint
+(a node is creating it) is refused until that node uploads. The sink writes only partitions no
+node holds open (a node's open fences the sink: its commit fails and Spark retries the batch; a
+sink's commit closes what it opened). Rows name their partition in a `partition` column, else
+the option `partition` names one for all.
 Columns: `value` (binary or string, required), `key` (binary or string), `headers`
 (array<struct<key: string, value: binary>>), `timestamp` (else the time of encoding), `partition`.
 Options: `metadata`, `object_store` (URLs), `partition`, `compression` (None, gzip, snappy, lz4,
-zstd), `writerId`, `objectBytes` (default 16 MiB).
+zstd), `writerId`, `objectBytes` (default 16 MiB), `createPartitions` (default true).
 """
 from __future__ import annotations
 
@@ -53,6 +58,7 @@ from pyspark.sql.datasource import DataSourceArrowWriter, DataSourceStreamArrowW
 
 from _native import arrowrecords
 from s3stream import Config, Record, open_reader
+from s3stream.cluster.partition import DATA_ROLES, Checkpoint, partition_kv_key
 from s3stream.errors import ConfigError, MetadataError, S3StreamError, StreamNotClosedError, StreamNotFoundError
 from s3stream.metadata import MetadataStore, StreamState
 from s3stream.metadata.base import WALLESS, CommitRange, CommitRequest, CommitStreamObject, object_key
@@ -114,6 +120,16 @@ def _required(options: dict, name: str) -> str:
     return str(value)
 
 
+def _flag(options: dict, name: str, default: bool) -> bool:
+    raw = _option(options, name, default)
+    if isinstance(raw, bool):
+        return raw
+    text = str(raw).strip().lower()
+    if text not in ("true", "false", "1", "0", "yes", "no"):
+        raise ConfigError(f"option {name}={raw!r} must be true or false (default {str(default).lower()})")
+    return text in ("true", "1", "yes")
+
+
 class _Options:
     def __init__(self, options: dict) -> None:
         self.metadata = _required(options, "metadata")
@@ -133,6 +149,7 @@ class _Options:
         if self.object_bytes < 1:
             raise ConfigError(f"option objectBytes={raw!r} must be a positive number of bytes (default {OBJECT_BYTES})")
         self.writer_id = _option(options, "writerId")
+        self.create_partitions = _flag(options, "createPartitions", True)
         # Testing only: a task's first attempt raises once it has written this many objects.
         self.fail_after_objects = int(_option(options, "_failFirstAttemptAfterObjects", 0))
         self.checkpoint = _option(options, "checkpointLocation")
@@ -151,18 +168,58 @@ class _Context:
         self._lock = threading.Lock()
         self._node: tuple[int, int] | None = None
 
-    def log_stream(self, name: str) -> int:
+    def log_stream(self, name: str, create: bool = False) -> int:
+        """The log stream of partition `name`; `create`: a partition that does not exist is
+        created (create_partition)."""
         with self._lock:
             if name in self._logs:
                 return self._logs[name]
         try:
             stream_id = self.reader.read_partition(name).log_stream_id
         except StreamNotFoundError as e:
-            raise SinkError(f"cannot write to partition {name!r}: {e}. The sink writes existing partitions: "
-                            "create it first with a node (StreamClient.open_partition) and let it upload") from None
+            if not create:
+                raise SinkError(f"cannot write to partition {name!r}: {e}. Create it with a node "
+                                "(StreamClient.open_partition) and let it upload, or let the sink create it "
+                                "(option createPartitions=true)") from None
+            if self.meta.get_kv(partition_kv_key(name)) is not None:
+                # Named but not readable yet: a node is creating it, and its first upload makes it so.
+                raise SinkError(f"cannot write to partition {name!r}: {e}") from None
+            stream_id = self.create_partition(name)
         with self._lock:
             self._logs[name] = stream_id
         return stream_id
+
+    def create_partition(self, name: str) -> int:
+        """Create partition `name` as a node's first open would, without a WAL, and return its
+        log stream's id. Its streams are made and its first checkpoint committed as an object
+        (the streams closed in the same transaction) before its KV key is published with
+        put_kv_if_absent: once the key names it, it is readable. Of creators racing (tasks of a
+        batch, batches, queries, a node), the first to publish wins; a loser deletes the streams
+        it made and writes to the winner's partition. A creator that dies before publishing
+        leaves closed streams that nothing names."""
+        if not name or "/" in name:
+            raise SinkError(f"cannot create partition {name!r}: partition names must be non-empty and contain no '/'")
+        node_id, node_epoch = self.node()
+        streams = [self.meta.create_stream(node_id, node_epoch) for _ in (None, *DATA_ROLES)]
+        meta_stream, data = streams[0], dict(zip(DATA_ROLES, streams[1:]))
+        checkpoint = Checkpoint({role: stream.stream_id for role, stream in data.items()})
+        piece = self.write_object(meta_stream.stream_id, 0, [(1, checkpoint.encode())])
+        self.meta.commit(CommitRequest(
+            node_id, node_epoch,
+            stream_objects=(CommitStreamObject(piece.object_id, piece.size,
+                                               CommitRange(meta_stream.stream_id, meta_stream.epoch, 0, 1)),),
+            closes=tuple((stream.stream_id, stream.epoch) for stream in streams)))
+        # Not kv_guard=(key, None) in that commit: on PostgreSQL a guard on an absent key locks
+        # no row, so racing commits could all pass it. put_kv_if_absent has one winner.
+        winner = int(self.meta.put_kv_if_absent(partition_kv_key(name), str(meta_stream.stream_id).encode()))
+        if winner == meta_stream.stream_id:
+            return data["log"].stream_id
+        for stream in streams:
+            try:
+                self.meta.delete_stream(stream.stream_id, stream.epoch)
+            except S3StreamError:
+                pass                              # closed, empty and named by nothing: harmless
+        return self.reader.read_partition(name).log_stream_id
 
     def reserve(self, stream_id: int, count: int) -> int:
         """Offsets [start, start + count) of the stream, reserved for this caller alone."""
@@ -338,7 +395,7 @@ class _TaskWriter:
                 for _, record in _records(rows):
                     self.add(name, record)
                 continue
-            stream_id = self.ctx.log_stream(name)
+            stream_id = self.ctx.log_stream(name, self.opts.create_partitions)
             self._encode(stream_id)                     # records gathered before, in order
             for payload, count in _encode_arrow(rows, int(time.time() * 1000), BATCH_RECORDS, self.batch_bytes):
                 self.rows += count
@@ -349,7 +406,7 @@ class _TaskWriter:
         if name is None:
             raise SinkError("a row names no partition: give the rows a `partition` column or the sink the option "
                             "partition=NAME")
-        stream_id = self.ctx.log_stream(name)
+        stream_id = self.ctx.log_stream(name, self.opts.create_partitions)
         records = self.pending.setdefault(stream_id, [])
         records.append(record)
         size = self.pending_bytes.get(stream_id, 0) + len(record.value or b"") + len(record.key or b"") + 16

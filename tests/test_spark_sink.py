@@ -139,6 +139,94 @@ def test_tasks_objects_are_committed_once_with_gaps_over_what_others_reserved(an
         client.close()
 
 
+def test_racing_writers_create_a_missing_partition_once(any_cluster, tmp_path):
+    """Six writers in separate processes' stead (a context each: connections and committer
+    node of their own) start writing to the same missing partition at once: one partition is
+    created (one KV key, one checkpoint), every writer writes to its log, the losers' streams
+    are deleted, and a node opens it afterwards and appends after the sink's records."""
+    import threading
+    import pyarrow as pa
+    from s3stream.cluster.partition import PARTITION_KV_PREFIX
+    from s3stream.metadata import StreamState, open_metadata
+    meta, store, _ = any_cluster
+    opts = sink._Options({"metadata": meta, "object_store": store, "partition": "fresh"})
+    contexts = [sink._Context(meta, store) for _ in range(6)]
+    start, publish = threading.Barrier(len(contexts)), threading.Barrier(len(contexts))
+    logs: list = [None] * len(contexts)
+
+    def after_everyone(put):
+        def wrapped(*args):
+            publish.wait()
+            return put(*args)
+        return wrapped
+
+    for ctx in contexts:
+        # Every writer has made its streams and checkpoint before any publishes: all race.
+        ctx.meta.put_kv_if_absent = after_everyone(ctx.meta.put_kv_if_absent)
+
+    def create(i: int) -> None:
+        start.wait()
+        logs[i] = contexts[i].log_stream("fresh", create=True)
+
+    threads = [threading.Thread(target=create, args=(i,)) for i in range(len(contexts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        assert len(set(logs)) == 1 and logs[0] is not None
+        messages = []
+        for i, ctx in enumerate(contexts):
+            task = sink._TaskWriter(opts)
+            task.ctx = ctx
+            task.add_batch(pa.record_batch({"value": [b"from-%d" % i]}))
+            messages.append(task.finish())
+        sink._commit(opts, messages, None, None)
+    finally:
+        for ctx in contexts:
+            ctx.reader.close()
+    records, end = read_back(meta, store, "fresh")
+    assert sorted(r.value for r in records) == [b"from-%d" % i for i in range(6)] and end == 6
+    with open_metadata(meta) as m:
+        assert list(m.list_kv(PARTITION_KV_PREFIX)) == [PARTITION_KV_PREFIX + "fresh"]
+        states = [st.state for st in m.list_streams(include_deleted=True)]
+        # The winner's meta and log streams; the five losers' are deleted.
+        assert (states.count(StreamState.CLOSED), states.count(StreamState.DELETED)) == (2, 10)
+    client = s3stream.StreamClient(node_id=1, wal_path=str(tmp_path / "wal1"), object_store=store, metadata=meta,
+                                   config=small_config())
+    try:
+        partition = client.open_partition("fresh")
+        assert partition.append_records([Record(value=b"node")]).result().base_offset == 6
+    finally:
+        client.close()
+
+
+def test_a_missing_partition_is_refused_without_create_partitions_and_a_half_made_one_always(cluster, tmp_path):
+    import pyarrow as pa
+    meta, store, _ = cluster
+    rows = pa.record_batch({"value": [b"x"]})
+    refusing = sink._Options({"metadata": meta, "object_store": store, "partition": "nope",
+                              "createPartitions": "false"})
+    with pytest.raises(sink.SinkError, match="createPartitions=true"):
+        sink._write(refusing, [rows])
+    with pytest.raises(s3stream.ConfigError, match="createPartitions='maybe' must be true or false"):
+        sink._Options({"metadata": meta, "object_store": store, "createPartitions": "maybe"})
+    with pytest.raises(sink.SinkError, match="contain no '/'"):
+        sink._write(sink._Options({"metadata": meta, "object_store": store, "partition": "a/b"}), [rows])
+    # A node named the partition but its first checkpoint is still in its WAL: not the sink's to make.
+    client = s3stream.StreamClient(node_id=1, wal_path=str(tmp_path / "wal1"), object_store=store, metadata=meta,
+                                   config=small_config(upload_interval=None))
+    try:
+        client.open_partition("half")
+        with pytest.raises(sink.SinkError, match="no committed checkpoint yet"):
+            sink._write(sink._Options({"metadata": meta, "object_store": store, "partition": "half"}), [rows])
+    finally:
+        client.close()
+    with s3stream.open_reader(meta, store) as reader:
+        with pytest.raises(s3stream.StreamNotFoundError):
+            reader.read_partition("nope")
+
+
 def test_a_task_writing_many_partitions_holds_a_bounded_number_of_bytes(cluster, monkeypatch):
     """Each of 8 partitions stays under objectBytes, but the task holds at most TASK_BYTES of
     encoded records over all of them (it writes the largest), and every row is committed."""
@@ -310,8 +398,46 @@ def test_bad_writes_are_refused_naming_the_fix(spark, cluster):
         df.write.format("s3stream").option("metadata", meta).option("object_store", store).mode("append").save()
     with pytest.raises(Exception, match="no-such"):
         (df.write.format("s3stream").option("metadata", meta).option("object_store", store)
-         .option("partition", "no-such").mode("append").save())
+         .option("partition", "no-such").option("createPartitions", "false").mode("append").save())
     with pytest.raises(Exception, match="compression"):
         (df.write.format("s3stream").option("metadata", meta).option("object_store", store)
          .option("partition", "out").option("compression", "brotli").mode("append").save())
     assert read_back(meta, store, "out") == ([], 0)
+
+
+def test_batch_and_stream_writes_create_missing_partitions_once(spark, cluster, tmp_path):
+    """Kafka's default (auto.create.topics.enable): a batch write whose two tasks both write to
+    two partitions nobody created, and a streaming query writing a third, create each once;
+    every row reads back, and a node can open them."""
+    from pyspark.sql import functions as F
+    from s3stream.cluster.partition import PARTITION_KV_PREFIX
+    from s3stream.metadata import open_metadata
+    meta, store, _ = cluster
+    df = (spark.range(0, 400, numPartitions=2)
+          .select(F.format_string("v-%d", "id").alias("value"),
+                  F.when(F.col("id") % 2 == 0, "new-a").otherwise("new-b").alias("partition")))
+    df.write.format("s3stream").option("metadata", meta).option("object_store", store).mode("append").save()
+    src = tmp_path / "in"
+    src.mkdir()
+    (src / "f.json").write_text("".join(json.dumps({"value": f"s-{i}"}) + "\n" for i in range(50)))
+    q = (spark.readStream.schema("value string").json(str(src))
+         .writeStream.format("s3stream").option("metadata", meta).option("object_store", store)
+         .option("partition", "new-s").option("checkpointLocation", str(tmp_path / "ckpt"))
+         .trigger(availableNow=True).start())
+    q.awaitTermination(120)
+    assert q.exception() is None
+    values = {name: sorted(r.value.decode() for r in read_back(meta, store, name)[0])
+              for name in ("new-a", "new-b", "new-s")}
+    assert values["new-a"] == sorted(f"v-{i}" for i in range(0, 400, 2))
+    assert values["new-b"] == sorted(f"v-{i}" for i in range(1, 400, 2))
+    assert values["new-s"] == sorted(f"s-{i}" for i in range(50))
+    with open_metadata(meta) as m:
+        assert sorted(m.list_kv(PARTITION_KV_PREFIX)) == [PARTITION_KV_PREFIX + n for n in ("new-a", "new-b", "new-s")]
+        assert len(m.list_streams()) == 6                 # a meta and a log stream each, no stray ones
+    client = s3stream.StreamClient(node_id=1, wal_path=str(tmp_path / "wal1"), object_store=store, metadata=meta,
+                                   config=small_config())
+    try:
+        assert client.open_partition("new-a").append_records([Record(value=b"z")]).result().base_offset == 200
+    finally:
+        client.close()
+

@@ -42,6 +42,9 @@ zstd), `writerId`, `objectBytes` (default 16 MiB), `createPartitions` (default t
 """
 from __future__ import annotations
 
+# First: a worker without the dependencies says what to set (PYSPARK_PYTHON), not just what is missing.
+from . import _dependencies  # noqa: F401
+
 import atexit
 import hashlib
 import json

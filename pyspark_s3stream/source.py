@@ -41,6 +41,9 @@ by default), and the reader cannot see that configuration: set both.
 """
 from __future__ import annotations
 
+# First: a worker without the dependencies says what to set (PYSPARK_PYTHON), not just what is missing.
+from . import _dependencies  # noqa: F401
+
 import atexit
 import difflib
 import json

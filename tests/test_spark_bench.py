@@ -242,19 +242,6 @@ def test_migration_campaign_refuses_a_case_it_cannot_run(capsys):
         parse(["--rounds", "0"])
 
 
-def interpreter_without_dependencies(where) -> str:
-    """A directory whose `python3` is another interpreter than this one, lacking s3stream's
-    dependencies (a venv without packages): what a cron job or a systemd unit finds first on
-    PATH when it runs /venv/bin/python without the venv activated."""
-    import subprocess
-    import sys
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(where)], check=True)
-    bin_dir = where / "bin"
-    lacks = subprocess.run([str(bin_dir / "python3"), "-c", "import tenacity"], capture_output=True)
-    assert lacks.returncode != 0, "the venv should not see this interpreter's packages"
-    return str(bin_dir)
-
-
 def test_spark_bench_workers_use_the_drivers_interpreter_whatever_python3_is_on_path(tmp_path):
     """Local mode, PYSPARK_PYTHON unset, a `python3` first on PATH that lacks tenacity, run from
     the repository (so the workers find s3stream in their working directory, as in the report):
@@ -263,6 +250,7 @@ def test_spark_bench_workers_use_the_drivers_interpreter_whatever_python3_is_on_
     import os
     import subprocess
     import sys
+    from spark_helpers import interpreter_without_dependencies
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if k not in ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON")}
     env["PATH"] = interpreter_without_dependencies(tmp_path / "other") + os.pathsep + env["PATH"]

@@ -441,3 +441,34 @@ def test_batch_and_stream_writes_create_missing_partitions_once(spark, cluster, 
     finally:
         client.close()
 
+
+def test_workers_of_another_interpreter_name_pyspark_python_and_setting_it_works(tmp_path):
+    """A user's driver run as /venv/bin/python app.py without the venv on PATH: Spark's Python
+    workers start the python3 on PATH, here one with pyarrow (which PySpark's own workers need)
+    but not s3stream's dependencies. From the project's directory they find the data source:
+    the write and the read failed with a bare ModuleNotFoundError 'tenacity'; now the message
+    names the worker's interpreter and PYSPARK_PYTHON. With PYSPARK_PYTHON set to the driver's
+    interpreter, as docs/spark-datasource.md says, both work."""
+    import subprocess
+    import sys
+    from spark_helpers import interpreter_without_dependencies
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    other = interpreter_without_dependencies(tmp_path / "other", with_pyarrow=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON")}
+    env["PATH"] = other + os.pathsep + env["PATH"]
+    child = os.path.join(repo, "tests", "spark_driver_child.py")
+    args = [sys.executable, child, f"sqlite:///{tmp_path}/meta.db", f"file://{tmp_path}/store", "p"]
+
+    def run(extra: dict) -> dict:
+        out = subprocess.run(args, cwd=repo, env={**env, **extra}, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return {line["step"]: line for line in map(json.loads, out.stdout.splitlines())}
+
+    failed = run({})
+    for step in ("write", "read"):
+        message = failed[step]["error"]
+        assert "PYSPARK_PYTHON" in message and f"{other}/python3" in message, message
+        assert "the s3stream data source cannot import" in message
+    worked = run({"PYSPARK_PYTHON": sys.executable})
+    assert worked["write"] == {"step": "write", "ok": None}
+    assert worked["read"]["ok"] == ["a", "b"]

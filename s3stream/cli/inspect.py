@@ -1,20 +1,24 @@
-"""`s3stream inspect wal|object` and `s3stream wal-salvage`: look inside a WAL or an object (read
-only), and keep the records after a corrupt span of a WAL."""
+"""`s3stream inspect wal|object` and `s3stream wal-salvage`: look inside a WAL (a file, or a WAL
+of objects) or an object (read only), and keep the records after a corrupt span of a WAL."""
 from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
+from urllib.parse import unquote, urlsplit
 
 import click
 
 import wal
 from _native import objcodec
+from wal import objectinspect
 
 from ..errors import S3StreamError
 from ..objectformat import FOOTER_SIZE, IndexEntry, read_blocks, read_index
 from ..objectstore import LocalObjectStore, ObjectStore
 from ..recovery import WAL_RECORD
+from ..walopen import OBJECTS_PREFIX, is_object_wal
+from ..walopen import open_store as open_wal_store
 from .common import emit_json, iso_time, json_option, open_store, store_option, table, user_errors
 
 
@@ -46,37 +50,54 @@ def describe_record(record: wal.Record) -> dict:
     return row
 
 
+class _Summary:
+    """What a scan of WAL records found: the span of offsets, per-stream figures and (if kept)
+    every record's row."""
+
+    def __init__(self, keep_records: bool) -> None:
+        self.keep = keep_records
+        self.rows: list[dict] = []
+        self.streams: dict[int, dict] = {}
+        self.first: int | None = None
+        self.last_end: int | None = None
+
+    def add(self, records: Iterable[wal.Record]) -> None:
+        for record in records:
+            row = describe_record(record)
+            self.first = record.offset if self.first is None else self.first
+            self.last_end = record.end
+            if self.keep:
+                self.rows.append(row)
+            if "stream_id" in row:
+                s = self.streams.setdefault(row["stream_id"], dict(records=0, bytes=0, epochs=set(),
+                                                                   first_offset=row["base_offset"]))
+                s["records"] += 1
+                s["bytes"] += row["payload_bytes"]
+                s["epochs"].add(row["epoch"])
+                s["end_offset"] = row["base_offset"] + row["count"]
+
+    def stream_rows(self) -> list[dict]:
+        return [dict(stream_id=sid, epochs=sorted(s["epochs"]), **{k: v for k, v in s.items() if k != "epochs"})
+                for sid, s in sorted(self.streams.items())]
+
+
 def scan_wal(path: str, header: wal.Header, keep_records: bool) -> dict:
     """Recover the WAL read-only (recovery=True opens the file O_RDONLY: nothing is written)."""
-    records: list[dict] = []
-    streams: dict[int, dict] = {}
-    first = last_end = None
+    summary = _Summary(keep_records)
     error = None
     with wal.WriteAheadLog.open(path, node_id=header.node_id, node_epoch=header.node_epoch,
                                 recovery=True) as w:
         try:
-            for record in w.recover():
-                row = describe_record(record)
-                first = record.offset if first is None else first
-                last_end = record.end
-                if keep_records:
-                    records.append(row)
-                if "stream_id" in row:
-                    s = streams.setdefault(row["stream_id"], dict(records=0, bytes=0, epochs=set(),
-                                                                  first_offset=row["base_offset"]))
-                    s["records"] += 1
-                    s["bytes"] += row["payload_bytes"]
-                    s["epochs"].add(row["epoch"])
-                    s["end_offset"] = row["base_offset"] + row["count"]
+            summary.add(w.recover())
         except wal.WALCorruptError as e:    # a clean WAL that cannot be read to its end
             error = str(e)
         result = w.recovery_result
         assert result is not None       # set when the scan ends, before any WALCorruptError it raises
         info = dict(path=path, direct_io=w.direct_io, block_device=w.is_block_device, data_capacity=w.capacity)
-    recovery = dict(records=result.records, bytes=result.record_bytes, first_offset=first, end_offset=last_end,
-                    end=result.end, stop_reason=result.stop_reason, error=error)
-    stream_rows = [dict(stream_id=sid, epochs=sorted(s.pop("epochs")), **s) for sid, s in sorted(streams.items())]
-    return dict(info=info, recovery=recovery, streams=stream_rows, records=records if keep_records else None)
+    recovery = dict(records=result.records, bytes=result.record_bytes, first_offset=summary.first,
+                    end_offset=summary.last_end, end=result.end, stop_reason=result.stop_reason, error=error)
+    return dict(info=info, recovery=recovery, streams=summary.stream_rows(),
+                records=summary.rows if keep_records else None)
 
 
 def header_dict(header: wal.Header, states: tuple[str, str]) -> dict:
@@ -86,7 +107,24 @@ def header_dict(header: wal.Header, states: tuple[str, str]) -> dict:
                 slots=list(states))
 
 
+def _streams_and_records(report: dict) -> list[str]:
+    lines = []
+    if report["streams"]:
+        lines.append(f"Streams in the WAL ({len(report['streams'])})")
+        lines.append(table(["stream", "epochs", "records", "bytes", "offsets"],
+                           [[s["stream_id"], ",".join(map(str, s["epochs"])), s["records"], s["bytes"],
+                             f"[{s['first_offset']}, {s['end_offset']})"] for s in report["streams"]]))
+    if report["records"] is not None:
+        lines.append(f"Records ({len(report['records'])})")
+        lines.append(table(["offset", "length", "stream", "epoch", "base", "count"],
+                           [[r["offset"], r["length"], r.get("stream_id", "-"), r.get("epoch", "-"),
+                             r.get("base_offset", "-"), r.get("count", "-")] for r in report["records"]]))
+    return lines
+
+
 def format_wal(report: dict) -> str:
+    if report.get("kind") == "objects":
+        return format_object_wal(report)
     h, info, rec = report["header"], report["info"], report["recovery"]
     clean = ("yes: closed cleanly at offset %d" % h["clean_end"] if h["clean_shutdown"]
              else "no: the writer crashed or is still running")
@@ -104,37 +142,145 @@ def format_wal(report: dict) -> str:
         f"  offsets         {span}; a new writer session resumes at {rec['end']}",
         f"  stopped at      {rec['stop_reason']}",
     ]
-    if report["streams"]:
-        lines.append(f"Streams in the WAL ({len(report['streams'])})")
-        lines.append(table(["stream", "epochs", "records", "bytes", "offsets"],
-                           [[s["stream_id"], ",".join(map(str, s["epochs"])), s["records"], s["bytes"],
-                             f"[{s['first_offset']}, {s['end_offset']})"] for s in report["streams"]]))
-    if report["records"] is not None:
-        lines.append(f"Records ({len(report['records'])})")
-        lines.append(table(["offset", "length", "stream", "epoch", "base", "count"],
-                           [[r["offset"], r["length"], r.get("stream_id", "-"), r.get("epoch", "-"),
-                             r.get("base_offset", "-"), r.get("count", "-")] for r in report["records"]]))
-    return "\n".join(lines)
+    return "\n".join(lines + _streams_and_records(report))
+
+
+# ---- inspect wal: a WAL of objects ---------------------------------------------------------------
+
+def _check_wal_store(location: str) -> None:
+    """A WAL of objects on a local directory must exist: opening it would create it, and hide
+    a mistyped path."""
+    inner = location[len(OBJECTS_PREFIX):] if location.startswith(OBJECTS_PREFIX) else location
+    parts = urlsplit(inner)
+    path = unquote(parts.path) if parts.scheme.lower() == "file" else inner if "://" not in inner else None
+    if path is not None and not os.path.isdir(path):
+        raise click.ClickException(f"no WAL directory at {path!r} (from WAL URL {location!r}); check the path")
+
+
+def _which_node(store: ObjectStore, location: str, node_id: int | None) -> int:
+    found = objectinspect.wal_nodes(store)
+    if node_id is not None:
+        if node_id not in found:
+            raise click.ClickException(f"{location} holds no WAL objects of node {node_id} (it has nodes "
+                                       f"{', '.join(map(str, found)) or 'none'}); check --node-id")
+        return node_id
+    if len(found) == 1:
+        return found[0]
+    if not found:
+        raise click.ClickException(f"{location} holds no WAL objects (no node-N/ keys); check the URL and its prefix")
+    raise click.ClickException(f"{location} holds the WALs of nodes {', '.join(map(str, found))}: pick one with "
+                               "--node-id N")
+
+
+def scan_object_wal(store: ObjectStore, location: str, node_id: int | None, keep_records: bool) -> dict:
+    """A node's WAL of objects as recovery would read it, reading only (wal.objectinspect: no
+    fence, no hole, no delete), so the node, if it runs, goes on undisturbed."""
+    node = _which_node(store, location, node_id)
+    log = objectinspect.snapshot(store, node)
+    summary = _Summary(keep_records)
+    result = objectinspect.ScanResult()
+    summary.add(objectinspect.records(store, log, result))
+    fence = log.fence
+    info = dict(location=location, where=log.where, node_id=node, counts=log.counts(),
+                bytes=sum(size for _, size, _ in log.objects),
+                fence=None if fence is None else dict(seq=fence.seq, generation=fence.generation,
+                                                      node_epoch=fence.node_epoch),
+                trim=log.trim, trim_seq=log.trim_seq, last=None if log.last == objectinspect.NO_SEQ else log.last,
+                chain=[h.seq for h in log.chain], stopped_at=log.stopped_at, stop_reason=log.stop_reason)
+    objects = [dict(seq=seq, size=size, kind=objectinspect.KIND_NAMES[h.kind] if h else "other",
+                    generation=h.generation if h else None, node_epoch=h.node_epoch if h else None,
+                    prev=None if h is None or h.prev == objectinspect.NO_SEQ else h.prev,
+                    start=h.start if h else None, end=h.end if h else None)
+               for seq, size, h in log.objects]
+    recovery = dict(records=result.records, bytes=result.record_bytes, first_offset=summary.first,
+                    end_offset=summary.last_end, end=result.end, error=result.error,
+                    stop_reason=result.error or "end of the log's objects")
+    return dict(kind="objects", info=info, objects=objects, recovery=recovery, streams=summary.stream_rows(),
+                records=summary.rows if keep_records else None)
+
+
+def format_object_wal(report: dict) -> str:
+    info, rec = report["info"], report["recovery"]
+    counts = info["counts"]
+    fence = info["fence"]
+    chain = info["chain"]
+    span = "none" if rec["first_offset"] is None else f"[{rec['first_offset']}, {rec['end_offset']})"
+    session = ("none (no session opened this log)" if fence is None else
+               f"fence at object {fence['seq']}, generation {fence['generation']}, written at node epoch "
+               f"{fence['node_epoch']} (a peer's recovery writes 0)")
+    lines = [
+        f"WAL of objects {info['where']} (read only: no fence, no hole, no delete)",
+        f"  node            {info['node_id']}",
+        f"  objects         {sum(counts.values())} ({counts['data']} data, {counts['fence']} fences, "
+        f"{counts['hole']} holes, {counts['other']} other), {info['bytes']:,} bytes",
+        f"  newest session  {session}",
+        f"  trim            offset {info['trim']} (objects below {info['trim_seq']} hold only trimmed records)",
+        f"  log             {len(chain)} data objects" + (f" [{chain[0]} .. {chain[-1]}]" if chain else "")
+        + f"; its newest session ends at {info['stop_reason']}",
+        "Recovery (read-only scan)",
+        f"  valid records   {rec['records']:,} ({rec['bytes']:,} bytes)",
+        f"  offsets         {span}; a new session resumes at {rec['end']}",
+        f"  stopped at      {rec['stop_reason']}",
+    ]
+    if report.get("list_objects"):
+        lines.append(f"Objects ({len(report['objects'])})")
+        lines.append(table(["seq", "kind", "size", "generation", "epoch", "prev", "offsets"],
+                           [[o["seq"], o["kind"], o["size"], o["generation"], o["node_epoch"],
+                             "-" if o["prev"] is None else o["prev"],
+                             f"[{o['start']}, {o['end']})" if o["kind"] == "data" else "-"]
+                            for o in report["objects"]]))
+    return "\n".join(lines + _streams_and_records(report))
+
+
+class WALLocation(click.ParamType):
+    """A WAL file (it must exist and not be a directory) or the URL of a WAL of objects."""
+    name = "PATH|URL"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        if isinstance(value, str) and is_object_wal(value):
+            return value
+        return os.fsdecode(click.Path(exists=True, dir_okay=False).convert(value, param, ctx))
 
 
 @inspect.command("wal")
-@click.argument("path", type=click.Path(exists=True, dir_okay=False))
+@click.argument("path", metavar="PATH|URL", type=WALLocation())
 @click.option("--node-id", type=click.IntRange(min=0), metavar="N",
               help="The node the WAL should belong to: fail if its header names another. Default: the "
-                   "node in the header.")
+                   "node in the header; for a WAL of objects, the one node under the URL.")
 @click.option("--records", "list_records", is_flag=True,
               help="List every valid record: offset, length and its stream header (stream, epoch, base "
                    "offset, count).")
+@click.option("--objects", "list_objects", is_flag=True,
+              help="A WAL of objects: list each object (sequence, kind, size, generation, node epoch, link, "
+                   "offsets).")
 @json_option
 @user_errors
-def inspect_wal(path: str, node_id: int | None, list_records: bool, as_json: bool) -> None:
+def inspect_wal(path: str, node_id: int | None, list_records: bool, list_objects: bool, as_json: bool) -> None:
     """Print a WAL's header and what recovery would read from it.
 
-    PATH is a WAL file or block device. It is opened read-only, the way a failover reads a dead
-    node's WAL, so this never modifies it and works on any node's WAL; on the WAL of a running
-    node it shows a snapshot. Exits 1 if the WAL is corrupt (a cleanly shut down WAL that cannot
-    be read to its end is reported after the summary).
+    PATH is a WAL file or block device, opened read-only, the way a failover reads a dead node's
+    WAL. A URL is a WAL of objects (s3://bucket/prefix?..., objects+file:///dir: what a node's
+    wal_path names; `s3stream streams` lists them): its objects are listed and read, and nothing
+    is written there (a failover's open would write a fence that stops the node). Either way
+    this never modifies the WAL and works on any node's; on a running node's it shows a
+    snapshot. Exits 1 if the WAL is corrupt (after the summary).
     """
+    if is_object_wal(path):
+        _check_wal_store(path)
+        store, owned, _ = open_wal_store(path)
+        try:
+            report = scan_object_wal(store, path, node_id, list_records)
+        finally:
+            if owned:
+                store.close()
+        report["list_objects"] = list_objects
+        if as_json:
+            emit_json(report)
+        else:
+            click.echo(format_object_wal(report))
+        if report["recovery"]["error"]:
+            raise click.ClickException(report["recovery"]["error"])
+        return
     header, states = read_wal_header(path)
     if node_id is not None and node_id != header.node_id:
         raise click.ClickException(f"{path} belongs to node {header.node_id} (epoch {header.node_epoch}), "

@@ -30,9 +30,17 @@ recovering it) opens the log so:
 
 Trim: `trim(offset)` frees ring space at once; it is persisted lazily, stamped into every later
 object's header (`trim`, `trim_seq`), and objects wholly below it are deleted in batches by the
-trimmer thread, as are the holes, older fences and stray objects found at open (never the
-session's own FENCE). A record replayed although it was trimmed is one the engine already
-uploaded: replay skips it.
+trimmer thread, as are the older fences and stray objects found at open. Never deleted: the
+session's own FENCE, and every HOLE, whoever put it. A HOLE is what refuses the PUT of the writer
+it fenced, and that writer (paused, cut off, retrying) may land its PUT at any later time: with
+the HOLE gone it would be acknowledged and lost (issue 50). HOLEs are 128 bytes, one per open
+that fenced a live session; an open reads headers from the newest object down to the newest
+FENCE and the trim's sequence, so old ones cost a LIST entry each, not a GET. A record replayed
+although it was trimmed is one the engine already uploaded: replay skips it.
+
+One writer per host: `HostLock` lets an engine refuse a second instance of a node on one host
+before it fences the first; writers on other hosts are fenced by the store, and learn it at their
+next PUT (`on_fenced`).
 
 Stores: anything with `put_if_absent(key, data) -> bool`, `get(key, start=0, end=None)` (a
 missing key raises KeyError), `list(prefix)` (objects with `.key` and `.size`, ascending) and
@@ -43,8 +51,12 @@ fences by other means (s3stream checks the node epoch in its metadata after ever
 from __future__ import annotations
 
 import collections
+import fcntl
+import hashlib
 import logging
+import os
 import struct
+import tempfile
 import threading
 import time
 import uuid
@@ -61,7 +73,8 @@ from _native.walscan import Scanner
 
 from .config import DEFAULT_CAPACITY, WALConfig
 from .errors import (
-    RecordTooLargeError, WALClosedError, WALConfigError, WALCorruptError, WALFencedError, WALFullError, WALIOError,
+    RecordTooLargeError, WALClosedError, WALConfigError, WALCorruptError, WALFencedError, WALFullError, WALInUseError,
+    WALIOError,
 )
 from .log import Record, RecoveryResult
 from .ringwal import RingWAL
@@ -174,6 +187,46 @@ def probe_conditional_writes(store: WALStore, node_id: int) -> bool:
         store.delete([key])
 
 
+class HostLock:
+    """One writer of a node's log of objects per host: an exclusive flock on a file named for
+    (`location`, `node_id`) under the temporary directory, held from `acquire` to `release` (or
+    the process's end, kill -9 included). The store's fencing makes a second writer safe, not
+    useful: it fences the first. This lock lets an engine refuse a second instance on one host
+    before it takes over, as the file WAL's own lock does; writers on other hosts are fenced by
+    the store and learn it at their next PUT (`ObjectWAL.on_fenced`)."""
+
+    def __init__(self, fd: int, path: str) -> None:
+        self._fd: int | None = fd
+        self.path = path
+
+    @staticmethod
+    def path_for(location: str, node_id: int) -> str:
+        digest = hashlib.sha256(f"{location}\0{node_id}".encode()).hexdigest()[:32]
+        return os.path.join(tempfile.gettempdir(), "s3stream-wal-locks", f"node-{node_id}-{digest}.lock")
+
+    @classmethod
+    def acquire(cls, location: str, node_id: int) -> "HostLock":
+        """The lock, or WALInUseError if another instance on this host holds it."""
+        path = cls.path_for(location, node_id)
+        os.makedirs(os.path.dirname(path), mode=0o1777, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise WALInUseError(f"node {node_id}'s WAL at {location} is in use by another instance on this host "
+                                f"(lock {path}); one node, one instance") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(fd, path)
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+
 class ObjectWAL(RingWAL):
     """A WAL kept as objects. Open with `ObjectWAL.open(store, node_id=...)`; the methods are
     those of `wal.WriteAheadLog` (see `wal.interface.WAL`)."""
@@ -197,6 +250,7 @@ class ObjectWAL(RingWAL):
         self._stopping = threading.Event()
         # Decided at open (the fence): headers below the fence, the session's generation.
         self._headers: dict[int, ObjectHeader] = {}
+        self._unread: dict[int, int] = {}       # seq -> size of the objects below the headers read
         self._fence_seq = 0
         self._generation = 0
         self._trim = 0
@@ -220,6 +274,8 @@ class ObjectWAL(RingWAL):
         self._hedge_pool = ThreadPoolExecutor(2 * config.puts_in_flight, thread_name_prefix="wal-put-hedge")
         self._stats_lock = threading.Lock()
         self._on_close: list[Callable[[], object]] = []
+        self._on_fenced: list[Callable[[BaseException], object]] = []
+        self._fenced_by: BaseException | None = None
         self._permanent: tuple[type[BaseException], ...] = ()
         self._put_ns: list[int] = []
 
@@ -290,13 +346,39 @@ class ObjectWAL(RingWAL):
                             f"{header.node_id}'s object {header.seq}: it was copied or renamed; remove it")
                     self._headers[seq] = header
 
+    def _read_needed_headers(self, listing: dict[int, int]) -> int:
+        """Read the headers an open needs and return the sequence below which none was read.
+
+        It needs the newest FENCE (the session to walk), the trim stamps, and every object from
+        the trim's sequence up (the log's chain). Below both lie only trimmed data, stray objects
+        and the markers of earlier sessions: HOLEs are never deleted (each fences a writer that
+        may still exist), so a node opened a thousand times has a thousand of them, and reading
+        their headers at every open would make it slower with every restart. Headers are read
+        from the newest object down until a FENCE is among them."""
+        seqs = sorted(listing, reverse=True)
+        chunk = max(1, self._config.recovery_threads)
+        taken = 0
+        fence = None
+        while taken < len(seqs) and fence is None:
+            part = seqs[taken:taken + chunk]
+            taken += len(part)
+            self._read_headers(part)
+            fence = max((s for s in part if s in self._headers and self._headers[s].kind == KIND_FENCE), default=None)
+        if fence is None:
+            return 0                        # no session yet: everything was read
+        trim_seq = max(self._headers[s].trim_seq for s in seqs[:taken] if s in self._headers)
+        floor = min(trim_seq, fence)
+        self._read_headers([s for s in seqs[taken:] if s >= floor])
+        return floor
+
     def _fence(self) -> None:
         """Steps 1-4 of the module docstring: decide the log and write this session's FENCE."""
         attempts = self._config.fence_attempts
         for _ in range(attempts):
             listing = self._list()
-            self._read_headers(sorted(listing))
-            headers = self._headers
+            floor = self._read_needed_headers(listing)
+            self._unread = {seq: size for seq, size in listing.items() if seq < floor}
+            headers = {seq: h for seq, h in self._headers.items() if seq >= floor}
             owner_epochs = [h.node_epoch for h in headers.values() if h.kind == KIND_DATA]
             if not self._recovery and owner_epochs and max(owner_epochs) > self._node_epoch:
                 raise WALFencedError(
@@ -313,12 +395,12 @@ class ObjectWAL(RingWAL):
             # Walk S's session; its next sequence gets a HOLE, so that its writer, if it still
             # runs, fails there (or it won that PUT: read it and walk on).
             while session is not None:
-                h = headers.get(seq)
+                h = self._headers.get(seq)
                 if h is None:
                     if self._put_marker(KIND_HOLE, seq, generation, last, trim, trim_seq):
                         break
                     self._read_headers([seq])
-                    h = headers.get(seq)
+                    h = self._headers.get(seq)
                     if h is None:
                         raise WALIOError(f"WAL object {object_key(self._node_id, seq)} at {self._store.url} "
                                          "exists (a put-if-absent was refused) but cannot be read")
@@ -463,9 +545,15 @@ class ObjectWAL(RingWAL):
                              for i in range(cfg.puts_in_flight)]
             self._dispatcher = threading.Thread(target=ring.run_dispatcher, name="wal-callbacks", daemon=True)
             self._trimmer = threading.Thread(target=self._trim_loop, name="wal-trimmer", daemon=True)
-            # Everything of earlier sessions but the live log (older fences, holes, stray and
-            # trimmed objects) is the trimmer's; this session's FENCE stays.
-            self._deletable = sorted(s for s in self._headers if s != self._fence_seq and s not in self._live)
+            # Everything of earlier sessions but the live log and the HOLEs (older fences, stray
+            # and trimmed objects) is the trimmer's; this session's FENCE stays. A HOLE stays for
+            # good: it is what refuses the PUT of the writer it fenced, and that writer (paused,
+            # partitioned away, retrying) may exist for as long as it likes. Below the headers
+            # read at open, objects of a marker's size are kept unread for the same reason.
+            self._deletable = sorted(
+                [s for s, h in self._headers.items()
+                 if s != self._fence_seq and s not in self._live and h.kind != KIND_HOLE]
+                + [s for s, size in self._unread.items() if size != HEADER_BYTES])
             self._persisted_trim = trim
             for t in [*self._threads, self._dispatcher, self._trimmer]:
                 t.start()
@@ -515,6 +603,8 @@ class ObjectWAL(RingWAL):
                             self._put_ns.append(took)
             if error is not None and not isinstance(error, Exception):
                 error = WALIOError(str(error))
+            if isinstance(error, WALFencedError):
+                self._fenced(error)
             if error is not None and not isinstance(error, (WALFencedError, WALIOError, WALClosedError)):
                 error = WALIOError(f"WAL PUT to {self._store.url} failed for good: {error}")
             ring.finish_batch(batch_seq, error, took)
@@ -610,6 +700,26 @@ class ObjectWAL(RingWAL):
                 log.warning("WAL fencing check failed (%s); retrying", e)
                 time.sleep(delay)
                 delay = min(delay * 2, self._config.put_retry_max)
+
+    def on_fenced(self, fn: Callable[[BaseException], object]) -> None:
+        """Call `fn(error)` once, on a thread of its own, when a PUT finds that another writer
+        fenced this one (a newer instance of the node, or a peer recovering it): every append
+        from that object on fails, and the owner should stop at once rather than at its next
+        metadata call. Called at once if that already happened."""
+        with self._lock:
+            self._on_fenced.append(fn)
+            error = self._fenced_by
+        if error is not None:
+            threading.Thread(target=fn, args=(error,), name="wal-fenced", daemon=True).start()
+
+    def _fenced(self, error: BaseException) -> None:
+        with self._lock:
+            if self._fenced_by is not None:
+                return
+            self._fenced_by = error
+            callbacks = list(self._on_fenced)
+        for fn in callbacks:
+            threading.Thread(target=fn, args=(error,), name="wal-fenced", daemon=True).start()
 
     def on_close(self, fn: Callable[[], object]) -> None:
         """Run `fn` once the WAL is closed (the opener's store, say)."""

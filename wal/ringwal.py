@@ -65,6 +65,11 @@ class RingWAL:
         self._check_open()
         self.start().set_ack_deadline(NO_DEADLINE if deadline_ns is None else deadline_ns)
 
+    def on_fenced(self, fn: Callable[[BaseException], object]) -> None:
+        """Call `fn(error)`, on a thread of its own, if another writer fences this one. A WAL
+        on a file never is (its lock admits one writer); a WAL of objects can be
+        (wal.objectlog.ObjectWAL.on_fenced)."""
+
     def revoke_acks(self, error: BaseException) -> None:
         """Acknowledge nothing from now on: records not yet acknowledged fail with `error` (the
         lease is gone for good: the owner was fenced). The records stay in the log."""

@@ -11,6 +11,7 @@ Lifecycle of a node:
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import os
 import threading
@@ -39,6 +40,7 @@ from .recovery import close_node_streams, replay_wal
 from .stream import Stream
 from .upload import UploadAborted, Uploader
 from .walopen import epoch_checker, is_object_wal, open_node_wal, registered_location
+from wal.objectlog import HostLock
 from .threads import normal_priority
 
 if TYPE_CHECKING:
@@ -88,6 +90,37 @@ def _check_store_args(object_store, metadata) -> None:
                           f"({type(metadata).__name__}); e.g. 'sqlite:////data/meta.db'")
 
 
+class _StartingHeartbeat:
+    """Heartbeats a registered node while it starts: a node registered (its epoch bumped) but
+    silent is failed over by its peers after their heartbeat_timeout, and opening and replaying
+    a WAL of objects took 2-6 s on a loaded host (issue 50, item 12: one node was fenced six
+    times in a row while starting). Each heartbeat says the node cannot serve yet, so peers give
+    it nothing meanwhile; the node's agent heartbeats once the client is made."""
+
+    INTERVAL = 0.25
+    HEALTH = json.dumps(dict(serving=False, stuck=False, problems=["starting: opening and replaying its WAL"]),
+                        sort_keys=True)
+
+    def __init__(self, meta: MetadataStore, node_id: int, node_epoch: int) -> None:
+        self._meta, self._node_id, self._node_epoch = meta, node_id, node_epoch
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="s3stream-starting", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.INTERVAL):
+            try:
+                self._meta.heartbeat(self._node_id, self._node_epoch, self.HEALTH)
+            except StreamFencedError:
+                return                  # fenced while starting: the start fails at its next step
+            except Exception as e:      # noqa: BLE001 - the store is away: the start's own calls say so
+                log.debug("node %d: heartbeat while starting failed: %s", self._node_id, e)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 class StreamClient:
     """The engine of one node. See the module docstring for its lifecycle.
 
@@ -99,6 +132,10 @@ class StreamClient:
     object and metadata stores are then wrapped to time their calls. `self.metrics` is the registration
     (None without), removed by close().
     """
+
+    # Made by _start_registered.
+    _wal: wal.WAL
+    _uploader: Uploader
 
     def __init__(self, node_id: int, wal_path: str | os.PathLike, object_store: str | ObjectStore,
                  metadata: str | MetadataStore, config: Config | None = None, *,
@@ -146,12 +183,22 @@ class StreamClient:
             raise ConfigError(f"wal_path must be a path, a URL (file:///..., s3://bucket/prefix, objects+URL) or an "
                               f"ObjectStore, got {wal_path!r} ({type(wal_path).__name__})")
         location = registered_location(wal_path)
+        self._host_lock: HostLock | None = None
         try:
-            if not object_wal:
-                # Refuse a second instance on the same WAL before bumping the node epoch, which
-                # would fence the running one (two starting at the same instant: the WAL's own
-                # lock still stops the second, after the bump).
+            # Refuse a second instance of this node on this host before bumping the node epoch,
+            # which would fence the running one and lose what it has not uploaded. A file WAL's
+            # own lock says so (two starting at the same instant: it still stops the second,
+            # after the bump); a WAL of objects has a lock file per node and location, held
+            # while this client lives. Instances on other hosts are fenced by the store.
+            if object_wal:
+                self._host_lock = HostLock.acquire(location, node_id)
+            else:
                 wal.WriteAheadLog.check_not_in_use(location)
+        except wal.WALInUseError as e:
+            self._close_owned()
+            raise NodeConflictError(
+                f"node {node_id} is already running on this host: {e}. Stop that instance first, or start this "
+                "one with another node id") from e
         except wal.WALError as e:
             self._close_owned()
             raise WALError(str(e)) from e
@@ -174,46 +221,20 @@ class StreamClient:
         except BaseException:
             self._close_owned()
             raise
-        node = self._meta.register_node(node_id, location)
+        try:
+            node = self._meta.register_node(node_id, location)
+        except BaseException:
+            self._close_owned()
+            raise
         self.node_epoch = node.node_epoch
-        try:
-            self._wal = open_node_wal(wal_path, node_id=node_id, node_epoch=self.node_epoch,
-                                      config=self.config.wal_config,
-                                      epoch_check=epoch_checker(self._meta, node_id, self.node_epoch))
-        except wal.WALConfigError as e:
-            self._close_owned()
-            raise ConfigError(str(e)) from e
-        except wal.WALError as e:
-            self._close_owned()
-            raise (WALCorruptError.from_wal(e) if isinstance(e, wal.WALCorruptError) else WALError(str(e))) from e
-        except OSError as e:
-            self._close_owned()
-            raise WALError(f"cannot open or create the WAL at {location!r}: {e.strerror or e} "
-                           f"(errno {e.errno}); free space or fix the path and its permissions") from e
-        except BaseException:
-            self._close_owned()
-            raise
-        self._cache = new_log_cache(self.config, clock)
-        self._reader = Reader(self._store, self._meta, self._cache, self.config)
         self._append_path: AppendPath | None = None      # made once recovery is done
-        self._uploader = Uploader(node_id=node_id, node_epoch=self.node_epoch, store=self._store,
-                                  metadata=self._meta, cache=self._cache, trim_wal=self._trim_wal,
-                                  config=self.config, on_committed=self._on_committed, on_fenced=self._on_fenced,
-                                  wait_durable=self._wait_wal_durable, on_failure=self._on_upload_failure,
-                                  behind=self._uploads_behind)
+        starting = _StartingHeartbeat(self._meta, node_id, self.node_epoch)
         try:
-            self.recovered = self._recover()
-            # A long replay is silence too: tell the peers this node is alive before its agent
-            # (if any) starts heartbeating.
-            self._meta.heartbeat(node_id, self.node_epoch)
-            ring = self._wal.start()
-        except BaseException:
-            self._uploader.abort()
-            self._uploader.close()
-            self._wal.close()
-            raise
+            self._start_registered(wal_path, location, clock)
+        finally:
+            starting.stop()
         self._append_path = AppendPath(
-            ring, self._cache, self.config.max_batch_bytes, self.config.cache_size,
+            self._wal.start(), self._cache, self.config.max_batch_bytes, self.config.cache_size,
             int(self._wal.capacity * self.config.wal_pressure),
             self._uploader.submit, self._on_wal_pressure, self._admit, self._map_wal_error,
             dict(invalid_batch=InvalidBatchError, closed=StreamClosedError, fenced=StreamFencedError,
@@ -246,6 +267,48 @@ class StreamClient:
             except BaseException:
                 self.close()
                 raise
+
+    def _start_registered(self, wal_path, location: str, clock: Callable[[], int]) -> None:
+        """The constructor's part between the registration and the append path: open the WAL,
+        make the cache, reader and uploader, recover. On a failure it closes what it opened and
+        the stores the client owns."""
+        node_id = self.node_id
+        try:
+            self._wal = open_node_wal(wal_path, node_id=node_id, node_epoch=self.node_epoch,
+                                      config=self.config.wal_config,
+                                      epoch_check=epoch_checker(self._meta, node_id, self.node_epoch))
+        except wal.WALConfigError as e:
+            self._close_owned()
+            raise ConfigError(str(e)) from e
+        except wal.WALError as e:
+            self._close_owned()
+            raise (WALCorruptError.from_wal(e) if isinstance(e, wal.WALCorruptError) else WALError(str(e))) from e
+        except OSError as e:
+            self._close_owned()
+            raise WALError(f"cannot open or create the WAL at {location!r}: {e.strerror or e} "
+                           f"(errno {e.errno}); free space or fix the path and its permissions") from e
+        except BaseException:
+            self._close_owned()
+            raise
+        self._wal.on_fenced(self._wal_fenced)
+        self._cache = new_log_cache(self.config, clock)
+        self._reader = Reader(self._store, self._meta, self._cache, self.config)
+        self._uploader = Uploader(node_id=node_id, node_epoch=self.node_epoch, store=self._store,
+                                  metadata=self._meta, cache=self._cache, trim_wal=self._trim_wal,
+                                  config=self.config, on_committed=self._on_committed, on_fenced=self._on_fenced,
+                                  wait_durable=self._wait_wal_durable, on_failure=self._on_upload_failure,
+                                  behind=self._uploads_behind)
+        try:
+            self.recovered = self._recover()
+            # Alive and done: heartbeat once more before the agent (if any) takes over.
+            self._meta.heartbeat(node_id, self.node_epoch)
+            self._wal.start()
+        except BaseException:
+            self._uploader.abort()
+            self._uploader.close()
+            self._wal.close()
+            self._close_owned()
+            raise
 
     # ---- streams ------------------------------------------------------------------------------
 
@@ -559,6 +622,10 @@ class StreamClient:
     def _map_wal_error(self, error: BaseException) -> S3StreamError:
         if isinstance(error, S3StreamError):
             return error
+        if isinstance(error, wal.WALFencedError):
+            # Permanent: the uploader stops at once instead of waiting for records that can
+            # never be durable here (the client is fenced as a whole by _wal_fenced).
+            return StreamFencedError(f"node {self.node_id} epoch {self.node_epoch} was fenced: {error}")
         if isinstance(error, wal.WALFullError):
             return WALFullError(f"{error} ({self._why_uploads_lag()})")
         if isinstance(error, wal.WALClosedError):
@@ -682,6 +749,11 @@ class StreamClient:
         for stream in targets:
             stream._fence()
 
+    def _wal_fenced(self, error: BaseException) -> None:
+        """The WAL's hook (a thread of its own): another writer took the node's WAL of objects
+        over, a newer instance of the node or a peer failing it over. Stop as a fenced node."""
+        self._on_fenced(None, f"its WAL was taken over: {error}")
+
     def _fenced_message(self) -> str:
         why = f" ({self._fence_reason})" if self._fence_reason else ""
         return (f"node {self.node_id} epoch {self.node_epoch} was fenced{why}: another instance, a failover "
@@ -743,11 +815,14 @@ class StreamClient:
         (uploads_failing_seconds, uploads_failing). It cannot serve once it is closed or fenced,
         its WAL failed, or uploads stopped for good. A node agent sends it with each heartbeat
         (and counts uploads failing for longer than its heartbeat_timeout as unable to serve):
-        a node that cannot serve takes no partitions and judges no peer."""
+        a node that cannot serve takes no partitions and judges no peer. A client that holds no
+        lease (no agent heartbeats for it) reads its node's row here to learn of a takeover."""
         problems: list[str] = []
         if self._closed:
             problems.append(f"the client of node {self.node_id} is closed")
         else:
+            if not self._fenced and self._lease_until is None:
+                self._check_node_epoch()
             if self._fenced:
                 problems.append(self._fenced_message())
             wal_error = self._wal.start().error
@@ -759,6 +834,20 @@ class StreamClient:
         failing = dict(uploads_failing_seconds=round(episode.seconds, 3),
                        uploads_failing=f"{episode.what}: {episode.error}") if episode is not None else {}
         return dict(serving=not problems, problems=problems, **failing)
+
+    def _check_node_epoch(self) -> None:
+        """For a node that no agent keeps (no lease, so no heartbeat learns of a fence): read
+        its row, and stop as fenced if another instance or a failover took the node over. An
+        idle old instance on another host would otherwise say it serves until its next PUT or
+        commit is refused. No answer from the store proves nothing: it is asked again next time."""
+        try:
+            node = self._meta.get_node(self.node_id)
+        except Exception as e:      # noqa: BLE001 - the store is away; uploads will say so
+            log.debug("node %d: reading its row for health() failed: %s", self.node_id, e)
+            return
+        if node.node_epoch != self.node_epoch or node.failover:
+            self._on_fenced(None, f"node {self.node_id} is at epoch {node.node_epoch} in metadata"
+                                  f"{' (failed over)' if node.failover else ''}")
 
     def _lease_expired_error(self) -> LeaseExpiredError:
         """The error of an append refused because the lease ran out (the append path's hook)."""
@@ -940,7 +1029,11 @@ class StreamClient:
         return dict(closed=closed, left_in_wal=left, errors=[str(e) for e in errors], retired=retired)
 
     def _close_owned(self) -> None:
-        """Close the stores this client opened from URLs (not the ones it was handed)."""
+        """Close the stores this client opened from URLs (not the ones it was handed), and let
+        another instance of the node start on this host."""
+        lock = getattr(self, "_host_lock", None)
+        if lock is not None:
+            lock.release()
         if self._owns_meta:
             self._meta.close()
         if self._owns_store:

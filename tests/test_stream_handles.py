@@ -144,7 +144,7 @@ def test_a_second_instance_on_a_wal_in_use_is_refused_without_fencing_the_first(
     a = node(tmp_path, 1)
     s = a.create_stream()
     s.append(RecordBatch(b"before")).result(10)
-    with pytest.raises(s3stream.WALError, match="in use"):
+    with pytest.raises(s3stream.NodeConflictError, match="node 1 is already running on this host.*in use"):
         node(tmp_path, 1)
     meta = open_metadata(f"sqlite:///{tmp_path}/meta.db")
     assert meta.get_node(1).node_epoch == a.node_epoch

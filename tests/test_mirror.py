@@ -703,3 +703,36 @@ def test_heartbeats_latest_per_source(clusters):
         f.stop()
     with pytest.raises(InvalidArgumentError, match="interval"):
         Heartbeater(target, [], interval=0)
+
+
+def test_an_idempotent_producers_batches_are_copied_across_a_retention_gap(clusters):
+    """A source partition written by an idempotent producer, whose first batches retention
+    removes before the flow reaches them: the target takes every copy as it is (a copy's producer
+    is the source cluster's: its id may be one of the target's own producers', and the skipped
+    batches would look like lost sequences to the target's producer checks), and stores each Kafka batch with its target offset in its header,
+    as a broker does (kafka-python reads them)."""
+    from kafka.record.default_records import DefaultRecordBatch
+    from s3stream import Record, new_producer
+    source, target = clusters.source(), clusters.target()
+    own = target.open_partition("A.orders")
+    # The target's own producer: ids are per cluster, so it has the source producer's id.
+    local = new_producer(target)
+    own.append(local.batch("A.orders", [Record(value=b"local")])).result(10)
+    own.close()
+    orders = source.open_partition("orders")
+    producer = new_producer(source)
+    assert producer.producer_id == local.producer_id
+    for i in range(30):
+        orders.append(producer.batch("orders", [Record(value=b"v%d-%d" % (i, j)) for j in range(3)])).result(10)
+    before = read_batches(source_ready(source, orders))
+    orders.log.trim(before[10][0])                          # the first ten batches are gone
+    flow = MirrorFlow(source, target, "orders", "A.orders", FLOW, source_alias="A", skip_trimmed=True).start()
+    assert flow.wait_caught_up(20)
+    assert flow.metrics().error is None
+    copied = read_batches(held(target, "A.orders"), start=1)
+    flow.stop()
+    assert [p for _, _, p in copied] != [] and len(copied) == 20
+    for base, count, payload in copied:
+        header = DefaultRecordBatch(bytearray(payload))
+        assert header.base_offset == base and count == 3
+        assert header.producer_id == producer.producer_id

@@ -457,7 +457,10 @@ class MirrorFlow:
         nbytes = len(batch.payload)
         while self._inflight and self._inflight_bytes + nbytes > self.max_in_flight_bytes:
             self._reap(block=True)
-        future = self._target().append(RecordBatch(batch.payload, batch.count))
+        # A copy: the target takes it as it is, producers and all (they are the source cluster's,
+        # and a retention gap would look like lost sequences), and a Kafka batch is stored with
+        # its offset in the target (as_record_batch), as a broker stores what MirrorMaker sends.
+        future = self._target().append(batch.as_record_batch(), copied=True)
         if future.base_offset != self._next_down:
             raise MirrorConflictError(
                 f"flow {self.flow_id!r}: target partition {self.target_partition!r} placed the batch of upstream "

@@ -66,7 +66,7 @@ from s3stream.errors import ConfigError, MetadataError, S3StreamError, StreamNot
 from s3stream.metadata import MetadataStore, StreamState
 from s3stream.metadata.base import WALLESS, CommitRange, CommitRequest, CommitStreamObject, object_key
 from s3stream.objectformat import encode_object
-from s3stream.records import COMPRESSION_CODECS, encode_gap, encode_records
+from s3stream.records import COMPRESSION_CODECS, encode_gap, encode_records, with_base_offset
 
 __all__ = ["BatchWriter", "StreamWriter", "SinkMessage", "SinkError"]
 
@@ -240,7 +240,9 @@ class _Context:
         """A StreamObject of `batches` ((record count, Kafka batch)) at offsets from `start`."""
         items, offset = [], start
         for count, payload in batches:
-            items.append((offset, count, payload))
+            # The batch's header carries its offset in the stream, as a broker (and the engine's
+            # append path) stores a Kafka batch; this writer knows the offsets only here.
+            items.append((offset, count, with_base_offset(payload, offset)))
             offset += count
         data = encode_object([(stream_id, items)], BLOCK_SIZE).data
         object_id = self.meta.prepare_objects(1, int(PREPARED_TTL * 1e9))[0]
@@ -496,7 +498,7 @@ def _gap_object(ctx: _Context, stream_id: int, epoch: int, start: int, end: int)
     out = []
     while start < end:
         count = min(end - start, 0x7FFFFFFF)
-        piece = ctx.write_object(stream_id, start, [(count, encode_gap(count))])
+        piece = ctx.write_object(stream_id, start, [(count, encode_gap(count, base_offset=start))])
         out.append(CommitStreamObject(piece.object_id, piece.size, CommitRange(stream_id, epoch, start, start + count)))
         start += count
     return out

@@ -131,6 +131,12 @@ def test_tasks_objects_are_committed_once_with_gaps_over_what_others_reserved(an
     assert end == 6
     records, end = read_back(meta, store, "out-1")
     assert [(r.offset, r.value) for r in records] == [(0, b"b"), (2, b"b")] and end == 3
+    # Each stored batch, the gap too, carries its offset in its header, as a broker stores it.
+    from kafka.record.default_records import DefaultRecordBatch
+    with s3stream.open_reader(metadata=meta, object_store=store) as reader:
+        stored = reader.read_partition("out-0").fetch(0).batches
+    assert [DefaultRecordBatch(bytearray(b.payload)).base_offset for b in stored] == [b.base_offset for b in stored]
+    assert len(stored) == 3
     client = s3stream.StreamClient(node_id=1, wal_path=str(tmp_path / "wal1"), object_store=store, metadata=meta,
                                    config=small_config())
     try:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import wal
@@ -38,6 +38,20 @@ def _open_for_recovery(path: str, node_id: int) -> wal.WAL:
 
 
 @dataclass
+class ReplayedStream:
+    """A stream the failed node held: committed up to `committed_end` when it was fenced, up to
+    `end` once its WAL was replayed (the offsets [committed_end, end) were committed on its
+    behalf)."""
+    stream_id: int
+    committed_end: int
+    end: int
+
+    @property
+    def replayed(self) -> int:
+        return self.end - self.committed_end
+
+
+@dataclass
 class FailoverReport:
     node_id: int
     fenced_epoch: int
@@ -45,6 +59,7 @@ class FailoverReport:
     replayed: int
     streams_closed: int
     seconds: float
+    streams: list[ReplayedStream] = field(default_factory=list)    # per stream it held
 
 
 def fail_over(node_id: int, *, store: ObjectStore, metadata: MetadataStore, config: Config | None = None,
@@ -81,6 +96,8 @@ def fail_over(node_id: int, *, store: ObjectStore, metadata: MetadataStore, conf
         if w is not None:
             w.close()
         raise
+    # What it held once fenced (it commits nothing more): the figures of the report per stream.
+    held = {m.stream_id: m.end_offset for m in metadata.list_streams(owner_node_id=node_id)}
     cache = new_log_cache(config, time.monotonic_ns)
     uploader = Uploader(node_id=node_id, node_epoch=node.node_epoch, store=store, metadata=metadata, cache=cache,
                         trim_wal=lambda offset: None, config=config, on_committed=lambda block, result: None,
@@ -94,8 +111,11 @@ def fail_over(node_id: int, *, store: ObjectStore, metadata: MetadataStore, conf
         uploader.close()
         w.close()
     closed = close_node_streams(metadata, node_id, node.node_epoch)
+    after = metadata.get_streams(held)
+    streams = [ReplayedStream(sid, end, after[sid].end_offset if sid in after else end)
+               for sid, end in sorted(held.items())]
     report = FailoverReport(node_id, node.node_epoch, result["records"], result["replayed"], closed,
-                            time.perf_counter() - t0)
+                            time.perf_counter() - t0, streams)
     log.warning("failed over node %d: %d WAL records (%d committed on its behalf), %d streams closed in %.3f s",
                 node_id, report.records, report.replayed, closed, report.seconds)
     return report

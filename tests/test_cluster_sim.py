@@ -26,12 +26,12 @@ SEEDS = 10_000
 KNOWN = {
     "zombie-ack": 22,
     "naive-detector": 88,
-    "false-close": 1498,
+    "false-close": 754,
     "any-opened": 77,
     "sick-serves": 0,
     "no-settle": 1390,
     "stale-fence": 5849,
-    "reused-claim": 2619,
+    "reused-claim": 229,
     "close-any-incarnation": 3293,
 }
 

@@ -2,6 +2,7 @@
 over both metadata stores, with real clients in one process."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -9,7 +10,8 @@ import pytest
 
 from s3stream import RecordBatch, StreamClient
 from s3stream.cluster import Cluster, ClusterConfig, NodeAgent, PartitionMovedError
-from s3stream.errors import ObjectStorePermanentError, OperationTimeoutError, S3StreamError
+from s3stream.errors import (ConfigError, NodeAliveError, ObjectStorePermanentError, OperationTimeoutError,
+                             S3StreamError)
 from s3stream.metadata import StreamState, open_metadata
 from s3stream.objectstore import FaultInjectingObjectStore, LocalObjectStore
 from conftest import small_config
@@ -72,10 +74,12 @@ class Node:
         self.client.close()
 
 
-def test_migrate_waits_for_the_targets_own_open_and_a_stuck_source_is_failed_over(tmp_path, metadata_url, faulty):
-    """The source cannot close (its store refuses uploads): the agent does not record it
-    closed, migrate falls back to failing it over (history says so), and reports success only
-    once the target's current incarnation serves the partition."""
+def test_migrate_does_not_fail_over_a_source_that_is_alive(tmp_path, metadata_url, faulty):
+    """The source cannot close (its store refuses uploads) but heartbeats: the migration does
+    not fence it (that would stop every partition of a node that works); it fails naming the
+    source, nothing is recorded, and the source still serves. Failing it over is then the
+    operator's decision (fail_over_node with force, `s3stream node fail-over --force`): the
+    target opens, with every acknowledged record."""
     meta = open_metadata(metadata_url)
     plain = f"file://{tmp_path}/objects"
     cluster = Cluster(meta, LocalObjectStore(str(tmp_path / "objects")), FAST, small_config())
@@ -86,21 +90,59 @@ def test_migrate_waits_for_the_targets_own_open_and_a_stuck_source_is_failed_ove
         wait_for(lambda: cluster.owner("p") == 1, what="node 1 opens p")
         acked = [source.client.partition("p").append(RecordBatch(b"%d" % i, 1)).result(10).base_offset
                  for i in range(20)]
+        epoch = meta.get_node(1).node_epoch
         faulty.fail_puts_matching(lambda key: True)
-        report = cluster.migrate("p", 2, timeout=2.0)
-        assert report.failed_over and report.target == 2
-        closed = meta.get_kv("closed/p")
-        assert closed is None or json.loads(closed)["node"] != 1       # the failed close was never reported
-        opened = json.loads(meta.get_kv("opened/p"))
-        assert (opened["node"], opened["node_epoch"]) == (2, target.client.node_epoch)
+        with pytest.raises(NodeAliveError, match="node 1 still holds it and is alive") as alive:
+            cluster.migrate("p", 2, timeout=2.0)
+        assert "s3stream node fail-over 1 --force" in str(alive.value)
+        assert cluster.failover_history() == [] and not meta.list_kv("failover/")
+        node1 = meta.get_node(1)
+        assert (node1.node_epoch, node1.failover) == (epoch, False) and not source.client.fenced
+        assert cluster.assignment("p")["node"] == 2 and cluster.partition_holder("p") == 1
+        outcome = cluster.fail_over_node(1, force=True, reason="test: its store refuses it")
+        assert outcome.forced and not outcome.already and outcome.report is not None
         [entry] = cluster.failover_history()
-        assert (entry["kind"], entry["node"], entry["ok"]) == ("migration-fallback", 1, True)
+        assert (entry["kind"], entry["node"], entry["ok"]) == ("forced-failover", 1, True)
+        assert "its store refuses it" in entry["reason"]
+        wait_for(lambda: cluster.owner("p") == 2, what="node 2 opens p")
         moved = target.client.partition("p")
         assert moved.append(RecordBatch(b"new", 1)).result(10).base_offset == 20
         assert [bytes(b.payload) for b in moved.fetch(0, 20, 1 << 20).batches] == [b"%d" % i for i in acked]
     finally:
         faulty.clear()
         source.stop()
+        target.stop()
+        meta.close()
+
+
+def test_migrate_fails_over_a_source_that_is_silent(tmp_path, metadata_url):
+    """The source dies holding the partition (no peer judges: auto_failover off): the migration
+    counts its silence while it waits, fails it over (history: migration-fallback, with the
+    silence), and reports success once the target's current incarnation serves, every
+    acknowledged record there."""
+    config = dataclasses.replace(FAST, auto_failover=False)
+    meta = open_metadata(metadata_url)
+    store = f"file://{tmp_path}/objects"
+    cluster = Cluster(meta, LocalObjectStore(str(tmp_path / "objects")), config, small_config())
+    source = Node(tmp_path, 1, metadata_url, store, cluster)
+    target = Node(tmp_path, 2, metadata_url, store, cluster)
+    try:
+        cluster.assign("p", 1)
+        wait_for(lambda: cluster.owner("p") == 1, what="node 1 opens p")
+        acked = [source.client.partition("p").append(RecordBatch(b"%d" % i, 1)).result(10).base_offset
+                 for i in range(20)]
+        source.agent.stop()
+        crash(source.client)                       # silent from now on, its WAL left as a kill -9 leaves it
+        report = cluster.migrate("p", 2, timeout=2.0)
+        assert report.failed_over and report.target == 2
+        opened = json.loads(meta.get_kv("opened/p"))
+        assert (opened["node"], opened["node_epoch"]) == (2, target.client.node_epoch)
+        [entry] = cluster.failover_history()
+        assert (entry["kind"], entry["node"], entry["ok"]) == ("migration-fallback", 1, True)
+        assert "sent no heartbeat for" in entry["reason"]
+        moved = target.client.partition("p")
+        assert [bytes(b.payload) for b in moved.fetch(0, 20, 1 << 20).batches] == [b"%d" % i for i in acked]
+    finally:
         target.stop()
         meta.close()
 
@@ -180,4 +222,88 @@ def test_a_client_closing_after_its_agent_stopped_keeps_its_lease(tmp_path, meta
         time.sleep(3 * FAST.heartbeat_interval)
         assert meta.get_node(1).heartbeat_ns == beat                   # closed: no more heartbeats
     finally:
+        meta.close()
+
+
+# ---- issue 50, item 3: a Cluster from URLs; an agent whose view is broken cannot serve --------------
+
+def test_a_cluster_opens_urls_closes_what_it_opened_and_refuses_what_is_neither(tmp_path, metadata_url):
+    """Cluster(metadata URL, store URL), as StreamClient takes them: agents built on such views
+    serve and move a partition; close() closes what the Cluster opened and leaves what it was
+    handed open. Anything else is refused at construction, naming the value."""
+    store_url = f"file://{tmp_path}/objects"
+    nodes = {}
+    with Cluster(metadata_url, store_url, FAST, small_config()) as admin:
+        try:
+            for n in (1, 2):
+                client = StreamClient(n, tmp_path / f"n{n}.wal", store_url, metadata_url, small_config())
+                nodes[n] = (client, NodeAgent(client, Cluster(metadata_url, store_url, FAST)))
+            admin.assign("p", 1)
+            wait_for(lambda: admin.owner("p") == 1, what="node 1 opens p")
+            nodes[1][0].partition("p").append(RecordBatch(b"x", 1)).result(10)
+            report = admin.migrate("p", 2, timeout=10)
+            assert (report.source, report.target, report.failed_over) == (1, 2, False)
+            assert nodes[2][0].partition("p").fetch(0, 1).batches[0].payload == b"x"
+        finally:
+            for client, agent in nodes.values():
+                agent.stop()
+                agent.cluster.close()
+                client.close()
+    with pytest.raises(S3StreamError):
+        admin.meta.list_kv("assignment/")           # closed with the Cluster that opened it
+    with open_metadata(metadata_url) as handed:
+        Cluster(handed, None).close()
+        assert json.loads(handed.get_kv("assignment/p"))["node"] == 2     # still open: it was handed in
+    for metadata, store, named in ((123, None, "123"), (metadata_url, 5, "5"), ("", None, "empty"),
+                                   ({"url": metadata_url}, None, "dict")):
+        with pytest.raises(ConfigError, match=named):
+            Cluster(metadata, store)
+    with pytest.raises(ConfigError, match="unsupported metadata URL"):
+        Cluster("mysql://host/db", None)
+
+
+def test_an_agent_must_share_its_clients_metadata(tmp_path, metadata_url):
+    """A NodeAgent is refused a view that is no Cluster (a URL), and a Cluster over another
+    database than its client's: it would read assignments and judge peers of another cluster."""
+    client = StreamClient(1, tmp_path / "n1.wal", f"file://{tmp_path}/objects", metadata_url, small_config())
+    try:
+        with pytest.raises(ConfigError, match="needs an s3stream.cluster.Cluster"):
+            NodeAgent(client, metadata_url)                                    # type: ignore[arg-type]
+        with Cluster(f"sqlite:///{tmp_path}/other.db", None, FAST) as elsewhere:
+            with pytest.raises(ConfigError, match="does not know node 1"):
+                NodeAgent(client, elsewhere)
+    finally:
+        client.close()
+
+
+def test_an_agent_whose_view_is_broken_cannot_serve_takes_nothing_and_judges_nobody(tmp_path, metadata_url):
+    """Node 1's agent cannot read the cluster (its passes fail of an error no step raises on
+    purpose, as with a Cluster of strings before): its heartbeat says it cannot serve and why,
+    migrations to it are refused, and it fails no silent peer over. It recovers when its view
+    works again."""
+    meta = open_metadata(metadata_url)
+    cluster = Cluster(meta, LocalObjectStore(str(tmp_path / "objects")), FAST, small_config())
+    dead = StreamClient(5, tmp_path / "n5.wal", f"file://{tmp_path}/objects", metadata_url, small_config())
+    crash(dead)                                                        # a silent peer
+    view = Cluster(meta, LocalObjectStore(str(tmp_path / "objects")), FAST, small_config())
+    node = Node(tmp_path, 1, metadata_url, f"file://{tmp_path}/objects", view)
+    try:
+        def broken():
+            raise AttributeError("'str' object has no attribute 'list_kv'")
+        view.assignments = broken                                       # type: ignore[method-assign]
+        wait_for(lambda: not json.loads(meta.get_node(1).health or "{}").get("serving", True),
+                 what="the heartbeat says node 1 cannot serve")
+        [problem] = json.loads(meta.get_node(1).health)["problems"]
+        assert "its agent cannot read the cluster" in problem and "list_kv" in problem
+        assert 1 not in cluster.live_nodes(serving=True) and 1 in cluster.live_nodes()
+        with pytest.raises(S3StreamError, match="not a live node that can serve"):
+            cluster.migrate("p", 1)
+        time.sleep(2 * FAST.heartbeat_timeout)
+        assert not meta.get_node(5).failover and not meta.list_kv("failover/")   # nobody judged
+        del view.assignments                                            # its view works again
+        wait_for(lambda: json.loads(meta.get_node(1).health or "{}").get("serving"),
+                 what="node 1 serves again")
+        wait_for(lambda: meta.get_node(5).failover, what="node 1 judges its silent peer again")
+    finally:
+        node.stop()
         meta.close()

@@ -12,10 +12,12 @@ import time
 import pytest
 
 from s3stream import OffsetsLostError, RecordBatch, StreamClient, StreamFencedError
-from s3stream.cluster import Cluster
-from s3stream.metadata import open_metadata
+from s3stream.cluster import Cluster, ClusterConfig, NodeAgent
+from s3stream.metadata import StreamState, open_metadata
 from conftest import small_config
 from test_engine_model import crash
+
+FAST = ClusterConfig(agent_interval=0.01, heartbeat_interval=0.1, heartbeat_timeout=1.0)
 
 
 def node(tmp_path, n, metadata_url, **config):
@@ -157,3 +159,68 @@ def test_forget_cli_prints_what_is_given_up(tmp_path):
     listed = subprocess.run([sys.executable, "-m", "s3stream", "node", "history", "--meta", url],
                             capture_output=True, text=True, env=env, check=True)
     assert "forget" in listed.stdout and "its host and WAL were lost" in listed.stdout
+
+
+# ---- issue 50, item 5: the forget happened, says what it gave up, and happens once ----------------
+
+def _lost_node_with_a_partition(tmp_path, metadata_url):
+    """Node 1 served partition `orders` (assigned to it) and died with its WAL; nobody else runs."""
+    n1 = node(tmp_path, 1, metadata_url, offset_reservation=1000)
+    part = n1.open_partition("orders")
+    for i in range(30):
+        part.append(RecordBatch(b"r%d" % i, 1)).result(10)
+    ids = {part.meta_stream.stream_id, *(s.stream_id for s in part.streams.values())}
+    crash(n1)
+    os.remove(tmp_path / "n1.wal")
+    return ids
+
+
+def test_forget_with_no_live_node_happens_and_its_partitions_wait(tmp_path, metadata_url):
+    """No live node can take the partition: the forget still happens (fenced, streams closed
+    above the reservation, recorded) and says the partition waits, assigned to the forgotten
+    node, which it stays until a node runs its agent: that node takes it by itself."""
+    ids = _lost_node_with_a_partition(tmp_path, metadata_url)
+    meta = open_metadata(metadata_url)
+    n2 = None
+    try:
+        cluster = Cluster(meta, None, FAST)
+        cluster.assign("orders", 1)
+        report = cluster.forget(1, wal_lost=True)
+        assert not report.already and report.reassigned == {} and report.waiting == ["orders"]
+        assert {f.stream_id for f in report.streams} == ids
+        assert sum(f.given_up for f in report.streams) > 0
+        assert all(meta.get_stream(i).state == StreamState.CLOSED for i in ids)
+        [entry] = cluster.failover_history()
+        assert entry["kind"] == "forget" and entry["ok"] and entry["waiting"] == ["orders"]
+        assert cluster.assignment("orders")["node"] == 1
+        n2 = node(tmp_path, 2, metadata_url)
+        agent = NodeAgent(n2, Cluster(meta, None, FAST))
+        try:
+            deadline = time.monotonic() + 20
+            while cluster.owner("orders") != 2:
+                assert time.monotonic() < deadline, "node 2 did not take the waiting partition"
+                time.sleep(0.02)
+        finally:
+            agent.stop()
+    finally:
+        if n2 is not None:
+            n2.close()
+        meta.close()
+
+
+def test_forget_twice_changes_nothing_and_reports_the_first(tmp_path, metadata_url):
+    ids = _lost_node_with_a_partition(tmp_path, metadata_url)
+    meta = open_metadata(metadata_url)
+    try:
+        cluster = Cluster(meta, None, FAST)
+        first = cluster.forget(1, wal_lost=True)
+        epoch = meta.get_node(1).node_epoch
+        again = cluster.forget(1, wal_lost=True)
+        assert again.already and not first.already
+        assert meta.get_node(1).node_epoch == epoch == first.fenced_epoch == again.fenced_epoch   # not fenced again
+        assert len(cluster.failover_history()) == 1                   # no second row
+        assert [(f.stream_id, f.committed_end, f.given_up_end) for f in again.streams] == \
+            [(f.stream_id, f.committed_end, f.given_up_end) for f in first.streams]
+        assert {f.stream_id for f in again.streams} == ids
+    finally:
+        meta.close()

@@ -26,7 +26,7 @@ from collections import deque
 from typing import Callable
 
 from ..client import StreamClient
-from ..errors import MetadataBusyError, S3StreamError, StreamFencedError, StreamNotClosedError
+from ..errors import ConfigError, MetadataBusyError, S3StreamError, StreamFencedError, StreamNotClosedError
 from .cluster import Cluster, put_json
 from .detector import FailureDetector
 from . import metrics as cluster_metrics
@@ -44,6 +44,11 @@ class NodeAgent:
     over dead peers. Two loop threads plus at most `max_parallel_moves` workers."""
 
     def __init__(self, client: StreamClient, cluster: Cluster, *, start: bool = True) -> None:
+        if not isinstance(cluster, Cluster):
+            raise ConfigError(f"NodeAgent needs an s3stream.cluster.Cluster, got {cluster!r} "
+                              f"({type(cluster).__name__}); e.g. NodeAgent(client, Cluster(metadata_url, store_url))")
+        if cluster.meta is not client.metadata:
+            _check_same_metadata(client, cluster)
         self.client = client
         self.cluster = cluster
         self.config = cluster.config
@@ -73,6 +78,9 @@ class NodeAgent:
         self.last_health: dict = {"serving": True}     # what the last heartbeat said
         self.last_served = True
         self._meta_problem: str | None = None
+        # Why this agent's own passes fail, if they do for a reason other than the store being
+        # away (its view of the cluster is broken): it cannot serve meanwhile.
+        self._view_problem: str | None = None
         self._judge_healthy = False
         self._retry_soon = False
         self.fenced = False
@@ -119,6 +127,11 @@ class NodeAgent:
         # The engine's problems are for good (fenced, WAL failed, uploads stopped): only those
         # make the node give its partitions up after unhealthy_grace. Uploads that keep failing
         # (the store down, for everyone perhaps) only keep it from taking more and from judging.
+        if self._view_problem is not None:
+            # It cannot see its assignments nor judge: it takes nothing and judges nobody, and
+            # if this lasts unhealthy_grace it gives its partitions up (a peer fails it over).
+            health["problems"] = [*health["problems"], f"its agent cannot read the cluster: {self._view_problem}"]
+            health["serving"] = False
         health["stuck"] = not health["serving"]
         failing = health.get("uploads_failing_seconds", 0.0)
         if failing > self.config.heartbeat_timeout:
@@ -222,12 +235,20 @@ class NodeAgent:
         self._raise_priority()
         failing = False
         changed = True
+        last_problem: str | None = None
         while not self._stop.is_set():
+            # After a pass that failed, the next one reconciles: only a pass that read the
+            # assignments tells whether the agent's view works again.
+            reconcile = changed or failing or self._view_problem is not None
             try:
-                self.pass_once(reconcile=changed or failing)
+                self.pass_once(reconcile=reconcile)
                 if failing:
                     log.info("node agent %d passes again", self.node_id)
                 failing = False
+                if reconcile:
+                    if self._view_problem is not None:
+                        log.info("node agent %d reads the cluster again", self.node_id)
+                    self._view_problem = last_problem = None
             except StreamFencedError as e:
                 self._fence(str(e))
                 return
@@ -237,9 +258,18 @@ class NodeAgent:
                 failing = True
                 self.errors.append(str(e))
             except Exception as e:   # noqa: BLE001 - the next pass retries
-                log.exception("node agent %d pass failed", self.node_id)
-                self.stats["unexpected_errors"] += not isinstance(e, (S3StreamError, OSError))
+                unexpected = not isinstance(e, (S3StreamError, OSError))
+                problem = f"{type(e).__name__}: {e}"
+                if problem != last_problem:      # once in a row, not every agent_interval
+                    log.error("node agent %d pass failed%s", self.node_id,
+                              "; it cannot serve until its passes work" if unexpected else "", exc_info=True)
+                last_problem = problem
+                self.stats["unexpected_errors"] += unexpected
                 self.errors.append(str(e))
+                # A failure no step raises on purpose: this agent's own view of the cluster is
+                # broken (not the store: that is MetadataBusyError above), and a node that
+                # cannot see its assignments must not say it can serve.
+                self._view_problem = problem if unexpected else None
             changed = self._wait_for_change()
 
     def pass_once(self, reconcile: bool = True) -> None:
@@ -504,6 +534,22 @@ class NodeAgent:
         put_json(self.client.metadata, closed_key(partition.name),
                  dict(report.record or record, tail_bytes=report.tail_bytes, seconds=report.seconds,
                       phases=report.phases, at=self.runtime.wall_ns() / 1e9))
+
+
+def _check_same_metadata(client: StreamClient, cluster: Cluster) -> None:
+    """ConfigError unless the cluster's metadata knows this client's node at its epoch or a
+    later one: a Cluster over another database than the client's would give the agent a view
+    of assignments and peers that has nothing to do with the node it heartbeats for."""
+    try:
+        known = cluster.meta.get_node(client.node_id)
+    except S3StreamError as e:
+        raise ConfigError(f"NodeAgent: the Cluster's metadata does not know node {client.node_id} ({e}), which "
+                          "the StreamClient registered in its own: give both the same metadata (one URL, or one "
+                          "MetadataStore)") from e
+    if known.node_epoch < client.node_epoch:
+        raise ConfigError(f"NodeAgent: the Cluster's metadata has node {client.node_id} at epoch {known.node_epoch}, "
+                          f"older than the epoch {client.node_epoch} the StreamClient registered: they are two "
+                          "different databases; give both the same metadata (one URL, or one MetadataStore)")
 
 
 #: Nodes whose agents could not raise their threads' priority (logged once per process).

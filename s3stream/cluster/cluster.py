@@ -16,8 +16,13 @@ Nodes register (node epoch + 1) and heartbeat through the metadata store, with t
 
 Migration: `migrate` changes an assignment and returns once the target's own agent (its current
 incarnation) reports the partition open at that version and serving, which takes time in the
-un-uploaded tail, never in the history. If the source does not let go in time it is fenced and
-failed over; anything else is an error naming the state found.
+un-uploaded tail, never in the history. If the source still holds the partition when the time is
+up, it is failed over only if it is silent by the failure detector's rules (counted by `migrate`
+itself while it waits); a source that is alive is never fenced by a migration (NodeAliveError
+naming it). Anything else is an error naming the state found.
+
+A Cluster takes a metadata URL and an object store URL as StreamClient does, and closes what it
+opened (`close()`, or use it as a context manager), or ready-made stores, which it leaves open.
 """
 from __future__ import annotations
 
@@ -25,16 +30,17 @@ import json
 import logging
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 from ..config import Config
-from ..errors import FencedLeaderError, S3StreamError
+from ..errors import ConfigError, FencedLeaderError, NodeAliveError, S3StreamError
 from ..failover import FailoverReport, fail_over as recover_node
 from ..latency import DURATION_BUCKETS, LatencyHistogram
-from ..metadata import ChangeFeed, MetadataStore, NodeMeta
-from ..objectstore import ObjectStore
+from ..metadata import ChangeFeed, MetadataStore, NodeMeta, StreamState, open_metadata
+from ..objectstore import ObjectStore, open_object_store
 from .config import ClusterConfig
-from .partition import PARTITION_KV_PREFIX
+from .detector import FailureDetector
+from .partition import PARTITION_KV_PREFIX, partition_kv_key
 from .runtime import THREADS, Runtime
 
 log = logging.getLogger("s3stream.cluster")
@@ -68,10 +74,33 @@ class ForgottenStream:
 
 @dataclass
 class ForgetReport:
+    """What `Cluster.forget` did; with `already`, what the earlier call that gave the node up
+    recorded (`previous`: its history entry, None if it is no longer kept or the node was failed
+    over or retired instead) and this call changed nothing."""
     node_id: int
     fenced_epoch: int
     streams: list[ForgottenStream]
     reassigned: dict[str, int]
+    #: Partitions no live node that can serve could take: still assigned to the node, they move
+    #: by themselves once a node's agent runs (`reassign_orphans`), or by `migrate`.
+    waiting: list[str] = field(default_factory=list)
+    already: bool = False
+    previous: dict | None = None
+
+
+@dataclass
+class FailoverOutcome:
+    """What `Cluster.fail_over_node` (an operator's failover) did: the replay's report, the
+    partitions moved and those waiting for a live node (as in ForgetReport); with `already`,
+    nothing was done (`previous`: the history entry of what gave the node up, if kept).
+    `forced`: the node was alive by the failure detector's rules and failed over anyway."""
+    node_id: int
+    report: FailoverReport | None
+    reassigned: dict[str, int]
+    waiting: list[str]
+    already: bool = False
+    previous: dict | None = None
+    forced: bool = False
 
 
 @dataclass
@@ -143,14 +172,69 @@ def can_serve(node: NodeMeta) -> bool:
     return not node.failover and node_health(node).get("serving", True)
 
 
+_METADATA_METHODS = ("get_kv", "list_kv", "replace_kv", "get_node", "list_nodes", "kv_changes")
+_STORE_METHODS = ("put", "get", "size", "delete", "list")
+
+
+class _SilenceWatch:
+    """Whether one node is silent by the failure detector's rules (detector.py), judged by this
+    process from its own reads of the node's record: `migrate` watches its source while it
+    waits, `fail_over_node` a node before failing it over. Silence counts only between reads at
+    most 2 x heartbeat_interval apart, and a failed read starts it again."""
+
+    def __init__(self, cluster: "Cluster", node_id: int, start_ns: int) -> None:
+        config = cluster.config
+        self.cluster = cluster
+        self.node_id = node_id
+        self.interval_ns = int(config.heartbeat_interval * 1e9)
+        self.detector = FailureDetector(config.heartbeat_timeout, 2 * config.heartbeat_interval)
+        self.next_ns = start_ns
+        self.first: tuple | None = None      # the record's (epoch, heartbeat, failover) when first read
+        self.row: NodeMeta | None = None     # the record as last read
+        self.changed = False                 # it changed while watched: the node heartbeated (or moved on)
+        self.silent = False                  # silent for heartbeat_timeout, counted here
+
+    def observe(self, now_ns: int) -> None:
+        """Read the node's record if a read is due."""
+        if now_ns < self.next_ns:
+            return
+        self.next_ns = now_ns + self.interval_ns
+        try:
+            row = self.cluster.meta.get_node(self.node_id)
+        except Exception:   # noqa: BLE001 - a read that fails is this watcher's outage: nobody's silence counts
+            self.detector.unreachable()
+            self.silent = False
+            return
+        token = (row.node_epoch, row.heartbeat_ns, row.failover)
+        if self.first is None:
+            self.first = token
+        elif token != self.first:
+            self.changed = True
+        self.row = row
+        self.silent = self.node_id in self.detector.observe(now_ns, [(self.node_id, token)])
+
+    @property
+    def decided(self) -> bool:
+        return self.changed or self.silent
+
+    def seconds_to_next(self, now_ns: int) -> float:
+        return max(0.0, (self.next_ns - now_ns) / 1e9)
+
+
 class Cluster:
     """An admin view of the cluster: any process with the shared metadata and store may use it."""
 
-    def __init__(self, metadata: MetadataStore, store: ObjectStore | None, config: ClusterConfig | None = None,
+    def __init__(self, metadata: MetadataStore | str, store: ObjectStore | str | None,
+                 config: ClusterConfig | None = None,
                  engine_config: Config | None = None, clock: Callable[[], int] | None = None,
                  monotonic: Callable[[], int] | None = None, runtime: Runtime = THREADS,
                  recover: Callable[..., FailoverReport] = recover_node) -> None:
-        """`store` may be None for a view that only reads and assigns (fail_over needs it).
+        """`metadata` and `store` are URLs (as StreamClient takes them: "sqlite:////data/meta.db",
+        "postgresql://...", "file:///data/objects", "s3://bucket/prefix?...") or ready-made stores.
+        What this Cluster opens from a URL it owns and `close()` closes; stores it is handed stay
+        open. Anything else is refused here (ConfigError), before it can fail later inside a
+        node agent's loop.
+        `store` may be None for a view that only reads and assigns (fail_over needs it).
         `clock` gives the time in ns that heartbeats are stamped with by the metadata store
         (inject the same fake one into both in tests); `live_nodes` compares them with it.
         `monotonic` is the clock of node agents' failure detection and leases (the native
@@ -158,14 +242,46 @@ class Cluster:
         replace it). `runtime` gives both by default, and the waits and threads; `recover`
         replays a node's WAL on its behalf (s3stream.failover.fail_over). A simulation
         replaces the last two (tests/cluster_sim.py)."""
-        self.meta = metadata
-        self.store = store
+        self._owned: list = []
+        self.meta: MetadataStore = self._open_owned(metadata, "metadata", _METADATA_METHODS, open_metadata,
+                                                    "'sqlite:////data/meta.db' or 'postgresql://user@host/db'")
+        try:
+            self.store: ObjectStore | None = None if store is None else self._open_owned(
+                store, "store", _STORE_METHODS, open_object_store, "'file:///data/objects' or 's3://bucket/prefix'")
+        except BaseException:
+            self.close()
+            raise
         self.config = config or ClusterConfig()
         self.engine_config = engine_config
         self.runtime = runtime
         self.clock = clock or runtime.wall_ns
         self.monotonic = monotonic or runtime.monotonic_ns
         self._recover = recover
+
+    def _open_owned(self, value, what: str, methods: tuple[str, ...], opener: Callable, example: str):
+        """`value` if it is a store (it has `methods`), else the store opened from the URL `value`
+        (owned: closed by `close`)."""
+        if isinstance(value, str):
+            if not value.strip():
+                raise ConfigError(f"Cluster: the {what} URL is empty; give a URL such as {example}, or a store")
+            opened = opener(value)
+            self._owned.append(opened)
+            return opened
+        if all(callable(getattr(value, m, None)) for m in methods):
+            return value
+        raise ConfigError(f"Cluster: {what} must be a URL such as {example} or an open {what} store, got "
+                          f"{value!r} ({type(value).__name__})")
+
+    def close(self) -> None:
+        """Close the stores this Cluster opened from URLs (not those it was handed)."""
+        while self._owned:
+            self._owned.pop().close()
+
+    def __enter__(self) -> "Cluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ---- assignment ----------------------------------------------------------------------------
 
@@ -230,20 +346,22 @@ class Cluster:
         return self._wait_opened(name, version, timeout, node, feed)[0]
 
     def _wait_opened(self, name: str, version: int, timeout: float, node: int | None = None,
-                     feed: ChangeFeed | None = None) -> tuple[dict | None, NodeMeta | None]:
+                     feed: ChangeFeed | None = None,
+                     watch: _SilenceWatch | None = None) -> tuple[dict | None, NodeMeta | None]:
         """`wait_open`, and `node`'s row read with the record (None without `node`, or after
         `timeout`): `migrate`'s check of the target's incarnation costs no read of its own."""
         return self._wait_record(
             f"opened/{name}", lambda o: o["version"] >= version and (node is None or o["node"] == node), timeout,
-            feed, node)
+            feed, node, watch)
 
     def _wait_record(self, key: str, wanted: Callable[[dict], bool], timeout: float,
-                     feed: ChangeFeed | None = None,
-                     node: int | None = None) -> tuple[dict | None, NodeMeta | None]:
+                     feed: ChangeFeed | None = None, node: int | None = None,
+                     watch: _SilenceWatch | None = None) -> tuple[dict | None, NodeMeta | None]:
         """The JSON record at `key` once `wanted(record)`, and (`node`) that node's row read
         with it (get_kv_and_node: one round trip where the store can); (None, None) after
         `timeout`. Woken by the store's pushes where it has them, else polling every 2 ms. A
-        `feed` given is left open (closing it is the caller's: after its clock stopped)."""
+        `feed` given is left open (closing it is the caller's: after its clock stopped). A
+        `watch` reads its node's record whenever one is due meanwhile."""
         deadline = self.monotonic() + int(timeout * 1e9)
         own = feed is None
         feed = self.meta.kv_changes((key,)) if feed is None else feed
@@ -253,9 +371,13 @@ class Cluster:
                 record = None if raw is None else json.loads(raw)
                 if record and wanted(record):
                     return record, row
-                left = (deadline - self.monotonic()) / 1e9
+                now = self.monotonic()
+                left = (deadline - now) / 1e9
                 if left <= 0:
                     return None, None
+                if watch is not None:
+                    watch.observe(now)
+                    left = min(left, max(0.001, watch.seconds_to_next(self.monotonic())))
                 if feed.pushes:
                     feed.wait(min(left, self.config.push_fallback_interval))
                 else:
@@ -278,9 +400,10 @@ class Cluster:
         """Move a partition to `to_node`: the source closes it (force upload of its tail), the
         target opens it with a new epoch. Returns only once the target's current incarnation
         reports it open at the new version (its agent publishes that only while the partition
-        takes appends). Falls back to fencing and failing over the source if it does not let
-        go within the timeout; otherwise S3StreamError naming the state found. `guard`: as for
-        `assign` (a leader's lease)."""
+        takes appends). If the source still holds the partition after `timeout`, it is failed
+        over (kind `migration-fallback`) only if it is silent by the failure detector's rules,
+        counted here while the move waited; NodeAliveError if it is alive; otherwise
+        S3StreamError naming the state found. `guard`: as for `assign` (a leader's lease)."""
         timeout = self.config.migration_timeout if timeout is None else timeout
         serving = self.live_nodes(serving=True)
         if to_node not in serving:
@@ -309,19 +432,18 @@ class Cluster:
         version = self._assign(name, to_node, guard, None, None, raw)
         assign_seconds = (self.monotonic() - t0) / 1e9
         assigned_at = self.runtime.wall_ns() / 1e9
-        opened, target = self._wait_opened(name, version, timeout, node=to_node, feed=feed)
+        # The source's silence is counted while the move waits, by the failure detector's rules,
+        # from a heartbeat interval on: a move that ends sooner (all but the stuck ones) reads
+        # nothing more for it.
+        watch = (_SilenceWatch(self, source, t0 + int(self.config.heartbeat_interval * 1e9))
+                 if source is not None and source != to_node else None)
+        opened, target = self._wait_opened(name, version, timeout, node=to_node, feed=feed, watch=watch)
         failed_over = False
         # The target's row read with its record when it serves; read again only after a
         # fallback or to fail.
         current = self._opened_by_current(opened, version, to_node, target)
-        if not current and source is not None and source != to_node:
-            closed = get_json(self.meta, f"closed/{name}")
-            if not closed or closed["version"] < version:
-                log.warning("migration of %s: node %d did not let go in %.1f s: failing it over", name, source, timeout)
-                self.fail_over(source, reassign=False, kind="migration-fallback",
-                               reason=f"did not close {name!r} for migration to node {to_node} within {timeout} s")
-                failed_over = True
-                opened = self.wait_open(name, version, timeout, node=to_node)
+        if not current and watch is not None:
+            opened, failed_over = self._fallback(name, version, to_node, timeout, watch)
         if not current and not self._opened_by_current(opened, version, to_node):
             found = dict(assignment=self.assignment(name), opened=get_json(self.meta, f"opened/{name}"),
                          closed=get_json(self.meta, f"closed/{name}"), serving_nodes=self.live_nodes(serving=True))
@@ -334,6 +456,76 @@ class Cluster:
         return MigrationReport(name, source, to_node, seconds, 0, opened["leader_epoch"], failed_over,
                                open_seconds=opened.get("seconds", 0.0), version=version, assigned_at=assigned_at,
                                assign_seconds=assign_seconds, seen_at=self.runtime.wall_ns() / 1e9, opened=opened)
+
+    def _fallback(self, name: str, version: int, to_node: int, timeout: float,
+                  watch: _SilenceWatch) -> tuple[dict | None, bool]:
+        """`migrate` after `timeout` without the target's open: fail the source over only if it
+        still holds the partition and is silent by the failure detector's rules; then wait for
+        the target again. Returns (the target's opened/ record or None, whether the source was
+        failed over). NodeAliveError if the source holds it and is alive: fencing it would stop
+        every partition of a node that works (its agent may be stuck, or the target cannot
+        open), which is an operator's decision (`s3stream node fail-over NODE --force`)."""
+        source = watch.node_id
+        opened_key = f"opened/{name}"
+        closed = get_json(self.meta, f"closed/{name}")
+        if (closed and closed["version"] >= version) or self.partition_holder(name) != source:
+            # The source let go, or never held it (its agent never opened it), or it was failed
+            # over meanwhile: there is nothing to take from the source. The target did not open.
+            return get_json(self.meta, opened_key), False
+        # Decide by the rules: keep reading its record until it heartbeats or its silence is
+        # counted in full (at most heartbeat_timeout more if the wait was too short to decide).
+        limit = self.monotonic() + int((self.config.heartbeat_timeout + 2 * self.config.heartbeat_interval) * 1e9)
+        while not watch.decided and self.monotonic() < limit:
+            watch.observe(self.monotonic())
+            if watch.decided:
+                break
+            opened = get_json(self.meta, opened_key)
+            if self._opened_by_current(opened, version, to_node):
+                return opened, False            # it let go late
+            self.runtime.sleep(max(0.001, watch.seconds_to_next(self.monotonic())))
+        row = watch.row
+        if watch.silent and row is not None and not row.failover:
+            log.warning("migration of %s: node %d did not let go in %.1f s and is silent (no heartbeat for %.1f s "
+                        "counted here): failing it over", name, source, timeout, watch.detector.silence(source))
+            try:
+                self.fail_over(source, reassign=False, kind="migration-fallback", lease_over=True,
+                               if_unchanged=(row.node_epoch, row.heartbeat_ns),
+                               reason=f"did not close {name!r} for migration to node {to_node} within {timeout} s "
+                                      f"and sent no heartbeat for {watch.detector.silence(source):.1f} s")
+            except NodeAliveError:
+                pass                            # it heartbeated at the last moment: alive after all
+            else:
+                return self.wait_open(name, version, timeout, node=to_node), True
+        row = self.meta.get_node(source)
+        if row.failover or (watch.first is not None and row.node_epoch != watch.first[0]):
+            # Failed over by a peer, or restarted (its recovery closes what it held): the
+            # partition is let go of without us.
+            return self.wait_open(name, version, timeout, node=to_node), False
+        opened = get_json(self.meta, opened_key)
+        if self._opened_by_current(opened, version, to_node):
+            return opened, False
+        health = node_health(row)
+        said = ("its last heartbeat says it can serve" if can_serve(row) else
+                "its last heartbeat says it cannot serve: " + "; ".join(health.get("problems", [])))
+        raise NodeAliveError(
+            f"partition {name!r} was not opened by node {to_node} within {timeout} s: node {source} still holds it "
+            f"and is alive (it heartbeated while this migration waited; {said}). A migration fails its source "
+            f"over only once it is silent for heartbeat_timeout ({self.config.heartbeat_timeout} s). The partition "
+            f"stays assigned to node {to_node}, which opens it once node {source}'s agent closes it; look at node "
+            f"{source}'s log for why it does not, or take the partition from it by failing the whole node over: "
+            f"`s3stream node fail-over {source} --force`")
+
+    def partition_holder(self, name: str) -> int | None:
+        """The node holding partition `name` open now by its streams' state in metadata (its
+        meta stream OPENED there), or None (closed, or never opened)."""
+        raw = self.meta.get_kv(partition_kv_key(name))
+        if raw is None:
+            return None
+        try:
+            meta = self.meta.get_stream(int(raw))
+        except (ValueError, S3StreamError):
+            return None
+        return meta.owner_node_id if meta.state == StreamState.OPENED else None
 
     def with_close_record(self, report: MigrationReport, timeout: float = 2.0) -> MigrationReport:
         """`report` with the source's close (tail, close seconds, phases) filled in, waiting up to
@@ -380,18 +572,27 @@ class Cluster:
 
     def fail_over(self, node_id: int, reassign: bool = True, *, judge: int | None = None,
                   judge_epoch: int | None = None, kind: str = "failover", reason: str = "requested",
-                  lease_over: bool = False, if_unchanged: tuple[int, int] | None = None) -> FailoverReport:
+                  lease_over: bool = False, if_unchanged: tuple[int, int] | None = None,
+                  wal_path: str | None = None) -> FailoverReport:
         """Fence `node_id`, commit its WAL on its behalf, close its streams; then (if
-        `reassign`) spread its partitions over the live nodes that can serve. Recorded in the
-        failover history (`kind`, `judge`, `reason`, `decided_ns` when it started, `at_ns` when it
-        ended) whether it succeeds or not.
+        `reassign`) spread its partitions over the live nodes that can serve (those none can
+        take stay assigned to it: `reassign_orphans` moves them later). Recorded in the
+        failover history (`kind`, `judge`, `reason`, `decided_ns` when it started, `at_ns` when
+        it ended, what was replayed per stream) whether it succeeds or not.
 
         Unless `lease_over` (a judge counted heartbeat_timeout of the node's silence: its lease
         ran out before), the node may be alive and acknowledging under its lease: its WAL is
-        read only once that lease is certainly over, `lease` after the fence (a migration
-        fallback or an operator's failover takes that much longer). A judge passes what it saw
-        of the node as `if_unchanged`: if the node heartbeated since, the fence is refused
-        (NodeAliveError, recorded) and nothing else happens."""
+        read only once that lease is certainly over, `lease` after the fence (a forced failover
+        takes that much longer). A judge passes what it saw of the node as `if_unchanged`: if
+        the node heartbeated since, the fence is refused (NodeAliveError, recorded) and nothing
+        else happens. `wal_path`: where to read its WAL (default: where it registered it)."""
+        return self._fail_over(node_id, reassign, judge=judge, judge_epoch=judge_epoch, kind=kind, reason=reason,
+                               lease_over=lease_over, if_unchanged=if_unchanged, wal_path=wal_path)[0]
+
+    def _fail_over(self, node_id: int, reassign: bool, *, judge: int | None, judge_epoch: int | None, kind: str,
+                   reason: str, lease_over: bool, if_unchanged: tuple[int, int] | None,
+                   wal_path: str | None) -> tuple[FailoverReport, dict[str, int], list[str]]:
+        """`fail_over`, and the partitions it moved and those left waiting for a live node."""
         if self.store is None:
             raise S3StreamError(f"cannot fail node {node_id} over: this Cluster view has no object store to "
                                 "commit its WAL to; make it with one")
@@ -399,38 +600,106 @@ class Cluster:
         epoch = if_unchanged[0] if if_unchanged is not None else self.meta.get_node(node_id).node_epoch
         entry = dict(kind=kind, node=node_id, node_epoch=epoch, judge=judge, judge_epoch=judge_epoch,
                      reason=reason, decided_ns=self.clock())
+        where = {} if wal_path is None else dict(wal_path=wal_path)
         try:
             report = self._recover(node_id, store=self.store, metadata=self.meta, config=self.engine_config,
                                    settle=0.0 if lease_over else self.config.lease, sleep=self.runtime.sleep,
-                                   if_unchanged=if_unchanged)
+                                   if_unchanged=if_unchanged, **where)
         except BaseException as e:
             self.record_history(dict(entry, ok=False, error=str(e)))
             raise
         FAILOVER_SECONDS.observe(report.seconds)
         moved: dict[str, int] = {}
+        waiting: list[str] = []
         try:
             if reassign:
-                moved = self._reassign_from(node_id)
+                moved, waiting = self._reassign_from(node_id)
         finally:
             self.record_history(dict(entry, ok=True, fenced_epoch=report.fenced_epoch, records=report.records,
                                      replayed=report.replayed, streams_closed=report.streams_closed,
-                                     seconds=round(report.seconds, 6), reassigned=moved))
-        return report
+                                     seconds=round(report.seconds, 6), reassigned=moved, waiting=waiting,
+                                     streams=[dataclasses.asdict(r) for r in report.streams]))
+        return report, moved, waiting
 
-    def _reassign_from(self, node_id: int) -> dict[str, int]:
+    def fail_over_node(self, node_id: int, *, force: bool = False, reason: str = "an operator's failover",
+                       wal_path: str | None = None) -> FailoverOutcome:
+        """An operator's failover of a dead node whose WAL this process can read (a file path
+        reachable from here, or a WAL of objects): `s3stream node fail-over`.
+
+        It first judges the node by the failure detector's rules, reading its record for up to
+        heartbeat_timeout: a node that heartbeats meanwhile is alive and refused (NodeAliveError)
+        unless `force`, which fences it at once and reads its WAL only once its lease is over. A
+        node already given up (failed over, forgotten or retired, holding no stream) is left as
+        it is (`already`, with the history entry that did it). A failover that stopped half-way
+        (fenced, streams still open) is finished. Partitions no live node can take stay
+        assigned to it (`waiting`) and move once a node's agent runs."""
+        node = self.meta.get_node(node_id)
+        if node.walless:
+            raise S3StreamError(f"node {node_id} is a writer without a WAL ({node.wal_path}): there is no WAL to "
+                                "replay and nothing to fail over")
+        if node.failover and not self.meta.list_streams(owner_node_id=node_id):
+            return FailoverOutcome(node_id, None, {}, self._waiting_on(node_id), already=True,
+                                   previous=self._given_up_entry(node))
+        # Where they go, by whoever moves them: during a failover's wait for the lease, the
+        # agents of live nodes may take them first (reassign_orphans).
+        assigned = self._waiting_on(node_id)
+        if node.failover:
+            # Fenced by a failover or forget that did not finish: its lease is over or runs
+            # out within one (settle), and nobody renews it.
+            report, _, waiting = self._fail_over(node_id, True, judge=None, judge_epoch=None, kind="failover",
+                                                 reason=f"{reason} (finishing one that stopped half-way)",
+                                                 lease_over=False, if_unchanged=None, wal_path=wal_path)
+            return FailoverOutcome(node_id, report, self._placed(assigned, node_id), waiting)
+        watch = _SilenceWatch(self, node_id, self.monotonic())
+        if not force:
+            limit = self.monotonic() + int((self.config.heartbeat_timeout + 2 * self.config.heartbeat_interval) * 1e9)
+            while not watch.decided and self.monotonic() < limit:
+                watch.observe(self.monotonic())
+                if not watch.decided:
+                    self.runtime.sleep(max(0.001, watch.seconds_to_next(self.monotonic())))
+            if not watch.silent or watch.row is None:
+                row = self.meta.get_node(node_id)
+                age = (self.clock() - row.heartbeat_ns) / 1e9
+                raise NodeAliveError(
+                    f"node {node_id} is alive: its heartbeat record changed while this command watched it (its last "
+                    f"heartbeat {age:.1f} s ago by this host's clock), so it is not failed over. Stop it (its own "
+                    "close uploads what it holds), move its partitions with `s3stream migrate`, or pass --force to "
+                    f"fence it now: its WAL is then read once its lease ({self.config.lease} s) is over")
+            row = watch.row
+            report, _, waiting = self._fail_over(
+                node_id, True, judge=None, judge_epoch=None, kind="failover", lease_over=True,
+                if_unchanged=(row.node_epoch, row.heartbeat_ns), wal_path=wal_path,
+                reason=f"{reason}: no heartbeat for {watch.detector.silence(node_id):.1f} s counted by the command")
+        else:
+            report, _, waiting = self._fail_over(node_id, True, judge=None, judge_epoch=None,
+                                                 kind="forced-failover", reason=f"{reason} (forced)",
+                                                 lease_over=False, if_unchanged=None, wal_path=wal_path)
+        return FailoverOutcome(node_id, report, self._placed(assigned, node_id), waiting, forced=force)
+
+    def _placed(self, names: list[str], node_id: int) -> dict[str, int]:
+        """Where the partitions `names` are assigned now, those moved off `node_id`."""
+        now = self.assignments()
+        return {name: now[name]["node"] for name in names if name in now and now[name]["node"] != node_id}
+
+    def _reassign_from(self, node_id: int) -> tuple[dict[str, int], list[str]]:
         """Spread the partitions assigned to `node_id` over the live nodes that can serve, or
         (none can: the object store is down for everyone, say) over the live ones, which open
-        them once they can serve again."""
+        them once they can serve again. Returns the moves, and the partitions left assigned to
+        `node_id` because no node is live (they wait for one: `reassign_orphans`)."""
         live = ([n for n in self.live_nodes(serving=True) if n != node_id]
                 or [n for n in self.live_nodes() if n != node_id])
         mine = sorted(name for name, a in self.assignments().items() if a["node"] == node_id)
-        if mine and not live:
-            raise S3StreamError(f"node {node_id} failed over but no live node can take its partitions {mine}")
+        if not live:
+            return {}, mine
         moved = {}
         for i, name in enumerate(mine):
             moved[name] = live[i % len(live)]
             self.assign(name, moved[name], note=dict(reason=f"node {node_id} failed over", from_node=node_id))
-        return moved
+        return moved, []
+
+    def _waiting_on(self, node_id: int) -> list[str]:
+        """Partitions still assigned to `node_id`."""
+        return sorted(name for name, a in self.assignments().items() if a["node"] == node_id)
 
     def reassign_orphans(self, nodes: list[NodeMeta] | None = None) -> dict[str, int]:
         """Reassign the partitions still assigned to nodes that were failed over or forgotten
@@ -440,10 +709,7 @@ class Cluster:
         gone = {n.node_id for n in nodes if n.failover}
         moved: dict[str, int] = {}
         for node_id in sorted({a["node"] for a in self.assignments().values()} & gone):
-            try:
-                moved.update(self._reassign_from(node_id))
-            except S3StreamError:
-                pass                      # no live node yet: the next call tries again
+            moved.update(self._reassign_from(node_id)[0])     # none live yet: the next call tries again
         return moved
 
     # ---- a lost host -----------------------------------------------------------------------------
@@ -455,20 +721,34 @@ class Cluster:
         without its un-uploaded data: each resumes above every offset the node could have
         acknowledged (its reservation, which the fence froze), and the skipped offsets are
         recorded as lost (reads there raise OffsetsLostError). Its partitions are reassigned to
-        the live nodes that can serve; the failover history records what was given up.
+        the live nodes that can serve; those none can take stay assigned to it (`waiting`) and
+        move once a node's agent runs. The failover history records what was given up.
+
+        Idempotent: a node already given up (forgotten, failed over or retired) that holds no
+        stream is left as it is, and the report (`already`) carries what the forget that did it
+        recorded. A forget that stopped half-way (fenced, streams still open) is finished.
         `wal_lost` must be True: if the WAL is readable, fail the node over instead (nothing lost)."""
         if not wal_lost:
             raise S3StreamError(f"forget node {node_id} only if its WAL is lost (wal_lost=True); if the WAL is "
                                 "readable, fail the node over instead: its acknowledged records are replayed")
-        fenced = self.meta.fence_node(node_id, failover=True)
-        partitions = {}
-        for key, raw in self.meta.list_kv(PARTITION_KV_PREFIX).items():
-            try:
-                partitions[int(raw)] = key.split("/", 1)[1]
-            except ValueError:
-                continue
+        node = self.meta.get_node(node_id)
+        if node.failover:
+            fenced = node                       # fenced already: a fence more would change nothing
+            held = self.meta.list_streams(owner_node_id=node_id)
+            if not held:
+                previous = self._given_up_entry(node)
+                streams = [] if previous is None else [
+                    ForgottenStream(s["stream_id"], s["committed_end"], s["given_up"][1], s.get("partition"))
+                    for s in previous.get("streams", []) if "given_up" in s]
+                return ForgetReport(node_id, node.node_epoch, streams,
+                                    {} if previous is None else previous.get("reassigned", {}),
+                                    self._waiting_on(node_id), already=True, previous=previous)
+        else:
+            fenced = self.meta.fence_node(node_id, failover=True)
+            held = self.meta.list_streams(owner_node_id=node_id)
+        partitions = self._meta_stream_partitions()
         forgotten = []
-        for m in self.meta.list_streams(owner_node_id=node_id):
+        for m in held:
             after = self.meta.abandon_stream(m.stream_id, m.epoch, node_id)
             forgotten.append(ForgottenStream(m.stream_id, m.end_offset, after.end_offset,
                                              partitions.get(m.stream_id)))
@@ -478,15 +758,45 @@ class Cluster:
                                    given_up=[f.committed_end, f.given_up_end], partition=f.partition)
                               for f in forgotten])
         moved: dict[str, int] = {}
+        waiting: list[str] = []
         try:
-            moved = self._reassign_from(node_id)
+            moved, waiting = self._reassign_from(node_id)
         finally:
-            self.record_history(dict(entry, reassigned=moved))
+            self.record_history(dict(entry, reassigned=moved, waiting=waiting))
         for f in forgotten:
             if f.given_up:
                 log.error("forgot node %d: stream %d gives up offsets [%d, %d) (its WAL is lost)", node_id,
                           f.stream_id, f.committed_end, f.given_up_end)
-        return ForgetReport(node_id, fenced.node_epoch, forgotten, moved)
+        return ForgetReport(node_id, fenced.node_epoch, forgotten, moved, waiting)
+
+    def _meta_stream_partitions(self) -> dict[int, str]:
+        """Meta stream id -> the partition it is the meta stream of."""
+        partitions = {}
+        for key, raw in self.meta.list_kv(PARTITION_KV_PREFIX).items():
+            try:
+                partitions[int(raw)] = key[len(PARTITION_KV_PREFIX):]
+            except ValueError:
+                continue
+        return partitions
+
+    def _given_up_entry(self, node: NodeMeta) -> dict | None:
+        """The history entry of the failover or forget that fenced `node` into its current
+        epoch (None: it retired, or the entry is no longer kept)."""
+        return self.given_up(node.node_id).get(node.node_epoch)
+
+    def given_up(self, node_id: int | None = None) -> dict[Any, dict]:
+        """The newest successful failover, migration fallback or forget of each (node, fenced
+        epoch) in the history: {fenced epoch: entry} for `node_id`, or with None
+        {(node, fenced epoch): entry} for every node (what `s3stream streams` shows)."""
+        out: dict = {}
+        for entry in self.failover_history():
+            if not entry.get("ok") or "fenced_epoch" not in entry:
+                continue
+            if node_id is None:
+                out[(entry["node"], entry["fenced_epoch"])] = entry
+            elif entry["node"] == node_id:
+                out[entry["fenced_epoch"]] = entry
+        return out
 
     # ---- history -------------------------------------------------------------------------------
 

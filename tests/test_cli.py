@@ -95,7 +95,8 @@ def test_console_script_is_installed():
 
 
 def test_help_of_every_command():
-    for args in (["inspect", "wal"], ["inspect", "object"], ["streams"], ["migrate"], ["bench"]):
+    for args in (["inspect", "wal"], ["inspect", "object"], ["streams"], ["migrate"], ["bench"], ["node", "fail-over"],
+                 ["node", "forget"], ["node", "history"]):
         result = run(*args, "--help")
         assert result.exit_code == 0 and "Usage: " in result.stdout, result.output
     assert "NodeAgent" in run("migrate", "--help").stdout
@@ -332,17 +333,21 @@ def test_migrate(two_nodes):
     again = run("migrate", "p0", "1", *where)
     assert again.exit_code == 0 and "already open on node 1" in again.stdout
     listing = json.loads(run("streams", "--meta", n.meta_url, "--json").stdout)
-    assert listing["partitions"] == [dict(name="p0", assigned_node=1, version=3, open_on=1, reason=None)]
+    [meta_stream] = [int(v) for v in n.meta.list_kv("partition/").values()]
+    assert listing["partitions"] == [dict(name="p0", assigned_node=1, version=3, open_on=1, state="open",
+                                          meta_stream=meta_stream, reason=None)]
     assert n.clients[1].partition("p0").fetch(0, 50).batches[0].payload == b"0" * 100
 
 
 def test_migrate_does_not_fail_over_a_source_that_is_alive(two_nodes):
     """Node 1's agent stops (its lease keeper goes on heartbeating) with the partition open: the
-    migration fences nobody (it did before, stopping a node that works) and says what to do."""
+    migration fences nobody (it did before, stopping a node that works) and says what to do;
+    a silent source is failed over (tests/test_cli_cluster.py)."""
     n = two_nodes
     n.clients[1].partition("p0").append(RecordBatch(b"acknowledged", 1)).result(10)
     n.agents[1].stop()        # node 1 keeps the partition open and stops answering
-    result = run("migrate", "p0", "2", "--meta", n.meta_url, "--store", n.store_url, "--timeout", "2")
+    result = run("migrate", "p0", "2", "--meta", n.meta_url, "--store", n.store_url, "--timeout", "2",
+                 "--heartbeat-timeout", "1")
     fails(result, 1, "node 1 still holds it and is alive", "s3stream node fail-over 1 --force")
     assert not n.meta.get_node(1).failover and n.cluster.failover_history() == []
     assert n.clients[1].partition("p0").append(RecordBatch(b"still", 1)).result(10).base_offset == 1

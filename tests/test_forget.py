@@ -14,6 +14,7 @@ import pytest
 from s3stream import OffsetsLostError, RecordBatch, StreamClient, StreamFencedError
 from s3stream.cluster import Cluster, ClusterConfig, NodeAgent
 from s3stream.metadata import StreamState, open_metadata
+from cli_helpers import ok, run
 from conftest import small_config
 from test_engine_model import crash
 
@@ -224,3 +225,27 @@ def test_forget_twice_changes_nothing_and_reports_the_first(tmp_path, metadata_u
         assert {f.stream_id for f in again.streams} == ids
     finally:
         meta.close()
+
+
+def test_forget_cli_succeeds_prints_each_stream_and_is_idempotent(tmp_path, metadata_url):
+    """`node forget` with no live node: exit 0, the offsets given up per stream and what happens
+    to the partition; a second run exits 0 saying it was already forgotten, with the first
+    run's figures, and records nothing more."""
+    ids = _lost_node_with_a_partition(tmp_path, metadata_url)
+    with open_metadata(metadata_url) as meta:
+        Cluster(meta, None).assign("orders", 1)
+    done = run("node", "forget", "1", "--wal-lost", "--meta", metadata_url)
+    out = ok(done)
+    assert "Forgot node 1" in out and "offsets given up" in out
+    for stream_id in ids:
+        assert f"\n  {stream_id} " in out                             # a row per stream
+    assert "partition 'orders' waits" in out and "stays assigned to node 1" in out and "NodeAgent" in out
+    first = json.loads(ok(run("node", "history", "--meta", metadata_url, "--json")))
+    again = run("node", "forget", "1", "--wal-lost", "--meta", metadata_url)
+    out2 = ok(again)
+    assert "already forgotten" in out2 and "nothing changed" in out2
+    for stream_id in ids:
+        assert f"\n  {stream_id} " in out2
+    as_json = json.loads(ok(run("node", "forget", "1", "--wal-lost", "--meta", metadata_url, "--json")))
+    assert as_json["already"] and {s["stream_id"] for s in as_json["streams"]} == ids
+    assert json.loads(ok(run("node", "history", "--meta", metadata_url, "--json"))) == first

@@ -1,10 +1,11 @@
 """`s3stream streams`, `s3stream migrate` and `s3stream node`: what the metadata holds (streams,
-objects, nodes, partitions), moving a partition to another node, forgetting a lost node and the
-failover history."""
+objects, nodes, partitions), moving a partition to another node, failing a dead node over,
+forgetting a lost one and the failover history."""
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import time
 from collections import Counter, defaultdict
 
@@ -13,17 +14,64 @@ import click
 import wal
 
 from ..cluster import Cluster, ClusterConfig, MigrationReport
-from ..cluster.cluster import ForgetReport, can_serve, node_health
+from ..cluster.cluster import FailoverOutcome, ForgetReport, can_serve, node_health
+from ..cluster.partition import PARTITION_KV_PREFIX
 from ..config import Config
-from ..errors import S3StreamError
-from ..metadata import MetadataStore, ObjectState, ObjectType
+from ..errors import ConfigError, NodeAliveError, S3StreamError
+from ..metadata import MetadataStore, NodeMeta, ObjectState, ObjectType, StreamMeta, StreamState
+from ..walopen import file_path, is_object_wal
 from .common import emit_json, json_option, meta_option, open_meta, open_store, store_option, table, user_errors
 
 
 # ---- streams --------------------------------------------------------------------------------------
 
-def cluster_report(meta: MetadataStore, include_deleted: bool) -> dict:
-    """Streams, object totals, nodes and partitions, from the metadata only."""
+def _when(ns: int | None) -> str:
+    return "-" if not ns else time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(ns / 1e9))
+
+
+def node_state(node: NodeMeta, now_ns: int, heartbeat_timeout: float, held: int,
+               given_up: dict | None) -> tuple[str, str]:
+    """(state, why) of a node from the metadata: `held` streams OPENED on it, `given_up` the
+    history entry of the failover or forget that fenced it into its current epoch (if kept).
+    What a heartbeat last said is only believed while it is fresh: a node that closed or died
+    says nothing more."""
+    age = (now_ns - node.heartbeat_ns) / 1e9
+    if node.walless:
+        return "walless", f"a writer without a WAL ({node.wal_path}): never heartbeats, nothing to fail over"
+    if node.failover:
+        if given_up is not None:
+            by = "" if given_up.get("judge") is None else f" by node {given_up['judge']}"
+            kind = given_up.get("kind", "failover")
+            state = "forgotten" if kind == "forget" else "failed over"
+            return state, f"{kind}{by} at {_when(given_up.get('at_ns'))}: {given_up.get('reason')}"
+        if held:
+            return "fenced", (f"fenced with no failover recorded, and it still holds {held} streams open: "
+                              f"`s3stream node fail-over {node.node_id}`")
+        return "retired", "left the cluster (closed with retire=True, or fenced) holding no stream"
+    if age < heartbeat_timeout:
+        if can_serve(node):
+            return "serving", "-"
+        return "cannot serve", "; ".join(node_health(node).get("problems", [])) or "its heartbeat says so"
+    if not held:
+        return "closed", f"no heartbeat for {age:.1f} s and it holds no stream open: it closed (or stopped empty)"
+    return "silent", (f"no heartbeat for {age:.1f} s and it holds {held} streams open: its peers fail it over, or "
+                      f"`s3stream node fail-over {node.node_id}`")
+
+
+def partition_state(meta_stream: StreamMeta | None) -> tuple[int | None, str]:
+    """(the node it is open on, its state) from its meta stream in metadata: a partition's
+    streams open and close in one transaction, so the meta stream's state is theirs."""
+    if meta_stream is None:
+        return None, "never opened"
+    if meta_stream.state == StreamState.OPENED:
+        return meta_stream.owner_node_id, "open"
+    return None, meta_stream.state.value.lower()
+
+
+def cluster_report(meta: MetadataStore, include_deleted: bool,
+                   heartbeat_timeout: float = ClusterConfig.heartbeat_timeout, with_objects: bool = False) -> dict:
+    """Streams, object totals, nodes and partitions, from the metadata only; with
+    `with_objects`, every object (id, key, type, state, size, stream ranges) too."""
     objects = meta.list_objects()
     stream_objects: Counter = Counter()
     set_objects: Counter = Counter()
@@ -35,22 +83,45 @@ def cluster_report(meta: MetadataStore, include_deleted: bool) -> dict:
         if o.state == ObjectState.COMMITTED:
             counter = stream_objects if o.type == ObjectType.STREAM_OBJECT else set_objects
             counter.update({r.stream_id for r in o.ranges})
+    listed = meta.list_streams(include_deleted=True)
     streams = [dict(stream_id=m.stream_id, state=m.state.value, epoch=m.epoch, owner_node_id=m.owner_node_id,
                     start_offset=m.start_offset, end_offset=m.end_offset, ranges=len(m.ranges),
                     stream_objects=stream_objects[m.stream_id], stream_set_objects=set_objects[m.stream_id])
-               for m in meta.list_streams(include_deleted=include_deleted)]
+               for m in listed if include_deleted or m.state != StreamState.DELETED]
+    held = Counter(m.owner_node_id for m in listed if m.state == StreamState.OPENED)
+    cluster = Cluster(meta, store=None)     # reads that touch only the metadata
+    given_up = cluster.given_up()
     now = time.time_ns()
-    nodes = [dict(node_id=n.node_id, node_epoch=n.node_epoch, failover=n.failover,
-                  heartbeat_age_s=round((now - n.heartbeat_ns) / 1e9, 3), wal_path=n.wal_path,
-                  serving=can_serve(n), problems=node_health(n).get("problems", []))
-             for n in meta.list_nodes()]
-    cluster = Cluster(meta, store=None)     # assignment reads touch only the metadata
-    partitions = [dict(name=name, assigned_node=a["node"], version=a["version"], open_on=cluster.owner(name),
-                       reason=a.get("reason"))
-                  for name, a in sorted(cluster.assignments().items())]
-    return dict(streams=streams,
-                objects=[dict(type=k[0], state=k[1], count=v[0], bytes=v[1]) for k, v in sorted(totals.items())],
-                nodes=nodes, partitions=partitions)
+    nodes = []
+    for n in meta.list_nodes():
+        state, why = node_state(n, now, heartbeat_timeout, held[n.node_id], given_up.get((n.node_id, n.node_epoch)))
+        nodes.append(dict(node_id=n.node_id, node_epoch=n.node_epoch, failover=n.failover, state=state, why=why,
+                          heartbeat_age_s=round((now - n.heartbeat_ns) / 1e9, 3), wal_path=n.wal_path,
+                          serving=state == "serving", open_streams=held[n.node_id],
+                          problems=node_health(n).get("problems", []) if state == "cannot serve" else []))
+    by_id = {m.stream_id: m for m in listed}
+    meta_streams = {}
+    for key, raw in meta.list_kv(PARTITION_KV_PREFIX).items():
+        try:
+            meta_streams[key[len(PARTITION_KV_PREFIX):]] = int(raw)
+        except ValueError:
+            continue
+    partitions = []
+    for name, a in sorted(cluster.assignments().items()):
+        meta_id = meta_streams.get(name)
+        open_on, state = partition_state(by_id.get(meta_id) if meta_id is not None else None)
+        partitions.append(dict(name=name, assigned_node=a["node"], version=a["version"], open_on=open_on,
+                               state=state, meta_stream=meta_id, reason=a.get("reason")))
+    report = dict(streams=streams,
+                  objects=[dict(type=k[0], state=k[1], count=v[0], bytes=v[1]) for k, v in sorted(totals.items())],
+                  nodes=nodes, partitions=partitions)
+    if with_objects:
+        report["object_list"] = [
+            dict(object_id=o.object_id, key=o.key, type=o.type.value if o.type is not None else None,
+                 state=o.state.value, size=o.size, node_id=o.node_id,
+                 ranges=[[r.stream_id, r.start_offset, r.end_offset] for r in o.ranges])
+            for o in sorted(objects, key=lambda o: o.object_id)]
+    return report
 
 
 def format_cluster(report: dict) -> str:
@@ -65,16 +136,24 @@ def format_cluster(report: dict) -> str:
     lines.append("Objects")
     lines.append(table(["type", "state", "count", "bytes"],
                        [[o["type"], o["state"], o["count"], f"{o['bytes']:,}"] for o in report["objects"]]))
+    if "object_list" in report:
+        lines.append(f"Objects by id ({len(report['object_list'])}; `s3stream inspect object ID --meta URL --store "
+                     "URL` reads one)")
+        lines.append(table(["id", "key", "type", "state", "size", "node", "streams [start, end)"],
+                           [[o["object_id"], o["key"], none(o["type"]), o["state"], f"{o['size']:,}",
+                             none(o["node_id"]),
+                             " ".join(f"{sid}:[{lo}, {hi})" for sid, lo, hi in o["ranges"]) or "-"]
+                            for o in report["object_list"]]))
     lines.append(f"Nodes ({len(report['nodes'])})")
-    lines.append(table(["id", "epoch", "failover", "heartbeat age", "serving", "WAL"],
-                       [[n["node_id"], n["node_epoch"], "yes" if n["failover"] else "no",
-                         f"{n['heartbeat_age_s']:.1f} s",
-                         "yes" if n["serving"] else "no: " + "; ".join(n["problems"]), n["wal_path"]]
+    lines.append(table(["id", "epoch", "state", "heartbeat age", "open streams", "WAL", "why"],
+                       [[n["node_id"], n["node_epoch"], n["state"], f"{n['heartbeat_age_s']:.1f} s",
+                         n["open_streams"], n["wal_path"], n["why"]]
                         for n in report["nodes"]]))
     if report["partitions"]:
         lines.append(f"Partitions ({len(report['partitions'])})")
-        lines.append(table(["name", "assigned to", "version", "open on", "why there"],
-                           [[p["name"], p["assigned_node"], p["version"], none(p["open_on"]), p["reason"] or "-"]
+        lines.append(table(["name", "assigned to", "version", "state", "open on", "why there"],
+                           [[p["name"], p["assigned_node"], p["version"], p["state"], none(p["open_on"]),
+                             p["reason"] or "-"]
                             for p in report["partitions"]]))
     return "\n".join(lines)
 
@@ -82,19 +161,29 @@ def format_cluster(report: dict) -> str:
 @click.command()
 @meta_option
 @click.option("--all", "include_deleted", is_flag=True, help="Include DELETED streams.")
+@click.option("--objects", "with_objects", is_flag=True,
+              help="List every object too: its id (what `s3stream inspect object ID --meta URL` takes), key, type, "
+                   "state, size and the stream ranges it holds.")
+@click.option("--heartbeat-timeout", type=click.FloatRange(min=0, min_open=True),
+              default=ClusterConfig.heartbeat_timeout, show_default=True, metavar="S",
+              help="The cluster's ClusterConfig.heartbeat_timeout: a node whose last heartbeat is older is not "
+                   "taken at its word.")
 @json_option
 @user_errors
-def streams(meta_url: str, include_deleted: bool, as_json: bool) -> None:
+def streams(meta_url: str, include_deleted: bool, with_objects: bool, heartbeat_timeout: float,
+            as_json: bool) -> None:
     """List streams, objects, nodes and partitions from the metadata.
 
     Streams: id, state, epoch, owner node, start/end offsets (end = committed to objects),
     number of ranges (one per open), StreamObjects (SOs) and StreamSetObjects holding it.
-    Objects: count and bytes by type (SO, SSO; '-' while PREPARED) and state. Nodes: epoch,
-    failover flag, seconds since the last heartbeat, WAL path. Partitions: assignment and the
-    node they are open on.
+    Objects: count and bytes by type (SO, SSO; '-' while PREPARED) and state; with --objects,
+    each one by id. Nodes: epoch, state (serving, cannot serve, silent, closed, failed over,
+    forgotten, retired) and why, from the last heartbeat while it is fresh, the streams it
+    holds open and the failover history; WAL path. Partitions: assignment, and whether and
+    where they are open by their streams' state.
     """
     with contextlib.closing(open_meta(meta_url)) as meta:
-        report = cluster_report(meta, include_deleted)
+        report = cluster_report(meta, include_deleted, heartbeat_timeout, with_objects)
     if as_json:
         emit_json(report)
     else:
@@ -102,6 +191,17 @@ def streams(meta_url: str, include_deleted: bool, as_json: bool) -> None:
 
 
 # ---- migrate --------------------------------------------------------------------------------------
+
+def _timing(heartbeat_timeout: float) -> ClusterConfig:
+    """The cluster's timing as far as a command judges a node by it: its heartbeat timeout,
+    read at most every half second (the failure detector counts silence only between reads at
+    most two heartbeat intervals apart)."""
+    try:
+        return ClusterConfig(heartbeat_timeout=heartbeat_timeout,
+                             heartbeat_interval=min(ClusterConfig.heartbeat_interval, heartbeat_timeout / 4))
+    except ConfigError as e:
+        raise click.ClickException(f"--heartbeat-timeout {heartbeat_timeout}: {e}") from e
+
 
 def check_target(cluster: Cluster, partition: str, node_id: int) -> dict:
     """Refuse a migration that cannot succeed: unknown partition or a target that is not live.
@@ -111,8 +211,12 @@ def check_target(cluster: Cluster, partition: str, node_id: int) -> dict:
         known = ", ".join(sorted(cluster.assignments())) or "none"
         raise click.ClickException(f"partition {partition!r} has no assignment (known partitions: {known}); "
                                    "`s3stream streams --meta URL` lists them")
-    if node_id not in cluster.live_nodes():
+    if node_id not in cluster.live_nodes(serving=True):
         nodes = {n.node_id: n for n in cluster.meta.list_nodes()}
+        if node_id in nodes and node_id in cluster.live_nodes():
+            problems = "; ".join(node_health(nodes[node_id]).get("problems", [])) or "its heartbeat says so"
+            raise click.ClickException(f"node {node_id} cannot serve ({problems}): it takes no partition until it "
+                                       "can; migrate to another node (`s3stream streams --meta URL` shows them)")
         why = ("is not registered in the metadata" if node_id not in nodes else
                "was failed over" if nodes[node_id].failover else
                f"has not sent a heartbeat for {(time.time_ns() - nodes[node_id].heartbeat_ns) / 1e9:.1f} s")
@@ -127,8 +231,8 @@ def format_migration(report: MigrationReport) -> str:
              f"  seconds       {report.seconds:.3f}",
              f"  tail bytes    {report.tail_bytes:,} (force-uploaded by the source on close)",
              f"  leader epoch  {report.leader_epoch}",
-             "  failed over   " + ("yes: the source did not let go in time and was fenced and failed over"
-                                    if report.failed_over else "no")]
+             "  failed over   " + ("yes: the source did not let go in time and was silent, so it was fenced and "
+                                    "failed over" if report.failed_over else "no")]
     return "\n".join(lines)
 
 
@@ -140,23 +244,31 @@ def format_migration(report: MigrationReport) -> str:
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=ClusterConfig.migration_timeout,
               show_default=True, metavar="S",
               help="Seconds to wait for the source to let go and for NODE to open the partition.")
+@click.option("--heartbeat-timeout", type=click.FloatRange(min=0, min_open=True),
+              default=ClusterConfig.heartbeat_timeout, show_default=True, metavar="S",
+              help="The cluster's ClusterConfig.heartbeat_timeout: how long a source that holds on must be silent, "
+                   "counted here, to be failed over.")
 @json_option
 @user_errors
-def migrate(partition: str, node: int, meta_url: str, store_url: str, timeout: float, as_json: bool) -> None:
+def migrate(partition: str, node: int, meta_url: str, store_url: str, timeout: float, heartbeat_timeout: float,
+            as_json: bool) -> None:
     """Move PARTITION to node NODE and print the migration report.
 
     NODE must be running a StreamClient with a NodeAgent (s3stream.cluster.NodeAgent): its agent
     opens the partition once the source's agent has closed it (force-uploading its tail). A
-    target that is not live (unknown, failed over, or no heartbeat for 5 s) is refused before
-    anything changes. If the source does not let go within --timeout, it is fenced and failed
-    over from here, which needs its WAL path (see `s3stream streams`) readable by this process.
-    If NODE does not open the partition in time, the command fails (exit 1) and the partition
-    stays assigned to NODE.
+    target that is not live (unknown, failed over, no heartbeat for 5 s) or says it cannot serve
+    is refused before anything changes. If the source still holds the partition after --timeout
+    and sent no heartbeat for the heartbeat timeout (counted here while it waited), it is fenced
+    and failed over from here, which needs its WAL (see `s3stream streams`) readable by this
+    process; a source that is alive is never failed over by a migration (exit 1, naming it:
+    `s3stream node fail-over NODE --force` does it on purpose). If NODE does not open the
+    partition in time, the command fails (exit 1) and the partition stays assigned to NODE.
     """
     # A failover opens the source's WAL with the capacity in its header, whatever it is.
     failover_config = Config(wal=wal.WALConfig(capacity=None))
+    config = _timing(heartbeat_timeout)
     with contextlib.closing(open_meta(meta_url)) as meta, contextlib.closing(open_store(store_url)) as store:
-        cluster = Cluster(meta, store, engine_config=failover_config)
+        cluster = Cluster(meta, store, config, engine_config=failover_config)
         current = check_target(cluster, partition, node)
         if current["node"] == node and cluster.owner(partition) == node:
             if as_json:
@@ -166,6 +278,8 @@ def migrate(partition: str, node: int, meta_url: str, store_url: str, timeout: f
             return
         try:
             report = cluster.with_close_record(cluster.migrate(partition, node, timeout=timeout))
+        except NodeAliveError:
+            raise                           # its message says what holds the partition and what to do
         except S3StreamError as e:
             raise click.ClickException(
                 f"{e}. Is node {node} running a NodeAgent? The partition stays assigned to node {node} and "
@@ -176,27 +290,68 @@ def migrate(partition: str, node: int, meta_url: str, store_url: str, timeout: f
         click.echo(format_migration(report))
 
 
-# ---- node: forget, history -------------------------------------------------------------------------
+# ---- node: fail-over, forget, history --------------------------------------------------------------
 
 @click.group()
 def node() -> None:
-    """Operate on nodes: give up a lost one, list failovers."""
+    """Operate on nodes: fail a dead one over, give up a lost one, list failovers."""
+
+
+def _partition_names(meta: MetadataStore) -> dict[int, str]:
+    """Meta stream id -> its partition's name."""
+    out = {}
+    for key, raw in meta.list_kv(PARTITION_KV_PREFIX).items():
+        try:
+            out[int(raw)] = key[len(PARTITION_KV_PREFIX):]
+        except ValueError:
+            continue
+    return out
+
+
+def _placement_lines(node_id: int, reassigned: dict[str, int], waiting: list[str], gone: str) -> list[str]:
+    lines = [f"  partition {name!r} -> node {target}" for name, target in sorted(reassigned.items())]
+    if waiting:
+        names = ", ".join(repr(n) for n in waiting)
+        one = len(waiting) == 1
+        lines.append(f"  partition{'' if one else 's'} {names} wait{'s' if one else ''}: no live node could take "
+                     f"{'it' if one else 'them'}, so {'it stays' if one else 'they stay'} assigned to node {node_id} "
+                     f"({gone}) and {'serves' if one else 'serve'} nowhere. "
+                     f"{'It moves by itself' if one else 'They move by themselves'} to a node that can serve as soon "
+                     "as one runs its NodeAgent (start one); or move it with `s3stream migrate PARTITION NODE` once "
+                     "NODE runs")
+    return lines
+
+
+def _previous_line(node_id: int, previous: dict | None, what: str) -> str:
+    if previous is None:
+        return (f"Node {node_id} was already given up (it retired, or the record of its failover is no longer "
+                f"kept): nothing to {what}, nothing changed")
+    by = "" if previous.get("judge") is None else f" by node {previous['judge']}"
+    kind = "forgotten" if previous.get("kind") == "forget" else f"failed over ({previous.get('kind')}{by})"
+    return (f"Node {node_id} was already {kind} at {_when(previous.get('at_ns'))}, fenced at epoch "
+            f"{previous.get('fenced_epoch')} ({previous.get('reason')}): nothing changed. What that did:")
 
 
 def format_forget(report: ForgetReport) -> str:
-    lines = [f"Forgot node {report.node_id}: fenced at epoch {report.fenced_epoch}; {len(report.streams)} streams "
-             "it held are closed"]
+    if report.already:
+        lines = [_previous_line(report.node_id, report.previous, "forget")]
+        if report.previous is not None and report.previous.get("kind") != "forget":
+            lines.append(f"  its WAL was replayed: {report.previous.get('replayed', 0)} records committed on its "
+                         "behalf; nothing was given up")
+    else:
+        lines = [f"Forgot node {report.node_id}: fenced at epoch {report.fenced_epoch}; {len(report.streams)} "
+                 "streams it held are closed"]
     rows = [[f.stream_id, f.partition or "-", f.committed_end,
              f"[{f.committed_end}, {f.given_up_end})" if f.given_up else "-", f"{f.given_up:,}"]
             for f in report.streams]
     if rows:
         lines.append(table(["stream", "partition meta of", "committed end", "offsets given up", "count"], rows))
-    lost = [f for f in report.streams if f.given_up]
-    lines.append(f"  {len(lost)} streams resume above offsets the node may have acknowledged; what its lost WAL "
-                 "held there is gone (reads there raise OffsetsLostError)" if lost else
-                 "  no stream gives up any offset")
-    for name, target in sorted(report.reassigned.items()):
-        lines.append(f"  partition {name!r} -> node {target}")
+    if not report.already or report.previous is not None and report.previous.get("kind") == "forget":
+        lost = [f for f in report.streams if f.given_up]
+        lines.append(f"  {len(lost)} streams resume above offsets the node may have acknowledged "
+                     f"({sum(f.given_up for f in lost):,} offsets given up); what its lost WAL held there is gone "
+                     "(reads there raise OffsetsLostError)" if lost else "  no stream gives up any offset")
+    lines += _placement_lines(report.node_id, report.reassigned, report.waiting, "forgotten")
     return "\n".join(lines)
 
 
@@ -214,9 +369,12 @@ def forget(node_id: int, wal_lost: bool, meta_url: str, reason: str, as_json: bo
 
     Each stream resumes above every offset NODE could have acknowledged (nodes reserve offsets
     in metadata before taking them), so no acknowledged offset ever holds another record; the
-    offsets skipped are printed per stream and recorded in the failover history. Use it only when
-    the WAL cannot come back: a node whose WAL is readable is failed over without losing anything
-    (its peers do that by themselves).
+    offsets given up are printed per stream and recorded in the failover history. Partitions no
+    live node can take stay assigned to NODE and move once a node runs its agent (the command
+    still succeeds and says so). Running it again on a node already given up changes nothing
+    and prints what the first run did. Use it only when the WAL cannot come back: a node whose
+    WAL is readable is failed over without losing anything (its peers do that by themselves, or
+    `s3stream node fail-over NODE`).
     """
     with contextlib.closing(open_meta(meta_url)) as meta:
         if node_id not in {n.node_id for n in meta.list_nodes()}:
@@ -225,9 +383,94 @@ def forget(node_id: int, wal_lost: bool, meta_url: str, reason: str, as_json: bo
         report = Cluster(meta, store=None).forget(node_id, wal_lost=wal_lost, reason=reason)
     if as_json:
         emit_json(dict(node_id=report.node_id, fenced_epoch=report.fenced_epoch, reassigned=report.reassigned,
+                       waiting=report.waiting, already=report.already, previous=report.previous,
                        streams=[dict(vars(f), given_up=f.given_up) for f in report.streams]))
     else:
         click.echo(format_forget(report))
+
+
+def _replayed_rows(streams: list[dict], partitions: dict[int, str]) -> list[list]:
+    return [[s["stream_id"], partitions.get(s["stream_id"], "-"), s["committed_end"], s["end"],
+             f"[{s['committed_end']}, {s['end']})" if s["end"] > s["committed_end"] else "-",
+             f"{s['end'] - s['committed_end']:,}"] for s in streams]
+
+
+def format_fail_over(outcome: FailoverOutcome, partitions: dict[int, str], wal_path: str) -> str:
+    report = outcome.report
+    if report is None:
+        lines = [_previous_line(outcome.node_id, outcome.previous, "fail over")]
+        streams = (outcome.previous or {}).get("streams", [])
+        streams = [s for s in streams if "end" in s]
+    else:
+        forced = " (forced: it may have been alive; its WAL was read once its lease was over)" if outcome.forced else ""
+        lines = [f"Failed node {outcome.node_id} over{forced}: fenced at epoch {report.fenced_epoch}; its WAL "
+                 f"{wal_path} held {report.records} records, {report.replayed} committed on its behalf; "
+                 f"{report.streams_closed} streams closed in {report.seconds:.3f} s"]
+        streams = [dataclasses.asdict(s) for s in report.streams]
+    if streams:
+        lines.append(table(["stream", "partition meta of", "committed end", "end now", "offsets replayed", "count"],
+                           _replayed_rows(streams, partitions)))
+    lines += _placement_lines(outcome.node_id, outcome.reassigned, outcome.waiting, "failed over")
+    return "\n".join(lines)
+
+
+@node.command("fail-over")
+@click.argument("node_id", metavar="NODE", type=click.IntRange(min=0))
+@meta_option
+@store_option(required=True)
+@click.option("--wal", "wal_location", metavar="PATH|URL",
+              help="NODE's WAL as this host reaches it: a file path, or a WAL of objects (s3://bucket/prefix?..., "
+                   "objects+file:///dir). Default: the location NODE registered (`s3stream streams`).")
+@click.option("--force", is_flag=True,
+              help="Fail NODE over even if it is alive (it heartbeats): it is fenced at once, stops, and its WAL is "
+                   "read once its lease is over. Every partition it serves moves.")
+@click.option("--heartbeat-timeout", type=click.FloatRange(min=0, min_open=True),
+              default=ClusterConfig.heartbeat_timeout, show_default=True, metavar="S",
+              help="The cluster's ClusterConfig.heartbeat_timeout: how long NODE must be silent, counted here, to be "
+                   "dead by the failure detector's rules.")
+@click.option("--reason", default="an operator's failover (s3stream node fail-over)", show_default=True,
+              help="Recorded in the history.")
+@json_option
+@user_errors
+def fail_over(node_id: int, meta_url: str, store_url: str, wal_location: str | None, force: bool,
+              heartbeat_timeout: float, reason: str, as_json: bool) -> None:
+    """Fail NODE over: fence it, replay its WAL on its behalf (what it acknowledged is committed
+    to the store), close its streams and reassign its partitions to live nodes.
+
+    For a dead node whose WAL this host can read: a file (a shared volume) or a WAL of objects.
+    NODE must be dead by the failure detector's rules: the command watches its heartbeat record
+    for --heartbeat-timeout and refuses (exit 1) a node that heartbeats meanwhile, unless
+    --force. Prints what was replayed per stream and records the failover in the history
+    (`s3stream node history`). Running it again on a node already failed over changes nothing
+    and prints what the first run did. A node whose WAL is lost with its host: `s3stream node
+    forget NODE --wal-lost`.
+    """
+    config = _timing(heartbeat_timeout)
+    # The WAL is opened with the capacity in its header, whatever it is.
+    engine = Config(wal=wal.WALConfig(capacity=None))
+    with contextlib.closing(open_meta(meta_url)) as meta, contextlib.closing(open_store(store_url)) as store:
+        nodes = {n.node_id: n for n in meta.list_nodes()}
+        if node_id not in nodes:
+            raise click.ClickException(f"node {node_id} is not registered in the metadata; `s3stream streams` "
+                                       "lists the nodes")
+        location = wal_location or nodes[node_id].wal_path
+        if not nodes[node_id].walless and not is_object_wal(location) and not os.path.exists(file_path(location)):
+            raise click.ClickException(
+                f"node {node_id}'s WAL {location!r} is not reachable from this host (no such file); give its path "
+                "here with --wal PATH (a shared volume), or, if it is lost with its host, `s3stream node forget "
+                f"{node_id} --wal-lost`")
+        cluster = Cluster(meta, store, config, engine)
+        if not as_json and not force and not nodes[node_id].failover:
+            click.echo(f"watching node {node_id}'s heartbeat for {heartbeat_timeout} s (the failure detector's rule) "
+                       "before failing it over", err=True)
+        outcome = cluster.fail_over_node(node_id, force=force, reason=reason, wal_path=wal_location)
+        partitions = _partition_names(meta)
+    if as_json:
+        emit_json(dict(node_id=node_id, already=outcome.already, forced=outcome.forced, previous=outcome.previous,
+                       reassigned=outcome.reassigned, waiting=outcome.waiting,
+                       report=None if outcome.report is None else dataclasses.asdict(outcome.report)))
+    else:
+        click.echo(format_fail_over(outcome, partitions, location))
 
 
 @node.command()

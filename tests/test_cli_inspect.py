@@ -1,5 +1,6 @@
 """`s3stream inspect` on what a new user has at hand (issue 50, item 8): a WAL kept as objects,
-read without writing anything there (the node goes on unfenced)."""
+read without writing anything there (the node goes on unfenced), and an object named by the id
+`s3stream streams --objects` prints, resolved through the metadata."""
 from __future__ import annotations
 
 import hashlib
@@ -10,6 +11,7 @@ import pytest
 
 import wal
 from s3stream import RecordBatch, StreamClient
+from s3stream.metadata import ObjectState, open_metadata
 from s3stream.objectstore import LocalObjectStore
 from wal import objectinspect
 from wal.objectlog import ObjectWAL
@@ -108,3 +110,40 @@ def test_inspect_wal_of_objects_errors(tmp_path, object_wal_node):
     result = run("inspect", "wal", wal_url)
     fails(result, 1, "is damaged at logical offset")
     assert "valid records" in result.stdout                  # the summary first
+
+
+@pytest.fixture
+def engine_meta(tmp_path):
+    """A node's data after a clean close, and its metadata URL."""
+    meta_url = f"sqlite:///{tmp_path}/meta.db"
+    client = StreamClient(1, tmp_path / "n1.wal", f"file://{tmp_path}/objects", meta_url, small_config())
+    stream = client.create_stream()
+    for i in range(40):
+        stream.append(RecordBatch(bytes([i]) * 4000, 1)).result(10)
+    client.close()
+    return meta_url
+
+
+def test_inspect_object_by_the_id_streams_prints(tmp_path, engine_meta):
+    listing = json.loads(ok(run("streams", "--meta", engine_meta, "--objects", "--json")))
+    [obj] = [o for o in listing["object_list"] if o["state"] == ObjectState.COMMITTED.value]
+    assert obj["ranges"] == [[1, 0, 40]]
+    text = ok(run("streams", "--meta", engine_meta, "--objects"))
+    assert f"  {obj['object_id']} " in text and obj["key"] in text
+    store = f"file://{tmp_path}/objects"
+    data = json.loads(ok(run("inspect", "object", str(obj["object_id"]), "--meta", engine_meta, "--store", store,
+                             "--verify", "--json")))
+    assert data["key"] == obj["key"] and data["metadata"]["object_id"] == obj["object_id"]
+    assert data["verify"] == [None] * len(data["index"]) and data["index"][-1]["end_offset"] == 40
+    out = ok(run("inspect", "object", str(obj["object_id"]), "--store", store, env={"S3STREAM_META": engine_meta}))
+    assert f"Object {obj['object_id']} (COMMITTED {obj['type']}" in out
+    fails(run("inspect", "object", "999", "--meta", engine_meta, "--store", store), 1, "object 999 is not in the "
+          "metadata", "s3stream streams --objects")
+    fails(run("inspect", "object", str(obj["object_id"]), "--meta", engine_meta), 1, obj["key"], "pass --store")
+    fails(run("inspect", "object", str(obj["object_id"]), "--store", store), 1, "looks like an object id",
+          "--meta")
+    with open_metadata(engine_meta) as meta:
+        meta.mark_destroyed([obj["object_id"]])
+    (tmp_path / "objects" / obj["key"]).unlink()
+    fails(run("inspect", "object", str(obj["object_id"]), "--meta", engine_meta, "--store", store), 1,
+          "MARK_DESTROYED in the metadata", "is not in")

@@ -1,9 +1,13 @@
 """The `s3stream` command: look inside WALs, objects and metadata, move partitions, run benchmarks.
 
-    s3stream inspect wal PATH            a WAL's header and what recovery would read from it
-    s3stream inspect object PATH|KEY     an object's footer and index; --verify decodes every block
+    s3stream inspect wal PATH|URL        a WAL's header (a file's) or objects (a WAL of objects') and what
+                                         recovery would read from it
+    s3stream inspect object PATH|KEY|ID  an object's footer and index; --verify decodes every block
     s3stream streams --meta URL          streams, objects, nodes and partitions in the metadata
     s3stream migrate PARTITION NODE      move a partition to a node that runs a NodeAgent
+    s3stream node fail-over NODE         fail a dead node over from here (its WAL reachable from this host)
+    s3stream node forget NODE --wal-lost give up a node whose WAL is lost with its host
+    s3stream node history                every failover, migration fallback and forget
     s3stream balance plan                the moves the balancer would make now (live, or a recorded state)
     s3stream balance record|status       save the state it plans from; its lease, nodes' reports, last round
     s3stream balance run                 run a balancer candidate in the foreground (moves partitions)
@@ -16,7 +20,7 @@ corrupt WAL or object, a bad URL) print one line saying what was wrong and what 
 status 1; usage errors exit 2.
 
 One module per command group: inspect (inspect wal|object, wal-salvage), cluster (streams,
-migrate), balance, mirror, bench; common holds what they share. This module makes the `main`
+migrate, node), balance, mirror, bench; common holds what they share. This module makes the `main`
 group and registers theirs.
 """
 from __future__ import annotations

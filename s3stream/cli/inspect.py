@@ -13,13 +13,14 @@ import wal
 from _native import objcodec
 from wal import objectinspect
 
-from ..errors import S3StreamError
+from ..errors import ObjectNotFoundError, S3StreamError
+from ..metadata import ObjectMeta
 from ..objectformat import FOOTER_SIZE, IndexEntry, read_blocks, read_index
 from ..objectstore import LocalObjectStore, ObjectStore
 from ..recovery import WAL_RECORD
 from ..walopen import OBJECTS_PREFIX, is_object_wal
 from ..walopen import open_store as open_wal_store
-from .common import emit_json, iso_time, json_option, open_store, store_option, table, user_errors
+from .common import META_HELP, emit_json, iso_time, json_option, open_meta, open_store, store_option, table, user_errors
 
 
 @click.group()
@@ -328,6 +329,27 @@ def wal_salvage(path: str, apply: bool, as_json: bool) -> None:
 
 # ---- inspect object -------------------------------------------------------------------------------
 
+def resolve_object_id(target: str, meta_url: str | None, store_url: str | None) -> ObjectMeta | None:
+    """The metadata of object `target` if it is an object id (digits) to resolve through the
+    metadata at `meta_url`; None if `target` is a path or a key. An id without --meta, or
+    without --store to read it from, is refused with what to pass."""
+    if not target.isdigit() or (meta_url is None and (store_url is None and os.path.exists(target))):
+        return None
+    if meta_url is None:
+        raise click.ClickException(f"{target!r} looks like an object id: pass --meta URL to find its key (and "
+                                   "--store URL to read it), or give its key with --store, or an object file")
+    with contextlib.closing(open_meta(meta_url)) as meta:
+        try:
+            found = meta.get_object(int(target))
+        except S3StreamError as e:
+            raise click.ClickException(f"object {target} is not in the metadata ({e}); `s3stream streams --objects "
+                                       "--meta URL` lists the object ids") from None
+    if store_url is None:
+        raise click.ClickException(f"object {target} is {found.key} ({found.state.value}): pass --store URL, the "
+                                   "object store the cluster writes to, to read it")
+    return found
+
+
 @contextlib.contextmanager
 def object_location(target: str, store_url: str | None) -> Iterator[tuple[ObjectStore, str, str | None]]:
     """(store, key, local path) of an object: a key in the store at `store_url` (no local path),
@@ -377,6 +399,10 @@ def format_object(report: dict) -> str:
     f = report["footer"]
     streams = sorted({e["stream_id"] for e in report["index"]})
     where = report["path"] or f"{report['key']} in {report['store']}"
+    meta = report.get("metadata")
+    if meta is not None:
+        where = (f"{meta['object_id']} ({meta['state']} {meta['type'] or '-'}"
+                 + (f" of node {meta['node_id']}" if meta["node_id"] is not None else "") + f"): {where}")
     lines = [f"Object {where}",
              f"  size     {report['size']:,} bytes",
              f"  footer   index at {f['index_position']:,}, {f['index_length']:,} bytes, {f['entries']} entries, "
@@ -398,30 +424,46 @@ def format_object(report: dict) -> str:
 
 
 @inspect.command("object")
-@click.argument("target", metavar="PATH|KEY")
-@store_option(required=False, help="Read KEY from this object store (file:///dir, a directory, s3://bucket/"
-                                   "prefix?...; env S3STREAM_STORE). Without it, PATH is a local object file.")
+@click.argument("target", metavar="PATH|KEY|ID")
+@store_option(required=False, help="Read KEY (or object ID) from this object store (file:///dir, a directory, "
+                                   "s3://bucket/prefix?...; env S3STREAM_STORE). Without it, PATH is a local object "
+                                   "file.")
+@click.option("--meta", "meta_url", envvar="S3STREAM_META", metavar="URL",
+              help="Resolve an object ID (as `s3stream streams --objects` prints it) to its key through this "
+                   "metadata. " + META_HELP)
 @click.option("--verify", is_flag=True, help="Decode every block and check its CRC and offsets against the "
                                              "index; exit 1 if any block is corrupt.")
 @json_option
 @user_errors
-def inspect_object(target: str, store_url: str | None, verify: bool, as_json: bool) -> None:
+def inspect_object(target: str, store_url: str | None, meta_url: str | None, verify: bool, as_json: bool) -> None:
     """Print an object's size, footer and index entries.
 
-    PATH|KEY is a local object file (e.g. objects/ab12/0000000000000007.obj) or, with --store, a
-    key in that store. Index entries: stream, offsets [start, end), records, and where the block
-    is. A corrupt footer or index is an error (exit 1).
+    PATH|KEY|ID is a local object file (e.g. objects/ab12/0000000000000007.obj), or with --store
+    a key in that store, or with --meta and --store an object id (its key is read from the
+    metadata; `s3stream streams --objects` lists the ids). Index entries: stream, offsets
+    [start, end), records, and where the block is. A corrupt footer or index is an error (exit 1).
     """
-    with object_location(target, store_url) as (store, key, path):
+    resolved = resolve_object_id(target, meta_url, store_url)
+    with object_location(resolved.key if resolved else target, store_url) as (store, key, path):
         try:
             size = store.size(key)
         except ValueError as e:     # a key the store cannot hold, e.g. with '..' segments
             raise click.ClickException(f"invalid object key {key!r}: {e}") from None
+        except ObjectNotFoundError as e:
+            if resolved is None:
+                raise
+            raise click.ClickException(f"object {resolved.object_id} ({resolved.state.value} in the metadata) is not "
+                                       f"in {store.url} as {key}: {e}. Is --store the cluster's object store?"
+                                       ) from None
         footer = read_footer(store, key, size)
         index = read_index(store, key, size)
         report: dict[str, Any] = dict(path=path, store=None if path else store.url, key=key, size=size,
                                       footer=footer,
                                       index=[e._asdict() for e in index])
+        if resolved is not None:
+            report["metadata"] = dict(object_id=resolved.object_id, state=resolved.state.value,
+                                      type=resolved.type.value if resolved.type else None, node_id=resolved.node_id,
+                                      size=resolved.size)
         if verify:
             report["verify"] = [verify_block(store, key, e) for e in index]
     bad = sum(problem is not None for problem in report.get("verify") or [])

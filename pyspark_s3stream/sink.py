@@ -206,7 +206,7 @@ class _Context:
         streams = [self.meta.create_stream(node_id, node_epoch) for _ in (None, *DATA_ROLES)]
         meta_stream, data = streams[0], dict(zip(DATA_ROLES, streams[1:]))
         checkpoint = Checkpoint({role: stream.stream_id for role, stream in data.items()})
-        piece = self.write_object(meta_stream.stream_id, 0, [(1, checkpoint.encode())])
+        piece = self.write_object(meta_stream.stream_id, 0, [(1, checkpoint.encode())], kafka=False)
         self.meta.commit(CommitRequest(
             node_id, node_epoch,
             stream_objects=(CommitStreamObject(piece.object_id, piece.size,
@@ -236,13 +236,14 @@ class _Context:
         raise SinkError(f"could not reserve offsets of stream {stream_id}: {CAS_ATTEMPTS} compare-and-sets on "
                         f"{key!r} lost to other writers")
 
-    def write_object(self, stream_id: int, start: int, batches: list[tuple[int, bytes]]) -> Piece:
-        """A StreamObject of `batches` ((record count, Kafka batch)) at offsets from `start`."""
+    def write_object(self, stream_id: int, start: int, batches: list[tuple[int, bytes]], kafka: bool = True) -> Piece:
+        """A StreamObject of `batches` ((record count, payload)) at offsets from `start`. With
+        `kafka`, each payload is a Kafka batch, stored with its offset in the stream in its
+        header as a broker (and the engine's append path) stores one; this writer knows the
+        offsets only here. Without, payloads are stored as they are (a partition's checkpoint)."""
         items, offset = [], start
         for count, payload in batches:
-            # The batch's header carries its offset in the stream, as a broker (and the engine's
-            # append path) stores a Kafka batch; this writer knows the offsets only here.
-            items.append((offset, count, with_base_offset(payload, offset)))
+            items.append((offset, count, with_base_offset(payload, offset) if kafka else payload))
             offset += count
         data = encode_object([(stream_id, items)], BLOCK_SIZE).data
         object_id = self.meta.prepare_objects(1, int(PREPARED_TTL * 1e9))[0]

@@ -182,8 +182,12 @@ class StreamClient:
             self._close_owned()
             raise ConfigError(f"wal_path must be a path, a URL (file:///..., s3://bucket/prefix, objects+URL) or an "
                               f"ObjectStore, got {wal_path!r} ({type(wal_path).__name__})")
-        location = registered_location(wal_path)
         self._host_lock: HostLock | None = None
+        try:
+            location = registered_location(wal_path)
+        except BaseException:
+            self._close_owned()            # a mistyped WAL URL: nothing is left open
+            raise
         try:
             # Refuse a second instance of this node on this host before bumping the node epoch,
             # which would fence the running one and lose what it has not uploaded. A file WAL's
@@ -967,9 +971,11 @@ class StreamClient:
         store that is down or refusing cannot hold close() forever. Streams whose data could not
         be uploaded in time stay OPENED with their tail in the WAL, which the node's next start
         (or a failover) replays. Returns {"closed": stream ids closed, "left_in_wal": stream ids
-        whose tail stayed in the WAL, "errors": messages, "retired": bool}; also logged as a warning."""
+        whose tail stayed in the WAL, "fenced": stream ids another node took over (not closed
+        here: their tail is in this WAL for that node to replay), "errors": messages, "retired":
+        bool}; also logged as a warning."""
         if self._closed:
-            return dict(closed=[], left_in_wal=[], errors=[], retired=False)
+            return dict(closed=[], left_in_wal=[], fenced=[], errors=[], retired=False)
         if self.metrics is not None:
             self.metrics.unregister()
         deadline = time.monotonic() + (self.config.close_timeout if timeout is None else timeout)
@@ -993,7 +999,14 @@ class StreamClient:
             close_addon = getattr(addon, "close", None)
             if close_addon is not None:
                 errors.extend(close_addon(remaining()))
+        fenced: list[int] = []
         for stream in self.streams():
+            if stream._state == Stream.FENCED:
+                # Another node owns it now; its tail is in this WAL for that node's failover to
+                # replay. Not closed here: say so.
+                fenced.append(stream.stream_id)
+                self._forget(stream)
+                continue
             try:
                 stream.close(remaining())
                 closed.append(stream.stream_id)
@@ -1026,7 +1039,7 @@ class StreamClient:
         if left:
             log.warning("client of node %d: streams %s were not uploaded before close gave up; their data "
                         "stays in WAL %s and is replayed at the node's next start", self.node_id, left, self._wal.path)
-        return dict(closed=closed, left_in_wal=left, errors=[str(e) for e in errors], retired=retired)
+        return dict(closed=closed, left_in_wal=left, fenced=fenced, errors=[str(e) for e in errors], retired=retired)
 
     def _close_owned(self) -> None:
         """Close the stores this client opened from URLs (not the ones it was handed), and let

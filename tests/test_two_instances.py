@@ -92,6 +92,8 @@ def test_two_live_instances_lose_nothing_and_the_first_stops(tmp_path, store_url
     assert a.result["health"]["serving"] is False
     assert any("fenced" in p for p in a.result["health"]["problems"])
     assert not any("not committed within" in e or "timeout" in e for e in a.result["close"]["errors"])
+    sid = int((tmp_path / "stream_id").read_text())
+    assert a.result["close"]["closed"] == [] and a.result["close"]["fenced"] == [sid]
     assert b.result["health"]["serving"] is True and b.result["close"]["errors"] == []
     offsets = [base for base, _ in a.acks + b.acks]
     assert len(offsets) == len(set(offsets)), "no offset was acknowledged twice"

@@ -293,8 +293,10 @@ def test_an_agent_whose_view_is_broken_cannot_serve_takes_nothing_and_judges_nob
         view.assignments = broken                                       # type: ignore[method-assign]
         wait_for(lambda: not json.loads(meta.get_node(1).health or "{}").get("serving", True),
                  what="the heartbeat says node 1 cannot serve")
-        [problem] = json.loads(meta.get_node(1).health)["problems"]
+        health = json.loads(meta.get_node(1).health)
+        [problem] = health["problems"]
         assert "its agent cannot read the cluster" in problem and "list_kv" in problem
+        assert not health["stuck"]                     # its partitions still take appends: it keeps its lease
         assert 1 not in cluster.live_nodes(serving=True) and 1 in cluster.live_nodes()
         with pytest.raises(S3StreamError, match="not a live node that can serve"):
             cluster.migrate("p", 1)

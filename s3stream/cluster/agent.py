@@ -127,12 +127,13 @@ class NodeAgent:
         # The engine's problems are for good (fenced, WAL failed, uploads stopped): only those
         # make the node give its partitions up after unhealthy_grace. Uploads that keep failing
         # (the store down, for everyone perhaps) only keep it from taking more and from judging.
+        health["stuck"] = not health["serving"]
         if self._view_problem is not None:
-            # It cannot see its assignments nor judge: it takes nothing and judges nobody, and
-            # if this lasts unhealthy_grace it gives its partitions up (a peer fails it over).
+            # It cannot see its assignments nor judge: it takes nothing and judges nobody. Not
+            # stuck: the partitions it holds still take appends, and giving its lease up would
+            # stop them (every node's, when all agents share the fault).
             health["problems"] = [*health["problems"], f"its agent cannot read the cluster: {self._view_problem}"]
             health["serving"] = False
-        health["stuck"] = not health["serving"]
         failing = health.get("uploads_failing_seconds", 0.0)
         if failing > self.config.heartbeat_timeout:
             health["problems"] = [*health["problems"], f"uploads failing for {failing:.0f} s: "

@@ -13,6 +13,7 @@ import pytest
 from s3stream import RecordBatch, StreamClient
 from s3stream.cluster import Cluster, ClusterConfig, NodeAgent
 from s3stream.metadata import open_metadata
+from s3stream.metadata.base import WALLESS
 from s3stream.objectstore import LocalObjectStore
 from cli_helpers import fails, ok, run
 from conftest import small_config
@@ -172,7 +173,10 @@ def test_fail_over_refuses_what_cannot_work(nodes, tmp_path):
     fails(run("node", "fail-over", "1", *nodes.where, "--wal", tmp_path / "elsewhere.wal"), 1,
           "not reachable from this host", "forget 1 --wal-lost")
     fails(run("node", "fail-over", "1", "--meta", nodes.meta_url), 2, "Missing option '--store'")
+    nodes.meta.register_node(7, WALLESS + "spark sink committer")
+    fails(run("node", "fail-over", "7", *nodes.where), 1, "node 7 is a writer without a WAL")
     assert nodes.cluster.failover_history() == [] and not nodes.meta.get_node(1).failover   # nothing changed
+    assert not nodes.meta.get_node(7).failover
 
 
 def test_fail_over_a_node_whose_wal_is_objects(nodes, tmp_path):

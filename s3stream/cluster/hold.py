@@ -52,6 +52,7 @@ class AppendHold:
         self._until = 0                     # appends wait until then at most
         self._budget = self.limit_ns        # held ns left to spend
         self._refilled = runtime.monotonic_ns()
+        self._released = 0                  # when the last hold ended
         self.stats = dict(moves_held=0, held_seconds=0.0, appends_held=0, append_hold_seconds=0.0)
 
     @contextlib.contextmanager
@@ -81,6 +82,7 @@ class AppendHold:
                     self._budget -= held
                     self._refilled = now
                     self.stats["held_seconds"] += held / 1e9
+                    self._released = now
                     self._free.set()
 
     def remaining(self) -> float:
@@ -105,8 +107,14 @@ class AppendHold:
         left = self._until - now
         if left <= 0:
             return
-        self._free.wait(left / 1e9)
-        self.count_wait((self._runtime.monotonic_ns() - now) / 1e9)
+        released = self._free.wait(left / 1e9)
+        end = self._runtime.monotonic_ns()
+        if released:
+            # The hold ended when the move let go, not when this thread got to run again: the
+            # wake-up's latency is the scheduler's, and counted it made an append's wait longer
+            # than the hold itself.
+            end = min(end, max(now, self._released))
+        self.count_wait((end - now) / 1e9)
 
 
 __all__ = ["AppendHold"]

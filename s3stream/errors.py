@@ -21,7 +21,15 @@ class StreamNotFoundError(S3StreamError, KeyError):
 
 
 class StreamNotClosedError(S3StreamError):
-    """The stream is open on another node; close it there (or fail that node over) first."""
+    """The stream is open on another node; close it there first, or, if that node is dead, fail
+    it over (`s3stream node fail-over NODE`)."""
+
+    @classmethod
+    def held(cls, stream_id: int, node_id: int | None, epoch: int) -> "StreamNotClosedError":
+        """The error for stream `stream_id` held open by node `node_id` at `epoch`."""
+        return cls(f"stream {stream_id} is open on node {node_id} at epoch {epoch}; close it there (its agent does "
+                   f"once the partition is assigned elsewhere), or if node {node_id} is dead fail it over: "
+                   f"`s3stream node fail-over {node_id}`")
 
 
 class StreamFencedError(S3StreamError):

@@ -139,7 +139,7 @@ def test_other_node_cannot_open_an_open_stream(tmp_path, metadata_url):
     b = client(tmp_path, 2, f"file://{tmp_path}/objects", metadata_url)
     s = a.create_stream()
     s.append(RecordBatch(b"a", 1)).result(10)
-    with pytest.raises(s3stream.StreamNotClosedError):
+    with pytest.raises(s3stream.StreamNotClosedError, match=r"open on node 1 .*`s3stream node fail-over 1`"):
         b.open_stream(s.stream_id)
     s.close()
     s2 = b.open_stream(s.stream_id)

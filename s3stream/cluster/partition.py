@@ -551,8 +551,7 @@ def _open_all(client: StreamClient, meta_id: int,
     opens them one by one. StreamNotClosedError while another node holds it."""
     meta_meta = client.metadata.get_stream(meta_id)
     if meta_meta.state == StreamState.OPENED and meta_meta.owner_node_id != client.node_id:
-        raise StreamNotClosedError(f"stream {meta_id} is open on node {meta_meta.owner_node_id} at epoch "
-                                   f"{meta_meta.epoch}; close it there or fail that node over first")
+        raise StreamNotClosedError.held(meta_id, meta_meta.owner_node_id, meta_meta.epoch)
     if client.opened(meta_id) is not None:
         return None
     checkpoint = _committed_checkpoint(client, meta_meta)
@@ -576,8 +575,7 @@ def _check_let_go(client: StreamClient, raw: bytes | None, version: int) -> None
     except StreamNotFoundError:
         return                            # the usual open finds out what happened
     if meta.state == StreamState.OPENED and meta.owner_node_id != client.node_id:
-        raise StreamNotClosedError(f"stream {meta_id} is open on node {meta.owner_node_id} at epoch {meta.epoch}; "
-                                   "close it there or fail that node over first")
+        raise StreamNotClosedError.held(meta_id, meta.owner_node_id, meta.epoch)
 
 
 def _open_hinted(client: StreamClient, raw: bytes | None,

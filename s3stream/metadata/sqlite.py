@@ -935,9 +935,7 @@ def _open_rows(db: _Connection, stream_ids: Sequence[int], node_id: int, reserve
         if stream.state == StreamState.DELETED:
             raise StreamNotFoundError(f"stream {stream_id} was deleted")
         if stream.state == StreamState.OPENED and stream.owner_node_id != node_id:
-            raise StreamNotClosedError(
-                f"stream {stream_id} is open on node {stream.owner_node_id} at epoch "
-                f"{stream.epoch}; close it there or fail that node over first")
+            raise StreamNotClosedError.held(stream_id, stream.owner_node_id, stream.epoch)
         epoch = stream.epoch + 1
         last = stream.ranges[-1]
         # An empty last range recorded nothing: the new holder takes its place.

@@ -11,13 +11,14 @@ Lifecycle of a node:
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import logging
 import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, TypeVar
 
 import wal
 from _native.appendpath import AppendPath
@@ -88,6 +89,24 @@ def _check_store_args(object_store, metadata) -> None:
     elif not all(callable(getattr(metadata, m, None)) for m in ("register_node", "open_stream", "get_object_refs")):
         raise ConfigError(f"metadata must be a URL string or a MetadataStore, got {metadata!r} "
                           f"({type(metadata).__name__}); e.g. 'sqlite:////data/meta.db'")
+
+
+def _wal_open_error(error: BaseException, node_id: int, location: str) -> BaseException:
+    """The engine's error for one met while opening node `node_id`'s WAL at `location` (the
+    error itself when it is already the engine's, or not the WAL's)."""
+    if isinstance(error, wal.WALInUseError):
+        return NodeConflictError(f"node {node_id} is already running on this host: {error}. Stop that instance "
+                                 "first, or start this one with another node id")
+    if isinstance(error, wal.WALConfigError):
+        return ConfigError(str(error))
+    if isinstance(error, wal.WALCorruptError):
+        return WALCorruptError.from_wal(error)
+    if isinstance(error, wal.WALError):
+        return WALError(str(error))
+    if isinstance(error, OSError):
+        return WALError(f"cannot open or create the WAL at {location!r}: {error.strerror or error} "
+                        f"(errno {error.errno}); free space or fix the path and its permissions")
+    return error
 
 
 class _StartingHeartbeat:
@@ -188,7 +207,7 @@ class StreamClient:
         except BaseException:
             self._close_owned()            # a mistyped WAL URL: nothing is left open
             raise
-        try:
+        with self._opening(location):
             # Refuse a second instance of this node on this host before bumping the node epoch,
             # which would fence the running one and lose what it has not uploaded. A file WAL's
             # own lock says so (two starting at the same instant: it still stops the second,
@@ -198,15 +217,6 @@ class StreamClient:
                 self._host_lock = HostLock.acquire(location, node_id)
             else:
                 wal.WriteAheadLog.check_not_in_use(location)
-        except wal.WALInUseError as e:
-            self._close_owned()
-            raise NodeConflictError(
-                f"node {node_id} is already running on this host: {e}. Stop that instance first, or start this "
-                "one with another node id") from e
-        except wal.WALError as e:
-            self._close_owned()
-            raise WALError(str(e)) from e
-        try:
             if not object_wal:
                 _check_wal_path(location)
             self._bind_wal(node_id, location)
@@ -215,16 +225,6 @@ class StreamClient:
                 # node registered but still silent for longer than the heartbeat timeout is
                 # failed over by its peers (4 nodes zero-filling 512 MiB each at once took over 5 s).
                 wal.WriteAheadLog.preallocate(location, self.config.wal_config)
-        except wal.WALConfigError as e:
-            self._close_owned()
-            raise ConfigError(str(e)) from e
-        except OSError as e:
-            self._close_owned()
-            raise WALError(f"cannot open or create the WAL at {location!r}: {e.strerror or e} "
-                           f"(errno {e.errno}); free space or fix the path and its permissions") from e
-        except BaseException:
-            self._close_owned()
-            raise
         try:
             node = self._meta.register_node(node_id, location)
         except BaseException:
@@ -277,23 +277,10 @@ class StreamClient:
         make the cache, reader and uploader, recover. On a failure it closes what it opened and
         the stores the client owns."""
         node_id = self.node_id
-        try:
+        with self._opening(location):
             self._wal = open_node_wal(wal_path, node_id=node_id, node_epoch=self.node_epoch,
                                       config=self.config.wal_config,
                                       epoch_check=epoch_checker(self._meta, node_id, self.node_epoch))
-        except wal.WALConfigError as e:
-            self._close_owned()
-            raise ConfigError(str(e)) from e
-        except wal.WALError as e:
-            self._close_owned()
-            raise (WALCorruptError.from_wal(e) if isinstance(e, wal.WALCorruptError) else WALError(str(e))) from e
-        except OSError as e:
-            self._close_owned()
-            raise WALError(f"cannot open or create the WAL at {location!r}: {e.strerror or e} "
-                           f"(errno {e.errno}); free space or fix the path and its permissions") from e
-        except BaseException:
-            self._close_owned()
-            raise
         self._wal.on_fenced(self._wal_fenced)
         self._cache = new_log_cache(self.config, clock)
         self._reader = Reader(self._store, self._meta, self._cache, self.config)
@@ -313,6 +300,19 @@ class StreamClient:
             self._wal.close()
             self._close_owned()
             raise
+
+    @contextlib.contextmanager
+    def _opening(self, location: str) -> Iterator[None]:
+        """A step of the start before the WAL is open: on any error, close the stores this
+        client owns and raise the engine's error for it (_wal_open_error)."""
+        try:
+            yield
+        except BaseException as e:
+            self._close_owned()
+            mapped = _wal_open_error(e, self.node_id, location)
+            if mapped is e:
+                raise
+            raise mapped from e
 
     # ---- streams ------------------------------------------------------------------------------
 

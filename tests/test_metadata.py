@@ -1573,3 +1573,51 @@ def test_sqlite_a_writer_waits_for_the_write_lock_then_writes(tmp_path):
     holder.close()
     impatient.close()
     store.close()
+
+
+def test_racing_commits_guarded_by_one_absent_key_apply_once(open_same, clock, monkeypatch):
+    """Two commits of disjoint streams, each guarded by the same absent KV key (two Spark
+    drivers committing a writer's first micro-batch): exactly one applies, the other is refused
+    (KVConflictError), whatever their interleaving. Both are held right after their guard check
+    until the other arrives or 1 s passes: on PostgreSQL, SELECT ... FOR UPDATE of a row that does
+    not exist locks nothing, so before the fix both passed their checks and both applied."""
+    import threading
+    from s3stream.metadata import sqlite as sqlite_store
+    stores = [open_same(clock=clock), open_same(clock=clock)]
+    key = "sink/writer/racing"
+    requests = []
+    for i, s in enumerate(stores):
+        node = s.register_node(10 + i, f"w{i}")
+        stream = s.create_stream(node.node_id, node.node_epoch)
+        sos = upload(s, node, sos=[rng(stream, 0, 10)]).stream_objects
+        requests.append(CommitRequest(node.node_id, node.node_epoch, stream_objects=sos,
+                                      closes=((stream.stream_id, 0),), kv=((key, b"0"),), kv_guard=(key, None)))
+    arrived = threading.Condition()
+    count = [0]
+    real = sqlite_store._kv_holds
+
+    def held(db, k, expected, guard, lock=""):
+        ok = real(db, k, expected, guard, lock)
+        if k == key:
+            with arrived:
+                count[0] += 1
+                arrived.notify_all()
+                arrived.wait_for(lambda: count[0] >= 2, 1.0)
+        return ok
+
+    monkeypatch.setattr(sqlite_store, "_kv_holds", held)
+    outcomes: list = [None, None]
+
+    def commit(i: int) -> None:
+        try:
+            stores[i].commit(requests[i])
+            outcomes[i] = "applied"
+        except KVConflictError:
+            outcomes[i] = "refused"
+
+    threads = [threading.Thread(target=commit, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sorted(outcomes) == ["applied", "refused"], outcomes

@@ -667,6 +667,12 @@ class PostgresMetadataStore(MetadataStore):
             # order), all sent before any result is read: one round trip (a compaction's adds one).
             object_ids = request.object_ids()
             _check_request_shape(request, object_ids)
+            if request.kv_guard is not None:
+                # The guard's check takes the key's row FOR UPDATE, which locks nothing while
+                # the key is absent: two commits guarded by one absent key (and touching
+                # different streams) would both pass. Every guarded commit takes the key's
+                # advisory lock first, so they check one after the other.
+                db.execute("SELECT pg_advisory_xact_lock(hashtextextended(?, 0))", (request.kv_guard[0],))
             check = _send_node_check(db, request.node_id, request.node_epoch, lock=" FOR NO KEY UPDATE")
             ranges = request.all_ranges()
             request_streams = {r.stream_id for r in ranges} | {sid for sid, _ in request.closes}

@@ -518,7 +518,7 @@ cdef class AppendPath:
         cdef unsigned char prefix[WAL_PREFIX + 8]     # + a Kafka batch's base offset
         cdef uint64_t pos = 0, base, wal_end
         cdef size_t n
-        cdef bint seal = False
+        cdef int seal = 0
         cdef CacheBlock sealed = None
         cdef CacheSlice s
         cdef AppendFuture fut
@@ -602,14 +602,18 @@ cdef class AppendPath:
                         # A Kafka batch is copied, never held (the caller's bytes keep their
                         # baseOffset), and its copy takes the offset.
                         seal = self.cache.insert(s, base, count, data, n, pos, wal_end, True,
-                                                 None if kafka else held_owner(payload, n)) == 1
+                                                 None if kafka else held_owner(payload, n))
                         if kafka:
                             store_be64(<unsigned char*>s.data[s.n - 1], base)
                         self.uncommitted += n
                         w.tail += n
                         w._push_pending(wal_end, base + count)
-                        if seal:
-                            sealed = self.cache._seal_locked()
+                        if seal == 1:
+                            sealed = self.cache._seal_locked("size")
+                        elif seal == 2:
+                            # This stream reached the split size: it uploads now as its own
+                            # StreamObject; the other streams keep filling (issue 51).
+                            sealed = self.cache._cut_locked(self.cache.cut_min, w.stream_id)
                     except BaseException as e:
                         # Durable in the WAL but not in the cache: this stream can no longer be
                         # served consistently here. Fail this append and every later one, clearly.

@@ -48,6 +48,9 @@ cdef class CacheSlice:
                                      # NULL if copied into a chunk; NULL until a batch is held
     cdef size_t n                    # batches
     cdef size_t cap                  # capacity of the four arrays
+    cdef readonly uint64_t admitted  # payload bytes that went through append admission
+    cdef readonly uint64_t wal_start # WAL offset of its first record (its lowest: appends are in WAL order)
+    cdef readonly int64_t first_ns   # the cache's clock when its first record came
 
     cdef unsigned char* _reserve(self, size_t length) except NULL
     cdef int add(self, uint64_t base, uint32_t count, const unsigned char* data, size_t length,
@@ -63,11 +66,14 @@ cdef class CacheBlock:
     cdef readonly uint64_t admitted  # payload bytes that went through append admission
     cdef readonly uint64_t wal_start # lowest WAL offset of a record in the block (0 if empty)
     cdef readonly uint64_t wal_end   # end of the block's last WAL record
-    cdef readonly int64_t created_ns
+    cdef readonly int64_t created_ns # when its oldest record came (0 while empty)
+    cdef readonly str sealed_by      # why it was sealed (UploadPolicy's names), "" while active
 
 
 cdef class LogCache:
     cdef readonly uint64_t threshold
+    cdef readonly uint64_t split_size     # a slice reaching it is cut out of the active block (0: never)
+    cdef readonly uint64_t cut_min        # slices at least this large go up with a cut (3/4 of split_size)
     cdef readonly uint64_t cache_size
     cdef object clock
     cdef object batch_type
@@ -86,4 +92,5 @@ cdef class LogCache:
     cdef int insert(self, CacheSlice s, uint64_t base, uint32_t count, const unsigned char* data,
                     size_t length, uint64_t wal_start, uint64_t wal_end, bint admitted,
                     object owner=*) except -1
-    cdef CacheBlock _seal_locked(self)
+    cdef CacheBlock _seal_locked(self, str reason=*)
+    cdef CacheBlock _cut_locked(self, uint64_t keep_below, object stream_id)

@@ -258,10 +258,10 @@ cdef class CacheSlice:
 cdef class CacheBlock:
     """An upload unit: the slices of the streams that wrote while it was active."""
 
-    def __cinit__(self, int64_t block_id, int64_t created_ns):
+    def __cinit__(self, int64_t block_id):
         self.block_id = block_id
-        self.created_ns = created_ns
         self.state = ACTIVE
+        self.sealed_by = ""
         self.streams = {}
 
     def plan(self, uint64_t split_size) -> tuple:
@@ -331,10 +331,16 @@ cdef class LogCache:
     `batch_type(base, count, payload)` builds what `read` returns; `clock()` gives block ages in ns.
     """
 
-    def __cinit__(self, uint64_t upload_threshold, uint64_t cache_size, clock, batch_type=tuple):
+    def __cinit__(self, uint64_t upload_threshold, uint64_t cache_size, clock, batch_type=tuple,
+                  uint64_t split_size=0):
         pthread_mutex_init(&self.mutex, NULL)
         self.mutex_ready = True
         self.threshold = upload_threshold
+        self.split_size = split_size
+        # A cut takes along the slices this close to the split size: they would be cut alone
+        # moments later (streams at one rate reach it together), one commit instead of several;
+        # smaller ones wait, so that objects stay near the split size (requests per GiB).
+        self.cut_min = split_size - split_size // 4
         self.cache_size = cache_size
         self.clock = clock
         self.batch_type = batch_type
@@ -353,7 +359,7 @@ cdef class LogCache:
         pthread_mutex_unlock(&self.mutex)
 
     cdef CacheBlock _new_block(self):
-        cdef CacheBlock block = CacheBlock(self.next_id, self.clock())
+        cdef CacheBlock block = CacheBlock(self.next_id)
         self.next_id += 1
         return block
 
@@ -372,25 +378,86 @@ cdef class LogCache:
                     object owner=None) except -1:
         """Add a batch to `s`, a slice of the active block (lock held); with `owner`, by
         reference (see CacheSlice.add). Returns 1 when the block has reached the upload
-        threshold (the caller seals it), else 0."""
+        threshold (the caller seals it: _seal_locked), 2 when the slice has reached split_size
+        (the caller cuts it out: _cut_locked), else 0."""
         cdef CacheBlock block = self.active
+        cdef int64_t now
+        cdef bint first = s.n == 0
         s.add(base, count, data, length, owner)
+        if first:
+            now = self.clock()
+            s.wal_start = wal_start
+            s.first_ns = now
+            if block.created_ns == 0:
+                block.created_ns = now
         if block.wal_end == 0:          # the block's first record
             block.wal_start = wal_start
         block.size += length
         if admitted:
             block.admitted += length
+            s.admitted += length
         if wal_end > block.wal_end:
             block.wal_end = wal_end
         self.nbytes += length
-        return 1 if block.size >= self.threshold else 0
+        if block.size >= self.threshold:
+            return 1
+        return 2 if self.split_size and s.size >= self.split_size else 0
 
-    cdef CacheBlock _seal_locked(self):
+    cdef CacheBlock _seal_locked(self, str reason="size"):
         cdef CacheBlock block = self.active
         block.state = SEALED
+        block.sealed_by = reason
         self.blocks.append(block)
         self.active = self._new_block()
         return block
+
+    cdef CacheBlock _cut_locked(self, uint64_t keep_below, object stream_id):
+        """Seal the active block with only its slices of at least `keep_below` bytes (and
+        `stream_id`'s, if given); the others move on into the new active block, where their
+        streams keep filling them (lock held). None if no slice would be sealed.
+
+        A stream that reached its split size (or its tail bound) thus uploads as its own
+        StreamObject at once, without cutting every other stream's object short: sealing the
+        whole block there made blocks of 1-2 MiB under load (issue 51). The moved slices'
+        records lie before the sealed block's in the WAL: the WAL is trimmed only up to the
+        oldest record of any uncommitted block (trim_point), and the new block takes their
+        oldest record's time (upload_interval counts from it)."""
+        cdef CacheBlock old = self.active
+        cdef CacheBlock new
+        cdef CacheSlice s
+        moving = [sid for sid, sl in old.streams.items()
+                  if (<CacheSlice>sl).size < keep_below and sid != stream_id]
+        if len(moving) == len(old.streams):
+            return None
+        new = self._new_block()
+        for sid in moving:
+            s = old.streams.pop(sid)
+            s.block_id = new.block_id
+            new.streams[sid] = s
+            old.size -= s.size
+            old.admitted -= s.admitted
+            new.size += s.size
+            new.admitted += s.admitted
+            if s.n:
+                if new.wal_end == 0 or s.wal_start < new.wal_start:
+                    new.wal_start = s.wal_start
+                if new.created_ns == 0 or s.first_ns < new.created_ns:
+                    new.created_ns = s.first_ns
+                new.wal_end = old.wal_end     # an upper bound of the moved records' ends
+        if moving:
+            old.wal_start = 0
+            old.created_ns = 0
+            for sl in old.streams.values():
+                s = <CacheSlice>sl
+                if s.n and (old.wal_start == 0 or s.wal_start < old.wal_start):
+                    old.wal_start = s.wal_start
+                if s.n and (old.created_ns == 0 or s.first_ns < old.created_ns):
+                    old.created_ns = s.first_ns
+        old.state = SEALED
+        old.sealed_by = "cut"
+        self.blocks.append(old)
+        self.active = new
+        return old
 
     # ---- the Python face (recovery replay, the uploader, readers, tools) -------------------------
 
@@ -410,30 +477,98 @@ cdef class LogCache:
             owner = payload if hold and type(payload) is bytes else None
         self.acquire()
         try:
+            # Recovery replays whole blocks up to the threshold: no cuts (nothing waits on them).
             if self.insert(self._slice_for(stream_id, epoch), base, count,
-                           <const unsigned char*>view.buf, <size_t>view.len, wal_start, wal_end, False, owner):
+                           <const unsigned char*>view.buf, <size_t>view.len, wal_start, wal_end, False, owner) == 1:
                 sealed = self._seal_locked()
         finally:
             self.release()
             PyBuffer_Release(&view)
         return sealed
 
-    def seal(self, stream_id=None):
+    def seal(self, stream_id=None, str reason="force"):
         """Seal the active block if it holds anything (or, with `stream_id`, that stream)."""
         self.acquire()
         try:
             if not self.active.streams or (stream_id is not None and stream_id not in self.active.streams):
                 return None
-            return self._seal_locked()
+            return self._seal_locked(reason)
+        finally:
+            self.release()
+
+    def cut(self, stream_id=None, str reason="cut"):
+        """Seal the active block with `stream_id`'s slice (if it has one; with None, none in
+        particular) and every slice of at least cut_min bytes; the others stay active
+        (_cut_locked). Without a split size, the whole block is sealed. None if nothing was."""
+        cdef CacheBlock sealed
+        self.acquire()
+        try:
+            if not self.active.streams or (stream_id is not None and stream_id not in self.active.streams):
+                return None
+            sealed = self._cut_locked(self.cut_min, stream_id)
+            if sealed is not None:
+                sealed.sealed_by = reason
+            return sealed
+        finally:
+            self.release()
+
+    def active_bytes(self, uint64_t stream_id) -> int:
+        """Bytes of the stream's slice in the active block (0 if it has none)."""
+        cdef CacheSlice s
+        self.acquire()
+        try:
+            s = self.active.streams.get(stream_id)
+            return 0 if s is None else s.size
+        finally:
+            self.release()
+
+    def age(self) -> int:
+        """Nanoseconds since the active block's oldest record came (0 while it is empty)."""
+        self.acquire()
+        try:
+            return self.clock() - self.active.created_ns if self.active.created_ns else 0
         finally:
             self.release()
 
     def seal_if_older(self, int64_t age_ns):
+        """Seal the active block if its oldest record came `age_ns` ago or more (the
+        visibility deadline: upload_interval)."""
         self.acquire()
         try:
-            if self.active.streams and self.clock() - self.active.created_ns >= age_ns:
-                return self._seal_locked()
+            if self.active.streams and self.active.created_ns and self.clock() - self.active.created_ns >= age_ns:
+                return self._seal_locked("deadline")
             return None
+        finally:
+            self.release()
+
+    def lag(self) -> int:
+        """Nanoseconds since the oldest record not yet committed came (0: none): how late a
+        reader that is not a node is (at least; a close's commit of a tail counts once its
+        block commits). The visibility deadline (upload_interval) keeps it near that bound
+        while uploads keep up; above it, uploads are behind."""
+        cdef CacheBlock b
+        cdef int64_t oldest = 0
+        self.acquire()
+        try:
+            for b in list(self.blocks) + [self.active]:
+                if b.state != COMMITTED and b.created_ns and (oldest == 0 or b.created_ns < oldest):
+                    oldest = b.created_ns
+            return self.clock() - oldest if oldest else 0
+        finally:
+            self.release()
+
+    def trim_point(self, CacheBlock block) -> int:
+        """How far the WAL may be trimmed once `block` (and every block before it) is
+        committed: its end, or the oldest record of a later block still to commit (a slice
+        moved on by a cut is older than the block it left), whichever is lower."""
+        cdef CacheBlock b
+        cdef uint64_t end = block.wal_end
+        self.acquire()
+        try:
+            for b in list(self.blocks) + [self.active]:
+                if b.block_id > block.block_id and b.state != COMMITTED and b.wal_end and b.wal_start < end:
+                    end = b.wal_start
+            return end
         finally:
             self.release()
 
@@ -443,7 +578,7 @@ cdef class LogCache:
         self.acquire()
         try:
             if self.active.streams and appended_end - self.active.wal_start >= wal_bytes:
-                return self._seal_locked()
+                return self._seal_locked("pressure")
             return None
         finally:
             self.release()

@@ -233,7 +233,7 @@ print(json.dumps(seen), flush=True)
 """
 
 
-def _lines(pipe) -> "queue.Queue[str | None]":
+def child_lines(pipe) -> "queue.Queue[str | None]":
     """The child's stdout lines on a queue (None at its end), read by a daemon thread so that the
     parent's waits for them are bounded."""
     lines: queue.Queue[str | None] = queue.Queue()
@@ -265,7 +265,7 @@ def bench_visibility(name: str, meta_url: str, work: str, commits: int, rate: fl
         commit(0)
         child = subprocess.Popen([sys.executable, "-c", TAIL_CHILD, meta_url, store_url, str(stream.stream_id),
                                   str(commits), "30"], stdout=subprocess.PIPE, text=True)
-        lines = _lines(child.stdout)
+        lines = child_lines(child.stdout)
         try:
             first = lines.get(timeout=CHILD_START_TIMEOUT)
         except queue.Empty:

@@ -40,6 +40,7 @@ from .recordbatch import FetchResult
 from .recovery import close_node_streams, replay_wal
 from .stream import Stream
 from .upload import UploadAborted, Uploader
+from .uploadpolicy import deadline_sleep, tail_must_cut
 from .walopen import epoch_checker, is_object_wal, open_node_wal, registered_location
 from wal.objectlog import HostLock
 from .threads import normal_priority
@@ -289,6 +290,7 @@ class StreamClient:
                                   config=self.config, on_committed=self._on_committed, on_fenced=self._on_fenced,
                                   wait_durable=self._wait_wal_durable, on_failure=self._on_upload_failure,
                                   behind=self._uploads_behind)
+        self._uploader.on_put = self._on_put
         try:
             self.recovered = self._recover()
             # Alive and done: heartbeat once more before the agent (if any) takes over.
@@ -449,14 +451,15 @@ class StreamClient:
             return self._streams.get(stream_id)
 
     def unuploaded_bytes(self, stream: Stream) -> int:
-        """Bytes of the stream still only in the WAL and log cache (its un-uploaded tail, bounded
-        by Config.stream_tail_limit): what its close uploads."""
-        return stream.tail
+        """Bytes of the stream that no PUT has carried yet (bounded by Config.stream_tail_limit):
+        what its close uploads. Bytes PUT but not yet committed are not counted: the close
+        commits those objects as they are."""
+        return max(0, self._unput_tail(stream))
 
     def _register(self, meta: StreamMeta) -> Stream:
         # The active block may still hold this stream's slice of an earlier epoch here (closed
         # here, its tail uploaded by that close): seal it, so this epoch starts a slice of its own.
-        sealed = self._cache.seal(meta.stream_id)
+        sealed = self._cache.seal(meta.stream_id, "open")
         if sealed is not None:
             self._uploader.submit(sealed)
         stream = Stream(self, meta)
@@ -512,26 +515,53 @@ class StreamClient:
                     raise WALFullError(why() + self._why_uploads_lag())
                 self._admit_cond.wait(min(left, 0.5))
 
+    def _unput_tail(self, stream: Stream) -> int:
+        """Bytes of the stream's un-uploaded tail that no PUT has carried yet: what its close
+        would PUT (the StreamObjects already PUT it commits as they are)."""
+        return stream.tail - self._uploader.put_bytes(stream.stream_id, stream.epoch)
+
+    def _on_put(self, _future) -> None:
+        """A StreamObject's PUT ended (an upload thread): wake the appends waiting for their
+        stream's tail to be PUT, if any."""
+        if self._tail_waiters:
+            with self._admit_cond:
+                self._admit_cond.notify_all()
+
     def _tail_wait(self, stream: Stream, nbytes: int) -> None:
         """Backpressure per stream (the append path calls it when an append would take the
-        stream's un-uploaded tail past Config.stream_tail_limit): seal the active block if it
-        holds some of the tail, so that it uploads now, and wait until the tail has room;
-        WALFullError after append_timeout. Uploads count as behind meanwhile (`_uploads_behind`)."""
+        stream's un-uploaded tail past Config.stream_tail_limit): unless enough of that tail is
+        PUT already (a close commits those objects as they are), cut the stream's slice out of
+        the active block if that is needed for it to go up, and wait until the part not yet PUT
+        has room; WALFullError after append_timeout. Uploads count as behind meanwhile
+        (`_uploads_behind`). So the bound is on what a move must PUT, and a stream's throughput
+        is bounded by PUTs, not by commit round trips."""
         limit = self.config.stream_tail_limit or 0
         if stream.tail + nbytes <= limit or not stream.tail:
             return
-        sealed = self._cache.seal(stream.stream_id)
-        if sealed is not None:
-            self._uploader.submit(sealed)
+        unput = self._unput_tail(stream)
+        if unput + nbytes <= limit or not unput:
+            return
+        # Cut alone (the other streams' slices stay), and only if needed (uploadpolicy).
+        if tail_must_cut(unput, self._cache.active_bytes(stream.stream_id), nbytes, limit):
+            sealed = self._cache.cut(stream.stream_id, "tail")
+            if sealed is not None:
+                self._uploader.submit(sealed)
         started = time.monotonic_ns()
         with self._admit_cond:
             self._tail_waiters += 1
         try:
             # A stream that is closing (or closed, fenced) stops waiting: its append is refused
             # with the reason right after (its tail may never be committed here again).
-            self._wait_for_room(lambda: bool(stream.tail) and stream.tail + nbytes > limit and stream.is_open,
-                                lambda: f"backpressure: stream {stream.stream_id} has {stream.tail} bytes not yet "
-                                        f"uploaded (stream_tail_limit {limit}) after {self.config.append_timeout} s; ")
+            def blocked() -> bool:
+                if not (stream.tail and stream.is_open and stream.tail + nbytes > limit):
+                    return False
+                unput = self._unput_tail(stream)
+                return bool(unput) and unput + nbytes > limit
+
+            self._wait_for_room(blocked,
+                                lambda: f"backpressure: stream {stream.stream_id} has {self._unput_tail(stream)} bytes "
+                                        f"not yet uploaded (stream_tail_limit {limit}) after "
+                                        f"{self.config.append_timeout} s; ")
         finally:
             with self._admit_cond:
                 self._tail_waiters -= 1
@@ -642,7 +672,7 @@ class StreamClient:
         """Upload everything appended so far (the active block, sealed at whatever size) and
         return once it is all committed; OperationTimeoutError after `timeout`."""
         self._check_usable()
-        sealed = self._cache.seal()
+        sealed = self._cache.seal(reason="force")
         if sealed is not None:
             self._uploader.submit(sealed)
         pending = self._uploader.pending_block_ids()
@@ -703,17 +733,16 @@ class StreamClient:
     def _seal_closed_tails(self, streams: list[Stream]) -> None:
         """After a close: their tails are committed (they leave the tail count; appenders
         waiting on it wake and are refused). The active block may hold slices of those tails:
-        seal it, so it uploads without them (nothing waits for it) and the WAL behind it can be
-        trimmed, rather than staying until other appends fill it."""
+        each is cut out (a block of its own, which goes up with nothing left in it to upload),
+        so that the WAL behind it can be trimmed; the other streams' slices keep filling."""
         for s in streams:
             s._tail_committed(s.tail)
         with self._admit_cond:
             self._admit_cond.notify_all()
         for s in streams:
-            sealed = self._cache.seal(s.stream_id)
+            sealed = self._cache.cut(s.stream_id, "close")
             if sealed is not None:
                 self._uploader.submit(sealed)
-                return
 
     def _on_committed(self, block: CacheBlock, result: CommitResult) -> None:
         with self._lock:
@@ -874,9 +903,11 @@ class StreamClient:
             self._on_wal_pressure()
 
     def _tick(self, interval: float) -> None:
+        """The visibility deadline (upload_interval): seal the active block once its oldest
+        record is `interval` old, sleeping until then (uploadpolicy.deadline_sleep)."""
         age = int(interval * 1e9)
         while not self._closed:
-            time.sleep(min(interval / 4, 0.5))
+            time.sleep(deadline_sleep(self._cache.age(), interval))
             sealed = self._cache.seal_if_older(age)
             if sealed is not None:
                 self._uploader.submit(sealed)
@@ -988,7 +1019,7 @@ class StreamClient:
         left: list[int] = []
         # Everything up at once first (one upload of the whole cache, not an object per stream):
         # the closes below then find no tail left and only mark their streams CLOSED.
-        sealed = self._cache.seal()
+        sealed = self._cache.seal(reason="shutdown")
         if sealed is not None:
             self._uploader.submit(sealed)
             try:
@@ -1017,7 +1048,7 @@ class StreamClient:
         self._appends().refuse(StreamClosedError, f"the client of node {self.node_id} is closed")
         if self._reclaim_thread is not None:
             self._reclaim_thread.stop()
-        sealed = self._cache.seal()
+        sealed = self._cache.seal(reason="shutdown")
         if sealed is not None:
             self._uploader.submit(sealed)
         self._uploader.close(remaining())
@@ -1065,7 +1096,10 @@ class StreamClient:
                       append=dict(path.stats(), admission_waits=self._admit_waits,
                                   admission_wait_seconds=self._admit_wait_ns / 1e9,
                                   tail_waits=self._tail_waits, tail_wait_seconds=self._tail_wait_ns / 1e9),
-                      upload=dict(self._uploader.stats),
+                      upload=self._uploader.stats_snapshot(),
+                      # How late readers that are not nodes are: the oldest record not yet
+                      # committed (0: none). Near upload_interval while uploads keep up.
+                      visibility_lag_s=self._cache.lag() / 1e9,
                       read=self._reader.snapshot(), wal=self._wal.stats(),
                       lease=dict(remaining_seconds=self.lease_remaining, fenced=self._fenced))
         return dict(engine, **{name: source(engine) for name, source in list(self._stats_sources.items())})

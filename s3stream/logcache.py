@@ -19,4 +19,4 @@ __all__ = ["ACTIVE", "COMMITTED", "SEALED", "CacheBlock", "CacheSlice", "LogCach
 
 def new_log_cache(config: Config, clock: Callable[[], int]) -> LogCache:
     """The log cache a client (or a failover) uses under `config`; reads return FetchedBatch."""
-    return LogCache(config.upload_threshold, config.cache_size, clock, FetchedBatch)
+    return LogCache(config.upload_threshold, config.cache_size, clock, FetchedBatch, config.split_size)

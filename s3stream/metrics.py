@@ -36,6 +36,7 @@ from prometheus_client.registry import Collector
 
 from .latency import LatencyHistogram
 from .metadata import MetadataStore
+from .uploadpolicy import TRIGGERS
 from .metadata.wrappers import InstrumentedMetadataStore
 from .objectstore import ObjectStore
 from .objectstore.wrappers import InstrumentedObjectStore
@@ -152,11 +153,18 @@ class ClientMetrics:
         f.gauge("log_cache_bytes", "Bytes in the log cache (active and sealed blocks)", node, cache["bytes"])
         f.gauge("upload_queue_blocks", "Sealed log cache blocks waiting for upload or commit", node,
                 cache["sealed_blocks"])
+        f.gauge("visibility_lag_seconds", "Age of the oldest acknowledged record not yet committed to objects "
+                "(what readers that are not nodes wait for; near upload_interval while uploads keep up)", node,
+                stats.get("visibility_lag_s", 0.0))
         up = stats["upload"]
         f.counter("upload_blocks", "Log cache blocks uploaded and committed", node, up["blocks"])
         f.counter("upload_objects", "Objects uploaded, by type", node, up["stream_set_objects"], type="stream_set")
         f.counter("upload_objects", "Objects uploaded, by type", node, up["stream_objects"], type="stream")
         f.counter("upload_bytes", "Bytes of objects uploaded", node, up["bytes"])
+        for trigger in TRIGGERS:
+            f.counter("upload_objects_by_trigger", "Objects uploaded, by why their block was sealed "
+                      "(s3stream.uploadpolicy)", node, up.get("triggers", {}).get(trigger, {}).get("objects", 0),
+                      trigger=trigger)
         for step in RETRY_STEPS:
             f.counter("upload_retries", "Upload steps that failed and were retried, by step", node,
                       up.get(f"{step}_retries", 0), step=step)

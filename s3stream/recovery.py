@@ -77,7 +77,7 @@ def replay_wal(records: Iterable[wal.Record], node_id: int, meta: MetadataStore,
             last_block = sealed.block_id
             if last_block >= 2:        # bound memory: at most two blocks uploading behind the scan
                 uploader.wait_committed(last_block - 2)
-    sealed = cache.seal()
+    sealed = cache.seal(reason="recovery")
     if sealed is not None:
         uploader.submit(sealed)
         last_block = sealed.block_id

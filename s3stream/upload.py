@@ -2,7 +2,9 @@
 
 Per block:
 1. plan (native, CacheBlock.plan): a stream with at least `split_size` bytes in the block
-   becomes its own StreamObject; the other streams share one StreamSetObject;
+   becomes its own StreamObject; the other streams share one StreamSetObject (every slice of a
+   block a cut sealed is its own StreamObject: uploadpolicy.plan_split, which also lists why
+   blocks are sealed);
 2. prepare object ids in metadata (PREPARED, with expiry), on the uploader's thread in block
    order, so SSO ids rise with block order: BLOCK_IDS_AHEAD at a time, so that most blocks
    take theirs from those prepared ahead and their one metadata transaction is the commit;
@@ -10,15 +12,19 @@ Per block:
    task on the upload pool, retrying store errors with backoff;
 4. once every PUT of the block returned and its WAL records are durable, commit everything in
    ONE metadata transaction, retried (a commit is idempotent);
-5. mark the block committed in the cache and trim the WAL to the block's last record.
+5. mark the block committed in the cache and trim the WAL to the block's last record, or to
+   the oldest record of a later block still to commit if lower (LogCache.trim_point: a cut
+   moves slices on into the next block).
 
-Steps 1-3 of up to `Config.upload_pipeline` blocks run at once (a slow PUT slows ingest only
+Steps 1-3 of up to `Config.upload_pipeline` blocks (or more, smaller ones, within as many blocks of
+`upload_threshold` bytes: _pipeline_has_room) run at once (a slow PUT slows ingest only
 once the cache bound is reached); commits (4-5) stay strictly in block order, so the WAL is
 trimmed only below what is committed.
 
 A close goes first (`upload_and_close`, on the closing caller's thread, not the pool's): it
 uploads only the closing streams' un-uploaded tails, their slices in every uncommitted block, as
-one StreamObject per stream, and commits them with the streams' close in ONE metadata
+one StreamObject per run of slices not PUT already (a slice whose StreamObject a block in flight
+has PUT, or PUTs within about a PUT's time, is reused: _reusable_puts), and commits them with the streams' close in ONE metadata
 transaction, without waiting for older blocks. Commits are serialised by a gate (a block's, or a
 close's, one at a time), which keeps a tail and a block from committing the same offsets: a
 close whose tail was partly committed by a block during its PUT uploads again while holding the
@@ -65,7 +71,7 @@ import traceback
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Iterator, NamedTuple, TypeVar
+from typing import Any, Callable, Iterator, NamedTuple, TypeVar
 
 from _native.logcache import CacheBlock, CacheSlice, encode_slices
 
@@ -81,6 +87,7 @@ from .metadata import (
 from .objectstore import ObjectStore
 from .objectstore.base import PutData, data_size, write_requests
 from .threads import thread_nice
+from .uploadpolicy import plan_split
 
 log = logging.getLogger("s3stream.upload")
 
@@ -122,6 +129,12 @@ CLOSE_PRIORITY_MAX_WAIT = 1.0
 #: How long the queue's head may wait for an older sealed block to be submitted before that is
 #: logged (Uploader._head_in_order; the window between a seal and its submit is microseconds).
 OUT_OF_ORDER_WARN_S = 5.0
+
+#: At most this many times upload_pipeline blocks in flight, however small (_pipeline_has_room).
+PIPELINE_BLOCKS_MAX = 4
+
+#: How long a close waits for a running PUT of its tail before it has seen any PUT's latency.
+REUSE_WAIT_FIRST = 0.05
 
 #: Steps whose failures are retried, each counted in `Uploader.stats` as "<step>_retries".
 RETRY_STEPS = ("plan", "prepare", "encode", "put", "durable", "commit")
@@ -344,10 +357,20 @@ class Uploader:
         # One metadata commit at a time, a block's or a close's (see the module docstring);
         # closes go first.
         self._gate = _CommitGate()
-        # Tails uploaded by a close: (stream id, epoch) -> (its end offset, the last block that
-        # may hold a slice of it); blocks up to that one leave those slices out. Written under
-        # the gate; read by the planner without it (an entry exists only once committed).
-        self._closed_tails: dict[tuple[int, int], tuple[int, int]] = {}
+        # Tails uploaded by a close: (stream id, epoch) -> its end offset, kept while a block
+        # still to commit holds a slice of it; blocks leave those slices out. Written under the
+        # gate; read by the planner without it (an entry exists only once committed).
+        self._closed_tails: dict[tuple[int, int], int] = {}
+        # The StreamObject PUT of each slice of a block in flight (id of the slice -> (slice,
+        # its PUT's future)), so that a close commits what was PUT already rather than PUT
+        # those bytes again (_reusable_puts). Guarded by _cond.
+        self._slice_puts: dict[int, tuple[CacheSlice, Future]] = {}
+        # Seconds of the last PUTs of the pool (successful ones): how long a close waits for a
+        # running PUT of its tail before it PUTs those bytes itself.
+        self._put_seconds: deque[float] = deque(maxlen=100)
+        # Called (on a pool thread) as each StreamObject's PUT of a block ends: the client wakes
+        # appends waiting for their stream's tail to be PUT.
+        self.on_put: Callable[[Future], None] | None = None
         # Object ids prepared ahead for closes, (id, prepared at), so that a close's one metadata
         # transaction is its commit: topped up by the blocks' own prepare calls (no extra
         # transaction) and by a close that finds too few; used within half of prepared_ttl.
@@ -385,13 +408,25 @@ class Uploader:
         self._thread = threading.Thread(target=self._run, name="s3stream-upload", daemon=True)
         # write_requests: what S3 bills for the committed objects' PUTs (multipart parts counted),
         # kept here because retention may delete the objects before anyone lists them.
-        self.stats = dict(blocks=0, objects=0, stream_objects=0, stream_set_objects=0, bytes=0,
+        self.stats: dict[str, Any] = dict(blocks=0, objects=0, stream_objects=0, stream_set_objects=0, bytes=0,
                           write_requests=0, max_inflight=0, priority_switches=0,
                           **{f"{step}_retries": 0 for step in RETRY_STEPS},
                           unexpected_retries=0, retry_episodes=0, retrying=0, expired_reuploads=0,
                           encode_buffers_replaced=0, closes=0, close_objects=0, close_bytes=0,
-                          close_conflicts=0, closed_tail_bytes_skipped=0)
+                          close_conflicts=0, closed_tail_bytes_skipped=0, close_objects_reused=0,
+                          # per trigger (why its block was sealed: CacheBlock.sealed_by, or
+                          # "close" for a close's own objects; uploadpolicy.TRIGGERS): blocks,
+                          # objects and bytes committed, the smallest object and block (bytes)
+                          triggers={})
         self._thread.start()
+
+    def stats_snapshot(self) -> dict[str, Any]:
+        """A copy of `stats`, its per-trigger counts included (taken under the lock they are
+        counted under)."""
+        with self._retry_lock:
+            snap = dict(self.stats)
+            snap["triggers"] = {t: dict(c) for t, c in self.stats["triggers"].items()}
+        return snap
 
     # ---- queueing and waiting ------------------------------------------------------------------
 
@@ -488,11 +523,25 @@ class Uploader:
             return "stop"
         if self._inflight and self._inflight[0].ready():
             return "commit"
-        if self._queue and len(self._inflight) < self._config.upload_pipeline:
+        if self._queue and self._pipeline_has_room(self._queue[0]):
             return "start" if self._head_in_order() else "wait"
         if self._stopping and not self._queue and not self._inflight:
             return "stop"
         return "wait"
+
+    def _pipeline_has_room(self, block: CacheBlock) -> bool:
+        """Whether `block` may start uploading now (condition held): fewer than upload_pipeline
+        blocks are in flight, or (up to PIPELINE_BLOCKS_MAX x that many) their bytes with it
+        stay within upload_pipeline blocks of upload_threshold. Cut blocks are a split size
+        each: counted in blocks, a hot stream's PUTs in flight were a quarter of a full
+        pipeline's bytes, and its throughput about 3 x split_size per PUT round trip."""
+        pipeline = self._config.upload_pipeline
+        if len(self._inflight) < pipeline:
+            return True
+        if len(self._inflight) >= PIPELINE_BLOCKS_MAX * pipeline:
+            return False
+        inflight = sum(job.block.size for job in self._inflight)
+        return inflight + block.size <= pipeline * self._config.upload_threshold
 
     def _head_in_order(self) -> bool:
         """Whether the queue's head is the oldest sealed block not started yet (condition
@@ -568,8 +617,9 @@ class Uploader:
     def _launch(self, job: _InFlight) -> None:
         """Plan, prepare ids (in block order) and hand encode + PUT of each object to the pool."""
         block = job.block
+        split = plan_split(block.sealed_by, self._config.split_size)
         stream_set, stream_objects = self._retry(f"plan of block {block.block_id}",
-                                                 lambda: block.plan(self._config.split_size), "plan")
+                                                 lambda: block.plan(split), "plan")
         if self._closed_tails:
             stream_set = [s for s in stream_set if not self._uploaded_by_close(s)]
             stream_objects = [s for s in stream_objects if not self._uploaded_by_close(s)]
@@ -597,8 +647,13 @@ class Uploader:
             puts.append(self._pool.submit(self._encode_and_put, next(ids), stream_set,
                                           lambda oid, size: CommitSSO(oid, size, ranges)))
         for s in stream_objects:
-            puts.append(self._pool.submit(self._encode_and_put, next(ids), [s],
-                                          lambda oid, size, r=_commit_range(s): CommitStreamObject(oid, size, r)))
+            future = self._pool.submit(self._encode_and_put, next(ids), [s],
+                                       lambda oid, size, r=_commit_range(s): CommitStreamObject(oid, size, r))
+            puts.append(future)
+            with self._cond:
+                self._slice_puts[id(s)] = (s, future)
+            if self.on_put is not None:
+                future.add_done_callback(self.on_put)
         job.puts = puts
         for f in puts:
             f.add_done_callback(self._notify)
@@ -649,7 +704,9 @@ class Uploader:
                     step = "encode"
                     data, _ = encode_slices(slices, self._config.object_block_size, buffer, GATHER_MIN_BYTES)
                 step = "put"
+                started = time.perf_counter()
                 self._put(key, data)
+                self._put_seconds.append(time.perf_counter() - started)
                 return entry(object_id, data_size(data))
             except (ObjectStoreError, OSError):
                 raise
@@ -695,7 +752,7 @@ class Uploader:
         sos = tuple(e for e in entries if isinstance(e, CommitStreamObject))
         with self._gate.for_block(CLOSE_PRIORITY_MAX_WAIT):
             request = self._without_closed_tails(CommitRequest(self._node_id, self._node_epoch, sso=sso,
-                                                               stream_objects=sos))
+                                                               stream_objects=sos)) if entries else None
             try:
                 result = self._commit(request, job) if request is not None else CommitResult()
             except _PreparedExpired:
@@ -712,26 +769,50 @@ class Uploader:
             self.stats["stream_set_objects"] += 1 if sso else 0
             self.stats["bytes"] += sum(e.size for e in entries)
             self.stats["write_requests"] += sum(write_requests(e.size, *self._parts) for e in entries)
+            with self._retry_lock:
+                self._count_trigger(block.sealed_by or "size", entries)
+            # Forgotten before the streams' tails shrink (_on_committed), so that put_bytes never
+            # counts a slice both as PUT and as gone from the tail.
+            with self._cond:
+                for s in block.streams.values():
+                    self._slice_puts.pop(id(s), None)
             self._cache.mark_committed(block)
             self._on_committed(block, result)
             with self._cond:
                 self._committed_id = block.block_id
-            for key in [k for k, (_, last) in self._closed_tails.items() if last <= block.block_id]:
+            # A closed tail is remembered while some block still to commit holds a slice of it:
+            # by the slices themselves, since a cut may have moved one into a later block.
+            for key in [k for k in self._closed_tails if not self._cache.uncommitted_slices(*k)]:
                 del self._closed_tails[key]
+        trim = self._cache.trim_point(block)
         try:
-            self._trim_wal(block.wal_end)
+            self._trim_wal(trim)
         except Exception:   # noqa: BLE001 - the WAL failing is reported by its own appends
-            log.exception("WAL trim to %d failed", block.wal_end)
+            log.exception("WAL trim to %d failed", trim)
         with self._cond:
             self._inflight.popleft()
             self._cond.notify_all()
+
+    def _count_trigger(self, trigger: str, entries: list) -> None:
+        """Count a commit's objects under what made them (stats["triggers"]); _retry_lock held."""
+        if not entries:
+            return
+        counts = self.stats["triggers"].setdefault(trigger, dict(blocks=0, objects=0, bytes=0, min_object=None,
+                                                                 min_block=None))
+        size = sum(e.size for e in entries)
+        counts["blocks"] += 1
+        counts["objects"] += len(entries)
+        counts["bytes"] += size
+        smallest = min(e.size for e in entries)
+        counts["min_object"] = smallest if counts["min_object"] is None else min(counts["min_object"], smallest)
+        counts["min_block"] = size if counts["min_block"] is None else min(counts["min_block"], size)
 
     # ---- a close's own upload -------------------------------------------------------------------
 
     def _uploaded_by_close(self, s: CacheSlice) -> bool:
         """Whether slice `s` lies in a tail a close has committed already."""
         done = self._closed_tails.get((s.stream_id, s.epoch))
-        if done is None or s.end_offset > done[0]:
+        if done is None or s.end_offset > done:
             return False
         with self._retry_lock:
             self.stats["closed_tail_bytes_skipped"] += s.size
@@ -740,13 +821,14 @@ class Uploader:
     def _without_closed_tails(self, request: CommitRequest) -> CommitRequest | None:
         """`request` without the ranges a close committed already (gate held); None if nothing
         is left. An SSO keeps its object (its bytes of those ranges are never referenced); a
-        StreamObject left out stays PREPARED and the reclaimer deletes it after expiry."""
+        StreamObject left out stays PREPARED and the reclaimer deletes it after expiry, unless
+        the close committed it itself (_reusable_puts)."""
         if not self._closed_tails:
             return request
 
         def keep(r: CommitRange) -> bool:
             done = self._closed_tails.get((r.stream_id, r.epoch))
-            return done is None or r.end_offset > done[0]
+            return done is None or r.end_offset > done
 
         sso = request.sso
         if sso is not None and not all(keep(r) for r in sso.ranges):
@@ -791,7 +873,7 @@ class Uploader:
                 t1 = time.perf_counter()
                 tails = {key: self._cache.uncommitted_slices(*key) for key in streams}
                 tails = {key: slices for key, slices in tails.items() if slices}
-                entries = self._put_tails(tails, deadline)
+                entries, new = self._put_tails(tails, deadline)
                 t2 = time.perf_counter()
                 if not held:
                     self._enter_gate(deadline)
@@ -814,15 +896,18 @@ class Uploader:
                                      lambda: self._meta.commit(request), "commit")
                 timing["commit"] += time.perf_counter() - t3
                 for key, slices in tails.items():
-                    self._closed_tails[key] = (slices[-1].end_offset, slices[-1].block_id)
+                    self._closed_tails[key] = slices[-1].end_offset
                 with self._retry_lock:
+                    # Counted once: the objects PUT here; those reused are counted with their block.
                     self.stats["closes"] += 1
-                    self.stats["objects"] += len(entries)
-                    self.stats["stream_objects"] += len(entries)
-                    self.stats["bytes"] += sum(e.size for e in entries)
-                    self.stats["close_objects"] += len(entries)
-                    self.stats["close_bytes"] += sum(e.size for e in entries)
-                    self.stats["write_requests"] += sum(write_requests(e.size, *self._parts) for e in entries)
+                    self.stats["objects"] += len(new)
+                    self.stats["stream_objects"] += len(new)
+                    self.stats["bytes"] += sum(e.size for e in new)
+                    self.stats["close_objects"] += len(new)
+                    self.stats["close_bytes"] += sum(e.size for e in new)
+                    self.stats["close_objects_reused"] += len(entries) - len(new)
+                    self.stats["write_requests"] += sum(write_requests(e.size, *self._parts) for e in new)
+                    self._count_trigger("close", new)
                 return result
             finally:
                 if held:
@@ -881,23 +966,88 @@ class Uploader:
         self._keep_spares(prepared[n:], now)
         return prepared[:n]
 
-    def _put_tails(self, tails: dict[tuple[int, int], list[CacheSlice]], deadline: float | None) -> list:
-        """PUT one StreamObject per tail (ids prepared ahead); their commit entries."""
+    def put_bytes(self, stream_id: int, epoch: int) -> int:
+        """Bytes of the stream's tail (slices of blocks not yet committed) that a StreamObject
+        PUT has carried already: what a close of it would commit without PUTting again
+        (_reusable_puts). A stream's tail bound counts only the rest (client._tail_wait)."""
+        done = 0
+        with self._cond:
+            for s, future in self._slice_puts.values():
+                if (s.stream_id == stream_id and s.epoch == epoch and future.done() and not future.cancelled()
+                        and future.exception() is None):
+                    done += s.size
+        return done
+
+    def _reuse_wait(self) -> float:
+        """How long a close waits for the running PUTs of its tail: the 0.9 quantile of the
+        pool's recent PUTs (50 ms before there are any). A PUT slower than most is a stalled
+        one: the close PUTs those bytes itself rather than wait behind it (issue 28: a close
+        does not wait for background uploads)."""
+        recent = sorted(self._put_seconds)
+        return recent[int(len(recent) * 0.9)] if len(recent) >= 10 else REUSE_WAIT_FIRST
+
+    def _reusable_puts(self, slices: list[CacheSlice], deadline: float | None) -> dict[int, CommitStreamObject]:
+        """Of a closing stream's tail, the slices whose StreamObject a block in flight has PUT
+        (waited for, at most _reuse_wait, if its PUT is still running): id of the slice -> that
+        object's commit entry. The close commits those objects itself, so what it PUTs is only
+        the rest (the active block's slice, slices in StreamSetObjects, not yet planned, or
+        whose PUT is slow or failed): the tail bound sets backpressure, not how long a move
+        takes."""
+        with self._cond:
+            found = [(s, self._slice_puts[id(s)][1]) for s in slices
+                     if id(s) in self._slice_puts and self._slice_puts[id(s)][0] is s]
+        reused = {}
+        until = self._clock() + self._reuse_wait()
+        if deadline is not None:
+            until = min(until, deadline)
+        for s, future in found:
+            try:
+                entry = future.result(max(0.0, until - self._clock()))
+            except Exception:      # noqa: BLE001 - failed, aborted or not done in time: PUT it again here
+                continue
+            if isinstance(entry, CommitStreamObject) and entry.range == _commit_range(s):
+                reused[id(s)] = entry
+        return reused
+
+    def _put_tails(self, tails: dict[tuple[int, int], list[CacheSlice]], deadline: float | None) -> tuple[list, list]:
+        """The commit entries of each tail, in offset order: the StreamObjects blocks in flight
+        PUT already (_reusable_puts), and one new StreamObject (ids prepared ahead) per run of
+        slices between them. Returns (every entry, the entries PUT here)."""
         if not tails:
-            return []
-        ids = self._close_ids(len(tails), deadline)
-        entries = []
-        for object_id, ((stream_id, epoch), slices) in zip(ids, sorted(tails.items())):
-            data, _ = encode_slices(slices, self._config.object_block_size, bytearray(), GATHER_MIN_BYTES)
+            return [], []
+        plan: list[tuple[tuple[int, int], list[CacheSlice] | CommitStreamObject]] = []
+        for key, slices in sorted(tails.items()):
+            reused = self._reusable_puts(slices, deadline)
+            run: list[CacheSlice] = []
+            for s in slices:
+                if id(s) in reused:
+                    if run:
+                        plan.append((key, run))
+                        run = []
+                    plan.append((key, reused[id(s)]))
+                else:
+                    run.append(s)
+            if run:
+                plan.append((key, run))
+        ids = iter(self._close_ids(sum(1 for _, item in plan if isinstance(item, list)), deadline))
+        entries, new = [], []
+        for (stream_id, epoch), item in plan:
+            if isinstance(item, CommitStreamObject):
+                entries.append(item)
+                continue
+            object_id = next(ids)
+            data, _ = encode_slices(item, self._config.object_block_size, bytearray(), GATHER_MIN_BYTES)
             try:
                 self._until(deadline, f"PUT {object_key(object_id)} (the tail of stream {stream_id})",
                             lambda: self._put(object_key(object_id), data), "put")
                 size = data_size(data)
             finally:
                 _release(data)
-            entries.append(CommitStreamObject(
-                object_id, size, CommitRange(stream_id, epoch, slices[0].start_offset, slices[-1].end_offset)))
-        return entries
+            entry = CommitStreamObject(
+                object_id, size, CommitRange(stream_id, epoch, item[0].start_offset, item[-1].end_offset))
+            entries.append(entry)
+            new.append(entry)
+        return entries, new
 
     def _until(self, deadline: float | None, what: str, call: Callable[[], T], step: str) -> T:
         """`call()` until it returns, retrying what `_retry` retries (counted in stats as

@@ -59,7 +59,9 @@ def main() -> None:
                              hang_others=forever if mode == "close-put" else 0.0,
                              hang_background=forever if mode == "close-done" else 0.0)
     client = StreamClient(1, tmp / "node1.wal", store, f"sqlite:///{tmp}/meta.db",
-                          small_config(reclaim_interval=None, upload_threshold=256 * KiB, split_size=64 * KiB))
+                          # the tails (~600 KB each) stay below the bound though no background PUT ends
+                          small_config(reclaim_interval=None, upload_threshold=256 * KiB, split_size=64 * KiB,
+                                       stream_tail_limit=1024 * KiB))
     a, b = client.create_stream(), client.create_stream()
     print(f"ids {a.stream_id} {b.stream_id}", flush=True)
     for i in range(120):

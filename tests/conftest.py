@@ -146,12 +146,17 @@ def store_url(request, tmp_path):
 
 
 def small_config(**overrides):
-    """An engine config scaled down so tests upload, split and wrap quickly."""
+    """An engine config scaled down so tests upload, split and wrap quickly; no visibility
+    deadline (upload_interval) unless asked, so that what uploads when is the test's to say,
+    and the tail bound of before issue 51 (a quarter of cache_size, at most 8 MiB; the default
+    is now twice split_size), so that tests whose store fails or hangs while they append a few
+    hundred KiB to a stream still get their appends acknowledged."""
     import s3stream
-    kw = dict(upload_threshold=1 * MiB, split_size=256 * KiB, object_block_size=64 * KiB, cache_size=4 * MiB,
+    kw = dict(upload_interval=None, upload_threshold=1 * MiB, split_size=256 * KiB, object_block_size=64 * KiB, cache_size=4 * MiB,
               max_batch_bytes=128 * KiB, block_cache_size=2 * MiB, readahead_bytes=256 * KiB,
               append_timeout=20, wal=wal.WALConfig(capacity=16 * MiB, full_timeout=20))
     kw.update(overrides)
+    kw.setdefault("stream_tail_limit", max(kw["max_batch_bytes"], min(8 * MiB, kw["cache_size"] // 4)))
     return s3stream.Config(**kw)
 
 

@@ -427,9 +427,7 @@ def test_attach_pause_resume_stop_and_client_metrics(tmp_path):
         for s in streams:
             for _ in range(5):
                 s.append(RecordBatch(rng.randbytes(900))).result(10)
-        for s in streams:
-            s.close(10)                           # force upload of the tail
-        streams = [client.open_stream(s.stream_id) for s in streams]
+        client.force_upload(10)                   # one StreamSetObject of the five tails
     time.sleep(0.3)
     assert runner.compactor.totals.commits == 0          # paused
     runner.resume()

@@ -25,7 +25,7 @@ from s3stream.metadata import MetadataStore, open_metadata
 from s3stream.metadata.wrappers import TIMED_OPERATIONS, InstrumentedMetadataStore
 from s3stream.objectstore import open_object_store
 from s3stream.objectstore.wrappers import InstrumentedObjectStore
-from conftest import small_config
+from conftest import KiB, small_config
 
 
 def scrape(registry) -> dict:
@@ -93,7 +93,9 @@ def test_scrape_after_appends_fetches_and_uploads(tmp_path, local):
     store_url, meta_url = local
     registry = CollectorRegistry()
     own = InstrumentedObjectStore(open_object_store(store_url))
-    client = StreamClient(71, tmp_path / "n1.wal", own, meta_url, small_config(), metrics=registry)
+    # 300 KB stay below the split size: nothing goes up before force_upload (no cut).
+    client = StreamClient(71, tmp_path / "n1.wal", own, meta_url, small_config(split_size=512 * KiB),
+                          metrics=registry)
     try:
         stream = client.create_stream()
         futures = [stream.append(RecordBatch(bytes([i % 256]) * 1000, count=2)) for i in range(300)]

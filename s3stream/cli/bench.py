@@ -114,6 +114,8 @@ def bench(kind: str, quick: bool, out: str | None, bench_args: tuple[str, ...]) 
                       second (native, pure Python, kafka-python); append_records against append
     reader            s3stream.bench_reader: a reader that is not a node against a node,
                       catch-up MB/s; commit-to-tail visibility p50/p99 (SQLite, PostgreSQL)
+    visibility        s3stream.bench_visibility: append to seen by a reader in another process
+                      at 10 to 10,000 records/s and the maximum, with the node's PUTs/s
     wake              s3stream.bench_wake: how late a node's high-priority thread runs when
                       it wakes, under appends and busy cores (a move's tail)
 

@@ -51,6 +51,7 @@ from . import Config, RecordBatch, StreamClient
 from .lifecycle import ObjectReclaimer
 from .metadata import ObjectState, SqliteMetadataStore
 from .objectstore import InstrumentedObjectStore, LocalObjectStore
+from .uploadpolicy import request_cost_per_gib
 from .bench_reads import catchup_local, catchup_s3, format_catchup, moto_server, tail_read, tail_read_sizes
 
 KiB, MiB, GiB = 1024, 1024 ** 2, 1024 ** 3
@@ -230,11 +231,18 @@ class WalOnly:
 
 def engine_ingest(workdir: str, store_dir: str, config: Config, payload: bytes, threads: int, total: int,
                   nstreams: int, rounds: int = 1, keep_open: bool = False,
-                  compare_wal: bool = True) -> tuple[dict, StreamClient | None, list]:
+                  compare_wal: bool = True, put_latency: tuple[float, float] | None = None
+                  ) -> tuple[dict, StreamClient | None, list]:
     """Ingest `total` bytes into `nstreams` streams in `rounds` parts, each right after an equal
     WAL-only part on the same disk, so that drift of the device affects both alike (no WAL-only
-    parts if not `compare_wal`: building a data set)."""
-    store = InstrumentedObjectStore(LocalObjectStore(store_dir))
+    parts if not `compare_wal`: building a data set). `put_latency` (median, p99 seconds): every
+    PUT of the store is delayed by a lognormal draw (S3-like)."""
+    local = LocalObjectStore(store_dir)
+    if put_latency is not None:
+        from .bench_wal_objects import LatencyStore
+        store = InstrumentedObjectStore(LatencyStore(local, *put_latency))   # type: ignore[arg-type]
+    else:
+        store = InstrumentedObjectStore(local)
     meta = SqliteMetadataStore(os.path.join(workdir, "meta.db"))
     client = StreamClient(1, os.path.join(workdir, "node1.wal"), store, meta, config)
     walonly = WalOnly(os.path.join(workdir, "walonly.wal"), config.wal) if compare_wal else None
@@ -651,8 +659,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--store-recycle", type=parse_size, default=2 * GiB,
                     help="small records: the local store keeps this much of deleted objects' files and "
                     "overwrites them for later puts (LocalObjectStore recycle_bytes; default 2G, 0: off)")
-    ap.add_argument("--only", choices=("all", "reads"), default="all",
-                    help="reads: only the read cases (data sets built without the WAL-only comparison)")
+    ap.add_argument("--only", choices=("all", "reads", "hot"), default="all",
+                    help="reads: only the read cases (data sets built without the WAL-only comparison); "
+                    "hot: only the hot partition (one stream against the WAL alone, issue 51)")
+    ap.add_argument("--hot", type=parse_size, default=None, help="bytes into the one hot stream, per store "
+                    "profile (default 1G; --quick 64M)")
     ap.add_argument("--no-s3", action="store_true", help="skip the catch-up reads on S3 through a moto server")
     ap.add_argument("--quick", action="store_true", help="small sizes (CI smoke run)")
     ap.add_argument("--keep", action="store_true", help="keep the work and store directories")
@@ -665,8 +676,8 @@ def run(argv: list[str] | None = None) -> dict:
     if not set(args.open_loop_sizes) <= set(args.record_sizes):
         parser.error("--open-loop-sizes must be among --record-sizes (the open loop runs at half the rate "
                      "measured there)")
-    defaults = (96 * MiB, 64 * MiB, 0.2, 0.4) if args.quick else (2 * GiB, 1 * GiB, 2.0, 3.0)
-    for name, value in zip(("ingest", "dataset", "round_seconds", "open_loop_seconds"), defaults):
+    defaults = (96 * MiB, 64 * MiB, 0.2, 0.4, 64 * MiB) if args.quick else (2 * GiB, 1 * GiB, 2.0, 3.0, 1 * GiB)
+    for name, value in zip(("ingest", "dataset", "round_seconds", "open_loop_seconds", "hot"), defaults):
         if getattr(args, name) is None:
             setattr(args, name, value)
     os.makedirs(args.out, exist_ok=True)
@@ -685,10 +696,16 @@ def run(argv: list[str] | None = None) -> dict:
                                     store_dir=base_store, workdir=base_work), targets=TARGETS, only=args.only)
     runs = []
     cases = (("1000 streams", args.ingest, 1000), ("10 streams", args.dataset, 10))
-    ingests = cases if args.only == "all" else cases[1:]
-    # one step per ingest, the reads and the small records, advanced between them
-    phases = progress(total=len(ingests) + (2 if args.only == "all" else 1), desc="s3stream.bench", unit="phase")
+    ingests = cases if args.only == "all" else cases[1:] if args.only == "reads" else ()
+    # one step per ingest, the reads, the small records and the hot partition, advanced between them
+    phases = progress(total=len(ingests) + {"all": 3, "reads": 1, "hot": 1}[args.only], desc="s3stream.bench",
+                      unit="phase")
     try:
+        if args.only in ("all", "hot"):
+            report["hot"] = hot_partition(args, config, payload, base_work, base_store)
+            phases.update()
+        if args.only == "hot":
+            ingests = ()
         for name, total, nstreams in ingests:
             work = os.path.join(base_work, str(nstreams))
             # The 10-stream data set is read back cold from disk, so its objects live on disk.
@@ -714,8 +731,9 @@ def run(argv: list[str] | None = None) -> dict:
                 shutil.rmtree(store, ignore_errors=True)
             runs.append(res)
             phases.update()
-        report["reads"] = read_cases(args, config, payload, base_work)
-        phases.update()
+        if args.only != "hot":
+            report["reads"] = read_cases(args, config, payload, base_work)
+            phases.update()
         if args.only == "all":
             work, store = os.path.join(base_work, "small"), os.path.join(base_store, "small")
             for d in (work, store):
@@ -732,6 +750,31 @@ def run(argv: list[str] | None = None) -> dict:
             shutil.rmtree(base_work, ignore_errors=True)
     report["runs"] = runs
     return publish(report, args.out, write_plots, format_report)
+
+
+#: Issue 51: one stream at 64 KiB appends against the WAL alone, on a local store and behind
+#: S3 Standard-like PUTs (median 30 ms, p99 150 ms, as `--kind wal-objects` injects).
+HOT_TARGET_RATIO = 0.8
+HOT_PROFILES = (("local store", None), ("S3 Standard-like PUTs (30 ms median, 150 ms p99)", (0.030, 0.150)))
+
+
+def hot_partition(args, config: Config, payload: bytes, base_work: str, base_store: str) -> list[dict]:
+    """One hot partition: every producer appends to one stream, alternating with the WAL alone
+    (same producers, same disk); the tail bound must not cap it per upload round trip."""
+    out = []
+    for name, latency in HOT_PROFILES:
+        work, store = os.path.join(base_work, "hot"), os.path.join(base_store, "hot")
+        for d in (work, store):
+            shutil.rmtree(d, ignore_errors=True)
+            os.makedirs(d)
+        _progress(f"one hot stream, {fmt_size(args.hot)} of {fmt_size(len(payload))} appends, {name}, "
+                  "alternating with WAL-only rounds")
+        res, _, _ = engine_ingest(work, store, config, payload, args.threads, args.hot, 1, rounds=args.rounds,
+                                  put_latency=latency)
+        res.update(profile=name, target_ratio=HOT_TARGET_RATIO, met=res["ratio_to_wal"] >= HOT_TARGET_RATIO)
+        out.append(res)
+        shutil.rmtree(store, ignore_errors=True)
+    return out
 
 
 def read_cases(args, config: Config, payload: bytes, base_work: str) -> dict:
@@ -778,7 +821,7 @@ def _met(ok: bool) -> str:
 
 def format_report(report: dict) -> str:
     lines = ["=" * 100, "s3stream engine benchmark (" + ", ".join(f"{k}={v}" for k, v in report["config"].items()) + ")"]
-    for r in report["runs"] if report.get("only") != "reads" else []:
+    for r in report["runs"] if report.get("only") == "all" else []:
         lat = r["latency"]
         rr = ", ".join(f"{x:.2f}" for x in r["round_ratios"])
         lines.append(f"\nIngest into {r['streams']} streams: {r['mb_s']:.0f} MB/s "
@@ -791,7 +834,8 @@ def format_report(report: dict) -> str:
         lines.append(f"  append latency p50 {lat['p50_ms']:.1f} ms, p99 {lat['p99_ms']:.1f} ms, p99.9 {lat['p999_ms']:.1f} ms"
                      f"  (WAL-only p99 {r['wal_only']['latency']['p99_ms']:.1f} ms)")
         lines.append(f"  object store: {r['put_requests']} write requests = {r['requests_per_gib']:.1f} per GiB "
-                     f"(floor {r['request_floor_per_gib']:.0f} per GiB at the part size); {r['objects']} objects = "
+                     f"(floor {r['request_floor_per_gib']:.0f} per GiB at the part size; "
+                     f"${request_cost_per_gib(r['requests_per_gib']):.5f} per GiB at S3 Standard); {r['objects']} objects = "
                      f"{r['objects_per_gib']:.1f} per GiB ({r['stream_objects']} SO, {r['stream_set_objects']} SSO)")
         if "tail_read" in r:
             t = r["tail_read"]
@@ -813,6 +857,16 @@ def format_report(report: dict) -> str:
             lines.append("  (on moto a ranged GET costs about a whole-object GET, so reading StreamSetObjects slice by "
                          "slice is bound by moto; S3 is judged on StreamObjects)")
     lines += _format_small_records(report)
+    for r in report.get("hot", []):
+        lat = r["latency"]
+        lines.append(f"\nOne hot stream (issue 51), {r['profile']}: {r['mb_s']:.0f} MB/s against the WAL alone "
+                     f"{r['wal_only']['mb_s']:.0f} MB/s -> ratio {r['ratio_to_wal']:.2f} (target >= "
+                     f"{r['target_ratio']}: {_met(r['met'])}; per round "
+                     + ", ".join(f"{x:.2f}" for x in r["round_ratios"]) + ")")
+        lines.append(f"  append latency p50 {lat['p50_ms']:.1f} ms, p99 {lat['p99_ms']:.1f} ms; "
+                     f"{r['requests_per_gib']:.1f} write requests per GiB (floor {r['request_floor_per_gib']:.0f}, "
+                     f"${request_cost_per_gib(r['requests_per_gib']):.5f} per GiB at S3 Standard); uploads by trigger "
+                     + ", ".join(f"{t} {c['objects']}" for t, c in r["upload"].get("triggers", {}).items()))
     if report.get("plots"):
         lines.append("\nplots: " + ", ".join(report["plots"]))
     lines.append("=" * 100)
@@ -900,7 +954,7 @@ def write_plots(report: dict, out: str) -> list[str]:
     paths = []
     if report.get("reads"):
         paths.append(_plot_reads(plt, report, out))
-    if report.get("only") == "reads":
+    if report.get("only") in ("reads", "hot"):
         return paths
     runs = report["runs"]
     fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))

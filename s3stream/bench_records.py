@@ -18,8 +18,9 @@ Everything is measured in one run, each figure next to what it is compared with:
   pre-encoded, n)), --inflight pending, in alternating pairs of rounds after uncounted ones (until
   the WAL has gone round once); N batches make --append-round bytes, and everything is uploaded
   between rounds (untimed), so that no round pays for another's upload. A round does pay for
-  its own stream's tail uploads: with the engine's default stream_tail_limit (8 MiB here) a
-  stream's appends wait for its tail to be uploaded every 8 MiB, which both sides pay alike;
+  its own stream's tail uploads: with the engine's default stream_tail_limit (twice split_size
+  of bytes no PUT carried yet) a stream's appends wait for PUTs when uploads fall behind, which
+  both sides pay alike;
   --stream-tail-limit 0 takes them out of the rounds (the append path alone, no upload). The
   median of the pairs' ratios is judged against the issue's target: append_records/append >= 0.9.
 - Idempotent appends against plain ones: the same rounds, on two partitions of that client,

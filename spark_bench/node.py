@@ -130,7 +130,9 @@ def run_node(spec: dict) -> dict:
     reclaim = dict(reclaim_interval=0.25, destroy_delay=0.5) if retention else {}
     cfg = s3stream.Config(upload_threshold=spec["upload_threshold"], split_size=min(spec["split_size"], spec["upload_threshold"]),
                           cache_size=max(4 * spec["upload_threshold"], 256 * MiB), max_batch_bytes=max(spec["batch"], 1 * MiB),
-                          upload_interval=spec.get("upload_interval"), stream_tail_limit=spec.get("stream_tail_limit"),
+                          stream_tail_limit=spec.get("stream_tail_limit"),
+                          # the Config's visibility deadline unless the spec names one (None: never)
+                          **({"upload_interval": spec["upload_interval"]} if "upload_interval" in spec else {}),
                           wal=wal.WALConfig(capacity=spec["wal_capacity"], full_timeout=60), **reclaim)
     ccfg = ClusterConfig(**spec["cluster"])
     own_dir = spec.get("wal_dir") is None

@@ -51,8 +51,9 @@ def parse_args(argv):
     ap.add_argument("--duration", type=float, default=30.0, help="seconds the producer appends")
     ap.add_argument("--record-size", type=parse_size, default=1024, help="bytes of each record's value")
     ap.add_argument("--batch-records", type=int, default=64, help="records per appended batch")
-    ap.add_argument("--upload-interval", type=float, default=0.25,
-                    help="the producer node's Config.upload_interval (what it appends becomes readable then)")
+    ap.add_argument("--upload-interval", type=float, default=None,
+                    help="the producer node's Config.upload_interval (what it appends becomes readable then; "
+                         "default: the Config's)")
     ap.add_argument("--max-offsets", type=int, default=50_000, help="maxOffsetsPerTrigger of the query")
     ap.add_argument("--trigger", type=float, default=0.0, help="processing-time trigger, seconds (0: back to back)")
     ap.add_argument("--drain", type=float, default=90.0, help="seconds to wait after the producer for the outputs")
@@ -75,7 +76,8 @@ def produce(spec: dict, acks) -> None:
     every acknowledged batch on `acks`, then None, or ("error", its text) if it failed."""
     import s3stream
     from s3stream.records import Record
-    config = s3stream.Config(upload_interval=spec["upload_interval"])
+    interval = spec["upload_interval"]
+    config = s3stream.Config(**({} if interval is None else {"upload_interval": interval}))
     client = s3stream.StreamClient(node_id=2, wal_path=spec["wal"], object_store=spec["store"],
                                    metadata=spec["meta"], config=config)
     try:

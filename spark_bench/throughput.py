@@ -19,6 +19,7 @@ import math
 import os
 
 from wal.benchkit import fmt_size, parse_size, progress as progress_bar, pyplot, save_figure
+from s3stream.uploadpolicy import request_cost_per_gib, requests_floor
 
 from .common import (
     GiB, MiB, add_common_args, assign_metrics_ports, deployment, format_placement, latency_summary, new_run_id,
@@ -113,9 +114,21 @@ def _run_count(args, dep, n: int, verify: bool) -> dict:
         lat = [x for r in results for x in r["latencies"]]
         # counted by the nodes as they committed: retention may have deleted the objects since
         requests = sum(r["upload"]["write_requests"] for r in results)
+        objects = sum(r["upload"]["objects"] for r in results)
+        triggers: dict[str, int] = {}
+        for r in results:
+            for trigger, counts in r["upload"].get("triggers", {}).items():
+                triggers[trigger] = triggers.get(trigger, 0) + counts["objects"]
+        uploaded = sum(r["upload"]["bytes"] for r in results)
         row = dict(nodes=n, mb_s=total / seconds / 1e6, bytes=total,
                    per_node_mb_s=[r["bytes"] / r["seconds"] / 1e6 for r in results],
                    latency=latency_summary(lat), requests_per_gib=requests / (total / GiB) if total else None,
+                   # the floor for what was uploaded (uploadpolicy.requests_floor at S3's 16 MiB
+                   # parts), and what the requests cost at S3 Standard's price
+                   request_floor_per_gib=requests_floor(uploaded, objects, 16 * MiB) / (total / GiB)
+                   if total else None,
+                   usd_per_gib=request_cost_per_gib(requests / (total / GiB)) if total else None,
+                   objects_by_trigger=triggers,
                    timeline={r["node_id"]: r["timeline"] for r in results},
                    steady_state={r["node_id"]: steady_state(r["timeline"], r["seconds"]) for r in results},
                    placement=placement(results), trims=sum(r.get("trims", 0) for r in results),
@@ -179,12 +192,17 @@ def format_report(report: dict) -> str:
              f"{report['partitions_per_node']} partitions/node, {report['duration']:g} s per run, "
              f"retention {fmt_size(retention) + ' per partition' if retention else 'none'})"]
     lines.append(f"{'nodes':>5} {'MB/s':>8} {'scaling':>8} {'per node MB/s':>30} {'p50 ms':>7} {'p99 ms':>7} "
-                 f"{'p999 ms':>8} {'req/GiB':>8}")
+                 f"{'p999 ms':>8} {'req/GiB':>8} {'floor':>6} {'$/GiB':>8}")
     for r in report["runs"]:
         per = ", ".join(f"{x:.0f}" for x in r["per_node_mb_s"])
         lat = r["latency"]
         lines.append(f"{r['nodes']:>5} {r['mb_s']:>8.0f} {r['scaling']:>8.2f} {per:>30} {lat['p50_ms']:>7.1f} "
-                     f"{lat['p99_ms']:>7.1f} {lat['p999_ms']:>8.1f} {r['requests_per_gib'] or 0:>8.1f}")
+                     f"{lat['p99_ms']:>7.1f} {lat['p999_ms']:>8.1f} {r['requests_per_gib'] or 0:>8.1f} "
+                     f"{r.get('request_floor_per_gib') or 0:>6.1f} {r.get('usd_per_gib') or 0:>8.5f}")
+    for r in report["runs"]:
+        if r.get("objects_by_trigger"):
+            lines.append(f"{r['nodes']:>5} node(s): objects by upload trigger (s3stream.uploadpolicy): "
+                         + ", ".join(f"{t} {n}" for t, n in sorted(r["objects_by_trigger"].items())))
     if not report["cluster_mode"] or report["single_host"]:
         lines.append("Nodes share this machine's cores and disk: scaling shows contention, not the design's limit.")
     for r in report["runs"]:

@@ -17,9 +17,17 @@ def test_wal_bench_quick(tmp_path):
 def test_engine_bench_quick(tmp_path):
     from s3stream import bench
     report = bench.run(["--quick", "--out", str(tmp_path), "--ingest", "24M", "--dataset", "16M", "--rounds", "2",
-                        "--round-seconds", "0.1", "--open-loop-seconds", "0.2", "--store-dir", str(tmp_path / "store")])
+                        "--round-seconds", "0.1", "--open-loop-seconds", "0.2", "--store-dir", str(tmp_path / "store"),
+                        "--hot", "24M"])
     data = json.loads((tmp_path / "report.json").read_text())
     assert [r["streams"] for r in data["runs"]] == [1000, 10]
+    # the hot partition (issue 51): one stream, local and S3-like PUTs, against the WAL alone,
+    # uploaded in cuts of the split size (4 MiB in --quick)
+    assert [h["streams"] for h in data["hot"]] == [1, 1] and len({h["profile"] for h in data["hot"]}) == 2
+    for h in data["hot"]:
+        assert h["mb_s"] > 0 and h["wal_only"]["mb_s"] > 0 and h["ratio_to_wal"] == pytest.approx(
+            h["mb_s"] / h["wal_only"]["mb_s"])
+        assert h["upload"]["triggers"]["cut"]["objects"] >= 1 and h["met"] == (h["ratio_to_wal"] >= 0.8)
     assert all(r["mb_s"] > 0 and r["wal_only"]["mb_s"] > 0 for r in report["runs"])
     assert [t["size"] for t in data["reads"]["tail"]] == [128, 1024, 65536]
     assert all(t["records_s"] > 0 and t["from_cache"] == 1.0 for t in data["reads"]["tail"])
@@ -141,6 +149,21 @@ def test_wal_objects_bench_quick(tmp_path):
     whats = [t["what"] for t in report["targets"]]
     assert any("maximum / file maximum" in w for w in whats) and any("p99 at half load" in w for w in whats)
     assert (tmp_path / "out" / "report.json").exists() and (tmp_path / "out" / "latency.png").exists()
+
+
+def test_visibility_bench_quick(tmp_path):
+    """`s3stream bench --kind visibility`: a reader in another process sees every record of a
+    paced stream before the writer closes it, with the node's PUTs per second and the uploads
+    by trigger in report.json (issue 51)."""
+    from s3stream.bench_visibility import run as run_visibility
+    report = run_visibility(["--rates", "50", "--seconds", "1.5", "--out", str(tmp_path / "out"),
+                             "--workdir", str(tmp_path)])
+    [row] = report["rows"]
+    assert row["rate"] == "50" and row["records"] >= 60 and row["not_seen"] == 0
+    assert row["latency"]["samples"] == row["records"] and row["latency"]["p99_ms"] > 0
+    assert row["puts_per_s"] > 0 and set(row["triggers"]) <= {"deadline", "cut", "size"}
+    assert {t["what"].split(":")[0] for t in report["targets"]} == {"50 rec/s"}
+    assert (tmp_path / "out" / "report.json").exists()
 
 
 def test_wake_bench_quick(tmp_path):

@@ -51,7 +51,7 @@ from . import Config, RecordBatch, StreamClient
 from .lifecycle import ObjectReclaimer
 from .metadata import ObjectState, SqliteMetadataStore
 from .objectstore import InstrumentedObjectStore, LocalObjectStore
-from .uploadpolicy import request_cost_per_gib
+from .uploadpolicy import request_cost_per_gib, requests_floor
 from .bench_reads import catchup_local, catchup_s3, format_catchup, moto_server, tail_read, tail_read_sizes
 
 KiB, MiB, GiB = 1024, 1024 ** 2, 1024 ** 3
@@ -289,7 +289,7 @@ def engine_ingest(workdir: str, store_dir: str, config: Config, payload: bytes, 
         stream_objects=sum(1 for o in objects if o.type.value == "SO"),
         stream_set_objects=sum(1 for o in objects if o.type.value == "SSO"),
         requests_per_gib=stats["put_requests"] / gib, objects_per_gib=len(objects) / gib,
-        request_floor_per_gib=GiB / store.part_size,
+        request_floor_per_gib=requests_floor(stats["bytes_written"], len(objects), store.part_size) / gib,
     )
     result["ratio_to_wal"] = result["mb_s"] / result["wal_only"]["mb_s"]
     if keep_open:

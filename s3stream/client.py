@@ -536,13 +536,19 @@ class StreamClient:
         (`_uploads_behind`). So the bound is on what a move must PUT, and a stream's throughput
         is bounded by PUTs, not by commit round trips."""
         limit = self.config.stream_tail_limit or 0
-        if stream.tail + nbytes <= limit or not stream.tail:
-            return
-        unput = self._unput_tail(stream)
-        if unput + nbytes <= limit or not unput:
+
+        def blocked() -> bool:
+            # A stream that is closing (or closed, fenced) stops waiting: its append is refused
+            # with the reason right after (its tail may never be committed here again).
+            if not (stream.tail and stream.is_open and stream.tail + nbytes > limit):
+                return False
+            unput = self._unput_tail(stream)
+            return bool(unput) and unput + nbytes > limit
+
+        if not blocked():
             return
         # Cut alone (the other streams' slices stay), and only if needed (uploadpolicy).
-        if tail_must_cut(unput, self._cache.active_bytes(stream.stream_id), nbytes, limit):
+        if tail_must_cut(self._unput_tail(stream), self._cache.active_bytes(stream.stream_id), nbytes, limit):
             sealed = self._cache.cut(stream.stream_id, "tail")
             if sealed is not None:
                 self._uploader.submit(sealed)
@@ -550,14 +556,6 @@ class StreamClient:
         with self._admit_cond:
             self._tail_waiters += 1
         try:
-            # A stream that is closing (or closed, fenced) stops waiting: its append is refused
-            # with the reason right after (its tail may never be committed here again).
-            def blocked() -> bool:
-                if not (stream.tail and stream.is_open and stream.tail + nbytes > limit):
-                    return False
-                unput = self._unput_tail(stream)
-                return bool(unput) and unput + nbytes > limit
-
             self._wait_for_room(blocked,
                                 lambda: f"backpressure: stream {stream.stream_id} has {self._unput_tail(stream)} bytes "
                                         f"not yet uploaded (stream_tail_limit {limit}) after "

@@ -994,8 +994,8 @@ class Uploader:
         whose PUT is slow or failed): the tail bound sets backpressure, not how long a move
         takes."""
         with self._cond:
-            found = [(s, self._slice_puts[id(s)][1]) for s in slices
-                     if id(s) in self._slice_puts and self._slice_puts[id(s)][0] is s]
+            # (an entry holds its slice, so its id cannot be another slice's)
+            found = [(s, self._slice_puts[id(s)][1]) for s in slices if id(s) in self._slice_puts]
         reused = {}
         until = self._clock() + self._reuse_wait()
         if deadline is not None:

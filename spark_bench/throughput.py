@@ -192,14 +192,16 @@ def format_report(report: dict) -> str:
              f"{report['partitions_per_node']} partitions/node, {report['duration']:g} s per run, "
              f"retention {fmt_size(retention) + ' per partition' if retention else 'none'})"]
     lines.append(f"{'nodes':>5} {'MB/s':>8} {'scaling':>8} {'per node MB/s':>30} {'p50 ms':>7} {'p99 ms':>7} "
-                 f"{'p999 ms':>8} {'req/GiB':>8} {'floor':>6} {'$/GiB':>8}")
+                 f"{'p999 ms':>8} {'req/GiB':>8}")
     for r in report["runs"]:
         per = ", ".join(f"{x:.0f}" for x in r["per_node_mb_s"])
         lat = r["latency"]
         lines.append(f"{r['nodes']:>5} {r['mb_s']:>8.0f} {r['scaling']:>8.2f} {per:>30} {lat['p50_ms']:>7.1f} "
-                     f"{lat['p99_ms']:>7.1f} {lat['p999_ms']:>8.1f} {r['requests_per_gib'] or 0:>8.1f} "
-                     f"{r.get('request_floor_per_gib') or 0:>6.1f} {r.get('usd_per_gib') or 0:>8.5f}")
+                     f"{lat['p99_ms']:>7.1f} {lat['p999_ms']:>8.1f} {r['requests_per_gib'] or 0:>8.1f}")
     for r in report["runs"]:
+        if r.get("request_floor_per_gib") is not None:
+            lines.append(f"{r['nodes']:>5} node(s): {r['requests_per_gib']:.1f} write requests per GiB against a floor of "
+                         f"{r['request_floor_per_gib']:.1f}; ${r['usd_per_gib']:.5f} per GiB at S3 Standard")
         if r.get("objects_by_trigger"):
             lines.append(f"{r['nodes']:>5} node(s): objects by upload trigger (s3stream.uploadpolicy): "
                          + ", ".join(f"{t} {n}" for t, n in sorted(r["objects_by_trigger"].items())))

@@ -65,7 +65,9 @@ def percentiles(seconds: list[float]) -> dict:
 
 class LatencyStore:
     """Delays each put_if_absent (and put) by a lognormal draw with the given median and p99,
-    then forwards it; records the delays it injected."""
+    then forwards it; records the delays it injected. Its PUTs wait, whatever the inner store."""
+
+    cpu_bound_puts = False
 
     def __init__(self, inner, median: float, p99: float, seed: int = 27) -> None:
         self.inner = inner

@@ -451,9 +451,10 @@ class StreamClient:
             return self._streams.get(stream_id)
 
     def unuploaded_bytes(self, stream: Stream) -> int:
-        """Bytes of the stream that no PUT has carried yet (bounded by Config.stream_tail_limit):
-        what its close uploads. Bytes PUT but not yet committed are not counted: the close
-        commits those objects as they are."""
+        """Bytes of the stream that no PUT has carried or started to carry yet (bounded by
+        Config.stream_tail_limit): what its close uploads. Bytes PUT but not yet committed are
+        not counted: the close commits those objects as they are (and waits, at most a usual
+        PUT's time, for those whose PUT is running)."""
         return max(0, self._unput_tail(stream))
 
     def _register(self, meta: StreamMeta) -> Stream:
@@ -521,8 +522,8 @@ class StreamClient:
         return stream.tail - self._uploader.put_bytes(stream.stream_id, stream.epoch)
 
     def _on_put(self, _future) -> None:
-        """A StreamObject's PUT ended (an upload thread): wake the appends waiting for their
-        stream's tail to be PUT, if any."""
+        """A StreamObject's PUT started or ended (an upload thread): wake the appends waiting
+        for their stream's tail to be PUT, if any."""
         if self._tail_waiters:
             with self._admit_cond:
                 self._admit_cond.notify_all()

@@ -20,6 +20,10 @@ GiB = 1024 * MiB
 #: 2 (5.7-8.2 with 1), at the same throughput (s3stream bench --kind engine, docs/write-path.md).
 DEFAULT_UPLOAD_CONCURRENCY = min(4, max(2, (os.cpu_count() or 4) // 2))
 
+#: PUTs in flight by default (Config.put_concurrency): enough to keep one hot stream's 16 MiB
+#: objects going behind S3 Standard's 30-150 ms PUTs; encodes stay at upload_concurrency.
+DEFAULT_PUT_CONCURRENCY = 8
+
 
 @dataclass(frozen=True)
 class Config:
@@ -66,6 +70,13 @@ class Config:
         half the cores, between 2 and 4: DEFAULT_UPLOAD_CONCURRENCY says why); each
         keeps one encode buffer as large as the largest object it made (at most about
         upload_threshold), reused so that uploads do not fault in fresh memory.
+    put_concurrency: PUTs of objects in flight at once (their threads wait on the store; only
+        upload_concurrency of them encode at a time). None (default): max(8, upload_concurrency).
+        A PUT to S3 mostly waits (30-150 ms): one hot stream with 2 PUTs in flight made 0.49 of
+        the WAL alone behind S3-like latency (issue 51). Each PUT in flight holds its encoded
+        object (bounded by the upload pipeline's bytes); idle threads keep at most
+        upload_concurrency encode buffers. A store whose PUT is a copy on this machine's cores
+        (a local directory: `cpu_bound_puts`) gets upload_concurrency PUTs in flight.
     upload_nice: how much lower the CPU priority of those encode-and-PUT threads is than the
         process's (Linux nice, per thread; 0 keeps it, 19 is the lowest). Encoding and the PUT's
         copy keep a core busy each; at 10, appenders and the WAL writer run first when the cores
@@ -86,15 +97,16 @@ class Config:
         greater number, up to 4 x upload_pipeline, within upload_pipeline x upload_threshold
         bytes in flight. With a 150 ms PUT latency and 4 upload threads, 1 gave 210 MB/s and
         2-4 about 300 MB/s here; 3 leaves room for slower stores.
-    stream_tail_limit: most bytes of one stream durable in the WAL but carried by no PUT yet,
-        whatever the load: what a move of the stream must PUT at its close (it commits the
-        StreamObjects already PUT as they are, issue 51). An append that would pass it waits
+    stream_tail_limit: most bytes of one stream durable in the WAL but carried by no PUT yet
+        (none started), whatever the load: what a move of the stream must PUT at its close (it
+        commits the StreamObjects already PUT as they are, and waits, at most a usual PUT's
+        time, for those whose PUT is running, issue 51). An append that would pass it waits
         until PUTs carry enough (backpressure on that stream only), first cutting the stream's
         slice out of the active block if the part already sealed would not free enough. Streams
         upload at split_size anyway (a cut), so this bound is backpressure for when uploads fall
         behind: a stream's throughput is bounded by PUTs, not by commit round trips (bytes PUT
         but not yet committed are bounded by cache_size). None (default): twice split_size (32
-        MiB: the active slice and one cut waiting for its PUT), at least max_batch_bytes and at
+        MiB: the active slice and one cut waiting for an upload thread), at least max_batch_bytes and at
         most half of cache_size. The 8 MiB it was (issue 28) counted bytes until their commit and
         sealed whole blocks at every wait: 1-2 MiB objects under load. 0: no bound but
         cache_size.
@@ -151,6 +163,7 @@ class Config:
     upload_nice: int = 10
     upload_idle: bool = True
     upload_pipeline: int = 3
+    put_concurrency: int | None = None
     stream_tail_limit: int | None = None
     wal_pressure: float = 0.5
     prepared_ttl: float = 3600.0
@@ -174,13 +187,19 @@ class Config:
                 raise ConfigError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
         if self.read_fetch_size is None and isinstance(self.block_cache_size, int):
             object.__setattr__(self, "read_fetch_size", max(4 * KiB, min(4 * MiB, self.block_cache_size // 4)))
+        if self.put_concurrency is None and isinstance(self.upload_concurrency, int):
+            object.__setattr__(self, "put_concurrency", max(DEFAULT_PUT_CONCURRENCY, self.upload_concurrency))
         positive = ("upload_threshold", "split_size", "object_block_size", "max_batch_bytes", "cache_size",
                     "block_cache_size", "readahead_bytes", "read_fetch_size", "read_concurrency", "upload_concurrency",
-                    "upload_pipeline", "offset_reservation")
+                    "upload_pipeline", "offset_reservation", "put_concurrency")
         for name in positive:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if (self.put_concurrency or 0) < self.upload_concurrency:
+            raise ConfigError(f"put_concurrency ({self.put_concurrency}) < upload_concurrency "
+                              f"({self.upload_concurrency}): every encoding thread PUTs what it encoded; raise "
+                              "put_concurrency or leave it None")
         if self.stream_tail_limit is None and isinstance(self.cache_size, int) and isinstance(self.max_batch_bytes, int):
             object.__setattr__(self, "stream_tail_limit", max(self.max_batch_bytes, min(
                 2 * self.split_size if isinstance(self.split_size, int) else 0, self.cache_size // 2)))

@@ -62,7 +62,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import queue
 import random
 import sys
 import threading
@@ -85,7 +84,7 @@ from .metadata import (
     object_key,
 )
 from .objectstore import ObjectStore
-from .objectstore.base import PutData, data_size, write_requests
+from .objectstore.base import PutData, cpu_bound_puts, data_size, write_requests
 from .threads import thread_nice
 from .uploadpolicy import plan_split
 
@@ -229,6 +228,30 @@ PERMANENT_ERRORS: tuple[type[BaseException], ...] = (ObjectStorePermanentError, 
 _NOT_RETRIED = PERMANENT_ERRORS + (_PreparedExpired,)
 
 
+class _EncodeBuffers:
+    """The pool threads' encode buffers, one per thread: `get` gives one that holds memory if any
+    is idle (the last returned), `put` keeps at most `keep` idle buffers that hold memory (the rest are let go
+    and replaced by empty ones): put_concurrency threads, upload_concurrency buffers' memory."""
+
+    def __init__(self, count: int, keep: int) -> None:
+        self._idle = [bytearray() for _ in range(count)]
+        self._keep = keep
+        self._lock = threading.Lock()
+
+    def get(self) -> bytearray:
+        with self._lock:                    # never empty: one per pool thread
+            for i in range(len(self._idle) - 1, -1, -1):
+                if len(self._idle[i]):
+                    return self._idle.pop(i)
+            return self._idle.pop()
+
+    def put(self, buffer: bytearray) -> None:
+        with self._lock:
+            if len(buffer) and sum(1 for b in self._idle if len(b)) >= self._keep:
+                buffer = bytearray()
+            self._idle.append(buffer)
+
+
 def _unexpected(error: BaseException) -> bool:
     """An error the upload steps do not raise on purpose (not a store, metadata or WAL error, nor
     an OSError): retried all the same, counted apart and logged with its traceback."""
@@ -370,7 +393,7 @@ class Uploader:
         self._put_seconds: deque[float] = deque(maxlen=100)
         # Called (on a pool thread) as each StreamObject's PUT of a block ends: the client wakes
         # appends waiting for their stream's tail to be PUT.
-        self.on_put: Callable[[Future], None] | None = None
+        self.on_put: Callable[[Future | None], None] | None = None   # a StreamObject's PUT started or ended
         # Object ids prepared ahead for closes, (id, prepared at), so that a close's one metadata
         # transaction is its commit: topped up by the blocks' own prepare calls (no extra
         # transaction) and by a close that finds too few; used within half of prepared_ttl.
@@ -387,13 +410,19 @@ class Uploader:
         if config.upload_idle and not self.idle_ok:
             log.info("upload threads stay at upload_nice: this process may not move a thread out of SCHED_IDLE "
                      "(that needs CAP_SYS_NICE or an RLIMIT_NICE allowing it)")
-        self._pool = ThreadPoolExecutor(max_workers=config.upload_concurrency, thread_name_prefix="s3stream-put",
+        # put_concurrency threads PUT (mostly waiting on the store), upload_concurrency of them
+        # encode at a time (the CPU part). A store whose PUT is a copy on our cores (a local
+        # directory) gets no more PUTs than encoders: more would only take cores from appends.
+        puts = config.upload_concurrency if cpu_bound_puts(store) else max(
+            config.put_concurrency or 0, config.upload_concurrency)
+        self.put_threads = puts
+        self._pool = ThreadPoolExecutor(max_workers=puts, thread_name_prefix="s3stream-put",
                                         initializer=self._init_thread)
+        self._encode_slots = threading.BoundedSemaphore(config.upload_concurrency)
         # One encode buffer per pool thread, reused: fresh memory per object would be faulted in
-        # page by page, which costs more here than the copy into it.
-        self._buffers: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
-        for _ in range(config.upload_concurrency):
-            self._buffers.put(bytearray())
+        # page by page, which costs more here than the copy into it. Idle, at most
+        # upload_concurrency of them keep their memory (_return_buffer).
+        self._buffers = _EncodeBuffers(puts, keep=config.upload_concurrency)
         self._clock = clock
         self._rng = rng or random.Random()
         # Retry episodes (guarded by _retry_lock, as the retry counters of stats): the steps
@@ -693,7 +722,9 @@ class Uploader:
         encoded bytes go again; after any other error (the encoding's own, say) the object and
         its buffer are let go and it is encoded again, into a buffer no view holds."""
         key = object_key(object_id)
-        buffer = self._buffers.get_nowait()        # never empty: one per pool thread
+        buffer = self._buffers.get()        # never empty: one per pool thread
+        if self.on_put is not None and len(slices) == 1:
+            self.on_put(None)                       # started: put_bytes counts it now
         data = None
         step = "encode"
 
@@ -702,7 +733,8 @@ class Uploader:
             try:
                 if data is None:
                     step = "encode"
-                    data, _ = encode_slices(slices, self._config.object_block_size, buffer, GATHER_MIN_BYTES)
+                    with self._encode_slots:
+                        data, _ = encode_slices(slices, self._config.object_block_size, buffer, GATHER_MIN_BYTES)
                 step = "put"
                 started = time.perf_counter()
                 self._put(key, data)
@@ -715,7 +747,7 @@ class Uploader:
                     _release(data)
                     data = None
                 self._return_buffer(buffer)
-                buffer = self._buffers.get_nowait()
+                buffer = self._buffers.get()
                 raise
 
         try:
@@ -968,15 +1000,19 @@ class Uploader:
 
     def put_bytes(self, stream_id: int, epoch: int) -> int:
         """Bytes of the stream's tail (slices of blocks not yet committed) that a StreamObject
-        PUT has carried already: what a close of it would commit without PUTting again
-        (_reusable_puts). A stream's tail bound counts only the rest (client._tail_wait)."""
-        done = 0
+        PUT carries already or is carrying (its upload thread started it): what a close of it
+        commits without PUTting again (_reusable_puts waits at most _reuse_wait for those still
+        running, all at once). A stream's tail bound counts only the rest (client._tail_wait),
+        so one stream keeps as many PUTs in flight as the pool has threads, whatever the PUT
+        latency (issue 51: a hot stream behind S3's 30-150 ms PUTs)."""
+        carried = 0
         with self._cond:
             for s, future in self._slice_puts.values():
-                if (s.stream_id == stream_id and s.epoch == epoch and future.done() and not future.cancelled()
-                        and future.exception() is None):
-                    done += s.size
-        return done
+                if s.stream_id != stream_id or s.epoch != epoch:
+                    continue
+                if future.running() or (future.done() and not future.cancelled() and future.exception() is None):
+                    carried += s.size
+        return carried
 
     def _reuse_wait(self) -> float:
         """How long a close waits for the running PUTs of its tail: the 0.9 quantile of the

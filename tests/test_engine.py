@@ -111,6 +111,11 @@ def test_bad_input(tmp_path, metadata_url):
         small_config(split_size=2 * MiB)
     with pytest.raises(s3stream.ConfigError, match="cache_size"):
         small_config(cache_size=1 * MiB)
+    with pytest.raises(s3stream.ConfigError, match=r"put_concurrency \(2\) < upload_concurrency \(3\)"):
+        small_config(upload_concurrency=3, put_concurrency=2)
+    with pytest.raises(s3stream.ConfigError, match="put_concurrency must be a positive integer"):
+        small_config(put_concurrency=0)
+    assert s3stream.Config(upload_concurrency=12).put_concurrency == 12
     with pytest.raises(s3stream.ConfigError, match="node_id"):
         client(tmp_path, -1, f"file://{tmp_path}/o", metadata_url)
     with pytest.raises(s3stream.ConfigError, match="scheme"):

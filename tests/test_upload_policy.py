@@ -198,7 +198,10 @@ def test_light_traffic_makes_at_most_one_upload_per_deadline(tmp_path):
 
 
 class SlowStore:
-    """A store whose PUTs from the upload pool take `seconds` while `slow` is set."""
+    """A store whose PUTs from the upload pool take `seconds` while `slow` is set (they wait, as
+    a network store's do)."""
+
+    cpu_bound_puts = False
 
     def __init__(self, inner, seconds: float) -> None:
         import threading
@@ -213,6 +216,50 @@ class SlowStore:
         if self.slow.is_set() and threading.current_thread().name.startswith("s3stream-put"):
             time.sleep(self.seconds)
         self.inner.put(key, data)
+
+
+class CountingSlowStore(SlowStore):
+    """A SlowStore that notes the most PUTs in flight at once."""
+
+    def __init__(self, inner, seconds: float) -> None:
+        import threading
+        super().__init__(inner, seconds)
+        self.lock, self.now, self.most = threading.Lock(), 0, 0
+
+    def put(self, key, data) -> None:
+        with self.lock:
+            self.now += 1
+            self.most = max(self.most, self.now)
+        try:
+            super().put(key, data)
+        finally:
+            with self.lock:
+                self.now -= 1
+
+
+def test_one_stream_keeps_put_concurrency_puts_in_flight_behind_a_slow_store(tmp_path):
+    """One hot stream behind 200 ms PUTs, one encoding thread and put_concurrency 4: its tail
+    bound (twice the split size) counts only bytes no PUT has started on, so its cuts go up
+    four at a time, and the bound still holds once each append returns. Before, the bound
+    counted bytes until their PUT ended and the pool had one thread: one PUT at a time, the
+    stream capped at the bound per PUT round trip (0.49 of the WAL alone behind S3-like PUTs)."""
+    store = CountingSlowStore(LocalObjectStore(str(tmp_path / "objects")), 0.2)
+    limit = 512 * KiB
+    c = client(tmp_path, store, upload_threshold=4 * MiB, split_size=256 * KiB, cache_size=16 * MiB,
+               stream_tail_limit=limit, upload_idle=False, upload_concurrency=1, put_concurrency=4)
+    try:
+        s = c.create_stream()
+        written = []
+        for _ in range(384):                       # 3 MiB: twelve cuts
+            payload = os.urandom(8 * KiB)
+            written.append((s.append(RecordBatch(payload, 1)).result(10).base_offset, payload))
+            assert c.unuploaded_bytes(s) <= limit
+        c.force_upload(30)
+        assert store.most >= 3, f"at most {store.most} PUT(s) in flight"
+        assert store.most <= 4, "put_concurrency bounds the PUTs in flight"
+        assert [(b, bytes(p)) for b, _, p in read_all(s)] == written
+    finally:
+        c.close()
 
 
 def test_a_node_behind_its_deadline_says_so(tmp_path):

@@ -134,6 +134,13 @@ class ObjectStore(Protocol):
     def close(self) -> None: ...
 
 
+def cpu_bound_puts(store: ObjectStore) -> bool:
+    """Whether a PUT to `store` is work on this machine's cores (a local directory's copy)
+    rather than a wait on a network: its optional `cpu_bound_puts` attribute, False if absent.
+    The uploader keeps Config.put_concurrency PUTs in flight only where they wait."""
+    return bool(getattr(store, "cpu_bound_puts", False))
+
+
 #: Keys of probe_conditional_put's objects start with this (after its key_prefix).
 PROBE_KEY_PREFIX = "s3stream-probe-"
 

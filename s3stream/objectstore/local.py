@@ -133,6 +133,11 @@ class LocalObjectStore:
     before. The files cost their bytes of storage; the next store opened on the root adopts
     them like recycled ones."""
 
+    #: A put here is a copy on this machine's cores, not a wait on a network: the uploader keeps
+    #: no more of them in flight than it has encoding threads (Config.put_concurrency is for
+    #: stores whose PUTs wait, issue 51).
+    cpu_bound_puts = True
+
     def __init__(self, root: str, part_size: int = 16 * MiB, multipart_threshold: int | None = None,
                  recycle_bytes: int = 0, recycle_delay: float = 1.0, preallocate_bytes: int = 0) -> None:
         if part_size <= 0:

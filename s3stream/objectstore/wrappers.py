@@ -9,7 +9,7 @@ from typing import Callable, Iterable, Iterator
 
 from ..errors import ObjectStoreError
 from ..latency import LatencyHistogram
-from .base import BytesLike, Gathered, ObjectInfo, ObjectStore, PutData, data_size, write_requests
+from .base import BytesLike, Gathered, ObjectInfo, ObjectStore, PutData, cpu_bound_puts, data_size, write_requests
 
 KeyPredicate = Callable[[str], bool]
 
@@ -20,7 +20,8 @@ def _part_size(inner: ObjectStore) -> int | None:
 
 
 class _Wrapper:
-    """Forwards url, part_size, multipart_threshold and close() to the wrapped store."""
+    """Forwards url, part_size, multipart_threshold, cpu_bound_puts and close() to the wrapped
+    store."""
 
     def __init__(self, inner: ObjectStore) -> None:
         self.inner = inner
@@ -36,6 +37,10 @@ class _Wrapper:
     @property
     def multipart_threshold(self) -> int | None:
         return getattr(self.inner, "multipart_threshold", None)
+
+    @property
+    def cpu_bound_puts(self) -> bool:   # noqa: F811 - the property forwards the function's answer
+        return cpu_bound_puts(self.inner)
 
     def close(self) -> None:
         """Close the wrapped store."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from wal.benchkit import pyplot, save_figure
+from benchmarks.kit import pyplot, save_figure
 
 from .common import (
     KiB, add_common_args, assign_metrics_ports, deployment, format_placement, new_run_id, node_spec, placement,
@@ -75,7 +75,7 @@ def run(argv=None) -> dict:
 
 
 def _run(args, dep) -> dict:
-    from s3stream.balancer.bench_plan import run as bench_plan
+    from benchmarks.balancer_plan import run as bench_plan
     from s3stream.cluster import Cluster
     from s3stream.metadata import open_metadata
     from s3stream.objectstore import open_object_store

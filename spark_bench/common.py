@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from wal.benchkit import log_line, parse_size, percentiles, progress_over, publish
+from benchmarks.kit import log_line, parse_size, percentiles, progress_over, publish
 
 KiB, MiB, GiB = 1024, 1024 ** 2, 1024 ** 3
 

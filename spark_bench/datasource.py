@@ -35,7 +35,7 @@ import shutil
 import statistics
 import time
 
-from wal.benchkit import parse_size, pyplot, save_figure
+from benchmarks.kit import parse_size, pyplot, save_figure
 
 from .common import cleanup_dirs, progress, publish, refuse_used_metadata, verdict
 

@@ -69,7 +69,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-from wal.benchkit import parse_size, progress as progress_bar, pyplot, save_figure
+from benchmarks.kit import parse_size, progress as progress_bar, pyplot, save_figure
 
 
 from .common import (

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 
-from wal.benchkit import percentiles, publish, pyplot, save_figure
+from benchmarks.kit import percentiles, publish, pyplot, save_figure
 
 from .common import progress
 from .migration import ANCHORS, TARGETS, _ratio, targets_met

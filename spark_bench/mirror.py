@@ -43,7 +43,7 @@ import tempfile
 import threading
 import time
 
-from wal.benchkit import percentiles, pyplot, save_figure
+from benchmarks.kit import percentiles, pyplot, save_figure
 
 
 from .common import (KiB, MiB, add_common_args, assign_metrics_ports, deployment, new_run_id, progress, publish,
@@ -122,7 +122,7 @@ def run_source(spec: dict) -> dict:
     every acknowledgement (partition, base, seq, digest, wall ns of the ack), close, and record
     the partitions' committed ends under bench/<run>/source-done/<node> in the source KV."""
     import s3stream
-    from s3stream.bench import completion_ns, watch_completion
+    from benchmarks.engine import completion_ns, watch_completion
     from s3stream.metadata import open_metadata
     node_id = spec["node_id"]
     wal_dir = spec["wal_dir"] or tempfile.mkdtemp(prefix=f"s3stream-source{node_id}-", dir=spec.get("node_dir"))

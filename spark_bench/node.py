@@ -114,7 +114,7 @@ def run_node(spec: dict) -> dict:
     """Run one node as described by `spec` (see spark_bench.common.node_spec); returns its stats."""
     import s3stream
     import wal
-    from s3stream.bench import completion_ns
+    from benchmarks.engine import completion_ns
     from s3stream.cluster import Cluster, ClusterConfig, NodeAgent
     from s3stream.metadata import open_metadata
     from s3stream.objectstore import open_object_store

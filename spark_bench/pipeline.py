@@ -37,7 +37,7 @@ import signal
 import threading
 import time
 
-from wal.benchkit import parse_size, pyplot, save_figure
+from benchmarks.kit import parse_size, pyplot, save_figure
 
 from .common import cleanup_dirs, environ_set, latency_summary, progress, publish, storage, verdict, worker_python
 

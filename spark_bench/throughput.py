@@ -18,7 +18,7 @@ import itertools
 import math
 import os
 
-from wal.benchkit import fmt_size, parse_size, progress as progress_bar, pyplot, save_figure
+from benchmarks.kit import fmt_size, parse_size, progress as progress_bar, pyplot, save_figure
 from s3stream.uploadpolicy import request_cost_per_gib, requests_floor
 
 from .common import (

@@ -1,10 +1,10 @@
-"""Smoke test of `s3stream bench --kind reader` (s3stream/bench_reader.py): a tiny run over both
+"""Smoke test of `s3stream bench --kind reader` (benchmarks/reader.py): a tiny run over both
 metadata stores; the report has every part and nothing written was lost. No timing asserts."""
 from __future__ import annotations
 
 import json
 
-from s3stream.bench_reader import TARGET_CATCHUP_RATIO, TARGET_VISIBILITY_MS, run
+from benchmarks.reader import TARGET_CATCHUP_RATIO, TARGET_VISIBILITY_MS, run
 
 
 def test_reader_bench_quick(tmp_path, pg_url):

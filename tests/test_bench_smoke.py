@@ -6,7 +6,7 @@ import pytest
 
 
 def test_wal_bench_quick(tmp_path):
-    from wal import bench
+    from benchmarks import wal_disk as bench
     report = bench.run(["--quick", "--out", str(tmp_path), "--capacity", "256M", "--duration", "0.3",
                         "--warmup", "0.1", "--raw-bytes", "16M", "--raw-adjacent", "8M", "--sync-count", "50"])
     assert (tmp_path / "report.json").exists()
@@ -15,7 +15,7 @@ def test_wal_bench_quick(tmp_path):
 
 
 def test_engine_bench_quick(tmp_path):
-    from s3stream import bench
+    from benchmarks import engine as bench
     report = bench.run(["--quick", "--out", str(tmp_path), "--ingest", "24M", "--dataset", "16M", "--rounds", "2",
                         "--round-seconds", "0.1", "--open-loop-seconds", "0.2", "--store-dir", str(tmp_path / "store"),
                         "--hot", "24M"])
@@ -76,7 +76,7 @@ def test_engine_bench_quick(tmp_path):
 
 
 def test_discarding_store_drops_puts_only_while_switched(tmp_path):
-    from s3stream.bench import DiscardingStore
+    from benchmarks.engine import DiscardingStore
     from s3stream.objectstore import LocalObjectStore
     store = DiscardingStore(LocalObjectStore(str(tmp_path)))
     store.put("a", b"kept")
@@ -92,7 +92,7 @@ def test_discarding_store_drops_puts_only_while_switched(tmp_path):
 def test_engine_bench_reports_memory_handed_back_to_the_host(tmp_path, monkeypatch):
     """The small-record rounds read free page reporting's counter around each round (a fake
     /sys directory here); the report says how much each side handed back."""
-    from s3stream import bench
+    from benchmarks import engine as bench
     fake = tmp_path / "page_reporting"
     fake.mkdir()
     (fake / "page_reporting_order").write_text("9\n")
@@ -114,7 +114,7 @@ def test_engine_bench_reports_memory_handed_back_to_the_host(tmp_path, monkeypat
 
 @pytest.mark.parametrize("kind", ["sqlite", "postgres"])
 def test_metadata_bench_quick(tmp_path, kind, request):
-    from s3stream import bench_metadata
+    from benchmarks import metadata as bench_metadata
     url = f"sqlite:///{tmp_path}/m.db" if kind == "sqlite" else request.getfixturevalue("pg_url")
     report = bench_metadata.run(["--meta", url, "--streams", "5,120", "--seconds", "0.05",
                                  "--out", str(tmp_path / "out")])
@@ -137,7 +137,7 @@ def test_metadata_bench_quick(tmp_path, kind, request):
 def test_wal_objects_bench_quick(tmp_path):
     """`s3stream bench --kind wal-objects --quick`: the file and the S3 Express-like store, every
     measurement and target in report.json, the plot written."""
-    from s3stream.bench_wal_objects import run as run_wal_objects
+    from benchmarks.wal_objects import run as run_wal_objects
     report = run_wal_objects(["--quick", "--out", str(tmp_path / "out"), "--workdir", str(tmp_path)])
     results = report["results"]
     assert set(results) == {"file", "express"}
@@ -155,7 +155,7 @@ def test_visibility_bench_quick(tmp_path):
     """`s3stream bench --kind visibility`: a reader in another process sees every record of a
     paced stream before the writer closes it, with the node's PUTs per second and the uploads
     by trigger in report.json (issue 51)."""
-    from s3stream.bench_visibility import run as run_visibility
+    from benchmarks.visibility import run as run_visibility
     report = run_visibility(["--rates", "50", "--seconds", "1.5", "--out", str(tmp_path / "out"),
                              "--workdir", str(tmp_path)])
     [row] = report["rows"]
@@ -168,8 +168,8 @@ def test_visibility_bench_quick(tmp_path):
 
 def test_wake_bench_quick(tmp_path):
     """The wake-up probe runs every case, the producers append in theirs and nobody else's, and
-    each case's percentiles come from its own samples (issue 28's tail, s3stream.bench_wake)."""
-    from s3stream import bench_wake
+    each case's percentiles come from its own samples (issue 28's tail, benchmarks.wake)."""
+    from benchmarks import wake as bench_wake
     report = bench_wake.run(["--quick", "--out", str(tmp_path), "--busy", "1", "--workdir", str(tmp_path)])
     assert set(report["cases"]) == set(bench_wake.CASES)
     for case, s in report["cases"].items():

@@ -6,7 +6,7 @@ import pytest
 
 
 def test_compaction_bench_quick(tmp_path):
-    from compaction import bench
+    from benchmarks import compaction as bench
     report = bench.run(["--quick", "--streams", "40", "--duration", "2", "--out", str(tmp_path),
                         "--store-dir", str(tmp_path / "store")])
     data = json.loads((tmp_path / "report.json").read_text())

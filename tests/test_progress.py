@@ -1,4 +1,4 @@
-"""The benchmarks' progress bars (wal.benchkit): off unless someone watches, on stderr."""
+"""The benchmarks' progress bars (benchmarks.kit): off unless someone watches, on stderr."""
 import io
 import time
 
@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("tqdm")
 
-from wal.benchkit import ENV, log_line, progress, progress_over  # noqa: E402
+from benchmarks.kit import ENV, log_line, progress, progress_over  # noqa: E402
 
 
 class Terminal(io.StringIO):

@@ -285,7 +285,7 @@ def test_random_sections_alike(payload, count):
 # ---- the benchmark ----------------------------------------------------------------------------
 
 def test_bench_records_quick(tmp_path):
-    from s3stream.bench_records import run
+    from benchmarks.records import run
     report = run(["--quick", "--out", str(tmp_path), "--workdir", str(tmp_path), "--append-round", "2M",
                   "--seconds", "0.01"])
     assert (tmp_path / "report.json").exists()

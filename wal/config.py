@@ -67,7 +67,7 @@ class WALConfig:
         invariant 8). "zeros" writes the whole file before `open` returns (seconds for 2 GiB;
         later O_DIRECT writes need no extent conversion). "fallocate" is instant and never
         filled: every write of the first lap converts an unwritten extent (slower).
-        Measured here in one run (`python -m wal.bench --first-start --capacity 2G`, medians of
+        Measured here in one run (`python -m benchmarks.wal_disk --first-start --capacity 2G`, medians of
         3 rounds, 128 KiB records, 1 MiB batches; the disk drifts between runs): open of a new
         2 GiB WAL to its first durable append 0.025 s background, 2.64 s zeros, 0.007 s
         fallocate; appends over the first lap 874, 1478, 980 MB/s (background shares the disk

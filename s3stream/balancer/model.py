@@ -385,3 +385,11 @@ def _latency(report: Mapping, key: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InvalidArgumentError(f"metrics report of node {report.get('node')}: {key} must be a number, got {value!r}")
     return float(value)
+
+
+def imbalance(model: ClusterModel, resource: str = BYTES_IN) -> float:
+    """Max node load / mean node load over the balanced nodes (1.0 is perfect)."""
+    mean = model.mean(resource)
+    if mean <= 0:
+        return 1.0
+    return max(model.node_value(n.node_id, resource) for n in model.nodes() if n.balanced) / mean

@@ -14,11 +14,11 @@ from typing import Any, Callable
 import click
 
 import wal
-from wal.benchkit import parse_size
+from wal.sizes import parse_size
 
 from ..balancer import (BYTES_IN, BYTES_OUT, NEUTRAL, Action, BalancerConfig, ClusterModel, NodeState, action_to_dict,
                         explain_action, plan)
-from ..balancer.bench_plan import imbalance
+from ..balancer.model import imbalance
 from ..balancer.explain import format_rate
 from ..balancer.lease import LEASE_KEY
 from ..balancer.loop import LAST_ROUND_KEY, Balancer, live_model

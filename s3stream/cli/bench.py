@@ -103,20 +103,20 @@ def bench(kind: str, quick: bool, out: str | None, bench_args: tuple[str, ...]) 
     spark-balance     spark_bench: the balancer on a Zipf-skewed 4-node cluster, and after a
                       hot spot moves: imbalance before/after, seconds to balance, moves, lost
     spark-mirror      spark_bench: mirror 16 partitions under load, a worker SIGKILLed, a consumer failover
-    engine            s3stream.bench: ingest into 10 and 1,000 streams against WAL-only
+    engine            benchmarks.engine: ingest into 10 and 1,000 streams against WAL-only
                       ingest, small records (128 B-64 KiB) and CPU per GiB against the WAL
                       alone, open-loop append latency, object-store requests per GiB,
                       catch-up and tail reads
-    wal               wal.bench: WAL throughput and latency against the raw disk limit
-    metadata          s3stream.bench_metadata: metadata operations per second with 10 and
+    wal               benchmarks.wal_disk: WAL throughput and latency against the raw disk limit
+    metadata          benchmarks.metadata: metadata operations per second with 10 and
                       100,000 streams (SQLite; PostgreSQL with --start-postgres or --meta URL)
-    records           s3stream.bench_records: Kafka record batches encoded and decoded per
+    records           benchmarks.records: Kafka record batches encoded and decoded per
                       second (native, pure Python, kafka-python); append_records against append
-    reader            s3stream.bench_reader: a reader that is not a node against a node,
+    reader            benchmarks.reader: a reader that is not a node against a node,
                       catch-up MB/s; commit-to-tail visibility p50/p99 (SQLite, PostgreSQL)
-    visibility        s3stream.bench_visibility: append to seen by a reader in another process
+    visibility        benchmarks.visibility: append to seen by a reader in another process
                       at 10 to 10,000 records/s and the maximum, with the node's PUTs/s
-    wake              s3stream.bench_wake: how late a node's high-priority thread runs when
+    wake              benchmarks.wake: how late a node's high-priority thread runs when
                       it wakes, under appends and busy cores (a move's tail)
 
     Other options go to the benchmark itself: `s3stream bench --kind wal --quick --capacity 256M`;

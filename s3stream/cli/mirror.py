@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from wal.benchkit import parse_size
+from wal.sizes import parse_size
 
 from ..config import Config
 from .common import (as_number, emit_json, json_option, metrics_option, open_meta, open_store, serve_metrics, table,

@@ -3,9 +3,9 @@
 A move is a chain of short steps (metadata round trips, a PUT, hand-offs between threads), and
 each step's thread must take the process's GIL back when it wakes. Producers appending flat out
 hold that GIL and both cores; the move's thread then waits behind them at every step
-(s3stream.bench_wake: 3-5 ms p99 per wake-up in a node under appends on a busy host, 0.1-0.2 ms
+(benchmarks.wake: 3-5 ms p99 per wake-up in a node under appends on a busy host, 0.1-0.2 ms
 for the same thread in a process of its own). Raising the agent's thread priority does not help
-with the GIL, and neither did SCHED_FIFO (tried on 2026-11-28, bench_wake's appends+busy case).
+with the GIL, and neither did SCHED_FIFO (tried on 2026-11-28, benchmarks.wake's appends+busy case).
 
 So, as issue 28 allows ("producers may be slowed, never the move"), a node's agent holds
 `Partition.append` on its node while it closes or opens a partition: appends that arrive

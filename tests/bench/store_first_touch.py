@@ -29,7 +29,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from s3stream.objectstore.local import LocalObjectStore  # noqa: E402
-from wal.benchkit import parse_size  # noqa: E402
+from benchmarks.kit import parse_size  # noqa: E402
 
 GiB = 1 << 30
 

@@ -2,7 +2,7 @@
 
 Run `pytest tests/bench --benchmark-enable` for timings; with the project's default
 `--benchmark-disable` each benchmarked function runs once, so these double as smoke tests.
-The whole-engine benchmark is `python -m s3stream.bench`; the WAL's own are in test_wal_micro.py.
+The whole-engine benchmark is `python -m benchmarks.engine`; the WAL's own are in test_wal_micro.py.
 """
 from __future__ import annotations
 

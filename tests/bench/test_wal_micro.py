@@ -2,7 +2,7 @@
 
 Run `pytest tests/bench --benchmark-enable` for timings; with the project's default
 `--benchmark-disable` each benchmarked function runs once, so these double as smoke tests.
-The full-device benchmark is `python -m wal.bench`.
+The full-device benchmark is `python -m benchmarks.wal_disk`.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Metadata benchmark: operations per second of each MetadataStore, with few and with many streams.
 
-    python -m s3stream.bench_metadata [--meta URL ...] [--streams 10,100000] [--quick] [--out DIR]
+    python -m benchmarks.metadata [--meta URL ...] [--streams 10,100000] [--quick] [--out DIR]
 
 The operations a cluster makes, each timed on its own for `--seconds` (median and p99 latency,
 operations per second): a node's start (register_node), a heartbeat, creating a stream, a
@@ -30,9 +30,9 @@ import tempfile
 import time
 from typing import Callable
 
-from wal.benchkit import log_line, percentiles, progress, publish, pyplot, save_figure
+from benchmarks.kit import log_line, percentiles, progress, publish, pyplot, save_figure
 
-from .metadata import CommitRange, CommitRequest, CommitSSO, CommitStreamObject, MetadataStore, open_metadata
+from s3stream.metadata import CommitRange, CommitRequest, CommitSSO, CommitStreamObject, MetadataStore, open_metadata
 
 WRITERS = 4                  # processes writing at once in the contended measurement
 HOT = 8                      # streams the timed operations work on (owned by node 1)
@@ -42,7 +42,7 @@ TTL_NS = 3600 * 10 ** 9
 
 
 def _progress(msg: str) -> None:
-    log_line(f"[s3stream.bench_metadata {time.strftime('%H:%M:%S')}] {msg}")
+    log_line(f"[benchmarks.metadata {time.strftime('%H:%M:%S')}] {msg}")
 
 
 def populate(meta: MetadataStore, count: int, already: int) -> None:
@@ -223,7 +223,7 @@ def format_report(report: dict) -> str:
 
 
 def plot(report: dict, out: str) -> list[str]:
-    plt = pyplot("s3stream.bench_metadata")
+    plt = pyplot("benchmarks.metadata")
     if plt is None:
         return []
     stores = report["stores"]
@@ -244,7 +244,7 @@ def plot(report: dict, out: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m s3stream.bench_metadata", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.metadata", description=__doc__.split("\n\n")[0])
     ap.add_argument("--meta", action="append", default=[], help="a metadata URL to measure (repeatable; each "
                     "must name an empty database). Default: SQLite in a temporary directory")
     ap.add_argument("--start-postgres", action="store_true", help="also measure PostgreSQL on a throwaway local "
@@ -270,7 +270,7 @@ def run(argv: list[str] | None = None) -> dict:
         for name, url in stores:
             report["stores"].append(bench_store(name, url, sizes, seconds))
         if args.start_postgres:
-            from .pgserver import throwaway_postgres
+            from s3stream.pgserver import throwaway_postgres
             with throwaway_postgres() as server:
                 report["stores"].append(bench_store("postgresql", server.create_database("metabench"), sizes,
                                                     seconds))

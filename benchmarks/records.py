@@ -44,17 +44,17 @@ from types import ModuleType
 from typing import Any
 
 import wal
-from wal.benchkit import fmt_size, log_line, parse_size, progress, publish, pyplot, save_figure
+from benchmarks.kit import fmt_size, log_line, parse_size, progress, publish, pyplot, save_figure
 
-from . import records as native_records
-from . import records_reference
-from .bench import lean_producers
-from .client import StreamClient
-from .config import Config, GiB, MiB
-from .metadata import SqliteMetadataStore
-from .objectstore import LocalObjectStore
-from .recordbatch import RecordBatch
-from .records import COMPRESSION_CODECS, Record
+from s3stream import records as native_records
+from s3stream import records_reference
+from benchmarks.engine import lean_producers
+from s3stream.client import StreamClient
+from s3stream.config import Config, GiB, MiB
+from s3stream.metadata import SqliteMetadataStore
+from s3stream.objectstore import LocalObjectStore
+from s3stream.recordbatch import RecordBatch
+from s3stream.records import COMPRESSION_CODECS, Record
 
 #: The issue's target: appending Records costs at most 10% against appending their bytes.
 TARGET_APPEND_RATIO = 0.9
@@ -67,7 +67,7 @@ _WORDS = (b"user", b"session", b"click", b"page", b"view", b"checkout", b"cart",
 
 
 def _progress(msg: str) -> None:
-    log_line(f"[s3stream.bench_records {time.strftime('%H:%M:%S')}] {msg}")
+    log_line(f"[benchmarks.records {time.strftime('%H:%M:%S')}] {msg}")
 
 
 def make_records(count: int, value_size: int, seed: int = 0) -> list[Record]:
@@ -192,7 +192,7 @@ def bench_append(records_per_batch: int, round_bytes: int, pairs: int, inflight:
     plain ones (partitions). A round appends `round_bytes` of batches; everything is uploaded
     between rounds, untimed, so that no round pays for another's upload."""
     import s3stream.cluster  # noqa: F401  (partitions)
-    from .cluster.producers import new_producer
+    from s3stream.cluster.producers import new_producer
     work = tempfile.mkdtemp(prefix="s3stream-records-", dir=workdir)
     threshold = max(4 * round_bytes, 64 * MiB)             # never reached within a round
     capacity = 2 * threshold
@@ -303,7 +303,7 @@ def format_report(report: dict) -> str:
 
 
 def plot(report: dict, out: str) -> list[str]:
-    plt = pyplot("s3stream.bench_records")
+    plt = pyplot("benchmarks.records")
     if plt is None:
         return []
     names = [n for n in IMPLEMENTATIONS if n in report["implementations"]]

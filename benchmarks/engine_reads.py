@@ -1,4 +1,4 @@
-"""The read half of the engine benchmark (s3stream/bench.py): catch-up reads from objects on the
+"""The read half of the engine benchmark (benchmarks/engine.py): catch-up reads from objects on the
 local store and on S3 through a moto server, each against a raw read of the same objects, and
 tail reads from the log cache.
 
@@ -27,8 +27,8 @@ import urllib.error
 import urllib.request
 from typing import Iterator
 
-from . import Config, StreamClient
-from .metadata import ObjectState, SqliteMetadataStore
+from s3stream import Config, StreamClient
+from s3stream.metadata import ObjectState, SqliteMetadataStore
 
 MiB = 1024 ** 2
 FETCH_BYTES = 1 * MiB
@@ -185,7 +185,7 @@ def tail_read_sizes(workdir: str, store_dir: str, config: Config, sizes=(128, 10
                     streams: int = 4, per_stream: int = 16 * MiB, rounds: int = 200) -> list[dict]:
     """Records of each size appended to `streams` streams (still in the log cache), then fetched
     back 1 MiB at a time from the newest MiB of each stream, `rounds` times over."""
-    from . import RecordBatch
+    from s3stream import RecordBatch
     out = []
     client = StreamClient(7, os.path.join(workdir, "tail.wal"), f"file://{store_dir}",
                           f"sqlite:///{workdir}/tail-meta.db", config)

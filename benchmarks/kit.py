@@ -1,6 +1,6 @@
-"""What every benchmark and load test shares (wal's, s3stream's, compaction's and spark_bench's):
-sizes (`parse_size`, `fmt_size`), latency percentiles, matplotlib plots, and progress bars. It
-lives in `wal`, the lowest Python layer, so that every layer's benchmarks can import it.
+"""What every benchmark and load test shares (benchmarks/'s and spark_bench's): sizes
+(`parse_size`, `fmt_size`, from wal.sizes, which the CLI parses with too), latency percentiles,
+matplotlib plots, and progress bars.
 
 Progress bars: tqdm bars on stderr, shown only when someone watches.
 
@@ -16,45 +16,24 @@ above any open bar instead of through it.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import math
 import os
-import re
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TextIO
 
+from wal.sizes import GiB, KiB, MiB, fmt_size, parse_size
+
+__all__ = ["ENV", "TICKS_PER_SECOND", "GiB", "KiB", "MiB", "enabled", "fmt_size", "log_line", "parse_size",
+           "percentiles", "periodic", "progress", "progress_over", "publish", "pyplot", "save_figure"]
+
 #: "1": show bars even off a terminal or under CI; "0": never show them.
 ENV = "S3STREAM_PROGRESS"
 #: The most redraws a second of any bar (tqdm's mininterval) and of `progress_over`'s ticker.
 TICKS_PER_SECOND = 4
-
-
-KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
-_UNIT = {"": 1, "k": KiB, "m": MiB, "g": GiB, "t": 1024 * GiB}
-
-
-# ---- sizes ------------------------------------------------------------------------------------
-
-def parse_size(text: str) -> int:
-    """'4K', '64KiB', '1M', '1.5G', '4096' -> bytes (binary units)."""
-    m = _SIZE_RE.match(str(text))
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 4096, 4K, 64KiB, 1M, 1G)")
-    return int(float(m.group(1)) * _UNIT[m.group(2).lower()])
-
-
-def fmt_size(n: int) -> str:
-    """Bytes as the largest binary unit that divides them: '64 KiB', '2 GiB', '100 B'."""
-    for unit, f in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
-        if n >= f and n % f == 0:
-            return f"{n // f} {unit}"
-    return f"{n} B"
 
 
 # ---- statistics ---------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Engine benchmark: ingest, small records, open-loop latency, requests per GiB, reads.
 
-    python -m s3stream.bench [--quick] [--out DIR]
+    python -m benchmarks.engine [--quick] [--out DIR]
 
 Everything is measured in one run, each figure next to the limit it is judged against:
 - WAL-only ingest: the same producers (64 KiB batches, 128 in flight each) appending straight to
@@ -44,15 +44,15 @@ import threading
 import time
 
 import wal
-from wal.bench import Trimmer
-from wal.benchkit import fmt_size, log_line, parse_size, percentiles, periodic, progress, publish, pyplot, save_figure
+from benchmarks.wal_disk import Trimmer
+from benchmarks.kit import fmt_size, log_line, parse_size, percentiles, periodic, progress, publish, pyplot, save_figure
 
-from . import Config, RecordBatch, StreamClient
-from .lifecycle import ObjectReclaimer
-from .metadata import ObjectState, SqliteMetadataStore
-from .objectstore import InstrumentedObjectStore, LocalObjectStore
-from .uploadpolicy import request_cost_per_gib, requests_floor
-from .bench_reads import catchup_local, catchup_s3, format_catchup, moto_server, tail_read, tail_read_sizes
+from s3stream import Config, RecordBatch, StreamClient
+from s3stream.lifecycle import ObjectReclaimer
+from s3stream.metadata import ObjectState, SqliteMetadataStore
+from s3stream.objectstore import InstrumentedObjectStore, LocalObjectStore
+from s3stream.uploadpolicy import request_cost_per_gib, requests_floor
+from benchmarks.engine_reads import catchup_local, catchup_s3, format_catchup, moto_server, tail_read, tail_read_sizes
 
 KiB, MiB, GiB = 1024, 1024 ** 2, 1024 ** 3
 TARGETS = {"ingest_ratio": 0.8, "catchup_ratio": 0.7, "small_record_ratio": 0.8,
@@ -70,7 +70,7 @@ OPEN_LOOP_TICK_NS = 200_000
 
 
 def _progress(msg: str) -> None:
-    log_line(f"[s3stream.bench {time.strftime('%H:%M:%S')}] {msg}")
+    log_line(f"[benchmarks.engine {time.strftime('%H:%M:%S')}] {msg}")
 
 
 # ---- completion times of append handles -----------------------------------------------------------
@@ -239,7 +239,7 @@ def engine_ingest(workdir: str, store_dir: str, config: Config, payload: bytes, 
     PUT of the store is delayed by a lognormal draw (S3-like)."""
     local = LocalObjectStore(store_dir)
     if put_latency is not None:
-        from .bench_wal_objects import LatencyStore
+        from benchmarks.wal_objects import LatencyStore
         store = InstrumentedObjectStore(LatencyStore(local, *put_latency))   # type: ignore[arg-type]
     else:
         store = InstrumentedObjectStore(local)
@@ -277,6 +277,7 @@ def engine_ingest(workdir: str, store_dir: str, config: Config, payload: bytes, 
         for s in streams:
             s.close()
     drain = time.perf_counter() - t0
+    _wait_uploads(client)     # blocks still in flight count their objects under their trigger when they commit
     upload = dict(client.stats()["upload"])
     stats = store.stats()
     objects = [o for o in meta.list_objects(state=ObjectState.COMMITTED)]
@@ -636,7 +637,7 @@ def _size_list(text: str) -> tuple[int, ...]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m s3stream.bench", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.engine", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="reports/engine-bench", help="report directory (JSON + PNG)")
     ap.add_argument("--workdir", default=None, help="WAL and metadata directory (default: OUT/work)")
     ap.add_argument("--store-dir", default=None, help="object store directory (default: /dev/shm/... if present)")
@@ -698,7 +699,7 @@ def run(argv: list[str] | None = None) -> dict:
     cases = (("1000 streams", args.ingest, 1000), ("10 streams", args.dataset, 10))
     ingests = cases if args.only == "all" else cases[1:] if args.only == "reads" else ()
     # one step per ingest, the reads, the small records and the hot partition, advanced between them
-    phases = progress(total=len(ingests) + {"all": 3, "reads": 1, "hot": 1}[args.only], desc="s3stream.bench",
+    phases = progress(total=len(ingests) + {"all": 3, "reads": 1, "hot": 1}[args.only], desc="benchmarks.engine",
                       unit="phase")
     try:
         if args.only in ("all", "hot"):
@@ -848,7 +849,7 @@ def format_report(report: dict) -> str:
         for t in reads["tail"]:
             lines.append(f"  {fmt_size(t['size']):>6} records: {t['mb_s']:,.0f} MB/s, {t['records_s']:,.0f} records/s "
                          f"({t['from_cache']:.0%} of fetches from the log cache)")
-        lines.append("\nCatch-up reads (fetch 1 MiB at a time, stream after stream, fresh node; s3stream/bench_reads.py)")
+        lines.append("\nCatch-up reads (fetch 1 MiB at a time, stream after stream, fresh node; benchmarks/engine_reads.py)")
         for store, cases in reads["catchup"].items():
             for layout, c in cases.items():
                 judged = store == "local" or layout == "stream objects"
@@ -948,7 +949,7 @@ def _format_small_records(report: dict) -> list[str]:
 
 
 def write_plots(report: dict, out: str) -> list[str]:
-    plt = pyplot("s3stream.bench")
+    plt = pyplot("benchmarks.engine")
     if plt is None:
         return []
     paths = []

@@ -1,6 +1,6 @@
 """Compaction benchmark: a long mixed workload with and without compaction, and read cost.
 
-    python -m compaction.bench [--quick] [--out DIR] [--duration S] [--streams N]
+    python -m benchmarks.compaction [--quick] [--out DIR] [--duration S] [--streams N]
 
 Three runs of the same workload on a fresh node each (without compaction, with, without again):
 1,000 streams whose append rates follow a Zipf law (a few hot streams, a long tail of nearly idle
@@ -39,7 +39,7 @@ import threading
 import time
 
 import wal
-from wal.benchkit import log_line, percentiles, progress, progress_over, pyplot, save_figure
+from benchmarks.kit import log_line, percentiles, progress, progress_over, pyplot, save_figure
 
 from s3stream import Config, FetchedBatch, RecordBatch, StreamClient
 from s3stream.logcache import LogCache
@@ -47,7 +47,7 @@ from s3stream.metadata import SqliteMetadataStore
 from s3stream.objectstore import LocalObjectStore
 from s3stream.read import Reader
 
-from . import CompactionConfig, Compactor, attach, object_stats
+from compaction import CompactionConfig, Compactor, attach, object_stats
 
 KiB, MiB = 1024, 1024 ** 2
 TARGETS = {"write_amplification": 2.0, "p99_ratio": 1.5}
@@ -56,7 +56,7 @@ SIZE_WEIGHTS = (30, 30, 20, 15, 5)
 
 
 def _progress(msg: str) -> None:
-    log_line(f"[compaction.bench {time.strftime('%H:%M:%S')}] {msg}")
+    log_line(f"[benchmarks.compaction {time.strftime('%H:%M:%S')}] {msg}")
 
 
 class KeyRecordingStore:
@@ -315,7 +315,7 @@ def read_cost_case(args, base: dict) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m compaction.bench", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.compaction", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="reports/compaction-bench", help="report directory (JSON + PNG)")
     ap.add_argument("--workdir", default=None, help="WAL and metadata directory (default: OUT/work)")
     ap.add_argument("--store-dir", default=None, help="object store directory (default: /dev/shm/...)")
@@ -359,7 +359,7 @@ def run(argv: list[str] | None = None) -> dict:
     try:
         # A, B, A again: the baseline brackets the compaction run in time, so slow drift of the
         # machine (other processes, the disk) does not land on one side only.
-        with progress(total=4, desc="compaction.bench", unit="phase") as phases:
+        with progress(total=4, desc="benchmarks.compaction", unit="phase") as phases:
             base = run_case(args, "without", with_compaction=False)
             phases.update()
             comp = run_case(args, "with", with_compaction=True)
@@ -440,7 +440,7 @@ def format_report(report: dict) -> str:
 
 
 def write_plots(report: dict, out: str) -> list[str]:
-    plt = pyplot("compaction.bench")
+    plt = pyplot("benchmarks.compaction")
     if plt is None:
         return []
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))

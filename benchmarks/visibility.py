@@ -36,15 +36,15 @@ import time
 from typing import Any
 
 import wal
-from wal.benchkit import log_line, percentiles, publish, pyplot, save_figure
+from benchmarks.kit import log_line, percentiles, publish, pyplot, save_figure
 
-from .bench_reader import child_lines
-from .bench_wal_objects import PROFILES, LatencyStore
-from .client import StreamClient
-from .config import Config, MiB
-from .objectstore import LocalObjectStore
-from .recordbatch import RecordBatch
-from .uploadpolicy import request_cost_per_gib, requests_floor
+from benchmarks.reader import child_lines
+from benchmarks.wal_objects import PROFILES, LatencyStore
+from s3stream.client import StreamClient
+from s3stream.config import Config, MiB
+from s3stream.objectstore import LocalObjectStore
+from s3stream.recordbatch import RecordBatch
+from s3stream.uploadpolicy import request_cost_per_gib, requests_floor
 
 TARGET_P99_S = 1.0
 TARGET_LIGHT_PUTS_PER_S = 4.0
@@ -190,7 +190,7 @@ def format_report(report: dict) -> str:
 
 
 def plot(report: dict, out: str) -> list[str]:
-    plt = pyplot("s3stream.bench_visibility")
+    plt = pyplot("benchmarks.visibility")
     if plt is None:
         return []
     rows = report["rows"]

@@ -18,14 +18,14 @@ import tempfile
 import time
 
 import wal
-from wal.benchkit import periodic
+from benchmarks.kit import periodic
 
-from .bench import DiscardingStore, lean_producers
-from .client import StreamClient
-from .config import Config, GiB, MiB
-from .metadata import SqliteMetadataStore
-from .objectstore import LocalObjectStore
-from .recordbatch import RecordBatch
+from benchmarks.engine import DiscardingStore, lean_producers
+from s3stream.client import StreamClient
+from s3stream.config import Config, GiB, MiB
+from s3stream.metadata import SqliteMetadataStore
+from s3stream.objectstore import LocalObjectStore
+from s3stream.recordbatch import RecordBatch
 
 #: The issue's target: the lease costs at most 3% of the append throughput.
 TARGET_RATIO = 0.97

@@ -1,4 +1,4 @@
-"""WAL throughput benchmark: `python -m wal.bench [--quick] [options]`.
+"""WAL throughput benchmark: `python -m benchmarks.wal_disk [--quick] [options]`.
 
 One run measures, on ONE file (the WAL's own, preallocated file):
 
@@ -50,10 +50,10 @@ import time
 from _native.walio import AlignedBuffer, datasync
 from _native.walrecord import BLOCK, HEADER_AREA, RECORD_HEADER
 
-from .benchkit import fmt_size, log_line, parse_size, percentiles, progress, pyplot, save_figure
-from .config import PREALLOCATE_MODES, GiB, KiB, MiB, WALConfig
-from .header import pick_header
-from .log import WriteAheadLog
+from benchmarks.kit import fmt_size, log_line, parse_size, percentiles, progress, pyplot, save_figure
+from wal.config import PREALLOCATE_MODES, GiB, KiB, MiB, WALConfig
+from wal.header import pick_header
+from wal.log import WriteAheadLog
 
 #: node id stamped in the benchmark's WAL; a file at --path is reused only if it carries it.
 BENCH_NODE_ID = 0xBE7C
@@ -79,7 +79,7 @@ def _int_list(text: str) -> list[int]:
 
 
 def _progress(msg: str) -> None:
-    log_line(f"[wal.bench {time.strftime('%H:%M:%S')}] {msg}")
+    log_line(f"[benchmarks.wal_disk {time.strftime('%H:%M:%S')}] {msg}")
 
 
 # ---- the file and raw I/O ----------------------------------------------------------------------
@@ -119,7 +119,7 @@ def prepare_file(path: str, cfg: WALConfig) -> dict:
         st = None
     if st is not None:
         if not stat.S_ISREG(st.st_mode):
-            raise SystemExit(f"wal.bench: --path {path!r} exists and is not a regular file; refusing to use it")
+            raise SystemExit(f"benchmarks.wal_disk: --path {path!r} exists and is not a regular file; refusing to use it")
         fd = os.open(path, os.O_RDONLY)
         try:
             raw = os.pread(fd, HEADER_AREA, 0)
@@ -127,7 +127,7 @@ def prepare_file(path: str, cfg: WALConfig) -> dict:
             os.close(fd)
         header, _ = pick_header(raw[:BLOCK], raw[BLOCK:2 * BLOCK]) if len(raw) == HEADER_AREA else (None, None)
         if header is None or header.node_id != BENCH_NODE_ID:
-            raise SystemExit(f"wal.bench: --path {path!r} exists and is not a benchmark WAL "
+            raise SystemExit(f"benchmarks.wal_disk: --path {path!r} exists and is not a benchmark WAL "
                              f"(node {BENCH_NODE_ID:#x}); refusing to overwrite it. Give a new path.")
         os.unlink(path)
     t0 = time.perf_counter()
@@ -168,7 +168,7 @@ class RawWriter:
         start, end = region
         self.span = (end - start) // size * size
         if self.span <= 0:
-            raise SystemExit(f"wal.bench: only {end - start} free bytes in the WAL for raw {size}-byte writes; "
+            raise SystemExit(f"benchmarks.wal_disk: only {end - start} free bytes in the WAL for raw {size}-byte writes; "
                              "raise --capacity")
         self.fd, self.start, self.data_capacity, self.size = fd, start, data_capacity, size
         self.buf = AlignedBuffer(size)
@@ -409,13 +409,13 @@ def run_first_start(args) -> dict:
     os.makedirs(args.out, exist_ok=True)
     results: dict = {mode: [] for mode in PREALLOCATE_MODES}
     env = dict(cpu_count=os.cpu_count(), filesystem=_fs_type(os.path.abspath(args.out)), loadavg_start=_loadavg())
-    bar = progress(total=args.rounds * len(PREALLOCATE_MODES), desc="wal.bench first start", unit="WAL")
+    bar = progress(total=args.rounds * len(PREALLOCATE_MODES), desc="benchmarks.wal_disk first start", unit="WAL")
     for rnd in range(args.rounds):
         modes = PREALLOCATE_MODES[rnd % 3:] + PREALLOCATE_MODES[:rnd % 3]
         for mode in modes:
             path = os.path.join(args.out, f"first-start-{mode}.wal")
             if os.path.exists(path):
-                raise SystemExit(f"wal.bench: {path!r} exists (an interrupted run?); remove it first")
+                raise SystemExit(f"benchmarks.wal_disk: {path!r} exists (an interrupted run?); remove it first")
             cfg = WALConfig(capacity=args.capacity, batch_bytes=args.batch_bytes, buffers=args.buffers,
                             writer_threads=args.writer_threads, preallocate=mode)
             try:
@@ -673,7 +673,7 @@ def format_table(report: dict) -> str:
 
 
 def write_plots(report: dict, out: str) -> list[str]:
-    plt = pyplot("wal.bench")
+    plt = pyplot("benchmarks.wal_disk")
     if plt is None:
         return []
     files = []
@@ -751,7 +751,7 @@ def _loadavg() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     d = WALConfig()
-    ap = argparse.ArgumentParser(prog="python -m wal.bench", description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.wal_disk", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--out", default=os.path.join("reports", "wal-bench"), help="output directory")
     ap.add_argument("--path", default=None, help="WAL file (default: OUT/bench.wal; must be new or an earlier "
@@ -813,14 +813,14 @@ def run(argv: list[str] | None = None) -> dict:
     if args.raw_adjacent is None:
         args.raw_adjacent = 32 * MiB if args.quick else 64 * MiB
     if args.inflight < 1 or args.sync_count < 1 or args.duration <= 0 or args.warmup < 0:
-        raise SystemExit("wal.bench: --inflight and --sync-count must be >= 1, --duration > 0, --warmup >= 0")
+        raise SystemExit("benchmarks.wal_disk: --inflight and --sync-count must be >= 1, --duration > 0, --warmup >= 0")
     if args.raw_block % BLOCK or args.raw_block <= 0 or args.sync_size <= 0:
-        raise SystemExit(f"wal.bench: --raw-block must be a positive multiple of {BLOCK}")
+        raise SystemExit(f"benchmarks.wal_disk: --raw-block must be a positive multiple of {BLOCK}")
     try:
         cfg = WALConfig(capacity=args.capacity, batch_bytes=args.batch_bytes, buffers=args.buffers,
                         writer_threads=args.writer_threads, preallocate=args.preallocate)
     except Exception as e:
-        raise SystemExit(f"wal.bench: bad WAL config: {e}") from None
+        raise SystemExit(f"benchmarks.wal_disk: bad WAL config: {e}") from None
     out = args.out
     os.makedirs(out, exist_ok=True)
     path = args.path or os.path.join(out, "bench.wal")
@@ -845,7 +845,7 @@ def run(argv: list[str] | None = None) -> dict:
     t_all = time.perf_counter()
     created = False
     # one step per phase and per case, advanced between them: nothing inside a timed section
-    steps = progress(total=4 + len(args.sizes) * len(args.threads), desc="wal.bench", unit="step")
+    steps = progress(total=4 + len(args.sizes) * len(args.threads), desc="benchmarks.wal_disk", unit="step")
     try:
         nphase = 4
         _progress(f"phase 0/{nphase}: creating {fmt_size(args.capacity)} WAL at {path} "
@@ -854,7 +854,7 @@ def run(argv: list[str] | None = None) -> dict:
         created = True
         env.update(wal_direct_io=info["wal_direct_io"], wal_create_seconds=info["create_seconds"])
         if max_size > info["max_record_bytes"]:
-            raise SystemExit(f"wal.bench: record size {max_size} exceeds the WAL's max record "
+            raise SystemExit(f"benchmarks.wal_disk: record size {max_size} exceeds the WAL's max record "
                              f"{info['max_record_bytes']}; raise --capacity")
         steps.update()
 

@@ -33,9 +33,9 @@ import time
 from typing import Any, Callable, Iterator
 
 import wal
-from wal.benchkit import pyplot, save_figure
+from benchmarks.kit import pyplot, save_figure
 
-from .objectstore import LocalObjectStore, open_object_store
+from s3stream.objectstore import LocalObjectStore, open_object_store
 
 MB = 1e6
 GIB = 1 << 30
@@ -153,7 +153,7 @@ def open_store(name: str, work: str, args) -> Iterator[tuple[Any, Callable[[], l
             moto.stop()
         return
     if name == "seaweedfs":
-        from . import s3servers
+        from s3stream import s3servers
         for key, value in (("AWS_ACCESS_KEY_ID", s3servers.ACCESS_KEY),
                            ("AWS_SECRET_ACCESS_KEY", s3servers.SECRET_KEY), ("AWS_DEFAULT_REGION", s3servers.REGION)):
             os.environ.setdefault(key, value)

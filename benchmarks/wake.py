@@ -38,14 +38,14 @@ import threading
 import time
 
 import wal
-from wal.benchkit import percentiles, publish, pyplot, save_figure
+from benchmarks.kit import percentiles, publish, pyplot, save_figure
 
-from .client import StreamClient
-from .config import Config, GiB, MiB
-from .metadata import SqliteMetadataStore
-from .objectstore import LocalObjectStore
-from .recordbatch import RecordBatch
-from .threads import thread_nice
+from s3stream.client import StreamClient
+from s3stream.config import Config, GiB, MiB
+from s3stream.metadata import SqliteMetadataStore
+from s3stream.objectstore import LocalObjectStore
+from s3stream.recordbatch import RecordBatch
+from s3stream.threads import thread_nice
 
 CASES = ("quiet", "busy", "appends", "appends+busy", "appends+busy, probe apart")
 #: The probe's sleep: a short wait ended by the kernel, as a metadata round trip's is.
@@ -134,7 +134,7 @@ def probe(seconds: float, priority: int) -> list[int]:
 
 def probe_apart(seconds: float, priority: int) -> list[int]:
     """`sleep_loop` in a process of its own (sharing no GIL with this one)."""
-    code = ("import json, sys; from s3stream.bench_wake import sleep_loop; "
+    code = ("import json, sys; from benchmarks.wake import sleep_loop; "
             "print(json.dumps(sleep_loop(float(sys.argv[1]), int(sys.argv[2]))))")
     done = subprocess.run([sys.executable, "-c", code, str(seconds), str(priority)], capture_output=True,
                           text=True, check=True, timeout=seconds + 60)
@@ -202,7 +202,7 @@ def format_report(report: dict) -> str:
 
 
 def plot(report: dict, out: str) -> list[str]:
-    plt = pyplot("s3stream.bench_wake")
+    plt = pyplot("benchmarks.wake")
     if plt is None:
         return []
     fig, ax = plt.subplots(figsize=(7, 3.5))

@@ -1,6 +1,6 @@
 """Planner benchmark on a simulated, Zipf-skewed cluster.
 
-    python3 -m s3stream.balancer.bench_plan [--partitions 10000 --nodes 100 --seed 1]
+    python3 -m benchmarks.balancer_plan [--partitions 10000 --nodes 100 --seed 1]
 
 Partition traffic follows a Zipf law (the k-th busiest partition carries ~ k^-load_exponent),
 bytes out is bytes in times a per-partition fan-out in [0.5, 3], and partitions are placed with
@@ -18,9 +18,9 @@ import sys
 import time
 from dataclasses import replace
 
-from .config import MiB, BalancerConfig
-from .model import BYTES_IN, ClusterModel, NodeState, PartitionLoad
-from .planner import plan
+from s3stream.balancer.config import MiB, BalancerConfig
+from s3stream.balancer.model import ClusterModel, NodeState, PartitionLoad, imbalance
+from s3stream.balancer.planner import plan
 
 
 def simulated_model(partitions: int, nodes: int, seed: int, load_exponent: float = 0.6,
@@ -40,14 +40,6 @@ def simulated_model(partitions: int, nodes: int, seed: int, load_exponent: float
         bytes_in = weights[i] * scale
         model.add_partition(PartitionLoad(f"p{i}", placement[i], bytes_in, bytes_in * rng.uniform(0.5, 3.0)))
     return model
-
-
-def imbalance(model: ClusterModel, resource: str = BYTES_IN) -> float:
-    """Max node load / mean node load over the balanced nodes (1.0 is perfect)."""
-    mean = model.mean(resource)
-    if mean <= 0:
-        return 1.0
-    return max(model.node_value(n.node_id, resource) for n in model.nodes() if n.balanced) / mean
 
 
 def run(partitions: int = 10_000, nodes: int = 100, seed: int = 1, max_actions: int | None = None,

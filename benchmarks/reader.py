@@ -44,15 +44,15 @@ import time
 from collections.abc import Iterator
 
 import wal
-from wal.benchkit import fmt_size, log_line, parse_size, percentiles, progress, publish, pyplot, save_figure
+from benchmarks.kit import fmt_size, log_line, parse_size, percentiles, progress, publish, pyplot, save_figure
 
-from .bench_reads import evict
-from .client import StreamClient
-from .config import Config, MiB
-from .metadata import ObjectMeta, ObjectState, open_metadata
-from .reader import open_reader
-from .recordbatch import RecordBatch
-from .records import Record, encode_batch
+from benchmarks.engine_reads import evict
+from s3stream.client import StreamClient
+from s3stream.config import Config, MiB
+from s3stream.metadata import ObjectMeta, ObjectState, open_metadata
+from s3stream.reader import open_reader
+from s3stream.recordbatch import RecordBatch
+from s3stream.records import Record, encode_batch
 
 #: The issue's targets: a reader catches up at least 0.9 as fast as a node; a commit is visible
 #: to a tailing reader within 100 ms.
@@ -68,7 +68,7 @@ INFLIGHT = 64
 
 
 def _progress(msg: str) -> None:
-    log_line(f"[s3stream.bench_reader {time.strftime('%H:%M:%S')}] {msg}")
+    log_line(f"[benchmarks.reader {time.strftime('%H:%M:%S')}] {msg}")
 
 
 # ---- catch-up ----------------------------------------------------------------------------------
@@ -316,7 +316,7 @@ def postgres_database(args) -> Iterator[tuple[str | None, str]]:
     if args.pg_url:
         yield args.pg_url, "the database of --pg-url"
         return
-    from .pgserver import MissingBinaries, throwaway_postgres
+    from s3stream.pgserver import MissingBinaries, throwaway_postgres
     with contextlib.ExitStack() as stack:
         try:
             server = stack.enter_context(throwaway_postgres())
@@ -358,7 +358,7 @@ def format_report(report: dict) -> str:
 
 
 def plot(report: dict, out: str) -> list[str]:
-    plt = pyplot("s3stream.bench_reader")
+    plt = pyplot("benchmarks.reader")
     if plt is None:
         return []
     cases = [c for c in report["catchup"] if "skipped" not in c]

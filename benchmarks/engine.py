@@ -52,7 +52,8 @@ from s3stream.lifecycle import ObjectReclaimer
 from s3stream.metadata import ObjectState, SqliteMetadataStore
 from s3stream.objectstore import InstrumentedObjectStore, LocalObjectStore
 from s3stream.uploadpolicy import request_cost_per_gib, requests_floor
-from benchmarks.engine_reads import catchup_local, catchup_s3, format_catchup, moto_server, tail_read, tail_read_sizes
+from benchmarks.engine_reads import catchup_local, catchup_s3, format_catchup, tail_read, tail_read_sizes
+from testservers.moto import moto_process
 
 KiB, MiB, GiB = 1024, 1024 ** 2, 1024 ** 3
 TARGETS = {"ingest_ratio": 0.8, "catchup_ratio": 0.7, "small_record_ratio": 0.8,
@@ -807,7 +808,8 @@ def read_cases(args, config: Config, payload: bytes, base_work: str) -> dict:
             out["local"][layout] = catchup_local(work, os.path.join(work, "objects"), config)
             steps.update()
         if not args.no_s3:
-            with moto_server() as endpoint:
+            with moto_process() as moto:          # its own process: it does not share the reader's GIL
+                endpoint = moto.endpoint
                 for i, (layout, work) in enumerate(layouts.items()):
                     _progress(f"catch-up read of {layout} from S3 through moto (fresh node, cold caches)")
                     out["s3"][layout] = catchup_s3(work, os.path.join(work, "objects"), config, endpoint,

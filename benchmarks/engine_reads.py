@@ -17,23 +17,14 @@ target is judged on the StreamObject layout there, and both figures are reported
 """
 from __future__ import annotations
 
-import contextlib
 import os
-import socket
-import subprocess
-import sys
 import time
-import urllib.error
-import urllib.request
-from typing import Iterator
 
 from s3stream import Config, StreamClient
 from s3stream.metadata import ObjectState, SqliteMetadataStore
 
 MiB = 1024 ** 2
 FETCH_BYTES = 1 * MiB
-#: How long the moto server may take to answer its first request.
-MOTO_START_TIMEOUT = 30.0
 
 
 def object_paths(workdir: str, store_dir: str) -> tuple[list[str], list[str]]:
@@ -97,40 +88,6 @@ def catchup_local(workdir: str, store_dir: str, config: Config, node_id: int = 2
     finally:
         client.close()
     return _result(got, read_s, raw, raw_s, stats, objects=len(paths), store="local disk, page cache evicted")
-
-
-@contextlib.contextmanager
-def moto_server() -> Iterator[str]:
-    """A moto S3 server in its own process (so that it does not share the reader's GIL); yields
-    its endpoint URL."""
-    for key, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
-                       ("AWS_DEFAULT_REGION", "us-east-1")):
-        os.environ.setdefault(key, value)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    endpoint = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + MOTO_START_TIMEOUT
-        while True:
-            try:
-                urllib.request.urlopen(endpoint, timeout=1).close()
-                break
-            except (urllib.error.URLError, OSError):
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the moto server on port {port} did not start within "
-                                       f"{MOTO_START_TIMEOUT:g} s (exit code {proc.poll()}); is moto[server] installed?")
-                time.sleep(0.1)
-        yield endpoint
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def catchup_s3(workdir: str, store_dir: str, config: Config, endpoint: str, bucket: str, node_id: int = 3) -> dict:

@@ -18,7 +18,7 @@ Then contended writes: WRITERS processes each write a KV key of its own in a loo
 move's path (an assignment, a close's record) costs while other nodes write too.
 
 Default stores: SQLite in a temporary directory, and PostgreSQL when `--meta postgresql://...` is
-given or `--start-postgres` starts a throwaway server (s3stream.pgserver). Report: JSON and a PNG.
+given or `--start-postgres` starts a throwaway server (testservers.postgres). Report: JSON and a PNG.
 """
 from __future__ import annotations
 
@@ -270,7 +270,7 @@ def run(argv: list[str] | None = None) -> dict:
         for name, url in stores:
             report["stores"].append(bench_store(name, url, sizes, seconds))
         if args.start_postgres:
-            from s3stream.pgserver import throwaway_postgres
+            from testservers.postgres import throwaway_postgres
             with throwaway_postgres() as server:
                 report["stores"].append(bench_store("postgresql", server.create_database("metabench"), sizes,
                                                     seconds))

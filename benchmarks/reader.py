@@ -316,7 +316,7 @@ def postgres_database(args) -> Iterator[tuple[str | None, str]]:
     if args.pg_url:
         yield args.pg_url, "the database of --pg-url"
         return
-    from s3stream.pgserver import MissingBinaries, throwaway_postgres
+    from testservers.postgres import MissingBinaries, throwaway_postgres
     with contextlib.ExitStack() as stack:
         try:
             server = stack.enter_context(throwaway_postgres())

@@ -21,7 +21,6 @@ import argparse
 import collections
 import contextlib
 import json
-import logging
 import math
 import os
 import random
@@ -138,25 +137,13 @@ def open_store(name: str, work: str, args) -> Iterator[tuple[Any, Callable[[], l
             shutil.rmtree(shm, ignore_errors=True)
         return
     if name == "moto":
-        from moto.server import ThreadedMotoServer
-        logging.getLogger("werkzeug").setLevel(logging.WARNING)     # a line per request otherwise
-        for key, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
-                           ("AWS_DEFAULT_REGION", "us-east-1")):
-            os.environ.setdefault(key, value)
-        moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        moto.start()
-        try:
-            host, port = moto.get_host_and_port()
-            with timed_store(f"s3://walbench/w?endpoint_url=http://{host}:{port}&create_bucket=1") as pair:
+        from testservers.moto import moto_thread
+        with moto_thread() as endpoint:
+            with timed_store(f"s3://walbench/w?endpoint_url={endpoint}&create_bucket=1") as pair:
                 yield pair
-        finally:
-            moto.stop()
         return
     if name == "seaweedfs":
-        from s3stream import s3servers
-        for key, value in (("AWS_ACCESS_KEY_ID", s3servers.ACCESS_KEY),
-                           ("AWS_SECRET_ACCESS_KEY", s3servers.SECRET_KEY), ("AWS_DEFAULT_REGION", s3servers.REGION)):
-            os.environ.setdefault(key, value)
+        from testservers import s3 as s3servers
         os.makedirs(os.path.join(work, "seaweedfs"), exist_ok=True)
         with s3servers.start_seaweedfs(os.path.join(work, "seaweedfs")) as server:
             with timed_store(s3servers.bucket_url(server.endpoint, "w")) as pair:

@@ -55,7 +55,7 @@ process writes files ahead, off the puts' path, and a close's 4 MiB PUT took 3-4
 15-27 ms (half load, PostgreSQL). `--store-preallocate 0` measures without it.
 
 `--meta postgres` starts a throwaway PostgreSQL server on 127.0.0.1 for the run and stops it
-after (s3stream.pgserver); `--meta postgresql://user@host/db` uses a server of yours, which must not
+after (testservers.postgres); `--meta postgresql://user@host/db` uses a server of yours, which must not
 hold the run's partitions yet (a database an earlier run used is refused: its objects are gone).
 """
 from __future__ import annotations
@@ -230,7 +230,7 @@ def throwaway_metadata(args) -> Iterator[str]:
             args.master.split("://", 1)[-1].rsplit(":", 1)[0] not in ("127.0.0.1", "localhost"):
         raise SystemExit(f"--meta postgres starts a server on 127.0.0.1, which the executors of {args.master} "
                          "on other hosts cannot reach: give --meta postgresql://user@host/db")
-    from s3stream.pgserver import MissingBinaries, throwaway_postgres
+    from testservers.postgres import MissingBinaries, throwaway_postgres
     with contextlib.ExitStack() as stack:
         try:
             server = stack.enter_context(throwaway_postgres())

@@ -234,7 +234,7 @@ def run(argv=None) -> dict:
     args = parse_args(argv or [])
     if args.meta != "postgres":
         return _run(args)
-    from s3stream.pgserver import MissingBinaries, throwaway_postgres
+    from testservers.postgres import MissingBinaries, throwaway_postgres
     with contextlib.ExitStack() as stack:
         try:
             server = stack.enter_context(throwaway_postgres())

@@ -29,23 +29,21 @@ import contextlib
 import hashlib
 import json
 import os
-import pwd
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from bisect import bisect_left
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
+
+from testservers.moto import MotoProcess
+from testservers.postgres import PostgresProcess as _PostgresProcess
 
 HERE = Path(__file__).resolve().parent
 NODE_SCRIPT = HERE / "cluster_harness_node.py"
@@ -101,12 +99,6 @@ def payload_node(pid: str) -> tuple[int, int]:
 
 # ---- processes ---------------------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def kill_group(proc: subprocess.Popen | None, timeout: float = 10.0) -> None:
     """SIGCONT + SIGKILL to the process group `proc` leads (started with start_new_session)."""
     if proc is None:
@@ -133,121 +125,13 @@ def wait_stopped(pid: int, timeout: float = 5.0) -> bool:
     return False
 
 
-class PostgresProcess:
-    """A throwaway PostgreSQL server whose life the harness controls: `stop()` (pg_ctl stop -m
-    immediate by default: every backend killed, as in a crash) and `start()` again on the same
-    port and data directory. As root it runs as the `postgres` user, in a directory under the
-    system's temporary directory (pytest's tmp_path is not reachable by that user)."""
+class PostgresProcess(_PostgresProcess):
+    """The harness's PostgreSQL: testservers' server without fsync (no test here rests on its
+    durability across a host crash: it is stopped with -m immediate, which keeps the WAL),
+    with room for every node's pool."""
 
     def __init__(self) -> None:
-        from s3stream.pgserver import MissingBinaries, find_binary
-        self.initdb, self.pg_ctl = find_binary("initdb"), find_binary("pg_ctl")
-        if not self.initdb or not self.pg_ctl:
-            raise MissingBinaries("PostgreSQL's initdb and pg_ctl were not found (apt-get install postgresql)")
-        self.as_user: list[str] = []
-        owner = None
-        if os.geteuid() == 0:
-            runuser = shutil.which("runuser")
-            try:
-                owner = pwd.getpwnam("postgres")
-            except KeyError:
-                owner = None
-            if not runuser or owner is None:
-                raise MissingBinaries("as root, starting PostgreSQL needs runuser and a 'postgres' user")
-            self.as_user = [runuser, "-u", "postgres", "--"]
-        self.base = tempfile.mkdtemp(prefix="s3stream-harness-pg-")
-        if owner is not None:
-            os.chown(self.base, owner.pw_uid, owner.pw_gid)
-        self.data = os.path.join(self.base, "data")
-        self.log = os.path.join(self.base, "server.log")
-        self.port = free_port()
-        self.url = f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
-        self.running = False
-        self._run(self.initdb, "-D", self.data, "-A", "trust", "-U", "postgres", "-E", "UTF8", "--no-locale",
-                  "--no-sync")
-
-    def _run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-        done = subprocess.run(self.as_user + list(args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, cwd=self.base, timeout=120)
-        if check and done.returncode != 0:
-            tail = ""
-            with contextlib.suppress(OSError):
-                with open(self.log) as f:
-                    tail = f.read()[-2000:]
-            raise RuntimeError(f"{' '.join(args[:2])} failed ({done.returncode}): {done.stdout[-2000:]}{tail}")
-        return done
-
-    def start(self) -> None:
-        self._run(self.pg_ctl, "-D", self.data, "-l", self.log, "-o",
-                  f"-p {self.port} -k {self.base} -c listen_addresses=127.0.0.1 -c fsync=off "
-                  "-c max_connections=300", "-w", "-t", "60", "start")
-        self.running = True
-
-    def stop(self, mode: str = "immediate") -> None:
-        self._run(self.pg_ctl, "-D", self.data, "-m", mode, "-w", "-t", "60", "stop", check=False)
-        self.running = False
-
-    def create_database(self, name: str) -> str:
-        from s3stream.pgserver import PostgresServer
-        return PostgresServer(self.url).create_database(name)
-
-    def _postmaster_pid(self) -> int | None:
-        try:
-            with open(os.path.join(self.data, "postmaster.pid")) as f:
-                return int(f.readline())
-        except (OSError, ValueError):
-            return None
-
-    def close(self) -> None:
-        if os.path.isdir(self.data):
-            self.stop("immediate")
-            pid = self._postmaster_pid()
-            if pid is not None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, signal.SIGKILL)
-        shutil.rmtree(self.base, ignore_errors=True)
-
-
-class MotoProcess:
-    """moto's S3 server in its own process on 127.0.0.1 (its own session, so that SIGSTOP freezes
-    it whole and cleanup kills its group)."""
-
-    START_TIMEOUT = 30.0
-
-    def __init__(self, log_dir: str | None = None) -> None:
-        for key, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
-                           ("AWS_DEFAULT_REGION", "us-east-1")):
-            os.environ.setdefault(key, value)
-        self.port = free_port()
-        self.endpoint = f"http://127.0.0.1:{self.port}"
-        self._log = open(os.path.join(log_dir, "moto.log"), "ab") if log_dir else subprocess.DEVNULL
-        self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-                                     stdout=self._log, stderr=self._log, start_new_session=True)
-        self.frozen = False
-        deadline = time.monotonic() + self.START_TIMEOUT
-        while True:
-            try:
-                urllib.request.urlopen(self.endpoint, timeout=1).close()
-                return
-            except (urllib.error.URLError, OSError):
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.close()
-                    raise RuntimeError(f"the moto server on port {self.port} did not start within "
-                                       f"{self.START_TIMEOUT:g} s (exit code {self.proc.poll()})")
-                time.sleep(0.1)
-
-    def freeze(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGSTOP)
-        self.frozen = True
-
-    def thaw(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGCONT)
-        self.frozen = False
-
-    def close(self) -> None:
-        kill_group(self.proc)
-        if self._log is not subprocess.DEVNULL:
-            self._log.close()
+        super().__init__(fsync=False, max_connections=300)
 
 
 def node_application_name(node_id: int) -> str:
@@ -372,7 +256,7 @@ class PgS3Backend(Backend):
             self.moto.close()
             self.pg.close()
         else:
-            from s3stream.pgserver import PostgresServer
+            from testservers.postgres import PostgresServer
             with contextlib.suppress(Exception):      # the shared server keeps no run's database
                 PostgresServer(self.pg.url).drop_database(self.database)
 

@@ -82,24 +82,15 @@ def damage(path: str, position: int, data: bytes) -> None:
 @pytest.fixture(scope="session")
 def moto_endpoint():
     """One moto S3 server over real HTTP on loopback for the whole session."""
-    from moto.server import ThreadedMotoServer
-    for key, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
-                       ("AWS_DEFAULT_REGION", "us-east-1")):
-        os.environ.setdefault(key, value)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
+    from testservers.moto import moto_thread
+    with moto_thread() as endpoint:
+        yield endpoint
 
 
 def _start_s3_server(tmp_path_factory, kind: str):
-    """An s3stream.s3servers server of `kind` ("seaweedfs" or "rclone") in a session temp dir.
+    """An testservers.s3 server of `kind` ("seaweedfs" or "rclone") in a session temp dir.
     Without its binary the tests using it skip, except in CI ($CI set), where they fail."""
-    from s3stream import s3servers
-    for key, value in (("AWS_ACCESS_KEY_ID", s3servers.ACCESS_KEY), ("AWS_SECRET_ACCESS_KEY", s3servers.SECRET_KEY),
-                       ("AWS_DEFAULT_REGION", s3servers.REGION)):
-        os.environ.setdefault(key, value)
+    from testservers import s3 as s3servers
     start = {"seaweedfs": s3servers.start_seaweedfs, "rclone": s3servers.start_rclone}[kind]
     try:
         return start(str(tmp_path_factory.mktemp(kind)))
@@ -138,7 +129,7 @@ def store_url(request, tmp_path):
     if request.param == "local":
         return f"file://{tmp_path}/objects"
     if request.param in ("seaweedfs", "rclone"):
-        from s3stream import s3servers
+        from testservers import s3 as s3servers
         return s3servers.bucket_url(request.getfixturevalue(f"{request.param}_endpoint"))
     endpoint = request.getfixturevalue("moto_endpoint")
     bucket = f"b-{os.urandom(4).hex()}"
@@ -206,11 +197,11 @@ def pytest_terminal_summary(terminalreporter):
 
 @pytest.fixture(scope="session")
 def pg_server():
-    """A PostgreSQL server for the session (s3stream.pgserver.PostgresServer): the one at
+    """A PostgreSQL server for the session (testservers.postgres.PostgresServer): the one at
     $S3STREAM_TEST_PG_URL (a superuser URL), else a throwaway one started from the installed
     binaries. Without binaries the PostgreSQL cases skip, except in CI ($CI set), where they fail:
     they must never silently skip there."""
-    from s3stream import pgserver
+    from testservers import postgres as pgserver
     url = os.environ.get("S3STREAM_TEST_PG_URL")
     if url:
         yield pgserver.PostgresServer(url)

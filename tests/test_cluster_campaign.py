@@ -164,7 +164,7 @@ SEEDS = [("sqlite-local", 4, 20), ("pg-s3", 12, 30)]
 @pytest.mark.parametrize("backend,seed,seconds", SEEDS)
 def test_campaign_seed_meets_every_target(backend, seed, seconds, tmp_path, capsys):
     if backend == "pg-s3":
-        from s3stream.pgserver import find_binary
+        from testservers.postgres import find_binary
         if not find_binary("pg_ctl"):
             pytest.skip("PostgreSQL is not installed")
     config = cluster_campaign.campaign_config(settle_timeout=15.0)

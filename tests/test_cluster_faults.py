@@ -32,7 +32,7 @@ CONFIG = dict(nodes=3, partitions=3, rate=100.0, settle_timeout=20.0)
 def services(tmp_path_factory):
     """One PostgreSQL server and one moto server for the module's pg-s3 cases (each case: its
     own database and bucket). Without PostgreSQL the cases skip, except in CI ($CI set)."""
-    from s3stream.pgserver import MissingBinaries
+    from testservers.postgres import MissingBinaries
     try:
         with H.pg_s3_services(str(tmp_path_factory.mktemp("services"))) as servers:
             yield servers

@@ -1,6 +1,6 @@
 """The layout the code promises (issue 52), read from the source's imports: the library packages
-hold no benchmark code and import no benchmark or load test; those live in benchmarks/ and
-spark_bench/, above the library."""
+hold no benchmark code and import no benchmark, load test or test server; those live in
+benchmarks/, spark_bench/ and testservers/, above the library."""
 from __future__ import annotations
 
 import ast
@@ -8,7 +8,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 LIBRARY = ("_native", "wal", "s3stream", "compaction", "pyspark_s3stream")
-ABOVE = ("benchmarks", "spark_bench")
+ABOVE = ("benchmarks", "spark_bench", "testservers")
 
 
 def modules(package: str):
@@ -45,7 +45,7 @@ def test_library_packages_hold_no_benchmark():
     assert not found, f"benchmark modules inside the library: {found}; they belong in benchmarks/"
 
 
-def test_library_packages_import_no_benchmark_or_load_test():
+def test_library_packages_import_no_benchmark_load_test_or_test_server():
     wrong = []
     for package in LIBRARY:
         for name, path in modules(package):

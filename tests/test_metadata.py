@@ -1062,7 +1062,7 @@ def test_open_metadata_postgres_urls(pg_url, clock):
 
 
 def test_postgres_unreachable_url_is_a_config_error_without_the_password():
-    from s3stream.pgserver import free_port
+    from testservers.postgres import free_port
     port = free_port()   # nothing listens there
     for url in (f"postgresql://meta_user:s3cret-pw@127.0.0.1:{port}/meta",
                 f"postgresql://127.0.0.1:{port}/meta?user=meta_user&password=s3cret-pw"):

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from s3stream import MetadataBusyError
-from s3stream import pgserver
+from testservers import postgres as pgserver
 
 OUTAGE_S = 3.0
 #: Generous: the pool retries every ~0.25 s; the figure measured is printed.

@@ -19,7 +19,6 @@ import pytest
 from botocore.awsrequest import AWSResponse
 from botocore.exceptions import ClientError, EndpointConnectionError
 from moto import mock_aws
-from moto.server import ThreadedMotoServer
 
 from s3stream.errors import ConfigError, InvalidArgumentError, ObjectNotFoundError, ObjectStoreError
 from s3stream.objectstore import (
@@ -29,7 +28,7 @@ from s3stream.objectstore import (
 from s3stream.objectstore import s3 as s3_module
 from s3stream.objectstore.local import POOL_DIR
 
-from s3stream import s3servers
+from testservers import s3 as s3servers
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -87,15 +86,6 @@ def aws_env(monkeypatch, tmp_path):
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
-
-
-@pytest.fixture(scope="session")
-def moto_endpoint():
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ from urllib.parse import quote, urlsplit
 import pytest
 
 from s3stream import ConfigError, MetadataBusyError, RecordBatch, StreamClient, StreamFencedError
-from s3stream import pgserver
+from testservers import postgres as pgserver
 from s3stream.metadata import (CommitRange, CommitRequest, CommitSSO, ChangeFeed, ObjectState, PostgresMetadataStore,
                                open_metadata)
 from conftest import small_config

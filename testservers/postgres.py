@@ -17,11 +17,12 @@ import glob
 import os
 import pwd
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
 import time
-from typing import Callable, Iterator
+from typing import Iterator
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 import psycopg
@@ -52,14 +53,119 @@ def _database_url(url: str, name: str) -> str:
     return urlunsplit(urlsplit(url)._replace(path="/" + name))
 
 
-class PostgresServer:
-    """A server reachable at `url` (its `postgres` database, as superuser). A server that
-    throwaway_postgres started can also be stopped and started again on the same port and data
-    (`stop`, `start`), to test what its clients do during an outage."""
+class MissingBinaries(RuntimeError):
+    """initdb / pg_ctl / pgbouncer (or runuser and the postgres user, as root) are not installed."""
 
-    def __init__(self, url: str, pg_ctl: Callable[..., None] | None = None) -> None:
+
+def _server_user() -> pwd.struct_passwd | None:
+    """The user that PostgreSQL and PgBouncer run as: `postgres` when we are root (both refuse
+    to run as root), else None (ourselves)."""
+    if os.geteuid() != 0:
+        return None
+    try:
+        return pwd.getpwnam("postgres")
+    except KeyError:
+        raise MissingBinaries("running as root needs a 'postgres' user to start PostgreSQL or PgBouncer "
+                              "(apt-get install postgresql creates it)") from None
+
+
+class PostgresProcess:
+    """One throwaway server's process, the one starter of PostgreSQL for tests, benchmarks and
+    harnesses: initdb into `directory` (a new temporary one if None, removed by `close`) on a
+    free loopback port (`port`, `url`: the `postgres` database as superuser); `start`, `stop`
+    (pg_ctl stop -m `mode`; immediate: every backend killed, as by a crash) and `start` again on
+    the same port and data; `close` stops it (and kills a postmaster left behind). As root it
+    runs as the `postgres` user, so `directory` and its parents must be reachable by that user
+    (pytest's tmp_path is not). `fsync=False` for servers whose durability no test relies on.
+    MissingBinaries if PostgreSQL is not installed; RuntimeError if a step fails."""
+
+    def __init__(self, directory: str | None = None, *, fsync: bool = True, max_connections: int = 200) -> None:
+        initdb, pg_ctl = find_binary("initdb"), find_binary("pg_ctl")
+        if not initdb or not pg_ctl:
+            raise MissingBinaries("PostgreSQL's initdb and pg_ctl were found neither on PATH nor in "
+                                  "/usr/lib/postgresql/*/bin; install PostgreSQL (apt-get install postgresql)")
+        self.initdb, self.pg_ctl = initdb, pg_ctl
+        self.as_user: list[str] = []
+        owner = _server_user()
+        if owner is not None:
+            runuser = shutil.which("runuser")
+            if not runuser:
+                raise MissingBinaries("running as root needs runuser to start PostgreSQL as the postgres user")
+            self.as_user = [runuser, "-u", owner.pw_name, "--"]
+        self._owned = directory is None
+        self.base = tempfile.mkdtemp(prefix="s3stream-pg-") if directory is None else directory
+        os.makedirs(self.base, exist_ok=True)
+        if owner is not None:
+            os.chown(self.base, owner.pw_uid, owner.pw_gid)
+        self.data, self.log = os.path.join(self.base, "data"), os.path.join(self.base, "server.log")
+        self.port = free_port()
+        self.url = f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+        self.settings = f"-c fsync={'on' if fsync else 'off'} -c max_connections={max_connections}"
+        self.running = False
+        self._initialised = False
+        self._run(self.initdb, "-D", self.data, "-A", "trust", "-U", "postgres", "-E", "UTF8", "--no-locale",
+                  "--no-sync")
+        self._initialised = True
+
+    def _run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        done = subprocess.run(self.as_user + list(args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, cwd=self.base, timeout=120)
+        if check and done.returncode != 0:
+            tail = ""
+            with contextlib.suppress(OSError):
+                with open(self.log) as f:
+                    tail = f.read()[-2000:]
+            raise RuntimeError(f"{' '.join(args[:2])} failed ({done.returncode}): {done.stdout[-2000:]}{tail}")
+        return done
+
+    def start(self) -> None:
+        """Start (again); returns once it accepts connections."""
+        self._run(self.pg_ctl, "-D", self.data, "-l", self.log, "-o",
+                  f"-p {self.port} -k {self.base} -c listen_addresses=127.0.0.1 {self.settings}",
+                  "-w", "-t", "60", "start")
+        self.running = True
+
+    def stop(self, mode: str = "immediate", check: bool = False) -> None:
+        """pg_ctl stop -m `mode` and wait until the server is gone (a server already stopped is
+        no error unless `check`)."""
+        self._run(self.pg_ctl, "-D", self.data, "-m", mode, "-w", "-t", "60", "stop", check=check)
+        self.running = False
+
+    def server(self) -> PostgresServer:
+        """Its client side: URLs, databases, and stop/start for outage tests."""
+        return PostgresServer(self.url, self)
+
+    def create_database(self, name: str) -> str:
+        return self.server().create_database(name)
+
+    def _postmaster_pid(self) -> int | None:
+        try:
+            with open(os.path.join(self.data, "postmaster.pid")) as f:
+                return int(f.readline())
+        except (OSError, ValueError):
+            return None
+
+    def close(self, mode: str = "immediate") -> None:
+        """Stop it (pg_ctl stop -m `mode`), kill a postmaster that outlived that, and remove its
+        directory if this created it."""
+        if self._initialised and os.path.isdir(self.data):
+            self.stop(mode)
+            pid = self._postmaster_pid()
+            if pid is not None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+        if self._owned:
+            shutil.rmtree(self.base, ignore_errors=True)
+
+
+class PostgresServer:
+    """A server reachable at `url` (its `postgres` database, as superuser). One a PostgresProcess
+    runs can also be stopped and started again on the same port and data (`stop`, `start`), to
+    test what its clients do during an outage."""
+
+    def __init__(self, url: str, process: PostgresProcess | None = None) -> None:
         self.url = url
-        self._pg_ctl = pg_ctl
+        self._process = process
 
     def database_url(self, name: str) -> str:
         return _database_url(self.url, name)
@@ -67,17 +173,17 @@ class PostgresServer:
     def stop(self, mode: str = "fast") -> None:
         """pg_ctl stop -m `mode` (smart, fast, or immediate: no shutdown checkpoint, sessions cut
         as by a crash) and wait until the server is gone."""
-        self._control("-m", mode, "-w", "stop")
+        self._control().stop(mode, check=True)
 
     def start(self) -> None:
         """Start the stopped server again (same port and data); returns once it accepts connections."""
-        self._control("start")
+        self._control().start()
 
-    def _control(self, *args: str) -> None:
-        if self._pg_ctl is None:
+    def _control(self) -> PostgresProcess:
+        if self._process is None:
             raise RuntimeError(f"the server at {self.url} was not started by throwaway_postgres: "
                                "it cannot be stopped or started from here")
-        self._pg_ctl(*args)
+        return self._process
 
     def _admin(self) -> psycopg.Connection:
         return psycopg.connect(self.url, autocommit=True, connect_timeout=10)
@@ -100,72 +206,17 @@ class PostgresServer:
                 conn.execute(sql.SQL("DROP DATABASE IF EXISTS {}").format(sql.Identifier(name)))
 
 
-class MissingBinaries(RuntimeError):
-    """initdb / pg_ctl / pgbouncer (or runuser and the postgres user, as root) are not installed."""
-
-
-def _server_user() -> pwd.struct_passwd | None:
-    """The user that PostgreSQL and PgBouncer run as: `postgres` when we are root (both refuse
-    to run as root), else None (ourselves)."""
-    if os.geteuid() != 0:
-        return None
-    try:
-        return pwd.getpwnam("postgres")
-    except KeyError:
-        raise MissingBinaries("running as root needs a 'postgres' user to start PostgreSQL or PgBouncer "
-                              "(apt-get install postgresql creates it)") from None
-
-
 @contextlib.contextmanager
 def throwaway_postgres(directory: str | None = None) -> Iterator[PostgresServer]:
-    """Start a server in `directory` (a new temporary one if None; removed afterwards) and stop
-    it on exit. As root, `directory` and its parents must be reachable by the `postgres` user. MissingBinaries if PostgreSQL is not installed; RuntimeError if it fails to start."""
-    initdb, pg_ctl = find_binary("initdb"), find_binary("pg_ctl")
-    if not initdb or not pg_ctl:
-        raise MissingBinaries("PostgreSQL's initdb and pg_ctl were found neither on PATH nor in "
-                              "/usr/lib/postgresql/*/bin; install PostgreSQL (apt-get install postgresql)")
-    as_user: list[str] = []
-    owner = _server_user()
-    if owner is not None:
-        runuser = shutil.which("runuser")
-        if not runuser:
-            raise MissingBinaries("running as root needs runuser to start PostgreSQL as the postgres user")
-        as_user = [runuser, "-u", owner.pw_name, "--"]
-    base = tempfile.mkdtemp(prefix="s3stream-pg-") if directory is None else directory
-    os.makedirs(base, exist_ok=True)
-    if owner is not None:
-        os.chown(base, owner.pw_uid, owner.pw_gid)
-    data, log = os.path.join(base, "data"), os.path.join(base, "server.log")
-    port = free_port()
-
-    def run(*args: str) -> None:
-        done = subprocess.run(as_user + list(args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, cwd=base)
-        if done.returncode != 0:
-            tail = ""
-            with contextlib.suppress(OSError):
-                with open(log) as f:
-                    tail = f.read()[-2000:]
-            raise RuntimeError(f"{' '.join(args[:2])} failed ({done.returncode}): {done.stdout[-2000:]}{tail}")
-
-    def control(*args: str) -> None:
-        if args[-1] == "start":
-            args = ("-l", log, "-o", f"-p {port} -k {base} -c listen_addresses=127.0.0.1 -c fsync=on "
-                    f"-c max_connections=200", "-w", "-t", "60", *args)
-        run(pg_ctl, "-D", data, *args)
-
-    started = False
+    """Start a server (a PostgresProcess in `directory`, a new temporary one if None: removed
+    afterwards) and stop it on exit (pg_ctl stop -m fast). MissingBinaries if PostgreSQL is not
+    installed; RuntimeError if it fails to start."""
+    process = PostgresProcess(directory)
     try:
-        run(initdb, "-D", data, "-A", "trust", "-U", "postgres", "-E", "UTF8", "--no-locale", "--no-sync")
-        control("start")
-        started = True
-        yield PostgresServer(f"postgresql://postgres@127.0.0.1:{port}/postgres", control)
+        process.start()
+        yield process.server()
     finally:
-        if started:     # stop is a no-op (an error, ignored) if the test left the server stopped
-            subprocess.run(as_user + [pg_ctl, "-D", data, "-m", "fast", "-w", "stop"],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=base)
-        if directory is None:
-            shutil.rmtree(base, ignore_errors=True)
+        process.close("fast")
 
 
 def find_pgbouncer() -> str | None:

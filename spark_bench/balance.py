@@ -28,6 +28,7 @@ from .common import (
     KiB, add_common_args, assign_metrics_ports, deployment, format_placement, new_run_id, node_spec, placement,
     progress, run_nodes, publish, verdict, verify_acks,
 )
+from .node import run_nodes_of_partition
 
 TARGETS = dict(imbalance_after=1.15, seconds_to_balance=60.0, moves_last_10s=2, plan_seconds=1.0)
 #: The imbalance windows of the report (seconds).
@@ -111,7 +112,7 @@ def _run(args, dep) -> dict:
              f"{rates[names[0]] / 1e6:.2f} MB/s; {cold} turns hot at {change_at:.0f} s; balancers from "
              f"{args.warmup:g} s; {args.duration:g} s in all")
     assign_metrics_ports(specs, args.metrics_port, args.metrics_addr)
-    results = run_nodes(dep.spark, specs, seconds=origin + args.duration - time.time())
+    results = run_nodes(dep.spark, specs, run_nodes_of_partition, seconds=origin + args.duration - time.time())
     progress(f"placement: {format_placement(placement(results))}")
     progress("verifying every acknowledged record through the driver's own client")
     verification = verify_acks(dep.store, dep.meta, results, args.batch)

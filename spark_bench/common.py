@@ -289,14 +289,22 @@ def wait_for_executors(spark, count: int, master: str, timeout: float = 10.0) ->
         time.sleep(0.2)
 
 
-def run_nodes(spark, specs: list[dict], body=None, seconds: float | None = None) -> list[dict]:
+def payload_for(partition: str, node: int, seq: int, size: int) -> bytes:
+    """Deterministic payload; its first 16 bytes name it, so the driver can check it byte for byte."""
+    head = hashlib.blake2b(f"{partition}/{node}/{seq}".encode(), digest_size=16).digest()
+    return (head * (size // 16 + 1))[:size]
+
+
+def digest(data: bytes) -> str:
+    return hashlib.blake2b(data, digest_size=8).hexdigest()
+
+
+def run_nodes(spark, specs: list[dict], body, seconds: float | None = None) -> list[dict]:
     """Run every spec as one Spark task, all at once (a barrier stage: the master must offer a
     slot per node, or the stage fails instead of running nodes one after the other). `body`:
-    the task's function of its specs (default: spark_bench.node.run_nodes_of_partition).
+    the task's function of its specs (spark_bench.node.run_nodes_of_partition for the nodes).
     `seconds`: how long the nodes are to run, for a bar over that time while the driver waits
     (on a terminal only; the driver's ticker costs the nodes nothing)."""
-    if body is None:
-        from spark_bench.node import run_nodes_of_partition as body
     rdd = spark.sparkContext.parallelize(specs, len(specs))
     with progress_over(seconds, f"{len(specs)} Spark task(s)") if seconds else contextlib.nullcontext():
         return rdd.barrier().mapPartitions(body).collect()
@@ -378,7 +386,6 @@ def verify_acks(store: str, meta: str, results: list[dict], batch: int) -> dict:
     with read_partition, which opens nothing: the verifier changes no epoch and writes no
     checkpoint."""
     import s3stream
-    from .node import payload_for
     acks: dict[str, dict[int, tuple[int, int]]] = {}
     for r in results:
         for name, base, node, seq in r["acks"]:

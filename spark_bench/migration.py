@@ -76,6 +76,7 @@ from .common import (
     MiB, add_common_args, assign_metrics_ports, deployment, format_placement, frozen_heap, is_cluster,
     latency_summary, new_run_id, node_spec, placement, progress, publish, run_nodes, verdict, verify_acks,
 )
+from .node import run_nodes_of_partition
 
 #: Issue 28's targets, by its names.
 TARGETS = dict(p99_s_at_saturation=0.100, p99_s_at_half_load=0.050, flatness=1.3,
@@ -295,7 +296,7 @@ def run_job(args, dep, cluster, meta, histories: dict[str, int], script: Callabl
     driver = threading.Thread(target=drive, daemon=True)
     driver.start()
     try:
-        results = run_nodes(dep.spark, specs)
+        results = run_nodes(dep.spark, specs, run_nodes_of_partition)
     finally:
         halt.set()
         driver.join()

@@ -4,7 +4,7 @@ SIGKILLed and replaced mid-run, and a consumer group that fails over from the so
 1. Two clusters in the work dir (each its own SQLite metadata and object-store directory; the
    --source-*/--target-* options name others). Spark tasks act as source nodes: each opens its
    share of 16 partitions and appends paced batches (`--rate` MB/s in all) whose payloads name
-   them (node.payload_for), keeping every acknowledgement with its time.
+   them (common.payload_for), keeping every acknowledgement with its time.
 2. Other Spark tasks each supervise a child process running a MirrorWorker of flow A->target
    (worker id = task number, its WAL dir in the work dir). At 40 % of the load the first task
    SIGKILLs its child and starts a replacement on the same worker id and WAL dir, which replays
@@ -48,7 +48,8 @@ from benchmarks.kit import percentiles, pyplot, save_figure
 
 from .common import (KiB, MiB, add_common_args, assign_metrics_ports, deployment, new_run_id, progress, publish,
                      refuse_used_metadata, run_nodes, serve_task_metrics, stop_task_metrics, verdict)
-from .node import digest, payload_for, where_am_i
+from .common import digest, payload_for
+from .node import where_am_i
 
 TARGETS = dict(lost=0, duplicates=0, translation_errors=0)
 PARTITIONS = 16

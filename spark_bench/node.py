@@ -9,7 +9,7 @@ It returns its measurements: bytes, latencies, a per-second timeline (bytes ackn
 each 1-second interval since the node started, by the time each append completed) and the same
 in 100 ms intervals (`timeline_100ms`, for windows that do not fall on whole seconds), (if asked)
 every acknowledgement as (partition, base offset, node, sequence number, digest), so the driver
-can read each back and compare it with `payload_for`, and where it ran (host, pids, WAL path).
+can read each back and compare it with `common.payload_for`, and where it ran (host, pids, WAL path).
 
 Optional: `start_together` (the number of nodes in the job) holds the producers until every
 node's partitions are open, so that the nodes' timelines start together. `retention` (bytes
@@ -29,7 +29,6 @@ after a clean close (kept, and named in the result, when a stream's tail stayed 
 from __future__ import annotations
 
 import collections
-import hashlib
 import os
 import shutil
 import socket
@@ -43,16 +42,6 @@ KiB, MiB = 1024, 1024 * 1024
 #: of one per batch. At 64 KiB batches and 130 MB/s a node's producers woke about 2,000 times a
 #: second, each a timed sleep and a GIL hand-over beside the engine's threads.
 PACE_TICK_NS = 5_000_000
-
-
-def payload_for(partition: str, node: int, seq: int, size: int) -> bytes:
-    """Deterministic payload; its first 16 bytes name it, so the driver can check it byte for byte."""
-    head = hashlib.blake2b(f"{partition}/{node}/{seq}".encode(), digest_size=16).digest()
-    return (head * (size // 16 + 1))[:size]
-
-
-def digest(data: bytes) -> str:
-    return hashlib.blake2b(data, digest_size=8).hexdigest()
 
 
 def _executor_pid() -> int | None:
@@ -120,7 +109,7 @@ def run_node(spec: dict) -> dict:
     from s3stream.objectstore import open_object_store
     from s3stream.cluster import PartitionMovedError
 
-    from .common import frozen_heap, serve_task_metrics, stop_task_metrics
+    from .common import frozen_heap, payload_for, serve_task_metrics, stop_task_metrics
 
     node_id = spec["node_id"]
     retention = spec.get("retention")

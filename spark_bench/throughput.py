@@ -26,6 +26,7 @@ from .common import (
     node_spec,
     placement, progress, run_nodes, verdict, verify_acks, write_json,
 )
+from .node import run_nodes_of_partition
 
 #: The first seconds of a node's run, compared with the rest (its steady state).
 HEAD_SECONDS = 2
@@ -108,7 +109,7 @@ def _run_count(args, dep, n: int, verify: bool) -> dict:
         progress(f"{n} node(s) x {args.partitions} partitions for {args.duration:g} s on {dep.master}")
         assign_metrics_ports(specs, args.metrics_port, args.metrics_addr)
         store_before = _store_bytes(dep.store)
-        results = run_nodes(dep.spark, specs, seconds=args.duration)
+        results = run_nodes(dep.spark, specs, run_nodes_of_partition, seconds=args.duration)
         total = sum(r["bytes"] for r in results)
         seconds = max(r["seconds"] for r in results)
         lat = [x for r in results for x in r["latencies"]]

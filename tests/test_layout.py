@@ -1,6 +1,8 @@
 """The layout the code promises (issue 52), read from the source's imports: the library packages
-hold no benchmark code and import no benchmark, load test or test server; those live in
-benchmarks/, spark_bench/ and testservers/, above the library."""
+hold no benchmark code and import no benchmark, load test or test server (those live in
+benchmarks/, spark_bench/ and testservers/, above the library), and no module imports itself
+back through others: no import cycle, counting imports inside functions, not those under
+`if TYPE_CHECKING:`."""
 from __future__ import annotations
 
 import ast
@@ -9,6 +11,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 LIBRARY = ("_native", "wal", "s3stream", "compaction", "pyspark_s3stream")
 ABOVE = ("benchmarks", "spark_bench", "testservers")
+#: Cycles still to break, each a set of modules. The engine reaches partitions through a hook
+#: the cluster layer installs on StreamClient, and StreamReader.read_partition imports the
+#: cluster layer: issue 52 asks the cluster layer to wrap the client instead. Remove an entry
+#: once its cycle is gone (the test fails until then, so the list stays true).
+KNOWN_CYCLES = [{"s3stream.client", "s3stream.reader", "s3stream.cluster.partition"}]
 
 
 def modules(package: str):
@@ -19,12 +26,28 @@ def modules(package: str):
         yield ".".join(parts), path
 
 
+def _type_checking(node: ast.AST) -> bool:
+    test = getattr(node, "test", None)
+    return isinstance(node, ast.If) and (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING"
+                                         or isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
 def imported(name: str, path: Path) -> set[str]:
     """The modules `path` (module `name`) imports, relative imports resolved, wherever the
-    import statement is (functions included)."""
+    import statement is (functions included) except under `if TYPE_CHECKING:`; `from P import
+    N` names P.N if N is a module of ours, else P."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if _type_checking(child):
+                for stmt in child.orelse:
+                    visit_one(stmt)
+            else:
+                visit_one(child)
+
+    def visit_one(node: ast.AST) -> None:
         if isinstance(node, ast.Import):
             out.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -34,9 +57,58 @@ def imported(name: str, path: Path) -> set[str]:
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
-            out.add(target)
-            out.update(f"{target}.{alias.name}" for alias in node.names)
+            for alias in node.names:
+                full = f"{target}.{alias.name}"
+                out.add(full if full in ALL else target)
+        visit(node)
+
+    visit(ast.parse(path.read_text(), str(path)))
     return out
+
+
+ALL = {name: path for package in LIBRARY + ABOVE for name, path in modules(package)}
+
+
+def ours(target: str) -> str | None:
+    """The module of ours that an imported name lives in (its longest known prefix)."""
+    parts = target.split(".")
+    for i in range(len(parts), 0, -1):
+        if ".".join(parts[:i]) in ALL:
+            return ".".join(parts[:i])
+    return None
+
+
+def cycles() -> list[set[str]]:
+    """The import graph's strongly connected components of more than one module (Tarjan)."""
+    graph = {name: {m for t in imported(name, path) if (m := ours(t)) and m != name} for name, path in ALL.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[set[str]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(component)
+
+    for v in graph:
+        if v not in index:
+            connect(v)
+    return found
 
 
 def test_library_packages_hold_no_benchmark():
@@ -53,3 +125,11 @@ def test_library_packages_import_no_benchmark_load_test_or_test_server():
                 if target.split(".")[0] in ABOVE:
                     wrong.append(f"{path.relative_to(ROOT)} imports {target}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_no_import_cycles_but_the_known_ones():
+    found = cycles()
+    new = [sorted(c) for c in found if c not in KNOWN_CYCLES]
+    gone = [sorted(c) for c in KNOWN_CYCLES if c not in found]
+    assert not new, f"import cycles: {new}; let the lower module not import the higher one"
+    assert not gone, f"these cycles are broken: remove them from KNOWN_CYCLES: {gone}"

@@ -15,10 +15,10 @@ from s3stream.balancer import BalancerConfig
 from s3stream.balancer.lease import LEASE_KEY, Lease
 from s3stream.balancer.loop import LAST_ROUND_KEY, Balancer, live_model
 from s3stream.cluster import Cluster, ClusterConfig
-from s3stream.loadreport import REPORT_PREFIX, LoadReporter, TrafficMeter, read_reports
+from s3stream.cluster.loadreport import REPORT_PREFIX, LoadReporter, TrafficMeter, read_reports
 from s3stream.metadata import open_metadata
 from s3stream.objectstore import LocalObjectStore
-from s3stream.partition import PartitionMovedError
+from s3stream.cluster.partition import PartitionMovedError
 from test_cluster import InProcessCluster, read_partition
 
 KiB = 1024

@@ -13,7 +13,7 @@ from s3stream.balancer.lease import LEASE_KEY, Lease
 from s3stream.balancer.loop import LAST_ROUND_KEY
 from cli_helpers import fails, ok, run
 from s3stream.cluster import Cluster
-from s3stream.loadreport import REPORT_PREFIX
+from s3stream.cluster.loadreport import REPORT_PREFIX
 from s3stream.metadata import open_metadata
 from s3stream.objectstore import LocalObjectStore
 

@@ -19,7 +19,7 @@ from s3stream import RecordBatch, StreamClient
 from s3stream.cluster import Cluster, ClusterConfig, NodeAgent
 from s3stream.metadata import open_metadata
 from s3stream.objectstore import LocalObjectStore
-from s3stream.partition import PartitionMovedError
+from s3stream.cluster.partition import PartitionMovedError
 from conftest import is_postgres, small_config
 
 FAST = ClusterConfig(agent_interval=0.01, heartbeat_interval=0.1, heartbeat_timeout=1.0, migration_timeout=5.0)

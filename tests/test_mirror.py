@@ -13,7 +13,7 @@ import pytest
 
 from conftest import small_config
 from s3stream import RecordBatch, StreamClient
-from s3stream.consumer import ConsumerGroups
+from s3stream.cluster.consumer import ConsumerGroups
 from s3stream.errors import (CorruptDataError, InvalidArgumentError, OffsetOutOfRangeError, S3StreamError,
                              StreamNotClosedError, StreamNotFoundError)
 from s3stream.metadata import open_metadata

@@ -22,7 +22,7 @@ import pytest
 
 from conftest import small_config
 from s3stream import RecordBatch, StreamClient
-from s3stream.consumer import ConsumerGroups
+from s3stream.cluster.consumer import ConsumerGroups
 from s3stream.errors import ConfigError, InvalidArgumentError, S3StreamError
 from s3stream.metadata import open_metadata
 from s3stream.mirror import HEARTBEATS, MirrorWorker, WorkerConfig, latest_heartbeats, load_flow, mirror_status

@@ -45,7 +45,7 @@ from s3stream import Config, FetchedBatch, RecordBatch, StreamClient
 from s3stream.logcache import LogCache
 from s3stream.metadata import SqliteMetadataStore
 from s3stream.objectstore import LocalObjectStore
-from s3stream.read import Reader
+from s3stream.readpath import Reader
 
 from compaction import CompactionConfig, Compactor, attach, object_stats
 

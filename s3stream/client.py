@@ -34,7 +34,7 @@ from .logcache import CacheBlock, new_log_cache
 from .metadata import CommitResult, MetadataStore, StreamMeta, open_metadata
 from .objectstore import ObjectStore, open_object_store
 from .failover import fail_over
-from .read import Reader
+from .readpath import Reader
 from .reader import fetch_committed
 from .recordbatch import FetchResult
 from .recovery import close_node_streams, replay_wal

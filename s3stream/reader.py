@@ -32,7 +32,7 @@ from .errors import (ConfigError, CorruptDataError, ObjectNotFoundError, Offsets
 from .logcache import new_log_cache
 from .metadata import MetadataStore, StreamMeta, StreamState, commit_key, open_metadata
 from .objectstore import ObjectStore, open_object_store
-from .read import Reader, fetch_end
+from .readpath import Reader, fetch_end
 from .recordbatch import FetchedBatch, FetchResult
 
 if TYPE_CHECKING:
@@ -134,7 +134,7 @@ class StreamReader:
         `end_offset` (default, and at most: the committed end, as read from metadata at most
         RANGE_RECHECK seconds ago), up to `max_bytes` (at least one batch).
         StreamNotFoundError for a stream that does not exist or was deleted, OffsetOutOfRangeError
-        for a start outside its committed range (s3stream.read.fetch_end)."""
+        for a start outside its committed range (s3stream.readpath.fetch_end)."""
         self._check_open()
         _check_fetch(stream_id, start_offset, end_offset, max_bytes)
         with self._known_lock:

@@ -5,8 +5,8 @@ It encodes records into a batch (header, records section, CRC-32C) and decodes a
 header fields and record tuples. Compression is not here: s3stream.records passes a `compress`
 callable to encode_batch and a `decompress` one to decode_batch, so this module only reads and
 writes uncompressed records sections. The format, the checks and every error message are those of
-the pure-Python twin, s3stream/records_reference.py (tests compare the two byte for byte and error
-for error); s3stream/records.py documents the format.
+the pure-Python twin, s3stream/records/reference.py (tests compare the two byte for byte and error
+for error); s3stream/records/__init__.py documents the format.
 
 Bytes are read through a Cursor (pointer and end): every varint, key, value and header is checked
 against the end of its record, every record against the end of the section, before it is read.

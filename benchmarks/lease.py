@@ -25,7 +25,7 @@ from s3stream.client import StreamClient
 from s3stream.config import Config, GiB, MiB
 from s3stream.metadata import SqliteMetadataStore
 from s3stream.objectstore import LocalObjectStore
-from s3stream.recordbatch import RecordBatch
+from s3stream.batches import RecordBatch
 
 #: The issue's target: the lease costs at most 3% of the append throughput.
 TARGET_RATIO = 0.97

@@ -51,7 +51,7 @@ from s3stream.client import StreamClient
 from s3stream.config import Config, MiB
 from s3stream.metadata import ObjectMeta, ObjectState, open_metadata
 from s3stream.reader import open_reader
-from s3stream.recordbatch import RecordBatch
+from s3stream.batches import RecordBatch
 from s3stream.records import Record, encode_batch
 
 #: The issue's targets: a reader catches up at least 0.9 as fast as a node; a commit is visible

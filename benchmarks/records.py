@@ -4,7 +4,7 @@ and what append_records costs against appending the same bytes.
     python3 -m s3stream bench --kind records [--quick] [-- --records 100 --seconds 0.5 --rounds 3]
 
 Everything is measured in one run, each figure next to what it is compared with:
-- The codecs: s3stream.records (the native core), s3stream.records_reference (its pure-Python
+- The codecs: s3stream.records (the native core), s3stream.records.reference (its pure-Python
   twin) and kafka-python (DefaultRecordBatchBuilder to encode, DefaultRecordBatch to decode, its
   CRC checked as its consumer does by default) on batches of --records records with 100 B and
   1 KiB values (a 10-byte key and a 16-byte header each; text-like values, so that zstd pays),
@@ -47,13 +47,13 @@ import wal
 from benchmarks.kit import fmt_size, log_line, parse_size, progress, publish, pyplot, save_figure
 
 from s3stream import records as native_records
-from s3stream import records_reference
+from s3stream.records import reference as records_reference
 from benchmarks.engine import lean_producers
 from s3stream.client import StreamClient
 from s3stream.config import Config, GiB, MiB
 from s3stream.metadata import SqliteMetadataStore
 from s3stream.objectstore import LocalObjectStore
-from s3stream.recordbatch import RecordBatch
+from s3stream.batches import RecordBatch
 from s3stream.records import COMPRESSION_CODECS, Record
 
 #: The issue's target: appending Records costs at most 10% against appending their bytes.

@@ -43,7 +43,7 @@ from benchmarks.wal_objects import PROFILES, LatencyStore
 from s3stream.client import StreamClient
 from s3stream.config import Config, MiB
 from s3stream.objectstore import LocalObjectStore
-from s3stream.recordbatch import RecordBatch
+from s3stream.batches import RecordBatch
 from s3stream.uploadpolicy import request_cost_per_gib, requests_floor
 
 TARGET_P99_S = 1.0

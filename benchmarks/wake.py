@@ -44,7 +44,7 @@ from s3stream.client import StreamClient
 from s3stream.config import Config, GiB, MiB
 from s3stream.metadata import SqliteMetadataStore
 from s3stream.objectstore import LocalObjectStore
-from s3stream.recordbatch import RecordBatch
+from s3stream.batches import RecordBatch
 from s3stream.threads import thread_nice
 
 CASES = ("quiet", "busy", "appends", "appends+busy", "appends+busy, probe apart")

@@ -16,7 +16,7 @@ from .errors import (
 )
 from .cluster.producers import DuplicateAppend, ProducedBatch, Producer, new_producer
 from .reader import StreamReader, open_reader
-from .recordbatch import AppendFuture, AppendResult, FetchedBatch, FetchResult, RecordBatch
+from .batches import AppendFuture, AppendResult, FetchedBatch, FetchResult, RecordBatch
 from .records import ConsumedRecord, Record
 from .stream import Stream
 

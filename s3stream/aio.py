@@ -73,7 +73,7 @@ from .metadata import MetadataStore
 from .objectstore import ObjectStore
 from .cluster.partition import CloseReport, Partition
 from .cluster.producers import Producer, new_producer
-from .recordbatch import AppendFuture, AppendResult, FetchResult, RecordBatch, records_batch
+from .batches import AppendFuture, AppendResult, FetchResult, RecordBatch, records_batch
 from .records import Record
 from .stream import Stream
 

@@ -36,7 +36,7 @@ from .objectstore import ObjectStore, open_object_store
 from .failover import fail_over
 from .readpath import Reader
 from .reader import fetch_committed
-from .recordbatch import FetchResult
+from .batches import FetchResult
 from .recovery import close_node_streams, replay_wal
 from .stream import Stream
 from .upload import UploadAborted, Uploader

@@ -11,7 +11,7 @@ from typing import Callable
 from _native.logcache import ACTIVE, COMMITTED, SEALED, CacheBlock, CacheSlice, LogCache, encode_slices
 
 from .config import Config
-from .recordbatch import FetchedBatch
+from .batches import FetchedBatch
 
 __all__ = ["ACTIVE", "COMMITTED", "SEALED", "CacheBlock", "CacheSlice", "LogCache", "encode_slices",
            "new_log_cache"]

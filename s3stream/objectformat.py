@@ -10,7 +10,7 @@ from typing import NamedTuple, Sequence
 from _native import objcodec
 
 from .errors import CorruptDataError, UnsupportedFormatError
-from .recordbatch import FetchedBatch as Batch
+from .batches import FetchedBatch as Batch
 from .objectstore import ObjectStore
 
 FOOTER_SIZE = objcodec.FOOTER_SIZE

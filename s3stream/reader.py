@@ -33,7 +33,7 @@ from .logcache import new_log_cache
 from .metadata import MetadataStore, StreamMeta, StreamState, commit_key, open_metadata
 from .objectstore import ObjectStore, open_object_store
 from .readpath import Reader, fetch_end
-from .recordbatch import FetchedBatch, FetchResult
+from .batches import FetchedBatch, FetchResult
 
 if TYPE_CHECKING:
     from .cluster.partition import PartitionReader

@@ -11,7 +11,7 @@ from _native.appendpath import StreamWriter
 from .errors import OffsetOutOfRangeError, StreamClosedError, StreamFencedError, check_int
 from .metadata import StreamMeta
 from .readpath import fetch_end
-from .recordbatch import AppendFuture, FetchResult, encoded_batch, records_batch
+from .batches import AppendFuture, FetchResult, encoded_batch, records_batch
 from .records import Record
 
 if TYPE_CHECKING:
@@ -81,7 +81,7 @@ class Stream(StreamWriter):
 
     def append_encoded(self, raw: bytes | bytearray | memoryview) -> AppendFuture:
         """Append a Kafka record batch (v2) built elsewhere, after checking it whole
-        (recordbatch.encoded_batch: InvalidRecordBatchError or a subclass for a bad one, nothing
+        (batches.encoded_batch: InvalidRecordBatchError or a subclass for a bad one, nothing
         appended), one offset per record. Its producer fields are kept but not checked here:
         idempotence is a partition's (Partition.append_encoded)."""
         return self.append(encoded_batch(raw)[0])

@@ -55,7 +55,7 @@ from s3stream.errors import (
 )
 from s3stream.failover import FailoverReport
 from s3stream.metadata import ChangeFeed, MetadataStore, NodeMeta, Range, StreamMeta, StreamState
-from s3stream.recordbatch import FetchedBatch, FetchResult
+from s3stream.batches import FetchedBatch, FetchResult
 
 MS = 1_000_000
 S = 1_000_000_000

@@ -23,7 +23,7 @@ from s3stream.mirror import (DefaultReplicationPolicy, Heartbeater, IdentityRepl
                              sync_checkpoints)
 from s3stream.mirror.checkpoint import NOT_MIRRORED, POLICY_MISMATCH, REWIND_KEPT
 from s3stream.mirror.offsets import BEFORE_START, BEYOND_END, EXACT, GAP, decode_segments, encode_segments
-from s3stream.mirror.records import map_key
+from s3stream.mirror.flowstate import map_key
 
 FLOW = "A-to-B"
 UPLOAD = 0.05          # seconds: the clusters' upload interval, so committed data appears quickly

@@ -496,7 +496,8 @@ def bomb(codec: str, size: int) -> bytes:
 BOMB_CHILD = """
 import resource, sys
 from s3stream.errors import DecompressionLimitError
-from s3stream import records, records_reference
+from s3stream import records
+from s3stream.records import reference as records_reference
 buf = open(sys.argv[1], "rb").read()
 limit = int(sys.argv[2])
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

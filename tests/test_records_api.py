@@ -305,7 +305,7 @@ def test_a_kafka_batch_is_said_so_and_kept_so():
     identity and survives pickling (a kept batch appends as the original would)."""
     import pickle
     from s3stream import InvalidBatchError
-    from s3stream.recordbatch import records_batch
+    from s3stream.batches import records_batch
     batch = records_batch([Record(value=b"v")])
     assert batch.kafka and "kafka=True" in repr(batch)
     assert pickle.loads(pickle.dumps(batch)) == batch and pickle.loads(pickle.dumps(batch)).kafka

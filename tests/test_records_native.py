@@ -1,5 +1,5 @@
 """s3stream.records (the native codec, _native/kafkarecords.pyx) against its pure-Python twin,
-s3stream.records_reference: byte-identical batches from the same arguments, equal decodes, and
+s3stream.records.reference: byte-identical batches from the same arguments, equal decodes, and
 for every kind of bad batch the same exception with the same message. Then the records
 benchmark, end to end."""
 from __future__ import annotations
@@ -9,7 +9,8 @@ import struct
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from s3stream import records as native, records_reference as reference
+from s3stream import records as native
+from s3stream.records import reference
 from s3stream.errors import DecompressionLimitError, InvalidArgumentError, RecordBatchLengthError, UnsupportedMagicError
 from s3stream.records import Record
 

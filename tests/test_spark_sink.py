@@ -17,7 +17,7 @@ pyspark = pytest.importorskip("pyspark")
 import s3stream  # noqa: E402
 from hypothesis import given, settings, strategies as st  # noqa: E402
 from s3stream.records import Record, encode_batch, encode_gap  # noqa: E402
-from s3stream.recordbatch import FetchedBatch  # noqa: E402
+from s3stream.batches import FetchedBatch  # noqa: E402
 from conftest import small_config  # noqa: E402
 
 from pyspark_s3stream import sink  # noqa: E402

@@ -21,7 +21,7 @@ pytest.importorskip("pyspark")
 import s3stream  # noqa: E402
 from s3stream.errors import ConfigError, InvalidRecordBatchError, S3StreamError  # noqa: E402
 from s3stream.records import MAX_DECOMPRESSED_BYTES, Record, decompress_payload, encode_batch, encode_gap  # noqa: E402
-from s3stream.recordbatch import FetchedBatch  # noqa: E402
+from s3stream.batches import FetchedBatch  # noqa: E402
 
 from pyspark.sql.datasource import DataSourceReader, EqualTo, GreaterThanOrEqual, In, LessThan  # noqa: E402
 

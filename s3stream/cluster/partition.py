@@ -31,7 +31,7 @@ from ..errors import (
     StreamNotFoundError,
 )
 from ..metadata import StreamMeta, StreamState
-from ..recordbatch import AppendFuture, FetchResult, RecordBatch, encoded_batch, records_batch
+from ..batches import AppendFuture, FetchResult, RecordBatch, encoded_batch, records_batch
 from ..records import Record
 from .hold import AppendHold
 from .loadreport import SAMPLE_EVERY, TrafficMeter
@@ -303,7 +303,7 @@ class Partition:
 
     def append_encoded(self, raw: bytes | bytearray | memoryview) -> Any:
         """Append a Kafka record batch (v2) built elsewhere (any Kafka client library), checked
-        whole first (recordbatch.encoded_batch: a bad one raises InvalidRecordBatchError or a
+        whole first (batches.encoded_batch: a bad one raises InvalidRecordBatchError or a
         subclass and appends nothing). One sent by an idempotent producer (a producer id and a
         base sequence in its header) is taken idempotently, as append takes any such batch."""
         return self.append(encoded_batch(raw)[0])

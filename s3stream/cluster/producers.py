@@ -38,7 +38,7 @@ from _native.checksum import crc32c
 
 from ..errors import (DuplicateSequenceError, InvalidArgumentError, NotIdempotentError, OutOfOrderSequenceError,
                       ProducerFencedError)
-from ..recordbatch import AppendResult, RecordBatch
+from ..batches import AppendResult, RecordBatch
 from ..records import Record, encode_records
 
 if TYPE_CHECKING:

@@ -44,7 +44,7 @@ from .flow import FlowMetrics, MirrorFlow
 from .heartbeat import HEARTBEATS, Heartbeat, Heartbeater, latest_heartbeats, replication_latency
 from .offsets import OffsetMap, Position, add_segment
 from .policy import DefaultReplicationPolicy, IdentityReplicationPolicy, ReplicationPolicy
-from .records import FlowState, PartitionRecord, list_flows, load_flow
+from .flowstate import FlowState, PartitionRecord, list_flows, load_flow
 from .status import flow_status, mirror_status
 from .worker import MirrorWorker, WorkerConfig
 

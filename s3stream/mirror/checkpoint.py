@@ -50,7 +50,7 @@ from ..metadata import MetadataStore
 from .errors import MirrorError
 from .offsets import BEYOND_END, OffsetMap
 from .policy import ReplicationPolicy, check_name
-from .records import PartitionRecord, load_flow
+from .flowstate import PartitionRecord, load_flow
 
 MEMBER_PREFIX = "mirror-"
 

@@ -48,11 +48,11 @@ from ..errors import (InvalidArgumentError, OffsetOutOfRangeError, S3StreamError
                       StreamFencedError, StreamNotFoundError, check_int)
 from ..metadata import MetadataStore
 from ..cluster.partition import PartitionMovedError
-from ..recordbatch import AppendFuture, FetchedBatch, RecordBatch
+from ..batches import AppendFuture, FetchedBatch, RecordBatch
 from .errors import MirrorConflictError, MirrorError, MirrorNameError, SourceTrimmedError
 from .offsets import OffsetMap, Segment
 from .policy import DefaultReplicationPolicy, ReplicationPolicy, check_name
-from .records import PartitionRecord, load_segments, record_segment, register_flow, register_partition
+from .flowstate import PartitionRecord, load_segments, record_segment, register_flow, register_partition
 
 if TYPE_CHECKING:
     from ..client import StreamClient

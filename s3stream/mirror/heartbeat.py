@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable
 
 from ..errors import InvalidArgumentError, S3StreamError, StreamNotFoundError, check_int
-from ..recordbatch import RecordBatch
+from ..batches import RecordBatch
 from .policy import check_name
 
 if TYPE_CHECKING:

@@ -20,7 +20,7 @@ from ..metadata import MetadataStore
 from .errors import MirrorError
 from .offsets import OffsetMap
 from .policy import check_name
-from .records import list_flows, load_flow
+from .flowstate import list_flows, load_flow
 from .worker import decode_json, heartbeat_summary_key, leader_key, leases_prefix, workers_prefix
 
 

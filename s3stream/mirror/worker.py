@@ -74,7 +74,7 @@ from .errors import MirrorError
 from .flow import FAILED, MirrorFlow
 from .heartbeat import HEARTBEATS, Heartbeater
 from .policy import DefaultReplicationPolicy, ReplicationPolicy, check_name
-from .records import flow_key, flow_prefix
+from .flowstate import flow_key, flow_prefix
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry

@@ -12,7 +12,7 @@ import pytest
 
 import wal
 from s3stream import Config, Record, RecordBatch, StreamClient
-from s3stream.recordbatch import records_batch
+from s3stream.batches import records_batch
 
 KiB = 1024
 MiB = 1024 * KiB

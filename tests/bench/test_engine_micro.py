@@ -14,7 +14,7 @@ import pytest
 import wal
 from s3stream import Config, RecordBatch, StreamClient
 from s3stream import logcache
-from s3stream.recordbatch import FetchedBatch
+from s3stream.batches import FetchedBatch
 
 KiB = 1024
 MiB = 1024 * KiB

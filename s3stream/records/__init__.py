@@ -1,6 +1,6 @@
 """Kafka record batches, format v2 (magic 2): the encoder and decoder.
 
-Not to be confused with `recordbatch.RecordBatch`, the opaque unit s3stream appends: this module
+Not to be confused with `batches.RecordBatch`, the opaque unit s3stream appends: this module
 reads and writes the bytes a Kafka producer sends and a Kafka consumer fetches, byte for byte as
 Kafka 0.11+ does (the protocol's "Record Batch" section, KIP-98's producer fields).
 
@@ -49,7 +49,7 @@ and raises InvalidArgumentError naming the value.
 
 The per-record work (varints, keys, values, headers), the 61-byte header and the CRC are native
 (_native/kafkarecords.pyx); compression is cramjam's, called from here, so the native core only
-sees uncompressed record sections. s3stream/records_reference.py is the pure-Python twin: tests
+sees uncompressed record sections. s3stream/records/reference.py is the pure-Python twin: tests
 compare the two byte for byte and error for error, as they do the WAL's and the object codec's.
 """
 from __future__ import annotations
@@ -64,7 +64,7 @@ import cramjam
 
 from _native import checksum, kafkarecords
 
-from .errors import (
+from ..errors import (
     DecompressionLimitError, InvalidArgumentError, InvalidRecordBatchError, RecordBatchChecksumError, RecordBatchLengthError,
     UnsupportedCompressionError, UnsupportedMagicError, check_int,
 )
@@ -245,7 +245,7 @@ class DecodedBatch:
         return self.last_offset + 1
 
 
-# ---- shared with the pure-Python twin (records_reference) -------------------------------------
+# ---- shared with the pure-Python twin (records.reference) -------------------------------------
 # Arguments, compression and the batch-by-batch walk are the same for both codecs; only the
 # bytes-level work differs.
 

@@ -14,9 +14,9 @@ from collections.abc import Iterable, Iterator
 
 from _native.checksum import crc32c
 
-from .errors import InvalidArgumentError, RecordBatchChecksumError, RecordBatchLengthError, UnsupportedCompressionError, \
+from ..errors import InvalidArgumentError, RecordBatchChecksumError, RecordBatchLengthError, UnsupportedCompressionError, \
     UnsupportedMagicError
-from .records import (
+from . import (
     _CODEC_MASK, _CRC_AT, _CRC_FROM, _LENGTH_END, _MAGIC_AT, _MAX_INT32, _MIN_BATCH_LENGTH, _TIMESTAMP_TYPE_BIT,
     COMPRESSION_CODECS, CREATE_TIME, HEADER_SIZE, LOG_APPEND_TIME, MAGIC, MAX_DECOMPRESSED_BYTES, ConsumedRecord,
     DecodedBatch, Record, as_view, check_limit, compress_payload, decompress_payload, iterate_batches, malformed,

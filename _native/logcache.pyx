@@ -267,7 +267,7 @@ cdef class CacheBlock:
     def plan(self, uint64_t split_size) -> tuple:
         """The SO/SSO split: (slices sharing the StreamSetObject, slices getting a StreamObject
         each), both by ascending stream id. A stream with at least `split_size` bytes in the
-        block gets its own StreamObject. Twin: s3stream.upload_reference.plan_upload."""
+        block gets its own StreamObject. Twin: s3stream.engine.upload_reference.plan_upload."""
         cdef list stream_set = []
         cdef list stream_objects = []
         cdef CacheSlice s

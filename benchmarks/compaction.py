@@ -42,10 +42,10 @@ import wal
 from benchmarks.kit import log_line, percentiles, progress, progress_over, pyplot, save_figure
 
 from s3stream import Config, FetchedBatch, RecordBatch, StreamClient
-from s3stream.logcache import LogCache
+from s3stream.engine.logcache import LogCache
 from s3stream.metadata import SqliteMetadataStore
 from s3stream.objectstore import LocalObjectStore
-from s3stream.readpath import Reader
+from s3stream.engine.readpath import Reader
 
 from compaction import CompactionConfig, Compactor, attach, object_stats
 

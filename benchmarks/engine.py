@@ -48,10 +48,10 @@ from benchmarks.wal_disk import Trimmer
 from benchmarks.kit import fmt_size, log_line, parse_size, percentiles, periodic, progress, publish, pyplot, save_figure
 
 from s3stream import Config, RecordBatch, StreamClient
-from s3stream.lifecycle import ObjectReclaimer
+from s3stream.engine.lifecycle import ObjectReclaimer
 from s3stream.metadata import ObjectState, SqliteMetadataStore
 from s3stream.objectstore import InstrumentedObjectStore, LocalObjectStore
-from s3stream.uploadpolicy import request_cost_per_gib, requests_floor
+from s3stream.engine.uploadpolicy import request_cost_per_gib, requests_floor
 from benchmarks.engine_reads import catchup_local, catchup_s3, format_catchup, tail_read, tail_read_sizes
 from testservers.moto import moto_process
 

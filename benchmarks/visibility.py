@@ -44,7 +44,7 @@ from s3stream.client import StreamClient
 from s3stream.config import Config, MiB
 from s3stream.objectstore import LocalObjectStore
 from s3stream.batches import RecordBatch
-from s3stream.uploadpolicy import request_cost_per_gib, requests_floor
+from s3stream.engine.uploadpolicy import request_cost_per_gib, requests_floor
 
 TARGET_P99_S = 1.0
 TARGET_LIGHT_PUTS_PER_S = 4.0

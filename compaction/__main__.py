@@ -14,7 +14,7 @@ import json
 import sys
 import time
 
-from s3stream.lifecycle import ObjectReclaimer
+from s3stream.engine.lifecycle import ObjectReclaimer
 from s3stream.metadata import open_metadata
 from s3stream.objectstore import open_object_store
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Callable
 
 from s3stream.errors import StreamFencedError
 from s3stream.latency import DURATION_BUCKETS, LatencyHistogram
-from s3stream.lifecycle import ObjectReclaimer
+from s3stream.engine.lifecycle import ObjectReclaimer
 
 from .compactor import Compactor
 from .config import CompactionConfig

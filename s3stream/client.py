@@ -29,19 +29,19 @@ from .errors import (
     OperationTimeoutError, S3StreamError, StreamClosedError, StreamFencedError, StreamNotClosedError, StreamNotFoundError, WALCorruptError,
     WALError, WALFullError, check_int,
 )
-from .lifecycle import ObjectReclaimer, ReclaimerThread
-from .logcache import CacheBlock, new_log_cache
+from .engine.lifecycle import ObjectReclaimer, ReclaimerThread
+from .engine.logcache import CacheBlock, new_log_cache
 from .metadata import CommitResult, MetadataStore, StreamMeta, open_metadata
 from .objectstore import ObjectStore, open_object_store
-from .failover import fail_over
-from .readpath import Reader
+from .engine.failover import fail_over
+from .engine.readpath import Reader
 from .reader import fetch_committed
 from .batches import FetchResult
-from .recovery import close_node_streams, replay_wal
+from .engine.recovery import close_node_streams, replay_wal
 from .stream import Stream
-from .upload import UploadAborted, Uploader
-from .uploadpolicy import deadline_sleep, tail_must_cut
-from .walopen import epoch_checker, is_object_wal, open_node_wal, registered_location
+from .engine.upload import UploadAborted, Uploader
+from .engine.uploadpolicy import deadline_sleep, tail_must_cut
+from .engine.walopen import epoch_checker, is_object_wal, open_node_wal, registered_location
 from wal.objectlog import HostLock
 from .threads import normal_priority
 
@@ -960,7 +960,7 @@ class StreamClient:
                 f"node {node_id} holds {len(held)} streams open whose un-uploaded tail is in its WAL {old!r}, "
                 f"which this host cannot read; starting it with WAL {wal_path!r} would lose that tail. Start "
                 f"node {node_id} with that WAL, or fail it over from a host that can read it "
-                "(s3stream.failover.fail_over), then start it with the new WAL.")
+                "(s3stream.engine.failover.fail_over), then start it with the new WAL.")
         log.warning("node %d was registered with WAL %s and starts with %s: recovering the old WAL first",
                     node_id, old, wal_path)
         fail_over(node_id, store=self._store, metadata=self._meta, config=self.config, wal_path=old)

@@ -55,7 +55,7 @@ class Config:
         evicted blocks are kept for reuse up to half of it more (touching fresh memory costs
         13x a copy into warm memory on the reference machine).
     block_cache_size: object blocks kept for reads (LRU). GETs in flight hold up to half of it
-        more; read-ahead waits for room below that bound (s3stream/readpath.py).
+        more; read-ahead waits for room below that bound (s3stream/engine/readpath.py).
     readahead_bytes: the largest read-ahead window of one stream. A sequential reader's window
         starts at two GETs (2 x read_fetch_size) and doubles each time the reader catches up
         with it, up to this.

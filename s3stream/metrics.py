@@ -36,11 +36,11 @@ from prometheus_client.registry import Collector
 
 from .latency import LatencyHistogram
 from .metadata import MetadataStore
-from .uploadpolicy import TRIGGERS
+from .engine.uploadpolicy import TRIGGERS
 from .metadata.wrappers import InstrumentedMetadataStore
 from .objectstore import ObjectStore
 from .objectstore.wrappers import InstrumentedObjectStore
-from .upload import RETRY_STEPS
+from .engine.upload import RETRY_STEPS
 
 if TYPE_CHECKING:
     from .client import StreamClient
@@ -163,7 +163,7 @@ class ClientMetrics:
         f.counter("upload_bytes", "Bytes of objects uploaded", node, up["bytes"])
         for trigger in TRIGGERS:
             f.counter("upload_objects_by_trigger", "Objects uploaded, by why their block was sealed "
-                      "(s3stream.uploadpolicy)", node, up.get("triggers", {}).get(trigger, {}).get("objects", 0),
+                      "(s3stream.engine.uploadpolicy)", node, up.get("triggers", {}).get(trigger, {}).get("objects", 0),
                       trigger=trigger)
         for step in RETRY_STEPS:
             f.counter("upload_retries", "Upload steps that failed and were retried, by step", node,

@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING, Any
 from .config import Config
 from .errors import (ConfigError, CorruptDataError, ObjectNotFoundError, OffsetsLostError, S3StreamError,
                      StreamNotFoundError, check_int)
-from .logcache import new_log_cache
+from .engine.logcache import new_log_cache
 from .metadata import MetadataStore, StreamMeta, StreamState, commit_key, open_metadata
 from .objectstore import ObjectStore, open_object_store
-from .readpath import Reader, fetch_end
+from .engine.readpath import Reader, fetch_end
 from .batches import FetchedBatch, FetchResult
 
 if TYPE_CHECKING:
@@ -134,7 +134,7 @@ class StreamReader:
         `end_offset` (default, and at most: the committed end, as read from metadata at most
         RANGE_RECHECK seconds ago), up to `max_bytes` (at least one batch).
         StreamNotFoundError for a stream that does not exist or was deleted, OffsetOutOfRangeError
-        for a start outside its committed range (s3stream.readpath.fetch_end)."""
+        for a start outside its committed range (s3stream.engine.readpath.fetch_end)."""
         self._check_open()
         _check_fetch(stream_id, start_offset, end_offset, max_bytes)
         with self._known_lock:

@@ -10,7 +10,7 @@ from _native.appendpath import StreamWriter
 
 from .errors import OffsetOutOfRangeError, StreamClosedError, StreamFencedError, check_int
 from .metadata import StreamMeta
-from .readpath import fetch_end
+from .engine.readpath import fetch_end
 from .batches import AppendFuture, FetchResult, encoded_batch, records_batch
 from .records import Record
 
@@ -93,7 +93,7 @@ class Stream(StreamWriter):
         most: the confirm offset), up to `max_bytes` (at least one batch if any is in range).
         OffsetOutOfRangeError for a start below start_offset or past the confirm offset (or past
         `end_offset`); an `end_offset` past the confirm offset is capped there, as Kafka's fetch
-        returns what exists (s3stream.readpath.fetch_end).
+        returns what exists (s3stream.engine.readpath.fetch_end).
 
         Reads need an open handle: a closed or destroyed one raises StreamClosedError (another
         node may have trimmed or appended since), a fenced one StreamFencedError. Offsets and

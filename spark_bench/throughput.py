@@ -19,7 +19,7 @@ import math
 import os
 
 from benchmarks.kit import fmt_size, parse_size, progress as progress_bar, pyplot, save_figure
-from s3stream.uploadpolicy import request_cost_per_gib, requests_floor
+from s3stream.engine.uploadpolicy import request_cost_per_gib, requests_floor
 
 from .common import (
     GiB, MiB, add_common_args, assign_metrics_ports, deployment, format_placement, latency_summary, new_run_id,
@@ -204,7 +204,7 @@ def format_report(report: dict) -> str:
             lines.append(f"{r['nodes']:>5} node(s): {r['requests_per_gib']:.1f} write requests per GiB against a floor of "
                          f"{r['request_floor_per_gib']:.1f}; ${r['usd_per_gib']:.5f} per GiB at S3 Standard")
         if r.get("objects_by_trigger"):
-            lines.append(f"{r['nodes']:>5} node(s): objects by upload trigger (s3stream.uploadpolicy): "
+            lines.append(f"{r['nodes']:>5} node(s): objects by upload trigger (s3stream.engine.uploadpolicy): "
                          + ", ".join(f"{t} {n}" for t, n in sorted(r["objects_by_trigger"].items())))
     if not report["cluster_mode"] or report["single_host"]:
         lines.append("Nodes share this machine's cores and disk: scaling shows contention, not the design's limit.")

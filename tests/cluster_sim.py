@@ -53,7 +53,7 @@ from s3stream.errors import (
     LeaseExpiredError, MetadataBusyError, MetadataError, NodeAliveError, ObjectStoreError, OperationTimeoutError, S3StreamError,
     StreamClosedError, StreamFencedError, StreamNotClosedError, StreamNotFoundError, WALError,
 )
-from s3stream.failover import FailoverReport
+from s3stream.engine.failover import FailoverReport
 from s3stream.metadata import ChangeFeed, MetadataStore, NodeMeta, Range, StreamMeta, StreamState
 from s3stream.batches import FetchedBatch, FetchResult
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from compaction import Compactor
-from s3stream.lifecycle import ObjectReclaimer
+from s3stream.engine.lifecycle import ObjectReclaimer
 from s3stream.metadata import SqliteMetadataStore
 from s3stream.objectstore import LocalObjectStore
 

@@ -16,11 +16,11 @@ import s3stream
 import wal
 from _native import appendpath, objcodec
 from s3stream import RecordBatch, StreamClient
-from s3stream.logcache import LogCache, encode_slices
+from s3stream.engine.logcache import LogCache, encode_slices
 from s3stream.metadata import SqliteMetadataStore
 from s3stream.objectformat_reference import encode_object as reference_encode
 from s3stream.objectstore import FaultInjectingObjectStore, LocalObjectStore
-from s3stream.upload_reference import plan_upload
+from s3stream.engine.upload_reference import plan_upload
 from conftest import KiB, MiB, small_config
 
 
@@ -315,7 +315,7 @@ def test_upload_threads_idle_while_uploads_keep_up(tmp_path):
     threads run under SCHED_IDLE while uploads keep up and return to SCHED_OTHER at upload_nice
     once the client reports them behind; nothing else changes policy. Switches are counted for
     the pool as a whole (odd: idle now)."""
-    from s3stream.upload import may_switch_idle
+    from s3stream.engine.upload import may_switch_idle
     if not may_switch_idle(7):
         pytest.skip("this process may not leave SCHED_IDLE (needs CAP_SYS_NICE)")
     base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
@@ -380,7 +380,7 @@ def test_uploads_behind_follows_the_cache(tmp_path):
 def test_upload_threads_stay_at_nice_without_the_right_to_leave_idle(tmp_path, monkeypatch):
     """Where a thread could enter SCHED_IDLE but not leave it (no CAP_SYS_NICE, RLIMIT_NICE 0),
     the probe says so and no upload thread is ever put into SCHED_IDLE."""
-    import s3stream.upload as upload
+    import s3stream.engine.upload as upload
     real = upload.set_thread_idle
     monkeypatch.setattr(upload, "set_thread_idle", lambda idle: real(idle) if idle else False)
     c = client(tmp_path, config=small_config(upload_threshold=128 * KiB, split_size=32 * KiB, cache_size=8 * MiB))

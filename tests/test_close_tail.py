@@ -198,7 +198,7 @@ def test_a_close_racing_a_block_commit_uploads_only_what_is_left(tmp_path, monke
     notices, uploads the rest again holding the commit gate, and the stream stays dense. (A
     block's commit waits for an announced close for CLOSE_PRIORITY_MAX_WAIT, set to 0 here: the
     race remains for a block waiting longer, or whose commit began before the close.)"""
-    from s3stream import upload
+    from s3stream.engine import upload
     monkeypatch.setattr(upload, "CLOSE_PRIORITY_MAX_WAIT", 0.0)
     store = ThreadGatedStore(LocalObjectStore(str(tmp_path / "objects")), hang_others=0.3)
     c = client(tmp_path, store, upload_threshold=128 * KiB, split_size=32 * KiB, upload_idle=False)
@@ -311,7 +311,7 @@ def test_blocks_take_object_ids_prepared_ahead(tmp_path):
     """Blocks take their object ids from those prepared ahead (BLOCK_IDS_AHEAD at a time): 24
     uploaded blocks cost two prepare transactions, not 24; their ids rise with block order; a
     clean shutdown leaves no PREPARED object."""
-    from s3stream.upload import BLOCK_IDS_AHEAD
+    from s3stream.engine.upload import BLOCK_IDS_AHEAD
     c = client(tmp_path, f"file://{tmp_path}/objects")
     try:
         s = c.create_stream()
@@ -512,7 +512,7 @@ def test_a_block_waits_for_the_closes_announced_before_it_and_no_later_one():
     """The commit gate: a block's commit that arrives while close A is announced waits for A
     (A's commit goes first), but a close B announced after the block arrived does not hold it
     back, so closes one after another cannot starve the blocks' commits."""
-    from s3stream.upload import _CommitGate
+    from s3stream.engine.upload import _CommitGate
     gate = _CommitGate()
     took: list[str] = []
     a = gate.close_coming()

@@ -623,7 +623,7 @@ def test_migrate_to_current_owner_and_to_a_dead_node(tmp_path, metadata_url):
 
 
 def test_failover_of_an_unreadable_wal_changes_nothing(tmp_path, metadata_url):
-    from s3stream.failover import fail_over
+    from s3stream.engine.failover import fail_over
     meta = open_metadata(metadata_url)
     node = meta.register_node(5, str(tmp_path / "missing.wal"))
     meta.create_stream(5, node.node_epoch)       # open: its tail would be in that WAL
@@ -636,7 +636,7 @@ def test_failover_of_an_unreadable_wal_changes_nothing(tmp_path, metadata_url):
 def test_failover_reads_a_small_wal_with_any_engine_config(tmp_path, metadata_url):
     """The failing-over node's config need not match the dead node's WAL size."""
     import wal
-    from s3stream.failover import fail_over
+    from s3stream.engine.failover import fail_over
     small = small_config(wal=wal.WALConfig(capacity=4 * 1024 * 1024 + 8192, full_timeout=5),
                          max_batch_bytes=64 * 1024)
     c = StreamClient(5, tmp_path / "n5.wal", f"file://{tmp_path}/objects", metadata_url, small)

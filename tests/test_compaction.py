@@ -16,7 +16,7 @@ import compaction
 from compaction import CompactionConfig, Compactor, object_stats
 from compaction.plan import plan_stream_merges, split_pieces, Piece
 from s3stream import ConfigError, RecordBatch, StreamClient, StreamFencedError
-from s3stream.lifecycle import ObjectReclaimer
+from s3stream.engine.lifecycle import ObjectReclaimer
 from s3stream.metadata import ObjectMeta, ObjectState, ObjectType, SqliteMetadataStore, StreamRange
 from s3stream.objectformat import IndexEntry
 from conftest import KiB, MiB, small_config

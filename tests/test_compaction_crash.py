@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from s3stream import StreamClient
-from s3stream.lifecycle import ObjectReclaimer
+from s3stream.engine.lifecycle import ObjectReclaimer
 from s3stream.metadata import ObjectState, SqliteMetadataStore
 from s3stream.objectstore import LocalObjectStore
 from conftest import small_config

@@ -11,7 +11,7 @@ import pytest
 
 import wal
 from s3stream import ConfigError, RecordBatch, S3StreamError, StreamClient
-from s3stream.failover import fail_over
+from s3stream.engine.failover import fail_over
 from s3stream.metadata import open_metadata
 from s3stream.objectstore import open_object_store
 from conftest import small_config

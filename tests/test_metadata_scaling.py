@@ -7,7 +7,7 @@ import sqlite3
 
 import pytest
 
-from s3stream.lifecycle import ObjectReclaimer
+from s3stream.engine.lifecycle import ObjectReclaimer
 from s3stream.metadata import (CommitRange, CommitRequest, CommitSSO, CommitStreamObject, ObjectState,
                                SqliteMetadataStore, StreamState)
 from s3stream.objectstore import LocalObjectStore

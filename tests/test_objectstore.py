@@ -262,7 +262,7 @@ def gathered(size: int, seed: int):
     """An object encoded the uploader's way, its large payloads not copied, and its bytes."""
     import time
     from s3stream import FetchedBatch
-    from s3stream.logcache import LogCache, encode_slices
+    from s3stream.engine.logcache import LogCache, encode_slices
     rng = random.Random(seed)
     cache = LogCache(1 << 30, 1 << 31, time.monotonic_ns, FetchedBatch)
     offset = wal_end = 0

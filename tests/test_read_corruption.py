@@ -11,11 +11,11 @@ import pytest
 
 import s3stream
 from s3stream import FetchedBatch, RecordBatch, StreamClient
-from s3stream.logcache import LogCache
+from s3stream.engine.logcache import LogCache
 from s3stream.metadata import ObjectState, ObjectType, SqliteMetadataStore
 from s3stream.objectformat import read_index
 from s3stream.objectstore import LocalObjectStore
-from s3stream.readpath import Reader
+from s3stream.engine.readpath import Reader
 
 from conftest import KiB, MiB, small_config
 

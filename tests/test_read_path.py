@@ -1,4 +1,4 @@
-"""The read path (s3stream/readpath.py) with the real parts: catch-up from objects on a cold node,
+"""The read path (s3stream/engine/readpath.py) with the real parts: catch-up from objects on a cold node,
 zero-copy payloads, fetch bounds, memory bounds under 100 concurrent readers, seeks, and object
 stores that fail, corrupt, hang or lose a GET.
 

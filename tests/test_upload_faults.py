@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 
 import s3stream
 import s3stream.metrics
-import s3stream.upload
+import s3stream.engine.upload
 from s3stream import RecordBatch, StreamClient
 from s3stream.errors import ObjectStoreError
 from s3stream.metadata import open_metadata
@@ -262,13 +262,13 @@ def test_unexpected_errors_in_every_step_are_retried_counted_and_logged_once(tmp
     store = FaultInjectingObjectStore(LocalObjectStore(str(tmp_path / "objects")))
     meta = FlakyMetadataStore(open_metadata(f"sqlite:///{tmp_path}/meta.db"))
     encode_faults = [BufferError("injected: Existing exports of data: object cannot be re-sized")] * 6
-    real_encode = s3stream.upload.encode_slices
+    real_encode = s3stream.engine.upload.encode_slices
 
     def flaky_encode(*args):
         if encode_faults:
             raise encode_faults.pop()
         return real_encode(*args)
-    monkeypatch.setattr(s3stream.upload, "encode_slices", flaky_encode)
+    monkeypatch.setattr(s3stream.engine.upload, "encode_slices", flaky_encode)
     client = StreamClient(1, str(tmp_path / "n1.wal"), store, meta, CONFIG)
     durable_faults = [RuntimeError("injected: the durability wait failed")] * 4
     real_wait = client._uploader._wait_durable
@@ -301,7 +301,7 @@ def test_unexpected_errors_in_every_step_are_retried_counted_and_logged_once(tmp
         registry = CollectorRegistry()
         handle = s3stream.metrics.instrument(client, registry)
         try:
-            for step in s3stream.upload.RETRY_STEPS:
+            for step in s3stream.engine.upload.RETRY_STEPS:
                 assert registry.get_sample_value("s3stream_upload_retries_total",
                                                  {"node": "1", "step": step}) == stats[f"{step}_retries"]
             assert registry.get_sample_value("s3stream_upload_unexpected_retries_total", {"node": "1"}) == 23
@@ -336,7 +336,7 @@ def test_uploads_resume_within_the_backoff_cap_after_an_outage(tmp_path, caplog)
         stats = client.stats()["upload"]
         opened, recovered = upload_log(caplog)
         print(f"\nfirst commit {first_commit:.3f} s after the store answered again (backoff cap "
-              f"{s3stream.upload.RETRY_BACKOFF_CAP} s); {stats['put_retries']} PUT retries in "
+              f"{s3stream.engine.upload.RETRY_BACKOFF_CAP} s); {stats['put_retries']} PUT retries in "
               f"{stats['retry_episodes']} episode(s); {recovered}")
         assert first_commit < 1.5
         assert len(opened) == len(recovered) == stats["retry_episodes"] == 1

@@ -373,7 +373,7 @@ def test_policy_invariants_under_random_traffic(tmp_path_factory):
     name a trigger for every committed object; (3) every acknowledged record reads back once,
     in order; (4) once everything is committed, the node reports no visibility lag."""
     from hypothesis import HealthCheck, given, settings
-    from s3stream.uploadpolicy import TRIGGERS
+    from s3stream.engine.uploadpolicy import TRIGGERS
 
     @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
     @given(ops=_ops())

@@ -13,7 +13,7 @@ from s3stream.errors import ConfigError
 from s3stream.metadata import open_metadata
 from s3stream.objectstore import LocalObjectStore, open_object_store
 from s3stream.urls import looks_like_url, url_scheme
-from s3stream.walopen import file_path, open_node_wal
+from s3stream.engine.walopen import file_path, open_node_wal
 
 SCHEME_FIRST = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 SCHEME_REST = SCHEME_FIRST + "0123456789+-."

@@ -53,7 +53,7 @@ def run_round(path: str, rnd: int, capacity: int, rng: random.Random) -> tuple[d
 
 def open_for_recovery(path: str):
     if path.startswith("objects+"):
-        from s3stream.walopen import open_node_wal
+        from s3stream.engine.walopen import open_node_wal
         return open_node_wal(path, node_id=1, recovery=True)
     return wal.WriteAheadLog.open(path, node_id=1, recovery=True)
 

@@ -1,7 +1,7 @@
 """Child of the crash test: appends from several threads until SIGKILLed.
 
 Usage: wal_crash_child.py PATH ROUND THREADS CAPACITY
-PATH is a WAL file, or objects+URL for a WAL kept as objects (s3stream.walopen).
+PATH is a WAL file, or objects+URL for a WAL kept as objects (s3stream.engine.walopen).
 Prints "ready N" after recovering N records, "trim OFFSET" before each trim, and
 "ack THREAD SEQ OFFSET" after each record's append was acknowledged as durable.
 """
@@ -18,7 +18,7 @@ def main() -> None:
     path, rnd, nthreads, capacity = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     config = wal.WALConfig(capacity=capacity, batch_bytes=256 * 1024, object_bytes=256 * 1024, full_timeout=60)
     if path.startswith("objects+"):
-        from s3stream.walopen import open_node_wal
+        from s3stream.engine.walopen import open_node_wal
         w = open_node_wal(path, node_id=1, config=config)
     else:
         w = wal.WriteAheadLog.open(path, node_id=1, config=config)

@@ -19,7 +19,7 @@ from ..cluster.partition import PARTITION_KV_PREFIX
 from ..config import Config
 from ..errors import ConfigError, NodeAliveError, S3StreamError
 from ..metadata import MetadataStore, NodeMeta, ObjectState, ObjectType, StreamMeta, StreamState
-from ..walopen import file_path, is_object_wal
+from ..engine.walopen import file_path, is_object_wal
 from .common import emit_json, json_option, meta_option, open_meta, open_store, store_option, table, user_errors
 
 

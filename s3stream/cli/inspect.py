@@ -17,9 +17,9 @@ from ..errors import ObjectNotFoundError, S3StreamError
 from ..metadata import ObjectMeta
 from ..objectformat import FOOTER_SIZE, IndexEntry, read_blocks, read_index
 from ..objectstore import LocalObjectStore, ObjectStore
-from ..recovery import WAL_RECORD
-from ..walopen import OBJECTS_PREFIX, is_object_wal
-from ..walopen import open_store as open_wal_store
+from ..engine.recovery import WAL_RECORD
+from ..engine.walopen import OBJECTS_PREFIX, is_object_wal
+from ..engine.walopen import open_store as open_wal_store
 from .common import META_HELP, emit_json, iso_time, json_option, open_meta, open_store, store_option, table, user_errors
 
 

@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 from ..config import Config
 from ..errors import ConfigError, FencedLeaderError, NodeAliveError, S3StreamError
-from ..failover import FailoverReport, fail_over as recover_node
+from ..engine.failover import FailoverReport, fail_over as recover_node
 from ..latency import DURATION_BUCKETS, LatencyHistogram
 from ..metadata import ChangeFeed, MetadataStore, NodeMeta, StreamState, open_metadata
 from ..objectstore import ObjectStore, open_object_store
@@ -240,7 +240,7 @@ class Cluster:
         `monotonic` is the clock of node agents' failure detection and leases (the native
         append path checks leases on CLOCK_MONOTONIC: only tests that drive the detector alone
         replace it). `runtime` gives both by default, and the waits and threads; `recover`
-        replays a node's WAL on its behalf (s3stream.failover.fail_over). A simulation
+        replays a node's WAL on its behalf (s3stream.engine.failover.fail_over). A simulation
         replaces the last two (tests/cluster_sim.py)."""
         self._owned: list = []
         self.meta: MetadataStore = self._open_owned(metadata, "metadata", _METADATA_METHODS, open_metadata,

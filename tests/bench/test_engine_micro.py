@@ -13,7 +13,7 @@ import pytest
 
 import wal
 from s3stream import Config, RecordBatch, StreamClient
-from s3stream import logcache
+from s3stream.engine import logcache
 from s3stream.batches import FetchedBatch
 
 KiB = 1024

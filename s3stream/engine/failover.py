@@ -5,7 +5,7 @@
 2. Open its WAL for recovery and replay the records above each stream's committed end: upload
    and commit them under the dead node's id and its new epoch, exactly as the node itself would
    have at restart. A WAL file is opened read-only and must be reachable from here, as a shared
-   EBS volume is; a WAL of objects (s3://..., s3stream.walopen) is read from the store by any
+   EBS volume is; a WAL of objects (s3://..., s3stream.engine.walopen) is read from the store by any
    host, and opening it writes a fence there, so a paused node's next PUT fails.
 3. Close the streams it held, so that other nodes can open them (epoch + 1).
 Nothing acknowledged by the dead node before it was fenced is lost: it was durable in its WAL.
@@ -19,11 +19,11 @@ from typing import Callable
 
 import wal
 
-from .config import Config
-from .errors import S3StreamError, WALCorruptError, WALError
+from ..config import Config
+from ..errors import S3StreamError, WALCorruptError, WALError
 from .logcache import new_log_cache
-from .metadata import MetadataStore
-from .objectstore import ObjectStore
+from ..metadata import MetadataStore
+from ..objectstore import ObjectStore
 from .recovery import close_node_streams, replay_wal
 from .upload import Uploader
 from .walopen import is_object_wal, open_node_wal

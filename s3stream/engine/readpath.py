@@ -37,15 +37,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable, Hashable, NamedTuple
 
-from .config import Config
-from .errors import CorruptDataError, ObjectNotFoundError, ObjectStoreError, OffsetOutOfRangeError, OffsetsLostError
-from .latency import LatencyHistogram
+from ..config import Config
+from ..errors import CorruptDataError, ObjectNotFoundError, ObjectStoreError, OffsetOutOfRangeError, OffsetsLostError
+from ..latency import LatencyHistogram
 from .logcache import LogCache
-from .metadata import MetadataStore, ObjectRef, ObjectType
-from .objectformat import (BATCH_HEADER_SIZE, BLOCK_HEADER_SIZE, Batch, IndexEntry, decode_blocks, entries_for,
+from ..metadata import MetadataStore, ObjectRef, ObjectType
+from ..objectformat import (BATCH_HEADER_SIZE, BLOCK_HEADER_SIZE, Batch, IndexEntry, decode_blocks, entries_for,
                            index_from_tail, read_blocks, read_index)
-from .objectstore import ObjectStore
-from .threads import normal_priority
+from ..objectstore import ObjectStore
+from ..threads import normal_priority
 
 _RETRIES = 3
 #: Object indexes kept (bytes, estimated): 64 MiB is about 1.2 million index entries.

@@ -74,18 +74,18 @@ from typing import Any, Callable, Iterator, NamedTuple, TypeVar
 
 from _native.logcache import CacheBlock, CacheSlice, encode_slices
 
-from .config import Config
-from .errors import (
+from ..config import Config
+from ..errors import (
     MetadataError, ObjectStoreError, ObjectStorePermanentError, OperationTimeoutError, S3StreamError,
     StreamFencedError,
 )
-from .metadata import (
+from ..metadata import (
     CommitRange, CommitRequest, CommitResult, CommitSSO, CommitStreamObject, MetadataStore, StreamState,
     object_key,
 )
-from .objectstore import ObjectStore
-from .objectstore.base import PutData, cpu_bound_puts, data_size, write_requests
-from .threads import thread_nice
+from ..objectstore import ObjectStore
+from ..objectstore.base import PutData, cpu_bound_puts, data_size, write_requests
+from ..threads import thread_nice
 from .uploadpolicy import plan_split
 
 log = logging.getLogger("s3stream.upload")

@@ -23,9 +23,9 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 import wal
 from wal.objectlog import ObjectWAL
 
-from .errors import ConfigError, ObjectStorePermanentError
-from .objectstore import ObjectStore, open_object_store
-from .urls import OBJECTS_PREFIX, url_scheme
+from ..errors import ConfigError, ObjectStorePermanentError
+from ..objectstore import ObjectStore, open_object_store
+from ..urls import OBJECTS_PREFIX, url_scheme
 
 _ACCEPTED = "a path, file:///absolute/path, s3://bucket[/prefix][?...] or objects+URL (e.g. objects+file:///dir)"
 _WAL_PARAMS = ("wal_fencing",)

@@ -10,8 +10,8 @@ from typing import Callable
 
 from _native.logcache import ACTIVE, COMMITTED, SEALED, CacheBlock, CacheSlice, LogCache, encode_slices
 
-from .config import Config
-from .batches import FetchedBatch
+from ..config import Config
+from ..batches import FetchedBatch
 
 __all__ = ["ACTIVE", "COMMITTED", "SEALED", "CacheBlock", "CacheSlice", "LogCache", "encode_slices",
            "new_log_cache"]

@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 import threading
 
-from .metadata import MetadataStore
-from .objectstore import ObjectStore
+from ..metadata import MetadataStore
+from ..objectstore import ObjectStore
 
 log = logging.getLogger("s3stream.lifecycle")
 

@@ -14,9 +14,9 @@ from typing import Iterable
 
 import wal
 
-from .errors import CorruptDataError, StreamNotFoundError
+from ..errors import CorruptDataError, StreamNotFoundError
 from .logcache import LogCache
-from .metadata import MetadataStore, StreamMeta, StreamState
+from ..metadata import MetadataStore, StreamMeta, StreamState
 from .upload import Uploader
 
 log = logging.getLogger("s3stream")

@@ -41,7 +41,8 @@ from .engine.recovery import close_node_streams, replay_wal
 from .stream import Stream
 from .engine.upload import UploadAborted, Uploader
 from .engine.uploadpolicy import deadline_sleep, tail_must_cut
-from .engine.walopen import epoch_checker, is_object_wal, open_node_wal, registered_location
+from .engine import walopen
+from .engine.walopen import epoch_checker, open_node_wal, registered_location
 from wal.objectlog import HostLock
 from .threads import normal_priority
 
@@ -51,28 +52,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("s3stream")
 
 T = TypeVar("T")
-
-def _check_wal_path(wal_path) -> None:
-    """ConfigError, before anything is registered, for a WAL path that cannot be created: its
-    directory is missing or not writable (a raw FileNotFoundError came out of open before)."""
-    path = os.path.abspath(os.fspath(wal_path))
-    if os.path.exists(path):
-        return
-    parent = os.path.dirname(path)
-    if not os.path.isdir(parent):
-        raise ConfigError(f"cannot create the WAL {path!r}: its directory {parent!r} does not exist; create it "
-                          "or give another path")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ConfigError(f"cannot create the WAL {path!r}: its directory {parent!r} is not writable by this "
-                          "process; fix its permissions or give another path")
-
-
-def _same_path(a: str, b: str) -> bool:
-    try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return os.path.realpath(a) == os.path.realpath(b)
-
 
 def _check_store_args(object_store, metadata) -> None:
     """ConfigError for an object store or metadata argument that is neither a URL nor a store
@@ -197,35 +176,20 @@ class StreamClient:
         self._tail_waits = 0
         self._tail_wait_ns = 0
         self._recovering = True
-        object_wal = is_object_wal(wal_path)
-        if not object_wal and not isinstance(wal_path, (str, os.PathLike)):
-            self._close_owned()
-            raise ConfigError(f"wal_path must be a path, a URL (file:///..., s3://bucket/prefix, objects+URL) or an "
-                              f"ObjectStore, got {wal_path!r} ({type(wal_path).__name__})")
         self._host_lock: HostLock | None = None
         try:
+            walopen.check_location(wal_path)
             location = registered_location(wal_path)
         except BaseException:
             self._close_owned()            # a mistyped WAL URL: nothing is left open
             raise
         with self._opening(location):
-            # Refuse a second instance of this node on this host before bumping the node epoch,
-            # which would fence the running one and lose what it has not uploaded. A file WAL's
-            # own lock says so (two starting at the same instant: it still stops the second,
-            # after the bump); a WAL of objects has a lock file per node and location, held
-            # while this client lives. Instances on other hosts are fenced by the store.
-            if object_wal:
-                self._host_lock = HostLock.acquire(location, node_id)
-            else:
-                wal.WriteAheadLog.check_not_in_use(location)
-            if not object_wal:
-                _check_wal_path(location)
+            # Where the WAL lives decides these (engine/walopen.py): no second instance of this
+            # node on this host before the epoch bump, the old WAL bound, a new file zero-filled
+            # before the registration.
+            self._host_lock = walopen.claim(location, node_id)
             self._bind_wal(node_id, location)
-            if not object_wal:
-                # The slow part of a new WAL (zero-filling it) comes before the registration: a
-                # node registered but still silent for longer than the heartbeat timeout is
-                # failed over by its peers (4 nodes zero-filling 512 MiB each at once took over 5 s).
-                wal.WriteAheadLog.preallocate(location, self.config.wal_config)
+            walopen.prepare(location, self.config.wal_config)
         try:
             node = self._meta.register_node(node_id, location)
         except BaseException:
@@ -940,22 +904,20 @@ class StreamClient:
         it can be read here, else refuse, naming both WALs. Nothing is changed on a refusal."""
         nodes = {n.node_id: n for n in self._meta.list_nodes()}
         prev = nodes.get(node_id)
-        if prev is None or prev.wal_path == wal_path or (
-                not is_object_wal(wal_path) and not is_object_wal(prev.wal_path) and _same_path(prev.wal_path, wal_path)):
+        if prev is None or walopen.same_wal(prev.wal_path, wal_path):
             return
         held = [m.stream_id for m in self._meta.list_streams(owner_node_id=node_id)]
         if not held:
             return                         # nothing can be waiting in the old WAL
         old = prev.wal_path
         try:
-            if not is_object_wal(old):
-                wal.WriteAheadLog.check_not_in_use(old)
+            walopen.check_not_in_use_here(old)
         except wal.WALInUseError:
             raise NodeConflictError(
                 f"node {node_id} is running on this host with WAL {old!r}; a second instance with WAL "
                 f"{wal_path!r} would fence it and lose what it has not uploaded. Stop it first, or use "
                 "another node id for this instance.") from None
-        if not is_object_wal(old) and not os.path.exists(old):
+        if not walopen.readable_here(old):
             raise NodeConflictError(
                 f"node {node_id} holds {len(held)} streams open whose un-uploaded tail is in its WAL {old!r}, "
                 f"which this host cannot read; starting it with WAL {wal_path!r} would lose that tail. Start "

@@ -26,7 +26,7 @@ from ..metadata import MetadataStore
 from ..objectstore import ObjectStore
 from .recovery import close_node_streams, replay_wal
 from .upload import Uploader
-from .walopen import is_object_wal, open_node_wal
+from .walopen import open_node_wal, opened_before_fence
 
 log = logging.getLogger("s3stream.failover")
 
@@ -78,12 +78,8 @@ def fail_over(node_id: int, *, store: ObjectStore, metadata: MetadataStore, conf
     config = config or Config()
     t0 = time.perf_counter()
     path = wal_path or metadata.get_node(node_id).wal_path
-    # A WAL file is opened before the fence: one that cannot be read must not leave the node
-    # fenced with its streams still open and nobody to replay them. A WAL of objects is opened
-    # after it: opening writes its own fence into the store, which a node found alive
-    # (if_unchanged) must not get.
-    object_wal = is_object_wal(path)
-    w = None if object_wal else _open_for_recovery(path, node_id)
+    # A WAL file is opened before the fence, a WAL of objects after it (walopen says why).
+    w = _open_for_recovery(path, node_id) if opened_before_fence(path) else None
     try:
         node = metadata.fence_node(node_id, failover=True, if_unchanged=if_unchanged)
         if settle > 0:

@@ -1582,7 +1582,7 @@ def test_racing_commits_guarded_by_one_absent_key_apply_once(open_same, clock, m
     until the other arrives or 1 s passes: on PostgreSQL, SELECT ... FOR UPDATE of a row that does
     not exist locks nothing, so before the fix both passed their checks and both applied."""
     import threading
-    from s3stream.metadata import sqlite as sqlite_store
+    from s3stream.metadata import sql as sql_store     # both stores' commits check the guard there
     stores = [open_same(clock=clock), open_same(clock=clock)]
     key = "sink/writer/racing"
     requests = []
@@ -1594,7 +1594,7 @@ def test_racing_commits_guarded_by_one_absent_key_apply_once(open_same, clock, m
                                       closes=((stream.stream_id, 0),), kv=((key, b"0"),), kv_guard=(key, None)))
     arrived = threading.Condition()
     count = [0]
-    real = sqlite_store._kv_holds
+    real = sql_store._kv_holds
 
     def held(db, k, expected, guard, lock=""):
         ok = real(db, k, expected, guard, lock)
@@ -1605,7 +1605,7 @@ def test_racing_commits_guarded_by_one_absent_key_apply_once(open_same, clock, m
                 arrived.wait_for(lambda: count[0] >= 2, 1.0)
         return ok
 
-    monkeypatch.setattr(sqlite_store, "_kv_holds", held)
+    monkeypatch.setattr(sql_store, "_kv_holds", held)
     outcomes: list = [None, None]
 
     def commit(i: int) -> None:

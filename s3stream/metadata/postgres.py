@@ -31,16 +31,17 @@ would make those frequent under load), and a queue on a row lock is cheaper and 
 retry loop. The fixed lock order rules out deadlocks; should one happen all the same (40P01) it
 surfaces as MetadataBusyError, which the uploader retries.
 
-Errors: precondition failures raise what the SQLite store raises (the checks are shared with
-it). A connection failure at construction is a ConfigError naming the URL without its password.
-During an operation, a lock wait past `lock_timeout_s` (55P03), a deadlock, a lost connection, a
-server shutdown or no free pooled connection within `pool_timeout_s` raise MetadataBusyError
-naming the database and the cause. A pooled connection found dead when its transaction begins (the
-server closed it while it was idle) is discarded and the operation starts again on another one,
-since nothing was sent (a KV write, which goes as one query with no BEGIN, looks at the socket
-before it sends: see _write_alone); a connection lost later is discarded by the pool when it is returned
-(psycopg_pool replaces connections returned in a bad state), and the error is MetadataBusyError: if
-it happened during COMMIT the outcome is unknown, and a retried commit is recognised as such.
+Errors: precondition failures raise what the SQLite store raises (the checks are shared with it:
+s3stream.metadata.sql). A connection failure at construction is a ConfigError naming the URL
+without its password. During an operation, a lock wait past `lock_timeout_s` (55P03), a deadlock,
+a lost connection, a server shutdown or no free pooled connection within `pool_timeout_s` raise
+MetadataBusyError naming the database and the cause. A pooled connection found dead when its
+transaction begins (the server closed it while it was idle) is discarded and the operation starts
+again on another one, since nothing was sent (a KV write, which goes as one query with no BEGIN,
+looks at the socket before it sends: see _write_alone); a connection lost later is discarded by
+the pool when it is returned (psycopg_pool replaces connections returned in a bad state), and the
+error is MetadataBusyError: if it happened during COMMIT the outcome is unknown, and a retried
+commit is recognised as such.
 
 Outages: while the server is down, an operation waits up to `pool_timeout_s` for the pool to
 reconnect, then raises MetadataBusyError. The pool retries a lost connection every
@@ -60,8 +61,8 @@ Fork safety: a forked child must not share the parent's sockets. On the first op
 new process the store opens a new pool; the parent's pool is left untouched (never closed from
 the child, which would end the parent's sessions).
 
-Every choice the SQLite store's docstring lists under "Where the MetadataStore contract is
-silent" holds here too; times come from the injected clock, never from the server's now().
+Every choice s3stream.metadata.sql lists under "Where the MetadataStore contract is silent"
+holds here too; times come from the injected clock, never from the server's now().
 """
 from __future__ import annotations
 
@@ -81,20 +82,17 @@ import psycopg
 import psycopg.conninfo
 from psycopg_pool import ConnectionPool
 
-from ..errors import (ConfigError, MetadataBusyError, MetadataError, StreamFencedError)
-from .base import (TAILING_PREFIX, ChangeFeed, commit_key, commit_notices, tailing_key, redact_url, CommitRequest, CommitResult, MetadataStore, NodeMeta, ObjectMeta, ObjectRef, ObjectState,
-                   ObjectType, StreamMeta, StreamState, object_key)
-# The checks and loaders are the SQLite store's own: both stores must decide alike. They take any
-# connection-like object whose execute() takes qmark SQL; _Db adapts a psycopg connection.
-from .sqlite import (_COMMITTED, _DEAD_SSOS, _MARK_DESTROYED, _NO_OFFSET, _NODE_COLUMNS, _PREPARED, _RANGE_COLUMNS,
-                     _SSO, _abandon, _check_owner, _check_unchanged,
-                     _apply_commit, _check_node_epoch, _check_request_shape, _check_stream_epoch, _ids,
-                     _live_stream, _load_objects, _load_stream, _load_streams, _mark_destroyed, _node_meta, _node_row,
-                     _open_rows, _send_load_streams, _send_node_check)
+from ..errors import ConfigError, MetadataBusyError, MetadataError
+from .base import (TAILING_PREFIX, ChangeFeed, commit_key, commit_notices, tailing_key, redact_url, CommitRequest,
+                   CommitResult, NodeMeta, ObjectMeta, StreamMeta, object_key)
+# The checks and loaders are shared with the SQLite store: both stores must decide alike. They take
+# any connection-like object whose execute() takes qmark SQL; _Db adapts a psycopg connection.
+from .sql import (SCHEMA_VERSION, SqlMetadataStore, _MARK_DESTROYED, _NODE_COLUMNS, _PREPARED, _RANGE_COLUMNS,
+                  _Connection, _Cursor, _apply_commit, _check_prepare, _check_request_shape, _check_unchanged, _ids,
+                  _load_objects, _node_meta, _node_row, _open_rows, _send_load_streams, _send_node_check,
+                  _unknown_object, _unknown_stream)
 
 log = logging.getLogger("s3stream.metadata")
-
-SCHEMA_VERSION = 2
 
 _SCHEMA = (
     """CREATE TABLE kv (
@@ -173,7 +171,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-class PostgresMetadataStore(MetadataStore):
+class PostgresMetadataStore(SqlMetadataStore):
     """The metadata of one cluster in the PostgreSQL database that `url` names
     (`postgresql://user:password@host:port/dbname?...`, or any libpq connection string); the
     schema is created if the database is empty.
@@ -448,6 +446,19 @@ class PostgresMetadataStore(MetadataStore):
         finally:
             pool.putconn(conn)
 
+    def _lock_node(self, db: _Connection, node_id: int, mode: str) -> None:
+        db.execute(f"SELECT 1 FROM nodes WHERE node_id = ? FOR {mode}", (node_id,))
+
+    def _lock_rows(self, db: _Connection, table: str, key: str, ids: Sequence[int]) -> None:
+        """FOR UPDATE, in ascending id order: the fixed order (nodes, then streams, then
+        objects) that rules out deadlocks."""
+        ids = sorted(set(ids))
+        if ids:
+            db.execute(f"SELECT 1 FROM {table} WHERE {key} = ANY(?) ORDER BY {key} FOR UPDATE", (ids,))
+
+    def _insert_id(self, db: _Connection, sql: str, params: Sequence, id_column: str) -> int:
+        return _one(db.execute(f"{sql} RETURNING {id_column}", params))[0]
+
     def _busy(self, e: psycopg.Error, when: str) -> MetadataBusyError:
         sqlstate = getattr(e, "sqlstate", None)
         if sqlstate == "55P03":
@@ -492,46 +503,16 @@ class PostgresMetadataStore(MetadataStore):
                 (node_id, wal_path, self._clock())))
             return _node_meta(row)
 
-    def get_node(self, node_id: int) -> NodeMeta:
-        rows = self._read_rows(f"SELECT {_NODE_COLUMNS} FROM nodes WHERE node_id = ?", (node_id,))
-        if not rows:
-            raise MetadataError(f"node {node_id} is not registered; call register_node first")
-        return _node_meta(rows[0])
-
-    def list_nodes(self) -> list[NodeMeta]:
-        return [_node_meta(row) for row in self._read_rows(f"SELECT {_NODE_COLUMNS} FROM nodes ORDER BY node_id")]
-
-    def heartbeat(self, node_id: int, node_epoch: int, health: str | None = None) -> None:
-        with self._transaction(write=True) as db:
-            _lock_node(db, node_id, "NO KEY UPDATE")
-            _check_node_epoch(db, node_id, node_epoch)
-            db.execute("UPDATE nodes SET heartbeat_ns = ?, health = ? WHERE node_id = ?",
-                       (self._clock(), health, node_id))
-
     def fence_node(self, node_id: int, failover: bool = True,
                    if_unchanged: tuple[int, int] | None = None) -> NodeMeta:
         with self._transaction(write=True) as db:
-            _lock_node(db, node_id, "NO KEY UPDATE")
+            self._lock_node(db, node_id, "NO KEY UPDATE")
             _check_unchanged(_node_meta(_node_row(db, node_id)), if_unchanged)
             return _node_meta(_one(db.execute(
                 f"UPDATE nodes SET node_epoch = node_epoch + 1, failover = ? WHERE node_id = ? "
                 f"RETURNING {_NODE_COLUMNS}", (bool(failover), node_id))))
 
     # ---- streams ---------------------------------------------------------------------------
-
-    def create_stream(self, node_id: int, node_epoch: int, reserve: int = 0) -> StreamMeta:
-        with self._transaction(write=True) as db:
-            _lock_node(db, node_id, "SHARE")
-            _check_node_epoch(db, node_id, node_epoch)
-            stream_id = _one(db.execute(
-                "INSERT INTO streams (epoch, state, owner_node_id, start_offset, end_offset, reserved_end) "
-                "VALUES (0, ?, ?, 0, 0, ?) RETURNING stream_id",
-                (StreamState.OPENED.value, node_id, reserve)))[0]
-            db.execute(f"INSERT INTO ranges ({_RANGE_COLUMNS}) VALUES (?, 0, ?, 0, 0, 0)", (stream_id, node_id))
-            return _load_stream(db, stream_id)
-
-    def open_stream(self, stream_id: int, node_id: int, node_epoch: int, reserve: int = 0) -> StreamMeta:
-        return self.open_streams([stream_id], node_id, node_epoch, reserve)[0]
 
     def open_streams(self, stream_ids: Sequence[int], node_id: int, node_epoch: int,
                      reserve: int = 0) -> list[StreamMeta]:
@@ -546,109 +527,10 @@ class PostgresMetadataStore(MetadataStore):
                               "start_offset = EXCLUDED.start_offset, end_offset = EXCLUDED.end_offset",
                               lock=" FOR UPDATE", check=check)
 
-    def reserve_offsets(self, stream_id: int, epoch: int, node_id: int, node_epoch: int,
-                        reserved_end: int) -> StreamMeta:
-        with self._transaction(write=True) as db:
-            # The node row FOR SHARE: a fence (FOR NO KEY UPDATE) waits for this, and this for it.
-            _lock_node(db, node_id, "SHARE")
-            _check_node_epoch(db, node_id, node_epoch)
-            _lock_rows(db, "streams", "stream_id", [stream_id])
-            stream = _live_stream(db, stream_id)
-            _check_owner(stream, epoch, node_id)
-            if reserved_end > stream.reserved_end:
-                db.execute("UPDATE streams SET reserved_end = ? WHERE stream_id = ?", (reserved_end, stream_id))
-            return _load_stream(db, stream_id)
-
-    def abandon_stream(self, stream_id: int, epoch: int, node_id: int) -> StreamMeta:
-        with self._transaction(write=True) as db:
-            _lock_rows(db, "streams", "stream_id", [stream_id])
-            stream = _live_stream(db, stream_id)
-            if stream.state == StreamState.CLOSED and stream.epoch == epoch:
-                return stream
-            _check_owner(stream, epoch, node_id)
-            _abandon(db, stream)
-            return _load_stream(db, stream_id)
-
-    def close_stream(self, stream_id: int, epoch: int, node_id: int, node_epoch: int | None = None) -> StreamMeta:
-        with self._transaction(write=True) as db:
-            if node_epoch is not None:
-                _lock_node(db, node_id, "SHARE")
-                _check_node_epoch(db, node_id, node_epoch)
-            _lock_rows(db, "streams", "stream_id", [stream_id])
-            stream = _live_stream(db, stream_id)
-            if stream.state == StreamState.CLOSED and stream.epoch == epoch:
-                return stream
-            if (stream.state != StreamState.OPENED or stream.epoch != epoch
-                    or stream.owner_node_id != node_id):
-                raise StreamFencedError(
-                    f"stream {stream_id} epoch {epoch} on node {node_id} is fenced: the stream "
-                    f"is {stream.state.value} at epoch {stream.epoch} on node "
-                    f"{stream.owner_node_id}; reopen it to continue")
-            db.execute("UPDATE streams SET state = ?, owner_node_id = NULL WHERE stream_id = ?",
-                       (StreamState.CLOSED.value, stream_id))
-            return _load_stream(db, stream_id)
-
-    def trim_stream(self, stream_id: int, epoch: int, new_start_offset: int) -> StreamMeta:
-        with self._transaction(write=True) as db:
-            _lock_rows(db, "streams", "stream_id", [stream_id])
-            stream = _live_stream(db, stream_id)
-            _check_stream_epoch(stream, epoch)
-            if new_start_offset <= stream.start_offset:
-                return stream
-            db.execute("UPDATE streams SET start_offset = ? WHERE stream_id = ?", (new_start_offset, stream_id))
-            db.execute("DELETE FROM ranges WHERE stream_id = ? AND end_offset <= ? AND range_index < ?",
-                       (stream_id, new_start_offset, stream.ranges[-1].index))
-            below = _ids(db.execute("SELECT object_id FROM stream_objects WHERE stream_id = ? AND end_offset <= ?",
-                                    (stream_id, new_start_offset)))
-            below += _ids(db.execute(_DEAD_SSOS, (stream_id, stream.start_offset, new_start_offset)))
-            _lock_rows(db, "objects", "object_id", below)
-            _mark_destroyed(db, self._clock(), below)
-            return _load_stream(db, stream_id)
-
-    def delete_stream(self, stream_id: int, epoch: int) -> StreamMeta:
-        with self._transaction(write=True) as db:
-            _lock_rows(db, "streams", "stream_id", [stream_id])
-            stream = _load_stream(db, stream_id)
-            _check_stream_epoch(stream, epoch)
-            if stream.state == StreamState.DELETED:
-                return stream
-            db.execute("UPDATE streams SET state = ?, owner_node_id = NULL WHERE stream_id = ?",
-                       (StreamState.DELETED.value, stream_id))
-            held = _ids(db.execute("SELECT object_id FROM stream_objects WHERE stream_id = ?", (stream_id,)))
-            held += _ids(db.execute(_DEAD_SSOS, (stream_id, stream.start_offset, _NO_OFFSET)))
-            _lock_rows(db, "objects", "object_id", held)
-            _mark_destroyed(db, self._clock(), held)
-            return _load_stream(db, stream_id)
-
-    def get_stream(self, stream_id: int) -> StreamMeta:
-        with self._transaction(write=False) as db:
-            return _load_stream(db, stream_id)
-
-    def _get_streams(self, stream_ids: list[int]) -> list[StreamMeta]:
-        if not stream_ids:
-            return []
-        with self._transaction(write=False) as db:
-            return _load_streams(db, f"WHERE stream_id IN ({', '.join('?' * len(stream_ids))})", stream_ids)
-
-    def list_streams(self, include_deleted: bool = False,
-                     owner_node_id: int | None = None) -> list[StreamMeta]:
-        params: tuple[object, ...]
-        if owner_node_id is not None:       # the owner is set only while OPENED
-            where, params = "WHERE owner_node_id = ? AND state = ?", (owner_node_id, StreamState.OPENED.value)
-        elif include_deleted:
-            where, params = "", ()
-        else:
-            where, params = "WHERE state != ?", (StreamState.DELETED.value,)
-        with self._transaction(write=False) as db:
-            return _load_streams(db, where, params)
-
     # ---- objects ---------------------------------------------------------------------------
 
     def prepare_objects(self, count: int, ttl_ns: int) -> list[int]:
-        if count < 1:
-            raise ValueError(f"prepare_objects needs count >= 1, got {count}")
-        if ttl_ns < 0:
-            raise ValueError(f"prepare_objects needs ttl_ns >= 0, got {ttl_ns}")
+        _check_prepare(count, ttl_ns)
         with self._transaction(write=True) as db:
             now = self._clock()
             # The key derives from the id: take the ids from the sequence first.
@@ -696,78 +578,20 @@ class PostgresMetadataStore(MetadataStore):
             named = set(object_ids)
             rows = {object_id: (state, expire_ns) for object_id, state, expire_ns in object_rows
                     if object_id in named}
-            # From here on, the SQLite store's commit, statement for statement.
+            # From here on, the SQLite store's commit, statement for statement (_apply_commit).
             for object_id in object_ids:
                 if object_id not in rows:
-                    raise MetadataError(f"commit names object {object_id}, which does not exist "
-                                        f"(never prepared, or expired and removed)")
+                    raise _unknown_object(object_id)
             wanted = sorted(request_streams)
             streams = {m.stream_id: m for m in locked if m.stream_id in request_streams}
             for stream_id in wanted:
                 if stream_id not in streams:
-                    raise MetadataError(f"commit names stream {stream_id}, which does not exist")
+                    raise _unknown_stream(stream_id)
             result = _apply_commit(db, request, now, rows, streams, _set_stream_ends, lock=" FOR UPDATE")
             if request.kv:
                 db.executemany(_PUT_KV, [(k, bytes(v)) for k, v in request.kv])
             _notify(db, commit_notices(request))       # tailing readers, waiters on request.kv
             return result
-
-    def get_object(self, object_id: int) -> ObjectMeta:
-        with self._transaction(write=False) as db:
-            found = _load_objects(db, "o.object_id = ?", (object_id,))
-        if not found:
-            raise MetadataError(f"object {object_id} does not exist")
-        return found[0]
-
-    def list_objects(self, state: ObjectState | None = None, type: ObjectType | None = None,
-                     node_id: int | None = None) -> list[ObjectMeta]:
-        conditions, params = ["TRUE"], []
-        for column, value in (("state", state), ("type", type), ("node_id", node_id)):
-            if value is not None:
-                conditions.append(f"o.{column} = ?")
-                params.append(value.value if isinstance(value, (ObjectState, ObjectType)) else value)
-        with self._transaction(write=False) as db:
-            return _load_objects(db, " AND ".join(conditions), params)
-
-    def get_object_refs(self, stream_id: int, start_offset: int, end_offset: int,
-                        limit: int = 64) -> list[ObjectRef]:
-        if limit <= 0 or start_offset >= end_offset:
-            return []
-        refs = []
-        # As in SQLite: COMMITTED ranges of a stream never overlap, so the (stream_id, end_offset)
-        # index both finds the first range and stops after `limit`.
-        with self._transaction(write=False) as db:
-            for table, kind in (("sso_ranges", ObjectType.STREAM_SET_OBJECT),
-                                ("stream_objects", ObjectType.STREAM_OBJECT)):
-                rows = db.execute(
-                    f"SELECT o.object_id, o.key, o.size, r.start_offset, r.end_offset "
-                    f"FROM {table} r JOIN objects o ON o.object_id = r.object_id "
-                    f"WHERE r.stream_id = ? AND r.end_offset > ? AND r.start_offset < ? "
-                    f"AND o.state = ? ORDER BY r.end_offset LIMIT ?",
-                    (stream_id, start_offset, end_offset, _COMMITTED, limit)).fetchall()
-                refs += [ObjectRef(object_id, key, size, kind, stream_id, start, end)
-                         for object_id, key, size, start, end in rows]
-        refs.sort(key=lambda ref: (ref.start_offset, ref.end_offset, ref.object_id))
-        return refs[:limit]
-
-    def node_stream_set_objects(self, node_id: int) -> list[ObjectMeta]:
-        with self._transaction(write=False) as db:
-            return _load_objects(db, "o.node_id = ? AND o.state = ? AND o.type = ?",
-                                 (node_id, _COMMITTED, _SSO), order="o.order_id")
-
-    def mark_destroyed(self, object_ids: Sequence[int]) -> None:
-        with self._transaction(write=True) as db:
-            _lock_rows(db, "objects", "object_id", object_ids)
-            to_mark = []
-            for object_id in object_ids:
-                row = db.execute("SELECT state FROM objects WHERE object_id = ?", (object_id,)).fetchone()
-                if row is None or row[0] == _PREPARED:
-                    raise MetadataError(
-                        f"object {object_id} cannot be marked for destruction: "
-                        f"{'it does not exist' if row is None else 'it is not committed'}")
-                if row[0] == _COMMITTED:
-                    to_mark.append(object_id)
-            _mark_destroyed(db, self._clock(), to_mark)
 
     def objects_to_delete(self, destroy_delay_ns: int, limit: int | None = None) -> list[ObjectMeta]:
         with self._transaction(write=False) as db:
@@ -783,38 +607,7 @@ class PostgresMetadataStore(MetadataStore):
                 (_PREPARED, now, limit, _MARK_DESTROYED, now - destroy_delay_ns, limit, limit)))
             return _load_objects(db, "o.object_id = ANY(?)", (sorted(ids),)) if ids else []
 
-    def remove_objects(self, object_ids: Sequence[int], unused_prepared: bool = False) -> list[int]:
-        removed = []
-        with self._transaction(write=True) as db:
-            now = self._clock()
-            wanted = sorted(set(object_ids))
-            _lock_rows(db, "objects", "object_id", wanted)
-            for object_id in wanted:
-                row = db.execute("SELECT state, expire_ns FROM objects WHERE object_id = ?",
-                                 (object_id,)).fetchone()
-                if row is None or not (row[0] == _MARK_DESTROYED
-                                       or (row[0] == _PREPARED and (unused_prepared or row[1] <= now))):
-                    continue
-                for table in ("sso_ranges", "stream_objects", "objects"):
-                    db.execute(f"DELETE FROM {table} WHERE object_id = ?", (object_id,))
-                removed.append(object_id)
-        return removed
-
     # ---- KV --------------------------------------------------------------------------------
-
-    def get_kv(self, key: str) -> bytes | None:
-        rows = self._read_rows("SELECT value FROM kv WHERE key = ?", (key,))
-        return bytes(rows[0][0]) if rows else None
-
-    def get_kv_and_node(self, key: str, node_id: int) -> tuple[bytes | None, NodeMeta]:
-        # One statement: a migration's driver reads the target's opened/ record and its node
-        # row (the incarnation check) in one round trip once the record is pushed.
-        rows = self._read_rows(f"SELECT (SELECT value FROM kv WHERE key = ?), {_NODE_COLUMNS} FROM nodes "
-                               "WHERE node_id = ?", (key, node_id))
-        if not rows:
-            raise MetadataError(f"node {node_id} is not registered; call register_node first")
-        value = rows[0][0]
-        return (None if value is None else bytes(value)), _node_meta(rows[0][1:])
 
     # Every KV write notifies KV_CHANNEL with the key, in its own transaction: PostgreSQL delivers
     # the notification to the listeners (kv_changes) when, and only if, the write commits.
@@ -868,13 +661,6 @@ class PostgresMetadataStore(MetadataStore):
         if self._listen_conninfo is None:
             return ChangeFeed(prefixes)
         return PgChangeFeed(self, prefixes)
-
-    def list_kv(self, prefix: str) -> dict[str, bytes]:
-        # A range scan on the primary key ("C" collation: code point order, as in SQLite).
-        rows = self._read_rows("SELECT key, value FROM kv WHERE key >= ? AND key < ? ORDER BY key",
-                               (prefix, prefix + "\U0010ffff"))
-        return {k: bytes(v) for k, v in rows}
-
 
 # ---- pushed changes ------------------------------------------------------------------------------
 
@@ -1061,26 +847,13 @@ class _Db:
                 cursor.executemany(self._sql(sql), params_seq)
 
 
-def _one(cursor: psycopg.Cursor) -> tuple[Any, ...]:
+def _one(cursor: _Cursor) -> tuple[Any, ...]:
     """The row of a statement that returns exactly one: an aggregate, or INSERT/UPDATE ...
     RETURNING of a row the transaction knows exists."""
     row = cursor.fetchone()
     if row is None:
         raise MetadataError("the metadata database returned no row where one was expected")
     return row
-
-
-def _lock_node(db: _Db, node_id: int, mode: str) -> None:
-    """Lock the node row (if it exists) FOR `mode`: the first lock of any operation."""
-    db.execute(f"SELECT 1 FROM nodes WHERE node_id = ? FOR {mode}", (node_id,))
-
-
-def _lock_rows(db: _Db, table: str, key: str, ids) -> None:
-    """Lock rows FOR UPDATE in ascending id order (the fixed order that rules out deadlocks:
-    nodes, then streams, then objects). Missing rows are skipped; the caller's checks find them."""
-    ids = sorted(set(ids))
-    if ids:
-        db.execute(f"SELECT 1 FROM {table} WHERE {key} = ANY(?) ORDER BY {key} FOR UPDATE", (ids,))
 
 
 def _split_url(url: str) -> tuple[str, dict[str, str]]:

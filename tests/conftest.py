@@ -8,6 +8,10 @@ from dataclasses import dataclass
 
 import pytest
 
+import testpaths
+
+testpaths.add()     # tests/ and its folders (kits, children, one per package) on sys.path and PYTHONPATH
+
 import wal
 
 KiB = 1024
@@ -173,7 +177,7 @@ def pytest_sessionfinish(session):
 
 
 def pytest_terminal_summary(terminalreporter):
-    """The 10,000-seed simulation's figures and the fault matrix of tests/test_fault_matrix.py
+    """The 10,000-seed simulation's figures and the fault matrix of tests/cluster/test_fault_matrix.py
     as a table, when they ran."""
     import sys
     for line in getattr(sys.modules.get("test_cluster_sim"), "SUMMARY", None) or ():

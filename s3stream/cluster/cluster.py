@@ -241,7 +241,7 @@ class Cluster:
         append path checks leases on CLOCK_MONOTONIC: only tests that drive the detector alone
         replace it). `runtime` gives both by default, and the waits and threads; `recover`
         replays a node's WAL on its behalf (s3stream.engine.failover.fail_over). A simulation
-        replaces the last two (tests/cluster_sim.py)."""
+        replaces the last two (tests/kits/cluster_sim.py)."""
         self._owned: list = []
         self.meta: MetadataStore = self._open_owned(metadata, "metadata", _METADATA_METHODS, open_metadata,
                                                     "'sqlite:////data/meta.db' or 'postgresql://user@host/db'")

@@ -2,7 +2,7 @@
 
 The protocol code (NodeAgent, Cluster) never calls `time` or `threading` for control flow: it
 asks its Runtime for the clock, to sleep, for an event, a thread or a worker pool. THREADS is the
-real one (CLOCK_MONOTONIC, OS threads); tests/cluster_sim.py runs the same code on a seeded
+real one (CLOCK_MONOTONIC, OS threads); tests/kits/cluster_sim.py runs the same code on a seeded
 scheduler where every wait and every metadata call is a point at which the simulation may run
 another node, pause or crash this one, or move simulated time on.
 """

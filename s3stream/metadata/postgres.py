@@ -905,7 +905,7 @@ class _ReconnectingPool(ConnectionPool):
     for a new connection and again with the same attempt object for each retry, and the class
     constants of `psycopg_pool.base.AttemptWithBackoff` (so named since 3.2.7), which set the
     retry schedule. Were either to change, the pool would fall back to its own schedule (slower
-    recovery, nothing wrong); tests/test_metadata_outage.py would notice."""
+    recovery, nothing wrong); tests/metadata/test_metadata_outage.py would notice."""
 
     def _add_connection(self, attempt: Any, growing: bool = False) -> None:
         if attempt is None and _QuickAttempt is not None:

@@ -9,7 +9,7 @@ Against a store that stopped answering, one call gives up after about `max_attem
 `read_timeout` (8 x 30 s by default) plus botocore's waits between attempts (random, up to
 0.05 x 2^(attempt-1) s, throttling up to 20 s); the uploader then retries it (upload.py). A
 request in flight when the store answers again completes then: with a 40 s freeze of a moto
-server and the defaults, uploads resumed 0.04 s after it (tests/test_upload_faults.py).
+server and the defaults, uploads resumed 0.04 s after it (tests/engine/test_upload_faults.py).
 
 Integrity of reads: a whole-object get asks for the server's checksum (ChecksumMode) and botocore
 validates the body against it; a ranged get does not ask and is not validated (servers differ:

@@ -138,6 +138,7 @@ def test_a_deposed_leader_cannot_assign(tmp_path, metadata_url):
         meta.close()
 
 
+@pytest.mark.slow
 def test_two_balancers_one_acts(tmp_path, metadata_url):
     """Two candidates run their loops on a cluster that needs moves: one holds the lease and
     makes them all; the other never moves anything."""
@@ -237,6 +238,7 @@ def node_imbalance(c: InProcessCluster) -> float:
     return max(loads) / (sum(loads) / len(loads))
 
 
+@pytest.mark.slow
 def test_a_skewed_cluster_converges_and_loses_nothing(tmp_path, metadata_url):
     """Three nodes, six partitions all on node 1 with unequal rates: the balancer spreads them
     until every node is within the band, then stops moving; every acknowledged record reads back."""

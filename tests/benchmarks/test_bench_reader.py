@@ -2,11 +2,14 @@
 metadata stores; the report has every part and nothing written was lost. No timing asserts."""
 from __future__ import annotations
 
+import pytest
+
 import json
 
 from benchmarks.reader import TARGET_CATCHUP_RATIO, TARGET_VISIBILITY_MS, run
 
 
+@pytest.mark.slow
 def test_reader_bench_quick(tmp_path, pg_url):
     out = tmp_path / "report"
     report = run(["--quick", "--data", "4M", "--rounds", "2", "--commits", "5", "--pg-url", pg_url,

@@ -4,6 +4,8 @@ import os
 
 import pytest
 
+pytestmark = pytest.mark.slow    # the whole module: soaks, campaigns, fault runs or Spark (README: quick tier)
+
 
 def test_wal_bench_quick(tmp_path):
     from benchmarks import wal_disk as bench

@@ -5,6 +5,7 @@ import os
 import pytest
 
 
+@pytest.mark.slow
 def test_compaction_bench_quick(tmp_path):
     from benchmarks import compaction as bench
     report = bench.run(["--quick", "--streams", "40", "--duration", "2", "--out", str(tmp_path),

@@ -340,6 +340,7 @@ def test_migrate(two_nodes):
     assert n.clients[1].partition("p0").fetch(0, 50).batches[0].payload == b"0" * 100
 
 
+@pytest.mark.slow
 def test_migrate_does_not_fail_over_a_source_that_is_alive(two_nodes):
     """Node 1's agent stops (its lease keeper goes on heartbeating) with the partition open: the
     migration fences nobody (it did before, stopping a node that works) and says what to do;

@@ -289,6 +289,7 @@ def test_run_once_with_nothing_to_move_records_the_round_and_releases_the_lease(
         meta.close()
 
 
+@pytest.mark.slow
 def test_run_once_moves_partitions_of_a_live_cluster(tmp_path):
     """Three nodes with agents, six producing partitions on node 1: one round moves some off it."""
     from test_balancer_loop import FAST, SKEWED_RATES, read_partition, skewed_load, stop_all

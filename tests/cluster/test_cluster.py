@@ -390,6 +390,7 @@ def test_many_migrations_under_load_lose_nothing(tmp_path, metadata_url):
         c.close()
 
 
+@pytest.mark.slow
 def test_migrations_racing_failovers_keep_offsets_dense(tmp_path, metadata_url):
     """A partition under load is migrated while, a few milliseconds into each move, its source
     is failed over (fenced, its WAL committed on its behalf, its streams closed): whichever wins
@@ -532,6 +533,7 @@ def test_a_view_without_a_store_reads_and_assigns_but_does_not_fail_over(tmp_pat
         meta.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("round_", range(int(os.environ.get("FAILOVER_ROUNDS", "1"))))
 @pytest.mark.parametrize("how", ["kill", "zombie"])
 def test_failover_of_a_dead_node_process(tmp_path, metadata_url, how, round_):

@@ -19,6 +19,8 @@ import cluster_campaign
 import cluster_harness as H
 from cluster_harness import FaultRecord, RunConfig, check, plan_schedule
 
+pytestmark = pytest.mark.slow    # the whole module: soaks, campaigns, fault runs or Spark (README: quick tier)
+
 
 # ---- the schedule -----------------------------------------------------------------------------
 

@@ -23,6 +23,8 @@ import pytest
 
 import cluster_harness as H
 
+pytestmark = pytest.mark.slow    # the whole module: soaks, campaigns, fault runs or Spark (README: quick tier)
+
 #: Three nodes, one partition each at 100 appends/s; a partition that has not resumed 20 s after
 #: the faults ended has failed anyway.
 CONFIG = dict(nodes=3, partitions=3, rate=100.0, settle_timeout=20.0)

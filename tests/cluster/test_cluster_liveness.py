@@ -3,6 +3,8 @@ heartbeats, a claim whose claimant died mid-way is taken over, an admin's livene
 the metadata store's clock, and an agent judges silence on its own injectable clock."""
 from __future__ import annotations
 
+import pytest
+
 import time
 
 from s3stream import RecordBatch, StreamClient
@@ -26,6 +28,7 @@ class FakeClock:
         self.ns += int(seconds * 1e9)
 
 
+@pytest.mark.slow
 def test_a_long_failover_does_not_stop_the_claimants_heartbeats(tmp_path, metadata_url):
     meta = open_metadata(metadata_url)
     slow = FaultInjectingObjectStore(LocalObjectStore(str(tmp_path / "objects")))

@@ -113,6 +113,7 @@ def stop_background() -> None:
         _background.pop().stop()
 
 
+@pytest.mark.slow
 def test_ten_thousand_seeds_break_no_invariant():
     if _background:
         summary = _background[0].summary(timeout=900)

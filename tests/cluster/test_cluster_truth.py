@@ -17,6 +17,8 @@ from s3stream.objectstore import FaultInjectingObjectStore, LocalObjectStore
 from conftest import small_config
 from test_engine_model import crash
 
+pytestmark = pytest.mark.slow    # the whole module: soaks, campaigns, fault runs or Spark (README: quick tier)
+
 FAST = ClusterConfig(agent_interval=0.01, heartbeat_interval=0.1, heartbeat_timeout=1.0, migration_timeout=3.0,
                      open_attempts=3)
 

@@ -25,6 +25,8 @@ from s3stream.objectstore import FaultInjectingObjectStore, open_object_store
 from conftest import KiB, MiB, is_postgres, lock_node_row, small_config
 from test_engine_faults import LosingCommitResponses
 
+pytestmark = pytest.mark.slow    # the whole module: soaks, campaigns, fault runs or Spark (README: quick tier)
+
 # 8 MiB blocks: a full block's StreamSetObject goes up as a multipart upload (threshold 5 MiB below).
 CONFIG = small_config(upload_threshold=8 * MiB, split_size=8 * MiB, cache_size=32 * MiB, reclaim_interval=None,
                       destroy_delay=0.01, max_batch_bytes=512 * KiB,

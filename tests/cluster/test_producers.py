@@ -349,6 +349,7 @@ ops = st.lists(st.one_of(
 ), min_size=1, max_size=40)
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(steps=ops)
 def test_retries_against_a_model(tmp_path_factory, steps):

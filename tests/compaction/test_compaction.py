@@ -183,6 +183,7 @@ OPS = st.one_of(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=int(os.environ.get("COMPACTION_EXAMPLES", "60")), deadline=None, suppress_health_check=list(HealthCheck))
 @given(ops=st.lists(OPS, min_size=4, max_size=18), seed=st.integers(0, 1000))
 def test_reads_unchanged_by_any_compaction(tmp_path_factory, ops, seed):
@@ -349,6 +350,7 @@ def test_deleted_stream_data_is_dropped_and_reclaimed(tmp_path):
 
 # ---- concurrency --------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_readers_and_appenders_during_compaction_see_consistent_data(tmp_path):
     """Appenders, catch-up readers and a runner compacting (and a reclaimer deleting replaced
     objects after 50 ms) all at once: every read returns exactly what was appended."""

@@ -227,6 +227,7 @@ def test_small_synchronous_appends_never_fill_the_wal(tmp_path):
 @given(threshold_kib=st.sampled_from([64, 256, 1024, 4096]), cache_blocks=st.integers(2, 8),
        wal_blocks=st.integers(2, 8), pressure=st.sampled_from([0.1, 0.3, 0.5, 0.7, 0.9]),
        size=st.sampled_from([1, 100, 1000, 4000]), batch_kib=st.sampled_from([8, 64, 1024]))
+@pytest.mark.slow
 def test_no_config_wedges_on_small_synchronous_appends(tmp_path_factory, threshold_kib, cache_blocks, wal_blocks,
                                                        pressure, size, batch_kib):
     """Any Config that Config accepts: synchronous appends (each a WAL batch of its own, padded
@@ -250,6 +251,7 @@ def test_no_config_wedges_on_small_synchronous_appends(tmp_path_factory, thresho
 
 # ---- pipelined uploads -------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_slow_puts_keep_several_blocks_in_flight_and_commit_in_order(tmp_path):
     store = FaultInjectingObjectStore(LocalObjectStore(str(tmp_path / "objects")))
     store.hang_puts(0.2)
@@ -410,6 +412,7 @@ def test_bad_upload_nice_is_refused(nice):
         s3stream.Config(upload_nice=nice)
 
 
+@pytest.mark.slow
 def test_admission_waits_are_counted(tmp_path):
     """Appends that meet a full cache (slow PUTs) are counted with the time they waited."""
     from prometheus_client import CollectorRegistry, generate_latest

@@ -45,6 +45,7 @@ def read_stream(c, stream_id):
     return out
 
 
+@pytest.mark.slow
 def test_close_uploads_only_its_streams_while_background_uploads_stall(tmp_path):
     """Stream A closes while B keeps the node loaded and every background PUT is stalled: the
     close returns (it does not wait behind B's blocks), its own PUTs hold exactly A's tail and
@@ -131,6 +132,7 @@ def test_a_close_commits_ahead_of_a_block_whose_puts_ended_during_its_own(tmp_pa
         c.close()
 
 
+@pytest.mark.slow
 def test_a_stream_tail_stays_bounded_under_a_store_slower_than_the_producer(tmp_path):
     """A producer that outruns the store (every background PUT takes 60 ms): the stream's
     un-uploaded tail never exceeds stream_tail_limit plus the batches in flight, appends wait
@@ -274,6 +276,7 @@ def test_kill_9_during_a_scoped_close_loses_nothing(tmp_path, mode):
         c.close()
 
 
+@pytest.mark.slow
 def test_an_append_waiting_on_its_tail_is_refused_when_its_stream_closes(tmp_path):
     """An appender held by the tail bound (background PUTs stalled) while its stream closes: the
     close uploads the tail itself, and the waiting append is refused at once as closed, instead

@@ -43,6 +43,7 @@ def write_random(streams, rng, n, hot=()):
     return expected
 
 
+@pytest.mark.slow
 def test_many_streams_close_reopen_on_second_node(tmp_path, store_url, metadata_url):
     rng = random.Random(7)
     a = client(tmp_path, 1, store_url, metadata_url)

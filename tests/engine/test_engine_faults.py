@@ -21,6 +21,8 @@ from conftest import KiB, is_postgres, small_config
 from test_engine import read_all
 from wal_payload import parse_payload
 
+pytestmark = pytest.mark.slow    # the whole module: soaks, campaigns, fault runs or Spark (README: quick tier)
+
 HERE = Path(__file__).parent
 CHILDREN = HERE.parent / "children"
 ROUNDS = int(os.environ.get("ENGINE_CRASH_ROUNDS", "4"))

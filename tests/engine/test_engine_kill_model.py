@@ -6,6 +6,8 @@ last acknowledged trim. The in-process model test (test_engine_model.py) crashes
 ring; this one kills the process wherever it is."""
 from __future__ import annotations
 
+import pytest
+
 import json
 import os
 import shutil
@@ -81,6 +83,7 @@ def sent_batches(ops: list, index: int, upto: int, seqs: int) -> list[tuple[int,
 
 @settings(max_examples=int(os.environ.get("KILL_MODEL_EXAMPLES", "12")), deadline=None,
           suppress_health_check=[HealthCheck.too_slow])
+@pytest.mark.slow
 @given(ops=OPS, kill_after=st.floats(0.0, 0.4))
 def test_sigkill_at_any_point_keeps_what_was_acknowledged(ops, kill_after):
     tmp = Path(tempfile.mkdtemp(prefix="s3s-kill-"))

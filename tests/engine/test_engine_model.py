@@ -157,6 +157,7 @@ EngineModel.TestCase.settings = settings(max_examples=int(os.environ.get("MODEL_
                                          stateful_step_count=25, deadline=None,
                                          suppress_health_check=[HealthCheck.too_slow])
 test_engine_matches_model = EngineModel.TestCase
+test_engine_matches_model.pytestmark = [pytest.mark.slow]   # a stateful model run: over 2 s
 
 
 def test_corrupt_object_raises_and_stays_intact(tmp_path):

@@ -19,6 +19,7 @@ from test_engine import read_all, write_random
 from test_engine_faults import committed_objects_all_stored, run_child, verify_after_crash
 
 
+@pytest.mark.slow
 def test_kill9_then_a_peer_fails_over_from_the_store(tmp_path, metadata_url):
     """Node 1 appends with its WAL on the store and is killed with its host (its directory is
     deleted); node 2, which never saw that host, fails it over and reads every acknowledged
@@ -55,6 +56,7 @@ def test_kill9_then_a_peer_fails_over_from_the_store(tmp_path, metadata_url):
     committed_objects_all_stored(url, metadata_url)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("store_url", ["moto", "seaweedfs"], indirect=True)
 def test_round_trip_with_the_wal_on_an_s3_server(tmp_path, store_url):
     """Node 1's WAL and objects on one S3 server (moto's, SeaweedFS): it appends, is abandoned

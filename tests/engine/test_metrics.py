@@ -253,6 +253,7 @@ def test_wal_write_latency_counts_every_batch(tmp_path, local):
         client.close()
 
 
+@pytest.mark.slow
 def test_failover_duration_is_exported(tmp_path, local):
     from s3stream.metadata import open_metadata
     store_url, meta_url = local
@@ -315,6 +316,7 @@ def test_metrics_port_taken_is_a_user_error(tmp_path):
               f"cannot serve metrics on 127.0.0.1 port {port}")
 
 
+@pytest.mark.slow
 def test_spark_node_task_serves_metrics_on_its_port(tmp_path):
     """A Spark node task (spark_bench.node.run_node, called here without Spark) with a metrics
     port from --metrics-port serves its node's engine while it runs, and stops serving after."""

@@ -4,6 +4,8 @@ epoch and records a heartbeat, then it opens and replays its WAL, which on a WAL
 It now heartbeats (saying it cannot serve yet) until the client is made."""
 from __future__ import annotations
 
+import pytest
+
 import threading
 import time
 
@@ -30,6 +32,7 @@ class SlowListing:
         return getattr(self._inner, name)
 
 
+@pytest.mark.slow
 def test_a_node_opening_a_slow_wal_of_objects_is_never_judged_silent(tmp_path, metadata_url):
     store_url = f"file://{tmp_path}/objects"
     wal_store = SlowListing(open_object_store(f"file://{tmp_path}/wal-objects"))

@@ -83,6 +83,7 @@ def _positions(root, size: int, key: str, rng: random.Random) -> list[int]:
 
 @pytest.mark.parametrize("fetch, max_bytes", [(16 * KiB, 64 * KiB), (4 * MiB, 1 * MiB)],
                          ids=["ranged-gets", "whole-objects"])
+@pytest.mark.slow
 def test_a_flipped_byte_anywhere_raises_never_returns_wrong_bytes(written, fetch, max_bytes):
     root, data = written
     config = small_config(read_fetch_size=fetch, object_block_size=16 * KiB, block_cache_size=16 * MiB)

@@ -434,6 +434,7 @@ def test_hundred_concurrent_readers_stay_within_cache_and_inflight_bounds(tmp_pa
 
 # ---- seeks --------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_random_access_reader_resets_the_window_at_each_seek(tmp_path):
     rng = random.Random(5)
     block = 16 * KiB
@@ -538,6 +539,7 @@ def test_get_slower_than_read_timeout_fails_the_wait_then_recovers(tmp_path):
     reader.close()
 
 
+@pytest.mark.slow
 def test_reader_near_the_committed_end_does_not_query_metadata_per_fetch(tmp_path):
     store, stream_id, batches = one_stream(tmp_path, [4 * KiB] * 300)         # 1.2 MB: two objects
     reader = node(tmp_path, 2, store, reader_config())

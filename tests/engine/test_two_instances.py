@@ -71,6 +71,7 @@ class Instance:
         assert code == 0, f"child exited with {code}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("store_url", ["local", "s3"], indirect=True)
 def test_two_live_instances_lose_nothing_and_the_first_stops(tmp_path, store_url):
     """Instance A appends; instance B of the same node starts on another host (its own TMPDIR)

@@ -105,6 +105,7 @@ CONFIG = small_config(upload_threshold=256 * KiB, split_size=64 * KiB, cache_siz
                       append_timeout=60, reclaim_interval=None)
 
 
+@pytest.mark.slow
 def test_frozen_s3_server_then_resumed_uploads_resume(frozen_moto, tmp_path):
     """The S3 server is SIGSTOPped past the client's read timeout while appends and uploads are
     in flight, then SIGCONTed: uploads resume within seconds and every acknowledged record is
@@ -315,6 +316,7 @@ def test_unexpected_errors_in_every_step_are_retried_counted_and_logged_once(tmp
         meta.close()
 
 
+@pytest.mark.slow
 def test_uploads_resume_within_the_backoff_cap_after_an_outage(tmp_path, caplog):
     """Every PUT fails for 3 s (long enough for the backoff to reach its cap), then the store
     answers: the first commit follows within about RETRY_BACKOFF_CAP."""

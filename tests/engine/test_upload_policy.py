@@ -5,6 +5,8 @@ behind it; a close commits the StreamObjects blocks in flight have PUT instead o
 again; every commit is counted under its trigger."""
 from __future__ import annotations
 
+import pytest
+
 import os
 import time
 
@@ -99,6 +101,7 @@ class FirstPutSlow:
         self.inner.put(key, data)
 
 
+@pytest.mark.slow
 def test_a_close_commits_the_objects_blocks_in_flight_have_put(tmp_path):
     """A stream is cut several times while the first of its blocks is slow to PUT (so the
     others, PUT already, wait to commit behind it): its close commits those StreamObjects
@@ -262,6 +265,7 @@ def test_one_stream_keeps_put_concurrency_puts_in_flight_behind_a_slow_store(tmp
         c.close()
 
 
+@pytest.mark.slow
 def test_a_node_behind_its_deadline_says_so(tmp_path):
     """With PUTs slower than the deadline, records wait longer than upload_interval to be
     readable: the node's visibility lag (stats, s3stream_visibility_lag_seconds) tells at least
@@ -286,6 +290,7 @@ def test_a_node_behind_its_deadline_says_so(tmp_path):
         c.close()
 
 
+@pytest.mark.slow
 def test_a_reader_in_another_process_sees_a_quiet_stream_before_it_closes(tmp_path):
     """A stream at 10 records/s of 1 KiB with the default deadline: a reader that is not a node,
     in another process (`open_reader(...).tail`), sees every record while the writer still has
@@ -364,6 +369,7 @@ def _ops():
     return st.lists(st.one_of(append, append, spread, close, pause), min_size=5, max_size=25)
 
 
+@pytest.mark.slow
 def test_policy_invariants_under_random_traffic(tmp_path_factory):
     """Random streams, sizes, bursts, closes and pauses over a store whose PUTs take a random
     0-60 ms, with a visibility deadline: (1) no stream's tail not yet PUT (what its close would

@@ -54,6 +54,7 @@ def _first_connect_after(url: str, started: threading.Event) -> list[float]:
     return ready
 
 
+@pytest.mark.slow
 def test_outage_errors_name_the_database_and_calls_succeed_soon_after_it(own_server):
     from s3stream.metadata import PostgresMetadataStore
     # A password in the URL (the throwaway server trusts every local user): messages must hide it.

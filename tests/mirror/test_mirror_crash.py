@@ -8,6 +8,8 @@ upstream offset translates exactly.
 Run as a script, this file is the child: `test_mirror_crash.py TMP SOURCE_URL TARGET_URL NODE`."""
 from __future__ import annotations
 
+import pytest
+
 import os
 import random
 import signal
@@ -151,6 +153,7 @@ def verify_exactly_once(source: StreamClient, target: StreamClient, flow: Mirror
     return end
 
 
+@pytest.mark.slow
 def test_sigkill_and_restart_on_the_same_node(tmp_path):
     source_url, target_url = f"sqlite:///{tmp_path}/source.db", f"sqlite:///{tmp_path}/target.db"
     source = source_client(tmp_path, 1, source_url, upload_interval=0.05)
@@ -185,6 +188,7 @@ def test_sigkill_and_restart_on_the_same_node(tmp_path):
     source.close()
 
 
+@pytest.mark.slow
 def test_sigkill_then_failover_to_another_node(tmp_path):
     source_url, target_url = f"sqlite:///{tmp_path}/source.db", f"sqlite:///{tmp_path}/target.db"
     source = source_client(tmp_path, 1, source_url, upload_interval=0.05)

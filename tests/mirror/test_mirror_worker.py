@@ -408,6 +408,7 @@ class Child:
         self.proc.wait(10)
 
 
+@pytest.mark.slow
 def test_sigkilled_workers_restarted_and_failed_over(env):
     """Two child workers (3 flows each) are SIGKILLed mid-copy, acknowledged appends still only in
     their target WALs. Worker 1 is restarted on its WAL (same id and wal_dir: it replays it and

@@ -12,6 +12,7 @@ from s3stream.objectstore import S3ObjectStore, open_object_store, probe_conditi
 from test_engine import client, read_all, write_random
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("store_url", ["seaweedfs", "rclone"], indirect=True)
 def test_engine_round_trip(tmp_path, store_url):
     """Node 1 appends to a dozen streams and closes them (uploads); node 2 opens them and reads

@@ -512,6 +512,7 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("codec", CODECS[1:])
 def test_decompression_bomb_is_refused_in_bounded_memory(codec, tmp_path):
     """1 GiB of zeros (256 MiB for snappy, whose xerial framing compresses less) in a payload of

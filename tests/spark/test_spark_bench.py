@@ -4,6 +4,8 @@ import shutil
 
 import pytest
 
+pytestmark = pytest.mark.slow    # the whole module: soaks, campaigns, fault runs or Spark (README: quick tier)
+
 pytest.importorskip("pyspark")
 if not shutil.which("java"):
     pytest.skip("PySpark needs Java", allow_module_level=True)

@@ -22,6 +22,8 @@ from conftest import small_config  # noqa: E402
 
 from pyspark_s3stream import sink  # noqa: E402
 
+pytestmark = pytest.mark.slow    # the whole module: soaks, campaigns, fault runs or Spark (README: quick tier)
+
 
 @pytest.fixture(scope="module")
 def spark(tmp_path_factory):
@@ -462,7 +464,7 @@ def test_workers_of_another_interpreter_name_pyspark_python_and_setting_it_works
     other = interpreter_without_dependencies(tmp_path / "other", with_pyarrow=True)
     env = {k: v for k, v in os.environ.items() if k not in ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON")}
     env["PATH"] = other + os.pathsep + env["PATH"]
-    child = os.path.join(repo, "tests", "spark_driver_child.py")
+    child = os.path.join(repo, "tests", "children", "spark_driver_child.py")
     args = [sys.executable, child, f"sqlite:///{tmp_path}/meta.db", f"file://{tmp_path}/store", "p"]
 
     def run(extra: dict) -> dict:

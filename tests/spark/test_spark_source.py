@@ -33,6 +33,8 @@ from conftest import small_config  # noqa: E402
 from s3stream.records import COMPRESSION_CODECS, compress_payload  # noqa: E402
 from test_records import HEADER, rebuild  # noqa: E402
 
+pytestmark = pytest.mark.slow    # the whole module: soaks, campaigns, fault runs or Spark (README: quick tier)
+
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 CODECS = [None, "gzip", "snappy", "lz4", "zstd"]
 MAX_MS = ((1 << 63) - 1) // 1000                  # the largest ms timestamp a µs timestamp holds

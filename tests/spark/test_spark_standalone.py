@@ -15,6 +15,8 @@ if not shutil.which("java"):
 from spark_bench import migration, throughput  # noqa: E402
 from spark_bench.common import shared_fs_only  # noqa: E402
 
+pytestmark = pytest.mark.slow    # the whole module: soaks, campaigns, fault runs or Spark (README: quick tier)
+
 #: Tiny jobs: a few seconds each on two cores (sizes as in tests/spark/test_spark_bench.py).
 JOB_ARGS = {
     "throughput": ["--nodes", "2", "--partitions", "1", "--duration", "3", "--verify"],

@@ -8,7 +8,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 from testpaths import CHILDREN
 
@@ -97,6 +96,7 @@ def crash_rounds(path: str, capacity: int, rounds: int, seed: int) -> int:
     return total_acked
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["file", "blockdev", "objects"])
 def test_sigkill_during_appends_loses_nothing_acknowledged(tmp_path, kind):
     """Over a WAL of objects (a local directory store) the kill lands mid-PUT as often as not."""

@@ -10,7 +10,6 @@ import sys
 import threading
 import time
 from dataclasses import replace
-from pathlib import Path
 
 from testpaths import CHILDREN
 
@@ -110,6 +109,7 @@ def test_appends_racing_a_slow_filler_are_all_recovered(tmp_path, small_chunks, 
         assert [(r.offset, r.data) for r in w.recover()] == expected
 
 
+@pytest.mark.slow
 def test_appends_catching_up_with_the_filler_wait_rather_than_overtake(tmp_path, small_chunks, monkeypatch):
     permits = threading.Semaphore(2)
     open_gate = threading.Event()

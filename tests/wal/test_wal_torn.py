@@ -192,6 +192,7 @@ def test_killed_during_header_write_keeps_previous_slot(tmp_path):
         assert [r.data for r in w2.recover()] == [b"x2", b"x3", b"x4"]
 
 
+@pytest.mark.slow
 def test_abandoned_process_state_matches_crash(tmp_path):
     """Sanity for the helpers above: a child that exits without closing leaves the same state."""
     p = tmp_path / "w"

@@ -110,8 +110,10 @@ def test_partition_checkpoint_survives_moves(tmp_path, metadata_url, monkeypatch
             m.setattr(c.cluster.meta, "get_kv_and_node",
                       lambda key, node_id: together.append((key, node_id)) or get_both(key, node_id))
             rep = c.cluster.migrate("p", 2)
-        # The target's incarnation is read with its opened/ record, not on its own.
-        assert node_reads == [] and together and set(together) == {("opened/p", 2)}
+        # The target's incarnation is read with its opened/ record, not on its own. (The source's
+        # record may be read: a close slower than the migration's timeout, under a loaded full
+        # run, makes the migration watch the source's heartbeat.)
+        assert 2 not in node_reads and together and set(together) == {("opened/p", 2)}
         rep = c.cluster.with_close_record(rep)
         assert (rep.source, rep.target, rep.leader_epoch, rep.failed_over) == (1, 2, 2, False)
         assert rep.tail_bytes == 10            # the five un-uploaded records, nothing older

@@ -17,7 +17,6 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,7 +24,7 @@ import urllib.error
 import urllib.request
 from typing import IO, Iterator
 
-from .s3 import set_credentials
+from .s3 import free_ports, set_credentials
 
 #: How long a moto process may take to answer its first request.
 START_TIMEOUT = 30.0
@@ -50,12 +49,6 @@ def moto_thread() -> Iterator[str]:
         server.stop()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class MotoProcess:
     """moto's server in its own process and session on 127.0.0.1 (`endpoint`), its output in
     `log_dir`/moto.log if given. `freeze` / `thaw` SIGSTOP / SIGCONT the whole group; `close`
@@ -63,7 +56,7 @@ class MotoProcess:
 
     def __init__(self, log_dir: str | None = None, start_timeout: float = START_TIMEOUT) -> None:
         set_credentials()
-        self.port = _free_port()
+        self.port = free_ports(1)[0]
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self._log: IO[bytes] | int = open(os.path.join(log_dir, "moto.log"), "ab") if log_dir else subprocess.DEVNULL
         self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],

@@ -102,10 +102,13 @@ class PostgresProcess:
         self.url = f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
         self.settings = f"-c fsync={'on' if fsync else 'off'} -c max_connections={max_connections}"
         self.running = False
-        self._initialised = False
-        self._run(self.initdb, "-D", self.data, "-A", "trust", "-U", "postgres", "-E", "UTF8", "--no-locale",
-                  "--no-sync")
-        self._initialised = True
+        try:
+            self._run(self.initdb, "-D", self.data, "-A", "trust", "-U", "postgres", "-E", "UTF8", "--no-locale",
+                      "--no-sync")
+        except BaseException:
+            if self._owned:             # nobody gets the object to close: its directory goes now
+                shutil.rmtree(self.base, ignore_errors=True)
+            raise
 
     def _run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         done = subprocess.run(self.as_user + list(args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -148,7 +151,7 @@ class PostgresProcess:
     def close(self, mode: str = "immediate") -> None:
         """Stop it (pg_ctl stop -m `mode`), kill a postmaster that outlived that, and remove its
         directory if this created it."""
-        if self._initialised and os.path.isdir(self.data):
+        if os.path.isdir(self.data):
             self.stop(mode)
             pid = self._postmaster_pid()
             if pid is not None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import time
 from collections import Counter, defaultdict
 
@@ -19,7 +18,7 @@ from ..cluster.partition import PARTITION_KV_PREFIX
 from ..config import Config
 from ..errors import ConfigError, NodeAliveError, S3StreamError
 from ..metadata import MetadataStore, NodeMeta, ObjectState, ObjectType, StreamMeta, StreamState
-from ..engine.walopen import file_path, is_object_wal
+from ..engine.walopen import readable_here
 from .common import emit_json, json_option, meta_option, open_meta, open_store, store_option, table, user_errors
 
 
@@ -454,7 +453,7 @@ def fail_over(node_id: int, meta_url: str, store_url: str, wal_location: str | N
             raise click.ClickException(f"node {node_id} is not registered in the metadata; `s3stream streams` "
                                        "lists the nodes")
         location = wal_location or nodes[node_id].wal_path
-        if not nodes[node_id].walless and not is_object_wal(location) and not os.path.exists(file_path(location)):
+        if not nodes[node_id].walless and not readable_here(location):
             raise click.ClickException(
                 f"node {node_id}'s WAL {location!r} is not reachable from this host (no such file); give its path "
                 "here with --wal PATH (a shared volume), or, if it is lost with its host, `s3stream node forget "

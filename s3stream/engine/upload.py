@@ -415,7 +415,6 @@ class Uploader:
         # directory) gets no more PUTs than encoders: more would only take cores from appends.
         puts = config.upload_concurrency if cpu_bound_puts(store) else max(
             config.put_concurrency or 0, config.upload_concurrency)
-        self.put_threads = puts
         self._pool = ThreadPoolExecutor(max_workers=puts, thread_name_prefix="s3stream-put",
                                         initializer=self._init_thread)
         self._encode_slots = threading.BoundedSemaphore(config.upload_concurrency)

@@ -131,7 +131,7 @@ def check_not_in_use_here(location: str) -> None:
 def readable_here(location: str) -> bool:
     """Whether this host can read the WAL at `location`: a WAL of objects from anywhere, a file
     WAL only where its file is."""
-    return is_object_wal(location) or os.path.exists(location)
+    return is_object_wal(location) or os.path.exists(file_path(location))
 
 
 def opened_before_fence(location: str) -> bool:

@@ -55,6 +55,7 @@ from s3stream.metadata import SqliteMetadataStore
 from s3stream.objectstore import LocalObjectStore
 from s3stream.batches import RecordBatch
 from s3stream.records import COMPRESSION_CODECS, Record
+from s3stream.cluster import open_partition
 
 #: The issue's target: appending Records costs at most 10% against appending their bytes.
 TARGET_APPEND_RATIO = 0.9
@@ -191,8 +192,7 @@ def bench_append(records_per_batch: int, round_bytes: int, pairs: int, inflight:
     of the same bytes (streams), and idempotent appends (append_records with a producer) against
     plain ones (partitions). A round appends `round_bytes` of batches; everything is uploaded
     between rounds, untimed, so that no round pays for another's upload."""
-    import s3stream.cluster  # noqa: F401  (partitions)
-    from s3stream.cluster.producers import new_producer
+    from s3stream.records.producers import new_producer
     work = tempfile.mkdtemp(prefix="s3stream-records-", dir=workdir)
     threshold = max(4 * round_bytes, 64 * MiB)             # never reached within a round
     capacity = 2 * threshold
@@ -214,7 +214,7 @@ def bench_append(records_per_batch: int, round_bytes: int, pairs: int, inflight:
             batch = RecordBatch(native_records.encode_batch(records), records_per_batch)
             batches = max(1, round_bytes // len(batch.payload))
             as_records, as_bytes = client.create_stream(), client.create_stream()
-            plain, produced = client.open_partition(f"plain-{value_size}"), client.open_partition(f"idem-{value_size}")
+            plain, produced = open_partition(client, f"plain-{value_size}"), open_partition(client, f"idem-{value_size}")
 
             def idempotent_append(records: list[Record], _p=produced) -> Any:
                 return _p.append_records(records, producer=producer)

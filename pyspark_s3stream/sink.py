@@ -67,6 +67,7 @@ from s3stream.metadata import MetadataStore, StreamState
 from s3stream.metadata.base import WALLESS, CommitRange, CommitRequest, CommitStreamObject, object_key
 from s3stream.objectformat import encode_object
 from s3stream.records import COMPRESSION_CODECS, encode_gap, encode_records, with_base_offset
+from s3stream.cluster import read_partition
 
 __all__ = ["BatchWriter", "StreamWriter", "SinkMessage", "SinkError"]
 
@@ -178,11 +179,11 @@ class _Context:
             if name in self._logs:
                 return self._logs[name]
         try:
-            stream_id = self.reader.read_partition(name).log_stream_id
+            stream_id = read_partition(self.reader, name).log_stream_id
         except StreamNotFoundError as e:
             if not create:
                 raise SinkError(f"cannot write to partition {name!r}: {e}. Create it with a node "
-                                "(StreamClient.open_partition) and let it upload, or let the sink create it "
+                                "(s3stream.cluster.open_partition) and let it upload, or let the sink create it "
                                 "(option createPartitions=true)") from None
             if self.meta.get_kv(partition_kv_key(name)) is not None:
                 # Named but not readable yet: a node is creating it, and its first upload makes it so.
@@ -222,7 +223,7 @@ class _Context:
                 self.meta.delete_stream(stream.stream_id, stream.epoch)
             except S3StreamError:
                 pass                              # closed, empty and named by nothing: harmless
-        return self.reader.read_partition(name).log_stream_id
+        return read_partition(self.reader, name).log_stream_id
 
     def reserve(self, stream_id: int, count: int) -> int:
         """Offsets [start, start + count) of the stream, reserved for this caller alone."""

@@ -69,6 +69,7 @@ from s3stream.errors import (ConfigError, OffsetOutOfRangeError, OffsetsLostErro
 from s3stream.metadata import StreamState
 from s3stream.reader import StreamReader as ClusterReader
 from s3stream.records import MAX_DECOMPRESSED_BYTES, decompress_payload
+from s3stream.cluster import read_partition
 
 __all__ = ["BatchReader", "FilteringBatchReader", "StreamReader", "OffsetRange", "DataLossError", "SPARK_SCHEMA", "BATCH_ROWS",
            "BATCH_BYTES", "FETCH_BYTES"]
@@ -303,7 +304,7 @@ class Cluster:
         stream_id = self._stream_ids.get(name)
         try:
             if stream_id is None:
-                stream_id = self._stream_ids[name] = self.reader.read_partition(name).log_stream_id
+                stream_id = self._stream_ids[name] = read_partition(self.reader, name).log_stream_id
             stream = self.reader.metadata.get_stream(stream_id)
         except StreamNotFoundError:
             return None

@@ -5,7 +5,7 @@ S3StreamError.
 """
 from .client import StreamClient
 from .config import Config
-from .cluster.consumer import ConsumerGroups, StaleGenerationError
+from .records.consumer import ConsumerGroups, StaleGenerationError
 from .errors import (
     AppendFailedError, ConfigError, CorruptDataError, FencedLeaderError, InvalidArgumentError, InvalidBatchError, LeaseExpiredError,
     KVConflictError, MetadataBusyError, MetadataError, NodeConflictError, ObjectNotFoundError, ObjectStoreError, ObjectStorePermanentError,
@@ -14,7 +14,7 @@ from .errors import (
     RecordBatchChecksumError, RecordBatchLengthError, UnsupportedCompressionError, UnsupportedMagicError,
     DecompressionLimitError, DuplicateSequenceError, NotIdempotentError, OutOfOrderSequenceError, ProducerFencedError,
 )
-from .cluster.producers import DuplicateAppend, ProducedBatch, Producer, new_producer
+from .records.producers import DuplicateAppend, ProducedBatch, Producer, new_producer
 from .reader import StreamReader, open_reader
 from .batches import AppendFuture, AppendResult, FetchedBatch, FetchResult, RecordBatch
 from .records import ConsumedRecord, Record

@@ -1,4 +1,4 @@
-"""s3stream for asyncio: AsyncStreamClient, AsyncStream, AsyncPartition.
+"""s3stream for asyncio: AsyncStreamClient, AsyncStream (AsyncPartition: s3stream.cluster.aio).
 
     async with AsyncStreamClient(1, "/data/wal", "file:///data/objects", "sqlite:////data/meta.db") as client:
         async with await client.create_stream() as stream:
@@ -23,9 +23,6 @@ Backpressure: like the sync append, an append blocks (here: the loop) while the 
 un-uploaded data exceeds Config.cache_size or the WAL is full, up to append_timeout /
 the WAL's full_timeout, then raises WALFullError (from append_nowait). Size cache_size and the WAL so that this stays
 exceptional.
-A move on the node (its agent closing or opening a partition, s3stream.cluster.hold) holds
-`AsyncPartition.append` without blocking the loop (it sleeps on it until the move ends, at most
-ClusterConfig.move_hold); `append_nowait` is not held.
 
 Cancellation. Cancelling `await stream.append(...)` does not un-append: the record already has
 its offset and becomes durable (or fails) as any other; the cancelled caller only stops waiting,
@@ -62,7 +59,6 @@ import collections
 import functools
 import logging
 import os
-import time
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterable
 from typing import Any, Callable, TypeVar
@@ -71,21 +67,18 @@ from .client import StreamClient
 from .config import Config
 from .metadata import MetadataStore
 from .objectstore import ObjectStore
-from .cluster.partition import CloseReport, Partition
-from .cluster.producers import Producer, new_producer
+from .records.producers import Producer, new_producer
 from .batches import AppendFuture, AppendResult, FetchResult, RecordBatch, records_batch
 from .records import Record
 from .stream import Stream
 
-__all__ = ["DEFAULT_EXECUTOR_THREADS", "AsyncPartition", "AsyncStream", "AsyncStreamClient"]
+__all__ = ["DEFAULT_EXECUTOR_THREADS", "AsyncStream", "AsyncStreamClient"]
 
 log = logging.getLogger("s3stream.aio")
 
 #: Threads of an AsyncStreamClient's executor unless given: the blocking calls it runs wait on
 #: I/O (object GETs, metadata, fsync), so a few threads serve a loop's concurrent ones.
 DEFAULT_EXECUTOR_THREADS = 4
-#: How often an AsyncPartition.append held by a move on its node looks whether it may go on.
-HOLD_POLL_S = 0.002
 
 T = TypeVar("T")
 
@@ -188,13 +181,15 @@ class AsyncStreamClient:
             raise RuntimeError("this AsyncStreamClient belongs to another event loop")
         return loop
 
-    def _settler_here(self, what: str) -> _Settler:
-        """The settler of appends, if the running loop is this client's (`what` is refused
-        elsewhere)."""
+    def watch_append(self, append: Callable[[], AppendFuture], what: str = "append_nowait") -> "asyncio.Future[AppendResult]":
+        """Call `append` (an engine append, returning its AppendFuture) and return an asyncio
+        Future of it, settled on this client's loop: how AsyncStream and the cluster layer's
+        AsyncPartition await appends without a thread per call. On another loop, RuntimeError
+        naming `what`, before anything is appended."""
         settler = self._settler
         if settler is None or asyncio.get_running_loop() is not self._loop:
             raise RuntimeError(f"{what} must be called on the AsyncStreamClient's event loop")
-        return settler
+        return settler.watch(append())
 
     async def start(self) -> "AsyncStreamClient":
         """Build the StreamClient (WAL recovery, registration) on the executor; once."""
@@ -211,7 +206,7 @@ class AsyncStreamClient:
             self._client = await asyncio.shield(self._starting)
         return self
 
-    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a blocking call on the executor (cancelling drops it if still queued)."""
         # Binds the loop on first use: a wrapped client has its StreamClient without start().
         loop = self._bind_loop()
@@ -223,7 +218,7 @@ class AsyncStreamClient:
             return fn(*args)
         return await loop.run_in_executor(self._executor, fn, *args)
 
-    def _run_shielded(self, fn: Callable[..., T], *args: Any) -> "asyncio.Future[T]":
+    def run_to_end(self, fn: Callable[..., T], *args: Any) -> "asyncio.Future[T]":
         """Start a blocking call on the executor that runs to its end even if its caller is
         cancelled (closes); the caller awaits it through asyncio.shield."""
         loop = self._bind_loop()
@@ -243,19 +238,15 @@ class AsyncStreamClient:
 
     async def create_stream(self) -> "AsyncStream":
         """A new stream, opened by this node (StreamClient.create_stream)."""
-        return AsyncStream(self, await self._run(lambda: self.client.create_stream()))
+        return AsyncStream(self, await self.run(lambda: self.client.create_stream()))
 
     async def open_stream(self, stream_id: int) -> "AsyncStream":
         """Open an existing stream on this node (StreamClient.open_stream)."""
-        return AsyncStream(self, await self._run(lambda: self.client.open_stream(stream_id)))
+        return AsyncStream(self, await self.run(lambda: self.client.open_stream(stream_id)))
 
     async def new_producer(self, producer_id: int | None = None) -> Producer:
         """s3stream.new_producer on this client's metadata, on the executor."""
-        return await self._run(new_producer, self.client, producer_id)
-
-    async def open_partition(self, name: str) -> "AsyncPartition":
-        """Create the named partition or open it on this node (StreamClient.open_partition)."""
-        return AsyncPartition(self, await self._run(lambda: self.client.open_partition(name)))
+        return await self.run(new_producer, self.client, producer_id)
 
     # ---- close --------------------------------------------------------------------------------
 
@@ -313,8 +304,7 @@ class AsyncStream:
         """Append now (one native call); the Future completes on this loop once the batch is
         durable, or with the error why it never will be. Raises at once for an invalid batch or
         a closed or fenced stream. Call it from the client's loop."""
-        settler = self._client._settler_here("append_nowait")
-        return settler.watch(self.sync.append(batch))
+        return self._client.watch_append(lambda: self.sync.append(batch))
 
     async def append(self, batch: RecordBatch) -> AppendResult:
         """Append and wait until durable. Cancelling the wait does not undo the append (see the
@@ -330,17 +320,17 @@ class AsyncStream:
         cached = self.sync.fetch_cached(start_offset, end_offset, max_bytes)
         if cached is not None:
             return cached
-        return await self._client._run(self.sync.fetch, start_offset, end_offset, max_bytes)
+        return await self._client.run(self.sync.fetch, start_offset, end_offset, max_bytes)
 
     async def trim(self, new_start_offset: int) -> None:
         """Stream.trim (a metadata write) on the executor."""
-        await self._client._run(self.sync.trim, new_start_offset)
+        await self._client.run(self.sync.trim, new_start_offset)
 
     async def close(self, timeout: float | None = None) -> None:
         """Stream.close on the executor, to its end even if this await is cancelled; a second
         call awaits the first."""
         if self._closing is None:
-            self._closing = self._client._run_shielded(self.sync.close, timeout)
+            self._closing = self._client.run_to_end(self.sync.close, timeout)
         await asyncio.shield(self._closing)
 
     async def __aenter__(self) -> "AsyncStream":
@@ -352,60 +342,3 @@ class AsyncStream:
 
     def __repr__(self) -> str:
         return f"<AsyncStream {self.sync!r}>"
-
-
-class AsyncPartition:
-    """A Partition (see s3stream.cluster.partition) for asyncio code; `sync` is the Partition."""
-
-    def __init__(self, client: AsyncStreamClient, partition: Partition) -> None:
-        self._client = client
-        self.sync = partition
-        self._closing: asyncio.Future | None = None
-
-    name = property(lambda self: self.sync.name)
-    is_open = property(lambda self: self.sync.is_open)
-
-    def append_nowait(self, batch: RecordBatch) -> "asyncio.Future[AppendResult]":
-        """As AsyncStream.append_nowait; PartitionMovedError at once if it moved away. It does
-        not wait for a move on this node (`append` does: s3stream.cluster.hold)."""
-        settler = self._client._settler_here("append_nowait")
-        return settler.watch(self.sync.append(batch, wait_for_moves=False))
-
-    async def append(self, batch: RecordBatch) -> AppendResult:
-        """append_nowait, awaited, after waiting (without blocking the loop) for a move that
-        holds this node's appends (Partition.append)."""
-        await self._wait_for_moves()
-        return await self.append_nowait(batch)
-
-    async def _wait_for_moves(self) -> None:
-        hold = self.sync.hold
-        if hold is None or hold.remaining() <= 0:
-            return
-        started = time.monotonic()
-        while (left := hold.remaining()) > 0:
-            await asyncio.sleep(min(left, HOLD_POLL_S))
-        hold.count_wait(time.monotonic() - started)
-
-    async def append_records(self, records: Iterable[Record], *, compression: str | None = None,
-                             producer: Producer | None = None) -> AppendResult:
-        """Partition.append_records (with a `producer`: idempotent), awaited."""
-        batch = records_batch(records, compression) if producer is None else producer.batch(self.name, records, compression)
-        return await self.append(batch)
-
-    async def fetch(self, start_offset: int, end_offset: int | None = None, max_bytes: int = 1 << 20) -> FetchResult:
-        """Partition.fetch on the executor (it meters every fetch)."""
-        return await self._client._run(self.sync.fetch, start_offset, end_offset, max_bytes)
-
-    async def close(self) -> CloseReport:
-        """Partition.close on the executor, to its end even if this await is cancelled."""
-        if self._closing is None:
-            self._closing = self._client._run_shielded(self.sync.close)
-        return await asyncio.shield(self._closing)
-
-    async def __aenter__(self) -> "AsyncPartition":
-        return self
-
-    async def __aexit__(self, *exc: Any) -> None:
-        if self._closing is not None or self.sync.is_open:
-            await self.close()
-

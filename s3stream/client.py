@@ -18,7 +18,7 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
 
 import wal
 from _native.appendpath import AppendPath
@@ -284,7 +284,7 @@ class StreamClient:
 
     def create_stream(self) -> Stream:
         """A new stream, opened by this node."""
-        self._check_usable()
+        self.check_usable()
         return self._register(self._meta_call(self._meta.create_stream, self.node_id, self.node_epoch,
                                               self.config.offset_reservation))
 
@@ -293,7 +293,7 @@ class StreamClient:
         node holds it open; StreamNotFoundError if it does not exist or was destroyed;
         InvalidArgumentError if the id is not an int (a bool is not a stream id)."""
         check_int("stream_id", stream_id)
-        self._check_usable()
+        self.check_usable()
         with self._lock:
             if stream_id in self._streams:
                 raise StreamNotClosedError(f"stream {stream_id} is already open on this client")
@@ -309,45 +309,10 @@ class StreamClient:
         hold acknowledged records beyond it in its owner's WAL, readable here once uploaded.
         StreamNotFoundError for a stream that does not exist or was deleted; OffsetOutOfRangeError
         outside that range."""
-        self._check_usable()
+        self.check_usable()
         return fetch_committed(self._meta, self._reader, stream_id, start_offset, end_offset, max_bytes)
 
-    # ---- partitions (the cluster layer's, reached through an add-on) ------------------------------
-
-    #: Makes a client's table of partitions: installed by s3stream.cluster.partition when it is
-    #: imported (s3stream imports it), so that these methods reach a layer the engine does not
-    #: import. The table is the add-on "partitions".
-    partition_table: ClassVar[Callable[["StreamClient"], Any] | None] = None
-
-    def _partition_table(self) -> Any:
-        make = StreamClient.partition_table
-        if make is None:
-            raise RuntimeError("partitions need the cluster layer: import s3stream.cluster")
-        return self.addon("partitions", make)
-
-    def read_partition(self, name: str) -> Any:
-        """A read-only view of the named partition's committed records (see fetch_committed):
-        it does not open the partition, so its owner keeps it. StreamNotFoundError if there is
-        no such partition. (s3stream.cluster.partition.PartitionReader)"""
-        self._check_usable()
-        return self._partition_table().reader(name)
-
-    def open_partition(self, name: str, *, hinted: bool = False, version: int | None = None) -> Any:
-        """Create the named partition or open it on this node (s3stream.cluster.partition;
-        `hinted` and `version`, for node agents: open from the hint its last close recorded, if
-        it holds, for that assignment version)."""
-        self._check_usable()
-        return self._partition_table().open(name, hinted, version)
-
-    def partitions(self) -> list:
-        """The partitions open on this node."""
-        table = self._addons.get("partitions")
-        return [] if table is None else table.all()
-
-    def partition(self, name: str) -> Any:
-        """The partition `name` if it is open on this node, else None (never opens it)."""
-        table = self._addons.get("partitions")
-        return None if table is None else table.get(name)
+    # ---- add-ons: per-client state of the layers above ------------------------------------------
 
     def addon(self, key: str, make: Callable[["StreamClient"], T]) -> T:
         """The add-on stored under `key`, made by `make(self)` on first use: how a layer above
@@ -359,6 +324,11 @@ class StreamClient:
             if found is None:
                 found = self._addons[key] = make(self)
             return found
+
+    def find_addon(self, key: str) -> Any | None:
+        """The add-on stored under `key`, or None if none was made (never makes one)."""
+        with self._lock:
+            return self._addons.get(key)
 
     @property
     def metadata(self) -> MetadataStore:
@@ -400,7 +370,7 @@ class StreamClient:
         StreamNotFoundError if one does not exist). A partition's open uses it."""
         for stream_id in stream_ids:
             check_int("stream_id", stream_id)
-        self._check_usable()
+        self.check_usable()
         with self._lock:
             here = [sid for sid in stream_ids if sid in self._streams]
         if here:
@@ -474,7 +444,7 @@ class StreamClient:
         deadline = time.monotonic() + self.config.append_timeout
         with self._admit_cond:
             while blocked():
-                self._check_usable()
+                self.check_usable()
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise WALFullError(why() + self._why_uploads_lag())
@@ -634,7 +604,7 @@ class StreamClient:
     def force_upload(self, timeout: float | None = None) -> None:
         """Upload everything appended so far (the active block, sealed at whatever size) and
         return once it is all committed; OperationTimeoutError after `timeout`."""
-        self._check_usable()
+        self.check_usable()
         sealed = self._cache.seal(reason="force")
         if sealed is not None:
             self._uploader.submit(sealed)
@@ -883,7 +853,9 @@ class StreamClient:
                 stream._fence()
             raise
 
-    def _check_usable(self) -> None:
+    def check_usable(self) -> None:
+        """Raise why this client can serve no more: closed (StreamClosedError), fenced
+        (StreamFencedError), or its uploads failed for good (their S3StreamError)."""
         if self._closed:
             raise StreamClosedError(f"the client of node {self.node_id} is closed")
         if self._fenced:

@@ -12,7 +12,7 @@ records beyond that in its owner's WAL, readable here once they are uploaded.
   PostgreSQL that query cost more than a 1 MiB fetch). Committed ranges only grow at the end, so
   such a fetch never returns an offset that is not committed; a trim or delete is seen within
   RANGE_RECHECK, or at once if the objects are gone (the read fails and metadata is asked).
-- `read_partition(name)`: a PartitionReader (its log's committed records).
+- A partition's committed records: `s3stream.cluster.read_partition(reader, name)`.
 - `tail(stream_id, start)`: every committed batch from `start` on, as it is committed. It waits
   on the metadata store's pushed changes where it has them (commits notify `commit/<stream id>`:
   PostgreSQL LISTEN/NOTIFY, SQLite between the processes of its host) and polls every
@@ -24,7 +24,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .config import Config
 from .errors import (ConfigError, CorruptDataError, ObjectNotFoundError, OffsetsLostError, S3StreamError,
@@ -34,9 +34,6 @@ from .metadata import MetadataStore, StreamMeta, StreamState, commit_key, open_m
 from .objectstore import ObjectStore, open_object_store
 from .engine.readpath import Reader, fetch_end
 from .batches import FetchedBatch, FetchResult
-
-if TYPE_CHECKING:
-    from .cluster.partition import PartitionReader
 
 __all__ = ["StreamReader", "open_reader", "fetch_committed"]
 
@@ -124,7 +121,8 @@ class StreamReader:
     def stats(self) -> dict:
         return self._reader.snapshot()
 
-    def _check_open(self) -> None:
+    def check_usable(self) -> None:
+        """Raise S3StreamError if this reader is closed."""
         if self._closed.is_set():
             raise S3StreamError("this reader is closed; open another with s3stream.open_reader")
 
@@ -135,7 +133,7 @@ class StreamReader:
         RANGE_RECHECK seconds ago), up to `max_bytes` (at least one batch).
         StreamNotFoundError for a stream that does not exist or was deleted, OffsetOutOfRangeError
         for a start outside its committed range (s3stream.engine.readpath.fetch_end)."""
-        self._check_open()
+        self.check_usable()
         _check_fetch(stream_id, start_offset, end_offset, max_bytes)
         with self._known_lock:
             known = self._known.get(stream_id)
@@ -162,13 +160,6 @@ class StreamReader:
                 self._known.popitem(last=False)
         return stream
 
-    def read_partition(self, name: str) -> "PartitionReader":
-        """The named partition's committed records (PartitionReader). StreamNotFoundError if
-        there is no such partition or its first checkpoint is not committed yet."""
-        self._check_open()
-        from .cluster.partition import PartitionReader
-        return PartitionReader(self, name)
-
     def tail(self, stream_id: int, start_offset: int = 0, *, max_bytes: int = 1 << 20,
              poll_interval: float = 0.1, idle_timeout: float | None = None) -> Iterator[FetchedBatch]:
         """Every committed batch of the stream from the one holding `start_offset` on, in order,
@@ -178,7 +169,7 @@ class StreamReader:
         check_int("start_offset", start_offset)
         if not poll_interval > 0:
             raise ConfigError(f"poll_interval must be positive seconds, got {poll_interval!r}")
-        self._check_open()
+        self.check_usable()
         feed = self._meta.kv_changes((commit_key(stream_id),))
         try:
             position = start_offset

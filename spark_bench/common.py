@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from benchmarks.kit import log_line, parse_size, percentiles, progress_over, publish
+from s3stream.cluster import read_partition
 
 KiB, MiB, GiB = 1024, 1024 ** 2, 1024 ** 3
 
@@ -398,7 +399,7 @@ def verify_acks(store: str, meta: str, results: list[dict], batch: int) -> dict:
     try:
         for name, expected in acks.items():
             try:
-                p = reader.read_partition(name)      # read-only: the partition is not opened
+                p = read_partition(reader, name)      # read-only: the partition is not opened
                 start = p.start_offset
                 pos = max(min(expected), start)
                 end = min(max(expected) + 1, p.end_offset)

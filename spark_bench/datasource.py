@@ -38,6 +38,7 @@ import time
 from benchmarks.kit import parse_size, pyplot, save_figure
 
 from .common import cleanup_dirs, progress, publish, refuse_used_metadata, verdict
+from s3stream.cluster import open_partition
 
 TARGET = 0.7
 
@@ -143,7 +144,7 @@ def run(argv=None) -> dict:
     client = s3stream.StreamClient(node_id=1, wal_path=os.path.join(work, "wal-setup"), object_store=store, metadata=meta)
     for names in sets.values():
         for name in names:
-            client.open_partition(name)
+            open_partition(client, name)
     client.close()
     opts = {"metadata": meta, "object_store": store}
     spark = spark_session("spark_bench datasource")

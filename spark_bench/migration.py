@@ -77,6 +77,7 @@ from .common import (
     latency_summary, new_run_id, node_spec, placement, progress, publish, run_nodes, verdict, verify_acks,
 )
 from .node import run_nodes_of_partition
+from s3stream.cluster import open_partition
 
 #: Issue 28's targets, by its names.
 TARGETS = dict(p99_s_at_saturation=0.100, p99_s_at_half_load=0.050, flatness=1.3,
@@ -166,7 +167,7 @@ def build_history(store: str, meta: str, work: str, names: dict[str, int], batch
     with progress_bar(total=sum(size // batch * batch for size in names.values()), desc="histories", unit="B",
                       unit_scale=True, unit_divisor=1024) as bar:
         for name, size in names.items():
-            p = client.open_partition(name)
+            p = open_partition(client, name)
             futures = []
             for _ in range(size // batch):
                 futures.append(p.append(s3stream.RecordBatch(payload, 1)))
@@ -188,7 +189,7 @@ def copy_baseline(store: str, meta: str, work: str, name: str) -> dict:
     cfg = s3stream.Config(upload_threshold=64 * MiB, cache_size=256 * MiB,
                           wal=wal.WALConfig(capacity=256 * MiB, full_timeout=60))
     client = s3stream.StreamClient(COPIER_NODE_ID, os.path.join(work, "copier.wal"), store, meta, cfg)
-    p = client.open_partition(name)
+    p = open_partition(client, name)
     target = os.path.join(work, f"replica-{name}.log")
     t0 = time.perf_counter()
     copied = 0

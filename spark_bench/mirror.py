@@ -50,6 +50,7 @@ from .common import (KiB, MiB, add_common_args, assign_metrics_ports, deployment
                      refuse_used_metadata, run_nodes, serve_task_metrics, stop_task_metrics, verdict)
 from .common import digest, payload_for
 from .node import where_am_i
+from s3stream.cluster import open_partition, read_partition
 
 TARGETS = dict(lost=0, duplicates=0, translation_errors=0)
 PARTITIONS = 16
@@ -130,7 +131,7 @@ def run_source(spec: dict) -> dict:
     client = s3stream.StreamClient(node_id, os.path.join(wal_dir, f"source{node_id}.wal"), spec["store"],
                                    spec["meta"], engine_config(spec), metrics=bool(spec.get("metrics_port")))
     metrics_server = serve_task_metrics(spec)
-    parts = {name: client.open_partition(name) for name in spec["partitions"]}
+    parts = {name: open_partition(client, name) for name in spec["partitions"]}
     interval_ns = int(spec["batch"] / spec["rate_per_partition"] * 1e9)
     origin_ns = int(spec["origin"] * 1e9)
     deadline_ns = origin_ns + int(spec["duration"] * 1e9)
@@ -181,7 +182,7 @@ def run_source(spec: dict) -> dict:
         t.join()
     for p in parts.values():
         p.close()
-    ends = {name: client.read_partition(name).end_offset for name in parts}
+    ends = {name: read_partition(client, name).end_offset for name in parts}
     client.close(retire=True)
     stop_task_metrics(metrics_server)
     meta = open_metadata(spec["meta"])
@@ -411,7 +412,7 @@ class FailoverConsumer(threading.Thread):
         read = 0
         for name, part in names.items():
             try:
-                reader = client.read_partition(part)
+                reader = read_partition(client, part)
             except s3stream.StreamNotFoundError:
                 continue
             if name not in positions:
@@ -433,7 +434,7 @@ class FailoverConsumer(threading.Thread):
             self.errors.append(f"consumer: {e!r}")
 
     def _run(self) -> None:
-        from s3stream.cluster.consumer import ConsumerGroups
+        from s3stream.records.consumer import ConsumerGroups
         from s3stream.mirror import sync_checkpoints
         u = self.urls
         source = reader_client(u["source_store"], u["source_meta"])
@@ -567,8 +568,8 @@ def verify(urls: dict, names: list[str]) -> dict:
     source = reader_client(urls["source_store"], urls["source_meta"])
     target = reader_client(urls["target_store"], urls["target_meta"])
     try:
-        return dict(source={n: read_batches(source.read_partition(n)) for n in names},
-                    target={n: read_batches(target.read_partition(f"{SOURCE_ALIAS}.{n}")) for n in names})
+        return dict(source={n: read_batches(read_partition(source, n)) for n in names},
+                    target={n: read_batches(read_partition(target, f"{SOURCE_ALIAS}.{n}")) for n in names})
     finally:
         source.close()
         target.close()

@@ -35,6 +35,7 @@ import socket
 import tempfile
 import threading
 import time
+from s3stream.cluster import partition_on
 
 KiB, MiB = 1024, 1024 * 1024
 #: A paced producer sleeps only when it is more than this ahead of its schedule, and then sends
@@ -86,7 +87,7 @@ def _start_together(client, meta, keys: str, node_id: int, partitions: list[str]
     hundred ms apart, and a node alone on the machine would read faster at first). Bounded by
     START_TIMEOUT; past it the node starts anyway and says so in its errors."""
     deadline = time.monotonic() + START_TIMEOUT
-    while not all((p := client.partition(n)) is not None and p.is_open for n in partitions):
+    while not all((p := partition_on(client, n)) is not None and p.is_open for n in partitions):
         if time.monotonic() > deadline:
             errors.append(f"node {node_id}: its partitions were not all open after {START_TIMEOUT:g} s; started anyway")
             break
@@ -172,7 +173,7 @@ def run_node(spec: dict) -> dict:
         window: collections.deque = collections.deque()
         next_ns = time.monotonic_ns()
         while not stop.is_set():
-            p = client.partition(name)
+            p = partition_on(client, name)
             if p is None or not p.is_open:
                 while window:                       # settle what was sent before it moved
                     _settle(window.popleft())
@@ -228,7 +229,7 @@ def run_node(spec: dict) -> dict:
         its last `retention` bytes of committed records (one record per offset)."""
         keep = max(1, retention // spec["batch"])
         for name in spec["partitions"]:
-            p = client.partition(name)
+            p = partition_on(client, name)
             if p is None or not p.is_open:
                 continue
             log = p.log

@@ -40,6 +40,7 @@ import time
 from benchmarks.kit import parse_size, pyplot, save_figure
 
 from .common import cleanup_dirs, environ_set, latency_summary, progress, publish, storage, verdict, worker_python
+from s3stream.cluster import open_partition, read_partition
 
 FILTER_MOD = 5          # records whose sequence is a multiple of this are dropped by the query
 KEY_MOD = 97
@@ -87,7 +88,7 @@ def produce(spec: dict, acks) -> None:
     client = s3stream.StreamClient(node_id=2, wal_path=spec["wal"], object_store=spec["store"],
                                    metadata=spec["meta"], config=config)
     try:
-        parts = [client.open_partition(f"in-{i}") for i in range(spec["inputs"])]
+        parts = [open_partition(client, f"in-{i}") for i in range(spec["inputs"])]
         pad = b"x" * spec["record_size"]
         per_batch = spec["batch_records"] * spec["record_size"]
         interval = per_batch / (spec["rate"] * 1e6)
@@ -151,7 +152,7 @@ class Tail(threading.Thread):
     def _tail(self, name: str) -> None:
         from s3stream.errors import S3StreamError
         try:
-            part = self.reader.read_partition(name)
+            part = read_partition(self.reader, name)
             for batch in self.reader.tail(part.log_stream_id, 0, max_bytes=8 << 20, poll_interval=0.05):
                 now = time.time_ns()
                 rows = []
@@ -254,7 +255,7 @@ def _run(args) -> dict:
     outputs = [f"out-{i}" for i in range(args.outputs)]
     progress(f"pipeline: {args.inputs} inputs -> {args.outputs} outputs, {args.rate:g} MB/s for {args.duration:g} s")
     client = s3stream.StreamClient(node_id=1, wal_path=os.path.join(work, "wal-setup"), object_store=store, metadata=meta)
-    parts = {name: client.open_partition(name) for name in inputs + outputs}
+    parts = {name: open_partition(client, name) for name in inputs + outputs}
     # Warm-up records (input index WARM_INPUT) in every input: the query's first micro-batch with
     # data starts its Python readers and writers; the producer starts once they came out.
     for name in inputs:
@@ -336,7 +337,7 @@ def _run(args) -> dict:
     warm_out = 0
     with s3stream.open_reader(meta, store) as reader:
         for name in outputs:
-            part = reader.read_partition(name)
+            part = read_partition(reader, name)
             position, end = part.start_offset, part.end_offset
             while position < end:
                 res = part.fetch(position, end, 8 << 20)

@@ -32,12 +32,14 @@ from ..cluster.loadreport import read_reports
 from .action import Action
 from .config import BalancerConfig
 from .explain import action_to_dict, explain_action
-from .lease import Lease
+from ..cluster.lease import Lease
 from .model import ClusterModel
 from .planner import plan
 
 log = logging.getLogger("s3stream.balancer")
 
+#: The balancer leader's lease (s3stream.cluster.lease): one leader acts at a time.
+LEASE_KEY = "balancer/lease"
 LAST_ROUND_KEY = "balancer/last_round"
 
 
@@ -60,7 +62,7 @@ class Balancer:
         self.config = config or BalancerConfig()
         self.excluded = set(excluded)
         self.clock = clock
-        self.lease = Lease(cluster.meta, node_id, self.config.lease_ttl_s, clock=cluster.clock)
+        self.lease = Lease(cluster.meta, node_id, self.config.lease_ttl_s, key=LEASE_KEY, clock=cluster.clock)
         self.history: collections.deque[dict] = collections.deque(maxlen=1000)
         self.rounds = 0
         self.moves = 0

@@ -20,8 +20,7 @@ from ..balancer import (BYTES_IN, BYTES_OUT, NEUTRAL, Action, BalancerConfig, Cl
                         explain_action, plan)
 from ..balancer.model import imbalance
 from ..balancer.explain import format_rate
-from ..balancer.lease import LEASE_KEY
-from ..balancer.loop import LAST_ROUND_KEY, Balancer, live_model
+from ..balancer.loop import LAST_ROUND_KEY, LEASE_KEY, Balancer, live_model
 from ..cluster import Cluster
 from ..config import Config
 from ..errors import ConfigError, S3StreamError

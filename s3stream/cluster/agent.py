@@ -32,7 +32,7 @@ from .detector import FailureDetector
 from . import metrics as cluster_metrics
 from .loadreport import LoadReporter
 from .hold import AppendHold
-from .partition import Partition, PartitionTable, closed_key
+from .partition import Partition, closed_key, open_partition, partition_table, partitions_on
 from .runtime import THREADS
 from ..threads import thread_nice
 
@@ -89,7 +89,7 @@ class NodeAgent:
                           closes=0, close_failures=0, handed_on=0, unexpected_errors=0)
         # This node's moves go first: they hold its partitions' appends (s3stream.cluster.hold).
         self.hold = AppendHold(self.runtime, self.config.move_hold, self.config.move_hold_share)
-        client.addon("partitions", PartitionTable).hold = self.hold
+        partition_table(client).hold = self.hold
         # Opened before the first pass reads the assignments, so no change in between is missed.
         self._feed = client.metadata.kv_changes(("assignment/", "closed/"))
         self._threads: list = []
@@ -283,7 +283,7 @@ class NodeAgent:
         mono = now / 1e9
         if mono - self._last_report >= self.config.report_interval:
             self._last_report = mono             # a report that fails waits for the next interval
-            self._reporter.publish(self.client.metadata, self.client.partitions())
+            self._reporter.publish(self.client.metadata, partitions_on(self.client))
         if reconcile or now - self._last_reconciled >= self.config.push_fallback_interval * 1e9:
             self._last_reconciled = now
             self.reconcile_once()
@@ -379,11 +379,11 @@ class NodeAgent:
             self.cluster.reassign_orphans()
             assigned = self.cluster.assignments()
         mine = {name: a["version"] for name, a in assigned.items() if a["node"] == self.node_id}
-        open_now = {p.name: p for p in self.client.partitions()}
-        for name, partition in open_now.items():
+        open_now = {p.name: p for p in partitions_on(self.client)}
+        for name, held in open_now.items():
             if name not in mine:
                 version = assigned.get(name, {}).get("version", 0)
-                self._submit(name, self._close, partition, version)
+                self._submit(name, self._close, held, version)
         serving = self.last_health.get("serving", False) and not self.fenced
         for name, version in mine.items():
             partition = open_now.get(name)
@@ -486,7 +486,7 @@ class NodeAgent:
         t0 = self.clock()
         try:
             # Hinted: the source's close record names the streams and the checkpoint.
-            partition = self.client.open_partition(name, hinted=True, version=version)
+            partition = open_partition(self.client, name, hinted=True, version=version)
         except StreamNotClosedError:
             raise                             # the source has not let go yet: not a failure
         except S3StreamError as e:

@@ -296,7 +296,7 @@ class Cluster:
         """Point the partition at `node_id`; returns the new assignment version. The version is
         bumped by compare-and-set, so concurrent assigners (any host) never reuse one. With
         `guard` = (KV key, value), the write happens only while that key holds that value (a
-        leader's lease: see s3stream.balancer.lease); else FencedLeaderError. With
+        leader's lease: see s3stream.cluster.lease); else FencedLeaderError. With
         `expected_version`, only if the assignment is still at that version (else returns 0,
         nothing written). `note` is recorded with it (a reason, the node it came from)."""
         return self._assign(name, node_id, guard, expected_version, note, self.meta.get_kv(f"assignment/{name}"))

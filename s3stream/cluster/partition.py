@@ -13,8 +13,10 @@ fails it raises, and the partition serves again where it still can (its streams 
 keeps refusing appends until a later `close()` finishes the steps left. A closed partition's
 `close()` returns the report of the close that did it.
 
-The partitions of a client are a client add-on (`PartitionTable`): the engine knows streams only;
-StreamClient.open_partition and its siblings reach this layer through the table installed below.
+This layer wraps the engine: the engine knows streams only. The partitions open on a client are
+its add-on (`PartitionTable`, `partition_table(client)`); `open_partition(client, name)` opens one,
+`read_partition(client_or_reader, name)` reads one's committed records without opening it, and
+`partitions_on(client)` / `partition_on(client, name)` list what is open.
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ from ..batches import AppendFuture, FetchResult, RecordBatch, encoded_batch, rec
 from ..records import Record
 from .hold import AppendHold
 from .loadreport import SAMPLE_EVERY, TrafficMeter
-from .producers import SNAPSHOT_BYTES, ProducedBatch, Producer, ProducerTable, producer_header
+from ..records.producers import SNAPSHOT_BYTES, ProducedBatch, Producer, ProducerTable, producer_header
 
 if TYPE_CHECKING:
     from ..stream import Stream
@@ -67,7 +69,7 @@ class PartitionMovedError(S3StreamError):
 class Checkpoint:
     """A snapshot in the meta stream. `producers`: the idempotent producers' table
     (ProducerTable.snapshot); `scan_from`: the log offset from which producers' batches may be
-    missing from it (None: none are), which an open reads back (s3stream.cluster.producers)."""
+    missing from it (None: none are), which an open reads back (s3stream.records.producers)."""
     streams: dict[str, int]
     leader_epoch: int = 0
     clean: bool = True
@@ -147,7 +149,7 @@ class Partition:
         #: The open's checkpoint while a node agent's open has not waited for it to be durable
         #: (_opened); `trim_checkpoints` waits for it.
         self.open_checkpoint: AppendFuture | None = None
-        # Idempotent producers (s3stream.cluster.producers): their appends are serialised here.
+        # Idempotent producers (s3stream.records.producers): their appends are serialised here.
         self.producers = producers if producers is not None else ProducerTable()
         self._producer_lock = threading.Lock()
         self._scan_from: int | None = checkpoint.scan_from   # as the newest snapshot says
@@ -195,7 +197,7 @@ class Partition:
     def append(self, batch: RecordBatch, *, wait_for_moves: bool = True, copied: bool = False) -> AppendFuture:
         """Append one batch to the log. A ProducedBatch (Producer.batch) is taken idempotently:
         a batch this partition took already returns its original answer (module
-        s3stream.cluster.producers); OutOfOrderSequenceError / ProducerFencedError refuse it.
+        s3stream.records.producers); OutOfOrderSequenceError / ProducerFencedError refuse it.
         So is any batch whose payload is a Kafka record batch from an idempotent producer (a
         producer id and a base sequence in its header, its CRC valid), as a Kafka broker reads
         a batch's producer from its header: a ProducedBatch kept as a plain RecordBatch, a batch
@@ -387,9 +389,11 @@ class CommittedSource(Protocol):
     def fetch_committed(self, stream_id: int, start_offset: int, end_offset: int | None = None,
                         max_bytes: int = 1 << 20) -> FetchResult: ...
 
+    def check_usable(self) -> None: ...
+
 
 class PartitionReader:
-    """A partition's committed records, read without opening it (StreamClient.read_partition).
+    """A partition's committed records, read without opening it (read_partition).
 
     The meta stream's last committed checkpoint names the log stream; `start_offset` and
     `end_offset` are the log's committed range, read from metadata at each call (the owner
@@ -441,13 +445,13 @@ class PartitionTable:
         with self._lock:
             if name in self._partitions:
                 return self._partitions[name]
-        partition = open_partition(self._client, self, name, hinted, version)
+        partition = _open(self._client, self, name, hinted, version)
         with self._lock:
             self._partitions[name] = partition
         return partition
 
     def reader(self, name: str) -> "PartitionReader":
-        """A read-only view of a partition's committed records (StreamClient.read_partition)."""
+        """A read-only view of a partition's committed records (read_partition)."""
         return PartitionReader(self._client, name)
 
     def get(self, name: str) -> Partition | None:
@@ -475,8 +479,8 @@ class PartitionTable:
         return errors
 
 
-def open_partition(client: StreamClient, table: PartitionTable, name: str, hinted: bool = False,
-                   version: int | None = None) -> Partition:
+def _open(client: StreamClient, table: PartitionTable, name: str, hinted: bool = False,
+          version: int | None = None) -> Partition:
     """Create the partition if it is new, else open it on this node (see module docstring).
 
     `hinted` (node agents): read the hint of the partition's last close first (`closed_key`,
@@ -726,5 +730,38 @@ def _last_committed(meta: StreamMeta) -> int | None:
     return None
 
 
-# The engine reaches partitions through this (StreamClient.open_partition and its siblings).
-StreamClient.partition_table = PartitionTable
+# ---- the layer's entry points: functions of a client --------------------------------------------
+
+def partition_table(client: StreamClient) -> PartitionTable:
+    """The client's table of open partitions, made on first use (the client closes it first when
+    it closes: each partition with a clean checkpoint, then the streams)."""
+    return client.addon("partitions", PartitionTable)
+
+
+def open_partition(client: StreamClient, name: str, *, hinted: bool = False, version: int | None = None) -> Partition:
+    """Create the named partition or open it on the client's node; the one already open there
+    if it is. `hinted` and `version` are for node agents: open from the hint the last close
+    recorded, if it holds, for that assignment version (see _open)."""
+    client.check_usable()
+    return partition_table(client).open(name, hinted, version)
+
+
+def read_partition(source: CommittedSource, name: str) -> PartitionReader:
+    """A read-only view of the named partition's committed records, from a StreamClient or a
+    reader that is not a node (s3stream.open_reader): it does not open the partition, so its
+    owner keeps it. StreamNotFoundError if there is no such partition or its first checkpoint
+    is not committed yet."""
+    source.check_usable()
+    return PartitionReader(source, name)
+
+
+def partitions_on(client: StreamClient) -> list[Partition]:
+    """The partitions open on the client's node (never opens one)."""
+    table = client.find_addon("partitions")
+    return [] if table is None else table.all()
+
+
+def partition_on(client: StreamClient, name: str) -> Partition | None:
+    """The partition `name` if it is open on the client's node, else None (never opens it)."""
+    table = client.find_addon("partitions")
+    return None if table is None else table.get(name)

@@ -33,7 +33,7 @@ Invariants (each module states its own in detail):
 
 KV layout (target cluster): `mirror/<flow-id>/flow`, `mirror/<flow-id>/partition/<target>`,
 `mirror/<flow-id>/map/<target>` (records.py); consumer offsets under the target's
-`consumer/<group>/...` (s3stream.cluster.consumer). Heartbeats are records of the target partition
+`consumer/<group>/...` (s3stream.records.consumer). Heartbeats are records of the target partition
 `heartbeats`.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Checkpoints: consumer groups' committed offsets translated from the source to the target.
 
-`sync_checkpoints` reads each source group's committed offsets (s3stream.cluster.consumer), translates
+`sync_checkpoints` reads each source group's committed offsets (s3stream.records.consumer), translates
 each mirrored partition's offset with the flow's exact offset map (offsets.OffsetMap.position),
 and commits the result to the same group on the target under the target partition's name. A
 consumer that fails over to the target resumes from there and reads exactly the records it had
@@ -44,7 +44,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from ..cluster.consumer import ConsumerGroups, StaleGenerationError
+from ..records.consumer import ConsumerGroups, StaleGenerationError
 from ..errors import StreamNotFoundError
 from ..metadata import MetadataStore
 from .errors import MirrorError

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Callable, NamedTuple
 from ..errors import (InvalidArgumentError, OffsetOutOfRangeError, S3StreamError, StreamClosedError,
                       StreamFencedError, StreamNotFoundError, check_int)
 from ..metadata import MetadataStore
-from ..cluster.partition import PartitionMovedError
+from ..cluster.partition import PartitionMovedError, open_partition, partitions_on, read_partition
 from ..batches import AppendFuture, FetchedBatch, RecordBatch
 from .errors import MirrorConflictError, MirrorError, MirrorNameError, SourceTrimmedError
 from .offsets import OffsetMap, Segment
@@ -230,13 +230,13 @@ class MirrorFlow:
         return self
 
     def _open_target(self) -> None:
-        if any(p.name == self.target_partition for p in self.target_client.partitions()):
+        if any(p.name == self.target_partition for p in partitions_on(self.target_client)):
             raise MirrorConflictError(
                 f"target partition {self.target_partition!r} is already open on node {self.target_client.node_id} "
                 f"(another flow or a producer writes it there); a mirrored partition must have the flow as its only "
                 f"writer: stop the other writer, or mirror into another partition")
         register_flow(self._target_meta, self.flow_id, self.source_alias)
-        partition = self.target_client.open_partition(self.target_partition)
+        partition = open_partition(self.target_client, self.target_partition)
         try:
             register_partition(self._target_meta, self.flow_id,
                                PartitionRecord(self.target_partition, self.source_partition, partition.log.stream_id))
@@ -265,7 +265,7 @@ class MirrorFlow:
         """The source reader, None while the source partition has no committed checkpoint."""
         if self._reader is None:
             try:
-                self._reader = self.source_client.read_partition(self.source_partition)
+                self._reader = read_partition(self.source_client, self.source_partition)
             except StreamNotFoundError:
                 return None
         return self._reader

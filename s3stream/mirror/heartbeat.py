@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Callable, Iterable
 
 from ..errors import InvalidArgumentError, S3StreamError, StreamNotFoundError, check_int
 from ..batches import RecordBatch
+from ..cluster.partition import open_partition, partitions_on, read_partition
 from .policy import check_name
 
 if TYPE_CHECKING:
@@ -115,8 +116,8 @@ class Heartbeater:
 
     def _open(self) -> "Partition":
         if self._partition is None or not self._partition.is_open:
-            already = any(p.name == self.partition_name for p in self.target_client.partitions())
-            self._partition = self.target_client.open_partition(self.partition_name)
+            already = any(p.name == self.partition_name for p in partitions_on(self.target_client))
+            self._partition = open_partition(self.target_client, self.partition_name)
             self._opened_here = not already
         return self._partition
 
@@ -184,12 +185,12 @@ def latest_heartbeats(client: "StreamClient", partition: str = HEARTBEATS,
     Empty if the partition does not exist (or has no committed checkpoint yet)."""
     check_name("heartbeat partition", partition, HEARTBEATS)
     check_int("window", window, minimum=1)
-    open_here = next((p for p in client.partitions() if p.name == partition), None)
+    open_here = next((p for p in partitions_on(client) if p.name == partition), None)
     if open_here is not None:
         start, end, fetch = open_here.log.start_offset, open_here.log.confirm_offset, open_here.fetch
     else:
         try:
-            reader = client.read_partition(partition)
+            reader = read_partition(client, partition)
         except StreamNotFoundError:
             return {}
         start, end, fetch = reader.start_offset, reader.end_offset, reader.fetch

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ..balancer.lease import read_lease
+from ..cluster.lease import read_lease
 from ..errors import S3StreamError, StreamNotFoundError
 from ..metadata import MetadataStore
 from .errors import MirrorError

@@ -16,7 +16,7 @@ offsets; everything it writes goes to the target). Each worker, every `interval`
    own `heartbeats`, names the `partitions` filter refuses and, given `target_alias`, names that
    came from the target: a cycle). A partition gone from the source stops its flow.
 3. balances, incrementally and cooperatively (Kafka's cooperative rebalancing): partition p is
-   worked on by whoever holds lease `mirror/<flow>/lease/<target-partition>` (balancer.lease.Lease:
+   worked on by whoever holds lease `mirror/<flow>/lease/<target-partition>` (cluster.lease.Lease:
    compare-and-set, epoch + 1 on takeover). With P partitions and W live workers every worker's
    quota is P // W, and P % W of them get one more: those holding the most leases now (ties: the
    lowest id), so that a balanced assignment stays as it is; no quota exceeds ceil(P / W) nor
@@ -61,7 +61,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
-from ..balancer.lease import Lease, expire, is_held, read_lease
+from ..cluster.lease import Lease, expire, is_held, read_lease
 from ..cluster import Cluster, ClusterConfig
 from ..cluster.partition import PARTITION_KV_PREFIX, partition_kv_key
 from ..config import Config

@@ -4,6 +4,9 @@ Not to be confused with `batches.RecordBatch`, the opaque unit s3stream appends:
 reads and writes the bytes a Kafka producer sends and a Kafka consumer fetches, byte for byte as
 Kafka 0.11+ does (the protocol's "Record Batch" section, KIP-98's producer fields).
 
+The room holds Kafka's semantics over streams: this codec (its pure-Python twin: reference.py),
+idempotent producers (producers.py) and consumer group offsets (consumer.py). None needs a node.
+
 Batch (big-endian; offsets in bytes)::
 
      0 baseOffset int64          first record's offset

@@ -12,7 +12,8 @@ import pytest
 import s3stream
 from s3stream import RecordBatch
 from s3stream.balancer import BalancerConfig
-from s3stream.balancer.lease import LEASE_KEY, Lease
+from s3stream.balancer.loop import LEASE_KEY
+from s3stream.cluster.lease import Lease
 from s3stream.balancer.loop import LAST_ROUND_KEY, Balancer, live_model
 from s3stream.cluster import Cluster, ClusterConfig
 from s3stream.cluster.loadreport import REPORT_PREFIX, LoadReporter, TrafficMeter, read_reports
@@ -81,8 +82,8 @@ def test_lease_has_one_holder_and_expires_to_the_next_epoch(tmp_path, metadata_u
     meta = open_metadata(metadata_url)
     now = [1_000_000_000]
     try:
-        a = Lease(meta, 1, ttl_s=1.0, clock=lambda: now[0])
-        b = Lease(meta, 2, ttl_s=1.0, clock=lambda: now[0])
+        a = Lease(meta, 1, ttl_s=1.0, key=LEASE_KEY, clock=lambda: now[0])
+        b = Lease(meta, 2, ttl_s=1.0, key=LEASE_KEY, clock=lambda: now[0])
         assert a.acquire() and a.epoch == 1
         assert not b.acquire() and b.token is None
         now[0] += 500_000_000
@@ -99,12 +100,12 @@ def test_lease_has_one_holder_and_expires_to_the_next_epoch(tmp_path, metadata_u
 def test_lease_records_are_read_by_the_lease_module(tmp_path):
     """A value that is not a lease record is a free lease (taken over by compare-and-set, not
     crashed on); expire() ends a lease only if the record is still the one read."""
-    from s3stream.balancer.lease import expire, is_held, read_lease
+    from s3stream.cluster.lease import expire, is_held, read_lease
     meta = open_metadata(f"sqlite:///{tmp_path}/meta.db")
     try:
         meta.put_kv(LEASE_KEY, b"not json")
         assert read_lease(meta.get_kv(LEASE_KEY)) is None and not is_held(None, 0)
-        a = Lease(meta, 1, ttl_s=10.0)
+        a = Lease(meta, 1, ttl_s=10.0, key=LEASE_KEY)
         assert a.acquire() and a.epoch == 1
         held = meta.get_kv(LEASE_KEY)
         assert is_held(read_lease(held), time.time_ns())
@@ -123,12 +124,12 @@ def test_a_deposed_leader_cannot_assign(tmp_path, metadata_url):
     try:
         cluster = Cluster(meta, LocalObjectStore(str(tmp_path / "objects")), FAST)
         cluster.assign("p", 1)
-        old = Lease(meta, 1, ttl_s=1.0, clock=lambda: now[0])
+        old = Lease(meta, 1, ttl_s=1.0, key=LEASE_KEY, clock=lambda: now[0])
         assert old.acquire()
         stale_token = old.token
         assert cluster.assign("p", 2, guard=stale_token) == 2
         now[0] += 2_000_000_000
-        new = Lease(meta, 2, ttl_s=1.0, clock=lambda: now[0])
+        new = Lease(meta, 2, ttl_s=1.0, key=LEASE_KEY, clock=lambda: now[0])
         assert new.acquire()
         with pytest.raises(s3stream.FencedLeaderError, match="another leader took over"):
             cluster.assign("p", 3, guard=stale_token)

@@ -40,7 +40,7 @@ signal.signal(signal.SIGUSR2, lambda *_: BURST_REQUESTED.set())
 from cluster_harness import FENCED_EXIT, make_payload, payload_id  # noqa: E402
 
 from s3stream import RecordBatch, StreamClient  # noqa: E402
-from s3stream.cluster import Cluster, ClusterConfig, NodeAgent  # noqa: E402
+from s3stream.cluster import Cluster, ClusterConfig, NodeAgent, partition_on, partitions_on  # noqa: E402
 
 from conftest import small_config  # noqa: E402
 
@@ -100,7 +100,7 @@ class Node:
         assert self.client is not None
         if self.quiesced.is_set():
             return
-        for partition in self.client.partitions():
+        for partition in partitions_on(self.client):
             current = self.producers.get(partition.name)
             if current is not None and current.partition is partition and current.is_alive():
                 continue
@@ -163,7 +163,7 @@ class Producer(threading.Thread):
         due = time.monotonic()
         while not node.quiesced.is_set():
             client = node.client
-            if client is None or client.partition(self.name_) is not self.partition or not self.partition.is_open:
+            if client is None or partition_on(client, self.name_) is not self.partition or not self.partition.is_open:
                 logs.event("stopped-producing", partition=self.name_, why="not open here")
                 return
             try:

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from s3stream import RecordBatch, StreamClient
-from s3stream.cluster import Cluster, NodeAgent
+from s3stream.cluster import Cluster, NodeAgent, partition_on, partitions_on
 from s3stream.metadata import open_metadata
 from s3stream.objectstore import LocalObjectStore
 
@@ -25,7 +25,7 @@ def main() -> None:
                           small_config(upload_interval=0.2))
     meta = open_metadata(meta_url)
     agent = NodeAgent(client, Cluster(meta, LocalObjectStore(str(tmp / "objects")), FAST))
-    while sorted(p.name for p in client.partitions()) != sorted(names):
+    while sorted(p.name for p in partitions_on(client)) != sorted(names):
         time.sleep(0.01)
     print("ready", flush=True)
     lock = threading.Lock()
@@ -33,7 +33,7 @@ def main() -> None:
     def produce(name: str) -> None:
         i = 0
         while not agent.fenced:
-            p = client.partition(name)
+            p = partition_on(client, name)
             if p is None:
                 return
             payload = b"%s-%d" % (name.encode(), i)

@@ -19,7 +19,7 @@ import pytest
 import wal
 from s3stream import RecordBatch, StreamClient
 from cli_helpers import fails, run
-from s3stream.cluster import Cluster, ClusterConfig, NodeAgent
+from s3stream.cluster import Cluster, ClusterConfig, NodeAgent, partition_on
 from s3stream.metadata import ObjectState, ObjectType, SqliteMetadataStore, open_metadata
 from s3stream.objectstore import LocalObjectStore, open_object_store
 from conftest import small_config
@@ -320,7 +320,7 @@ def two_nodes(tmp_path, metadata_url):
 
 def test_migrate(two_nodes):
     n = two_nodes
-    partition = n.clients[1].partition("p0")
+    partition = partition_on(n.clients[1], "p0")
     for i in range(50):
         partition.append(RecordBatch(b"%d" % i * 100, 1)).result(10)
     where = ("--meta", n.meta_url, "--store", n.store_url)
@@ -337,7 +337,7 @@ def test_migrate(two_nodes):
     [meta_stream] = [int(v) for v in n.meta.list_kv("partition/").values()]
     assert listing["partitions"] == [dict(name="p0", assigned_node=1, version=3, open_on=1, state="open",
                                           meta_stream=meta_stream, reason=None)]
-    assert n.clients[1].partition("p0").fetch(0, 50).batches[0].payload == b"0" * 100
+    assert partition_on(n.clients[1], "p0").fetch(0, 50).batches[0].payload == b"0" * 100
 
 
 @pytest.mark.slow
@@ -346,13 +346,13 @@ def test_migrate_does_not_fail_over_a_source_that_is_alive(two_nodes):
     migration fences nobody (it did before, stopping a node that works) and says what to do;
     a silent source is failed over (tests/cli/test_cli_cluster.py)."""
     n = two_nodes
-    n.clients[1].partition("p0").append(RecordBatch(b"acknowledged", 1)).result(10)
+    partition_on(n.clients[1], "p0").append(RecordBatch(b"acknowledged", 1)).result(10)
     n.agents[1].stop()        # node 1 keeps the partition open and stops answering
     result = run("migrate", "p0", "2", "--meta", n.meta_url, "--store", n.store_url, "--timeout", "2",
                  "--heartbeat-timeout", "1")
     fails(result, 1, "node 1 still holds it and is alive", "s3stream node fail-over 1 --force")
     assert not n.meta.get_node(1).failover and n.cluster.failover_history() == []
-    assert n.clients[1].partition("p0").append(RecordBatch(b"still", 1)).result(10).base_offset == 1
+    assert partition_on(n.clients[1], "p0").append(RecordBatch(b"still", 1)).result(10).base_offset == 1
     n.agents.pop(1)
 
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from s3stream.balancer.lease import LEASE_KEY, Lease
+from s3stream.balancer.loop import LEASE_KEY
+from s3stream.cluster.lease import Lease
 from s3stream.balancer.loop import LAST_ROUND_KEY
 from cli_helpers import fails, ok, run
 from s3stream.cluster import Cluster
@@ -231,7 +232,7 @@ def test_status_shows_the_lease_reports_and_last_round(live):
     url, meta = live
     out = ok(run("balance", "status", "--meta", url))
     assert "Lease: none" in out and "Last round: none" in out
-    assert Lease(meta, 5, 10.0).acquire()
+    assert Lease(meta, 5, 10.0, key=LEASE_KEY).acquire()
     out = ok(run("balance", "status", "--meta", url))
     assert "held by node 5, epoch 1, expires in" in out
     rows = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ") and line.split()[0].isdigit()}
@@ -260,7 +261,7 @@ def test_status_shows_the_lease_reports_and_last_round(live):
 def test_run_once_refuses_while_another_candidate_leads(live, tmp_path):
     url, meta = live
     (tmp_path / "objects").mkdir()
-    assert Lease(meta, 7, 30.0).acquire()
+    assert Lease(meta, 7, 30.0, key=LEASE_KEY).acquire()
     kv = meta.list_kv("assignment/")
     fails(run("balance", "run", "--meta", url, "--store", tmp_path / "objects", "--node-id", 9, "--once"), 1,
           "node 9 did not get the balancer lease", "node 7 holds it")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from s3stream import RecordBatch, StreamClient
-from s3stream.cluster import Cluster, ClusterConfig, NodeAgent
+from s3stream.cluster import Cluster, ClusterConfig, NodeAgent, partition_on
 from s3stream.metadata import open_metadata
 from s3stream.metadata.base import WALLESS
 from s3stream.objectstore import LocalObjectStore
@@ -84,7 +84,7 @@ def test_streams_shows_what_is_true_after_clean_closes_and_failovers(nodes):
     nodes.open_on("p", 1)
     nodes.open_on("q", 2)
     nodes.open_on("r", 3)
-    nodes.clients[3].partition("r").append(RecordBatch(b"x", 1)).result(10)
+    partition_on(nodes.clients[3], "r").append(RecordBatch(b"x", 1)).result(10)
     nodes.kill(3)
     ok(run("node", "fail-over", "3", *nodes.where, "--heartbeat-timeout", "0.5", "--reason", "host 3 burned"))
     for n in (1, 2):
@@ -123,7 +123,7 @@ def test_fail_over_a_dead_node_replays_its_wal_once(nodes):
     nodes.start(1)
     nodes.start(2)
     nodes.open_on("p", 1)
-    partition = nodes.clients[1].partition("p")
+    partition = partition_on(nodes.clients[1], "p")
     log_id = partition.log.stream_id
     acked = [partition.append(RecordBatch(b"r%d" % i, 1)).result(10).base_offset for i in range(20)]
     assert nodes.meta.get_stream(log_id).end_offset == 0                # all only in the WAL
@@ -137,7 +137,7 @@ def test_fail_over_a_dead_node_replays_its_wal_once(nodes):
     assert "host 1 is gone" in entry["reason"] and "no heartbeat for" in entry["reason"]
     assert {(s["stream_id"], s["committed_end"], s["end"]) for s in entry["streams"]} >= {(log_id, 0, 20)}
     wait_for(lambda: nodes.cluster.owner("p") == 2, what="node 2 opens p")
-    moved = nodes.clients[2].partition("p")
+    moved = partition_on(nodes.clients[2], "p")
     assert [bytes(b.payload) for b in moved.fetch(0, 20, 1 << 20).batches] == [b"r%d" % i for i in acked]
     epoch = nodes.meta.get_node(1).node_epoch
     again = ok(run("node", "fail-over", "1", *nodes.where, "--heartbeat-timeout", "1"))
@@ -150,19 +150,19 @@ def test_fail_over_refuses_a_live_node_unless_forced(nodes):
     nodes.start(1)
     nodes.start(2)
     nodes.open_on("p", 1)
-    nodes.clients[1].partition("p").append(RecordBatch(b"acknowledged", 1)).result(10)
+    partition_on(nodes.clients[1], "p").append(RecordBatch(b"acknowledged", 1)).result(10)
     epoch = nodes.meta.get_node(1).node_epoch
     fails(run("node", "fail-over", "1", *nodes.where, "--heartbeat-timeout", "1"), 1, "node 1 is alive",
           "--force")
     assert nodes.meta.get_node(1).node_epoch == epoch and not nodes.meta.get_node(1).failover
     assert nodes.cluster.failover_history() == []
-    assert nodes.clients[1].partition("p").append(RecordBatch(b"still", 1)).result(10).base_offset == 1
+    assert partition_on(nodes.clients[1], "p").append(RecordBatch(b"still", 1)).result(10).base_offset == 1
     out = ok(run("node", "fail-over", "1", *nodes.where, "--heartbeat-timeout", "1", "--force"))
     assert "forced" in out and "partition 'p' -> node 2" in out
     [entry] = nodes.cluster.failover_history()
     assert (entry["kind"], entry["node"]) == ("forced-failover", 1)
     wait_for(lambda: nodes.cluster.owner("p") == 2, what="node 2 opens p")
-    assert [bytes(b.payload) for b in nodes.clients[2].partition("p").fetch(0, 2).batches] == [b"acknowledged",
+    assert [bytes(b.payload) for b in partition_on(nodes.clients[2], "p").fetch(0, 2).batches] == [b"acknowledged",
                                                                                                b"still"]
 
 
@@ -211,7 +211,7 @@ def test_migrate_does_not_fence_a_source_that_is_alive(nodes):
     fails(run("migrate", "p", "2", *nodes.where, "--timeout", "1", "--heartbeat-timeout", "1"), 1,
           "node 1 still holds it and is alive", "s3stream node fail-over 1 --force")
     assert nodes.meta.get_node(1).node_epoch == epoch and nodes.cluster.failover_history() == []
-    assert nodes.clients[1].partition("p").append(RecordBatch(b"x", 1)).result(10).base_offset == 0
+    assert partition_on(nodes.clients[1], "p").append(RecordBatch(b"x", 1)).result(10).base_offset == 0
     nodes.agents.pop(1)
 
 
@@ -219,11 +219,11 @@ def test_migrate_fails_over_a_source_that_is_silent(nodes):
     nodes.start(1)
     nodes.start(2)
     nodes.open_on("p", 1)
-    nodes.clients[1].partition("p").append(RecordBatch(b"acknowledged", 1)).result(10)
+    partition_on(nodes.clients[1], "p").append(RecordBatch(b"acknowledged", 1)).result(10)
     nodes.kill(1)
     data = json.loads(ok(run("migrate", "p", "2", *nodes.where, "--timeout", "1", "--heartbeat-timeout", "1",
                              "--json")))
     assert data["failed_over"] and (data["source"], data["target"]) == (1, 2)
-    assert nodes.clients[2].partition("p").fetch(0, 1).batches[0].payload == b"acknowledged"
+    assert partition_on(nodes.clients[2], "p").fetch(0, 1).batches[0].payload == b"acknowledged"
     [entry] = nodes.cluster.failover_history()
     assert entry["kind"] == "migration-fallback"

@@ -15,6 +15,7 @@ import pytest
 from cli_helpers import fails, ok, run
 from s3stream.metadata import open_metadata
 from test_mirror_worker import FLOW, Env, holders, running, wait_for
+from s3stream.cluster import read_partition
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -49,7 +50,7 @@ def test_status_of_a_running_worker(env):
     assert sorted(by_target) == ["A.p0", "A.p1"]
     for name in ("p0", "p1"):
         p = by_target[f"A.{name}"]
-        end = env.producer.read_partition(name).end_offset
+        end = read_partition(env.producer, name).end_offset
         assert p["source_partition"] == name and p["segments"] == 1
         assert p["mirrored_end"] == end and p["mirrored_upstream_end"] == end
         assert p["lease_holder"] == 1 and p["running_on"] == 1

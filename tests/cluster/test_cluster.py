@@ -18,7 +18,7 @@ import pytest
 
 import s3stream
 from s3stream import RecordBatch, StreamClient
-from s3stream.cluster import Cluster, ClusterConfig, NodeAgent
+from s3stream.cluster import Cluster, ClusterConfig, NodeAgent, open_partition, partition_on, partitions_on, read_partition
 from s3stream.metadata import open_metadata
 from s3stream.objectstore import LocalObjectStore
 from s3stream.cluster.partition import PartitionMovedError
@@ -46,7 +46,7 @@ class InProcessCluster:
     def partition(self, name):
         owner = self.cluster.owner(name)
         client = self.clients.get(owner)
-        return None if client is None else client.partition(name)
+        return None if client is None else partition_on(client, name)
 
     def close(self):
         for a in self.agents.values():
@@ -85,7 +85,7 @@ class Producer(threading.Thread):
             i += 1
 
 
-def read_partition(c: InProcessCluster, name: str) -> list[tuple[int, bytes]]:
+def records_of(c: InProcessCluster, name: str) -> list[tuple[int, bytes]]:
     p = c.partition(name)
     out, pos = [], p.log.start_offset
     while pos < p.log.confirm_offset:
@@ -133,7 +133,7 @@ def test_partition_checkpoint_survives_moves(tmp_path, metadata_url, monkeypatch
         assert sum(v for k, v in rep.phases.items() if "." not in k) <= rep.seconds + 0.005   # inside the migration
         p2 = c.partition("p")
         assert p2.checkpoint.streams == p.checkpoint.streams
-        assert [x for _, x in read_partition(c, "p")] == [b"x%d" % i for i in range(5)]
+        assert [x for _, x in records_of(c, "p")] == [b"x%d" % i for i in range(5)]
         with pytest.raises(PartitionMovedError):
             p.append(RecordBatch(b"stale", 1))
     finally:
@@ -165,7 +165,7 @@ def test_moves_trim_old_checkpoints_after_the_open_not_in_it(tmp_path, metadata_
             source.meta_stream.append(RecordBatch(source.checkpoint.encode(), 1)).result(10)
         record = {"node": source._client.node_id, "version": 999}
         source.close(record=record)
-        target = c.clients[3 - source._client.node_id].open_partition("p", hinted=True)
+        target = open_partition(c.clients[3 - source._client.node_id], "p", hinted=True)
         meta = target.meta_stream
         assert target.trim_due and meta.confirm_offset - meta.start_offset > CHECKPOINTS_KEPT
         target.trim_checkpoints()
@@ -186,7 +186,7 @@ def test_an_agent_s_open_says_it_serves_before_its_checkpoint_is_durable_then_wa
     real = NodeAgent._publish_opened
 
     def spy(self, name, version, *args):
-        partition = next(p for p in self.client.partitions() if p.name == name)
+        partition = next(p for p in partitions_on(self.client) if p.name == name)
         published.append(partition.open_checkpoint is not None)
         return real(self, name, version, *args)
 
@@ -252,7 +252,7 @@ def test_a_partition_s_close_commits_its_clean_checkpoint_without_waiting_for_th
         assert meta.end_offset == checkpoint_at + 1
         committed = _committed_checkpoint(c.clients[1], meta)
         assert committed is not None and committed.clean and committed == source.checkpoint
-        target = c.clients[2].open_partition("p", hinted=True)
+        target = open_partition(c.clients[2], "p", hinted=True)
         target.append(RecordBatch(b"z", 1)).result(10)
         assert [b.payload for b in target.fetch(target.log.start_offset).batches] == [b"x", b"y", b"z"]
     finally:
@@ -291,7 +291,7 @@ def test_a_close_whose_checkpoint_misses_the_log_cache_fails_and_commits_nothing
         c.close()
 
 
-def test_a_target_waits_for_the_source_s_close_without_spinning(tmp_path, metadata_url):
+def test_a_target_waits_for_the_source_s_close_without_spinning(tmp_path, metadata_url, monkeypatch):
     """A partition assigned to node 2 while node 1 still holds it (its agent stopped): node 2's
     agent tries, finds it held, and tries again when a change is pushed or within
     agent_interval, not as fast as its tries fail (each failed try used to wake its loop at
@@ -304,13 +304,15 @@ def test_a_target_waits_for_the_source_s_close_without_spinning(tmp_path, metada
         assert c.cluster.wait_open("p", 1, 5)
         c.agents[1].stop()
         tries: list[float] = []
-        real = c.clients[2].open_partition
-        c.clients[2].open_partition = lambda *a, **k: (tries.append(time.monotonic()), real(*a, **k))[1]
+        from s3stream.cluster import agent as agent_module
+        real = agent_module.open_partition
+        monkeypatch.setattr(agent_module, "open_partition", lambda client, *a, **k: (
+            tries.append(time.monotonic()) if client is c.clients[2] else None, real(client, *a, **k))[1])
         version = c.cluster.assign("p", 2)
         time.sleep(1.0)
         held = len(tries)
         assert 1 <= held <= 1.0 / config.agent_interval + 5, held
-        c.clients[1].partition("p").close(record=dict(node=1, version=version))
+        partition_on(c.clients[1], "p").close(record=dict(node=1, version=version))
         opened = c.cluster.wait_open("p", version, 5, node=2)
         assert opened is not None and opened["node"] == 2
     finally:
@@ -383,7 +385,7 @@ def test_many_migrations_under_load_lose_nothing(tmp_path, metadata_url):
         assert durations[-1] < 5
         for p in producers:
             assert len(p.acked) > 50
-            stored = dict(read_partition(c, p.name))
+            stored = dict(records_of(c, p.name))
             for base, payload in p.acked:
                 assert stored.get(base) == payload, f"acknowledged record at {base} of {p.name} lost"
             # offsets are dense and in order: no duplicates, no gaps
@@ -431,7 +433,7 @@ def test_migrations_racing_failovers_keep_offsets_dense(tmp_path, metadata_url):
         producer.stop.set()
         producer.join()
         assert len(producer.acked) > 50, outcomes
-        stored = dict(read_partition(c, "a"))
+        stored = dict(records_of(c, "a"))
         for base, payload in producer.acked:
             assert stored.get(base) == payload, f"acknowledged record at {base} lost ({outcomes})"
         assert sorted(stored) == list(range(len(stored)))        # dense: no gap, no offset twice
@@ -565,9 +567,9 @@ def test_failover_of_a_dead_node_process(tmp_path, metadata_url, how, round_):
         time.sleep(0.3)                          # let the pipe drain what node 1 printed before
         stopped_with = dict(acks)
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and sorted(p.name for p in node2.partitions()) != ["p0", "p1"]:
+        while time.monotonic() < deadline and sorted(p.name for p in partitions_on(node2)) != ["p0", "p1"]:
             time.sleep(0.05)
-        assert sorted(p.name for p in node2.partitions()) == ["p0", "p1"], agent2.errors
+        assert sorted(p.name for p in partitions_on(node2)) == ["p0", "p1"], agent2.errors
         if how == "zombie":
             proc.send_signal(signal.SIGCONT)
             time.sleep(1.5)                      # it wakes, heartbeats, learns it is fenced
@@ -578,7 +580,7 @@ def test_failover_of_a_dead_node_process(tmp_path, metadata_url, how, round_):
         proc.wait()
         reader.join(5)
         for name in ("p0", "p1"):
-            p = node2.partition(name)
+            p = partition_on(node2, name)
             stored = {}
             pos = p.log.start_offset
             while pos < p.log.confirm_offset:
@@ -670,13 +672,13 @@ def test_read_partition_reads_committed_records_without_opening(tmp_path, metada
         for i in range(5):
             p.append(RecordBatch(b"r%d" % i, 1)).result(10)
         with pytest.raises(s3stream.StreamNotFoundError, match="no committed checkpoint yet|no partition"):
-            c.clients[2].read_partition("p")                    # nothing uploaded yet
+            read_partition(c.clients[2], "p")                    # nothing uploaded yet
         c.clients[1].force_upload(10)
         deadline = time.monotonic() + 10
         while c.meta.get_stream(p.log.stream_id).end_offset < 5 and time.monotonic() < deadline:
             time.sleep(0.01)
         before = c.meta.get_stream(p.log.stream_id)
-        reader = c.clients[2].read_partition("p")
+        reader = read_partition(c.clients[2], "p")
         assert (reader.log_stream_id, reader.start_offset, reader.end_offset) == (p.log.stream_id, 0, 5)
         assert [bytes(b.payload) for b in reader.fetch(0).batches] == [b"r%d" % i for i in range(5)]
         after = c.meta.get_stream(p.log.stream_id)
@@ -686,6 +688,6 @@ def test_read_partition_reads_committed_records_without_opening(tmp_path, metada
         with pytest.raises(s3stream.OffsetOutOfRangeError, match="committed range"):
             reader.fetch(6, 7)
         with pytest.raises(s3stream.StreamNotFoundError, match="no partition 'nope'"):
-            c.clients[2].read_partition("nope")
+            read_partition(c.clients[2], "nope")
     finally:
         c.close()

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from s3stream import RecordBatch, StreamClient
-from s3stream.cluster import Cluster, ClusterConfig, NodeAgent, PartitionMovedError
+from s3stream.cluster import Cluster, ClusterConfig, NodeAgent, PartitionMovedError, open_partition, partition_on
 from s3stream.errors import (ConfigError, NodeAliveError, ObjectStorePermanentError, OperationTimeoutError,
                              S3StreamError)
 from s3stream.metadata import StreamState, open_metadata
@@ -40,21 +40,21 @@ def faulty(tmp_path):
 def test_a_failed_close_serves_again_and_a_second_close_finishes(tmp_path, metadata_url, faulty):
     client = StreamClient(1, tmp_path / "n1.wal", faulty, metadata_url, small_config())
     try:
-        partition = client.open_partition("p")
+        partition = open_partition(client, "p")
         for i in range(10):
             partition.append(RecordBatch(b"%d" % i, 1)).result(10)
         faulty.fail_puts_matching(lambda key: True)           # the store refuses every upload
         with pytest.raises((OperationTimeoutError, S3StreamError)):
             partition.close(timeout=0.5)
         assert not partition.closed and partition.is_open      # serving again: not reported closed
-        assert client.partition("p") is partition
+        assert partition_on(client, "p") is partition
         assert partition.append(RecordBatch(b"after", 1)).result(10).base_offset == 10
         state = {client.metadata.get_stream(s.stream_id).state
                  for s in (partition.meta_stream, *partition.streams.values())}
         assert state == {StreamState.OPENED}
         faulty.clear()
         report = partition.close(timeout=20)                  # finishes every step
-        assert partition.closed and report.seconds > 0 and client.partition("p") is None
+        assert partition.closed and report.seconds > 0 and partition_on(client, "p") is None
         assert partition.close() is report                    # a closed partition says what did it
         state = {client.metadata.get_stream(s.stream_id).state
                  for s in (partition.meta_stream, *partition.streams.values())}
@@ -90,7 +90,7 @@ def test_migrate_does_not_fail_over_a_source_that_is_alive(tmp_path, metadata_ur
     try:
         cluster.assign("p", 1)
         wait_for(lambda: cluster.owner("p") == 1, what="node 1 opens p")
-        acked = [source.client.partition("p").append(RecordBatch(b"%d" % i, 1)).result(10).base_offset
+        acked = [partition_on(source.client, "p").append(RecordBatch(b"%d" % i, 1)).result(10).base_offset
                  for i in range(20)]
         epoch = meta.get_node(1).node_epoch
         faulty.fail_puts_matching(lambda key: True)
@@ -107,7 +107,7 @@ def test_migrate_does_not_fail_over_a_source_that_is_alive(tmp_path, metadata_ur
         assert (entry["kind"], entry["node"], entry["ok"]) == ("forced-failover", 1, True)
         assert "its store refuses it" in entry["reason"]
         wait_for(lambda: cluster.owner("p") == 2, what="node 2 opens p")
-        moved = target.client.partition("p")
+        moved = partition_on(target.client, "p")
         assert moved.append(RecordBatch(b"new", 1)).result(10).base_offset == 20
         assert [bytes(b.payload) for b in moved.fetch(0, 20, 1 << 20).batches] == [b"%d" % i for i in acked]
     finally:
@@ -131,7 +131,7 @@ def test_migrate_fails_over_a_source_that_is_silent(tmp_path, metadata_url):
     try:
         cluster.assign("p", 1)
         wait_for(lambda: cluster.owner("p") == 1, what="node 1 opens p")
-        acked = [source.client.partition("p").append(RecordBatch(b"%d" % i, 1)).result(10).base_offset
+        acked = [partition_on(source.client, "p").append(RecordBatch(b"%d" % i, 1)).result(10).base_offset
                  for i in range(20)]
         source.agent.stop()
         crash(source.client)                       # silent from now on, its WAL left as a kill -9 leaves it
@@ -142,7 +142,7 @@ def test_migrate_fails_over_a_source_that_is_silent(tmp_path, metadata_url):
         [entry] = cluster.failover_history()
         assert (entry["kind"], entry["node"], entry["ok"]) == ("migration-fallback", 1, True)
         assert "sent no heartbeat for" in entry["reason"]
-        moved = target.client.partition("p")
+        moved = partition_on(target.client, "p")
         assert [bytes(b.payload) for b in moved.fetch(0, 20, 1 << 20).batches] == [b"%d" % i for i in acked]
     finally:
         target.stop()
@@ -196,7 +196,7 @@ def test_a_node_that_cannot_serve_says_so_takes_nothing_and_judges_nobody(tmp_pa
             cluster.migrate("p", 1)
         cluster.assign("p", 1)
         time.sleep(2 * FAST.heartbeat_timeout)
-        assert sick.client.partition("p") is None                      # it takes no partition
+        assert partition_on(sick.client, "p") is None                      # it takes no partition
         assert not meta.get_node(5).failover and not meta.list_kv("failover/")   # nobody judged
     finally:
         sick.stop()
@@ -215,7 +215,7 @@ def test_a_client_closing_after_its_agent_stopped_keeps_its_lease(tmp_path, meta
         wait_for(lambda: cluster.owner("p") == 1, what="node 1 opens p")
         node.agent.stop()
         time.sleep(3 * FAST.lease)                                     # the lease would have lapsed by now
-        partition = node.client.partition("p")
+        partition = partition_on(node.client, "p")
         assert partition.append(RecordBatch(b"after stop", 1)).result(5).base_offset >= 0
         t0 = time.monotonic()
         report = node.client.close(timeout=30)
@@ -242,10 +242,10 @@ def test_a_cluster_opens_urls_closes_what_it_opened_and_refuses_what_is_neither(
                 nodes[n] = (client, NodeAgent(client, Cluster(metadata_url, store_url, FAST)))
             admin.assign("p", 1)
             wait_for(lambda: admin.owner("p") == 1, what="node 1 opens p")
-            nodes[1][0].partition("p").append(RecordBatch(b"x", 1)).result(10)
+            partition_on(nodes[1][0], "p").append(RecordBatch(b"x", 1)).result(10)
             report = admin.migrate("p", 2, timeout=10)
             assert (report.source, report.target, report.failed_over) == (1, 2, False)
-            assert nodes[2][0].partition("p").fetch(0, 1).batches[0].payload == b"x"
+            assert partition_on(nodes[2][0], "p").fetch(0, 1).batches[0].payload == b"x"
         finally:
             for client, agent in nodes.values():
                 agent.stop()

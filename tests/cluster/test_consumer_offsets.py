@@ -1,4 +1,4 @@
-"""Consumer group offsets (s3stream.cluster.consumer) over both metadata stores (SQLite, PostgreSQL):
+"""Consumer group offsets (s3stream.records.consumer) over both metadata stores (SQLite, PostgreSQL):
 round trips, generation fencing, forward-only commits, concurrent committers and joiners on
 several stores sharing one database, input validation, group deletion."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from s3stream.cluster.consumer import ConsumerGroups, StaleGenerationError
+from s3stream.records.consumer import ConsumerGroups, StaleGenerationError
 from s3stream.errors import InvalidArgumentError, S3StreamError
 
 SECOND = 1_000_000_000

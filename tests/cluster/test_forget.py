@@ -12,7 +12,7 @@ import time
 import pytest
 
 from s3stream import OffsetsLostError, RecordBatch, StreamClient, StreamFencedError
-from s3stream.cluster import Cluster, ClusterConfig, NodeAgent
+from s3stream.cluster import Cluster, ClusterConfig, NodeAgent, open_partition
 from s3stream.metadata import StreamState, open_metadata
 from cli_helpers import ok, run
 from conftest import small_config
@@ -70,7 +70,7 @@ def test_forget_resumes_above_everything_the_lost_node_acknowledged(tmp_path, me
     appends take offsets above every one node 1 acknowledged, committed records still read,
     the given-up ones raise OffsetsLostError, and the history says what was given up."""
     n1 = node(tmp_path, 1, metadata_url, offset_reservation=1000)
-    part = n1.open_partition("orders")
+    part = open_partition(n1, "orders")
     log_id = part.log.stream_id
     acked = {}
     for i in range(50):                             # 1.5 MiB: past the 1 MiB upload threshold
@@ -101,7 +101,7 @@ def test_forget_resumes_above_everything_the_lost_node_acknowledged(tmp_path, me
         assert entry["kind"] == "forget" and entry["node"] == 1 and entry["ok"]
         assert {s["stream_id"] for s in entry["streams"]} == set(by_stream)
 
-        moved = n2.open_partition("orders")           # its checkpoint survives (a committed one)
+        moved = open_partition(n2, "orders")           # its checkpoint survives (a committed one)
         assert moved.log.stream_id == log_id
         new = moved.append(RecordBatch(b"after", 1)).result(10).base_offset
         assert new >= by_stream[log_id].given_up_end > max(acked)
@@ -167,7 +167,7 @@ def test_forget_cli_prints_what_is_given_up(tmp_path):
 def _lost_node_with_a_partition(tmp_path, metadata_url):
     """Node 1 served partition `orders` (assigned to it) and died with its WAL; nobody else runs."""
     n1 = node(tmp_path, 1, metadata_url, offset_reservation=1000)
-    part = n1.open_partition("orders")
+    part = open_partition(n1, "orders")
     for i in range(30):
         part.append(RecordBatch(b"r%d" % i, 1)).result(10)
     ids = {part.meta_stream.stream_id, *(s.stream_id for s in part.streams.values())}

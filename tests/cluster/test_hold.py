@@ -7,9 +7,9 @@ import threading
 import pytest
 
 from s3stream import ConfigError, RecordBatch
-from s3stream.cluster import ClusterConfig
+from s3stream.cluster import ClusterConfig, partition_on
 from s3stream.cluster.hold import AppendHold
-from s3stream.cluster.partition import PartitionTable
+from s3stream.cluster import partition_table
 from s3stream.cluster.runtime import THREADS
 from test_cluster import InProcessCluster
 
@@ -106,8 +106,8 @@ def test_an_agent_s_moves_hold_its_node_s_appends_and_not_their_own(tmp_path, me
             c.cluster.assign(name, 1)
             c.cluster.wait_open(name, 1, 5)
         hold = c.agents[1].hold
-        assert c.clients[1].addon("partitions", PartitionTable).hold is hold
-        q = c.clients[1].partition("q")
+        assert partition_table(c.clients[1]).hold is hold
+        q = partition_on(c.clients[1], "q")
         q.append(RecordBatch(b"before", 1)).result(10)
         # The agent may still be inside the open of p or q when wait_open returns (it holds
         # appends until its open ends), so "before" may have waited: count from here.

@@ -1,4 +1,4 @@
-"""Idempotent producers (issue 29; s3stream.cluster.producers): a retried batch is taken once and
+"""Idempotent producers (issue 29; s3stream.records.producers): a retried batch is taken once and
 answers its original offset, across moves and a kill -9; a gap and an old epoch are refused with
 their own errors and append nothing."""
 from __future__ import annotations
@@ -13,11 +13,10 @@ import textwrap
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-import s3stream.cluster  # noqa: F401  (installs partitions)
 from s3stream import (DuplicateSequenceError, NotIdempotentError, OutOfOrderSequenceError, ProducedBatch, ProducerFencedError,
                       Record, RecordBatch, StreamClient, InvalidArgumentError, new_producer)
-from s3stream.cluster import partition as P
-from s3stream.cluster.producers import ProducerTable, producer_header
+from s3stream.cluster import open_partition, partition as P
+from s3stream.records.producers import ProducerTable, producer_header
 
 from conftest import small_config
 
@@ -43,7 +42,7 @@ def values(partition, end=None):
 def test_a_retry_answers_the_original_offset_a_gap_and_an_old_epoch_append_nothing(tmp_path):
     one = node(tmp_path, 1)
     try:
-        p = one.open_partition("p")
+        p = open_partition(one, "p")
         producer = new_producer(one)
         assert new_producer(one).producer_id == producer.producer_id + 1      # ids come from metadata
         first = producer.batch("p", [Record(value=b"a"), Record(value=b"b")])
@@ -80,12 +79,12 @@ def test_a_retry_answers_the_original_offset_a_gap_and_an_old_epoch_append_nothi
 def test_the_table_moves_with_the_partition(tmp_path, hinted):
     one, two = node(tmp_path, 1), node(tmp_path, 2)
     try:
-        p = one.open_partition("p")
+        p = open_partition(one, "p")
         producer = new_producer(one)
         batches = [producer.batch("p", [Record(value=b"%d" % i)]) for i in range(8)]
         offsets = [p.append(b).result(5).base_offset for b in batches]
         p.close(timeout=10, record={"version": 1})
-        q = two.open_partition("p", hinted=hinted)
+        q = open_partition(two, "p", hinted=hinted)
         # The last RECENT batches are known to the new owner: retries answer their offsets.
         assert [q.append(b).result(5).base_offset for b in batches[-5:]] == offsets[-5:]
         with pytest.raises(DuplicateSequenceError, match="took them already"):
@@ -100,14 +99,14 @@ def test_the_table_moves_with_the_partition(tmp_path, hinted):
 CHILD = textwrap.dedent("""
     import sys, json
     sys.path.insert(0, {tests!r})
-    import s3stream.cluster
+    from s3stream.cluster import open_partition
     from s3stream import StreamClient, Record, new_producer
     from s3stream.cluster import partition as P
     from conftest import small_config
     P.SNAPSHOT_BYTES = {snapshot_bytes}
     tmp = {tmp!r}
     c = StreamClient(1, tmp + "/n1.wal", "file://" + tmp + "/objects", "sqlite:///" + tmp + "/meta.db", small_config())
-    p = c.open_partition("p")
+    p = open_partition(c, "p")
     producer = new_producer(c)
     for i in range({count}):
         b = producer.batch("p", [Record(value=b"v%d" % i)] * (1 + i % 3))
@@ -135,14 +134,14 @@ def test_the_table_survives_a_kill_9(tmp_path, snapshot_bytes):
     os.kill(child.pid, signal.SIGKILL)
     child.wait()
     assert len(acked) == 40
-    from s3stream.cluster.producers import ProducedBatch
+    from s3stream.records.producers import ProducedBatch
     one = node(tmp_path, 1)
     try:
         read_back: list = []
         real = P._read_back_producers
         P._read_back_producers = lambda log, start, table: (read_back.append(start), real(log, start, table))[1]
         try:
-            p = one.open_partition("p")
+            p = open_partition(one, "p")
         finally:
             P._read_back_producers = real
         end = p.log.next_offset
@@ -164,7 +163,7 @@ def test_an_old_retry_is_a_duplicate_a_gap_is_out_of_order(tmp_path):
     OutOfOrderSequenceError), naming where it lies; a gap stays OutOfOrderSequenceError."""
     one = node(tmp_path, 1)
     try:
-        p = one.open_partition("p")
+        p = open_partition(one, "p")
         producer = new_producer(one)
         batches = [producer.batch("p", [Record(value=b"%d" % i)] * 2) for i in range(8)]
         offsets = [p.append(b).result(5).base_offset for b in batches]
@@ -183,7 +182,7 @@ def test_an_old_retry_is_a_duplicate_a_gap_is_out_of_order(tmp_path):
 
 
 def test_sequences_before_the_expected_one_wrap_as_sequences_do():
-    from s3stream.cluster.producers import MAX_SEQUENCE
+    from s3stream.records.producers import MAX_SEQUENCE
     table = ProducerTable()
     table.record(7, 0, MAX_SEQUENCE - 9, 10, 100)            # sequences MAX-9 .. MAX: next is 0
     table.record(7, 0, 0, 10, 110)
@@ -223,7 +222,7 @@ def test_a_plain_batch_whose_header_names_a_producer_is_taken_once(tmp_path):
     client's batch); a mirror's copy (copied=True) is appended as it is; bytes stay bytes."""
     one = node(tmp_path, 1)
     try:
-        p = one.open_partition("p")
+        p = open_partition(one, "p")
         producer = new_producer(one)
         first = producer.batch("p", [Record(value=b"a"), Record(value=b"b")])
         assert p.append(first).result(5).base_offset == 0
@@ -249,10 +248,10 @@ def test_a_stream_refuses_a_produced_batch_naming_its_partition(tmp_path):
         s = one.create_stream()
         batch = new_producer(one).batch("orders", [Record(value=b"a")])
         for append in (s.append, lambda b: s.append_many([RecordBatch(b"fine"), b])):
-            with pytest.raises(NotIdempotentError, match=r"append it to its partition, client.open_partition\('orders'\)"):
+            with pytest.raises(NotIdempotentError, match=r"append it to its partition, s3stream.cluster.open_partition\(client, 'orders'\)"):
                 append(batch)
         assert s.next_offset == 1                                                # the batch before it only
-        p = one.open_partition("orders")
+        p = open_partition(one, "orders")
         assert [p.append(batch).result(5).base_offset for _ in range(2)] == [0, 0]
     finally:
         one.close()
@@ -261,12 +260,12 @@ def test_a_stream_refuses_a_produced_batch_naming_its_partition(tmp_path):
 RETRY_CHILD = textwrap.dedent("""
     import sys, json, pickle
     sys.path.insert(0, {tests!r})
-    import s3stream.cluster
+    from s3stream.cluster import open_partition
     from s3stream import StreamClient, Record, new_producer
     from conftest import small_config
     tmp = {tmp!r}
     c = StreamClient(1, tmp + "/n1.wal", "file://" + tmp + "/objects", "sqlite:///" + tmp + "/meta.db", small_config())
-    p = c.open_partition("p")
+    p = open_partition(c, "p")
     producer = new_producer(c)
     batches = [producer.batch("p", [Record(value=b"%d.%d" % (i, k)) for k in range(1 + i % 3)]) for i in range({count})]
     with open(tmp + "/batches.pickle", "wb") as f:
@@ -302,7 +301,7 @@ def test_pickled_batches_retried_after_a_kill_9_are_taken_once(tmp_path):
     assert all(type(b) is ProducedBatch and b.partition == "p" for b in batches)
     one = node(tmp_path, 1)
     try:
-        p = one.open_partition("p")
+        p = open_partition(one, "p")
         last = p.append(batches[-1]).result(10).base_offset                   # durable before the kill, or now
         end = p.log.next_offset
         assert last == acked[count - 2] + batches[-2].count and end == last + batches[-1].count
@@ -367,7 +366,7 @@ def test_retries_against_a_model(tmp_path_factory, steps):
     meta = open_metadata(f"sqlite:///{tmp}/meta.db")
     cluster = Cluster(meta, LocalObjectStore(str(tmp / "objects")), ClusterConfig(), small_config())
     try:
-        p = nodes[0].open_partition("p")
+        p = open_partition(nodes[0], "p")
         producer = new_producer(nodes[0])
         sent: list = []                    # (batch, offset)
         model: list[bytes] = []
@@ -390,13 +389,13 @@ def test_retries_against_a_model(tmp_path_factory, steps):
             elif kind == "move":
                 p.close(timeout=10, record={"version": 0})
                 target = nodes[1] if p._client is nodes[0] else nodes[0]
-                p = target.open_partition("p", hinted=arg)
+                p = open_partition(target, "p", hinted=arg)
             elif kind == "crash":
                 dead = p._client
                 crash(dead)
                 cluster.fail_over(dead.node_id, reassign=False, lease_over=True, reason="test: the owner died")
                 nodes[nodes.index(dead)] = node(tmp, max(n.node_id for n in nodes) + 1)
-                p = nodes[0].open_partition("p", hinted=True)
+                p = open_partition(nodes[0], "p", hinted=True)
             assert p.log.next_offset == len(model)
         assert values(p) == model
     finally:
@@ -409,7 +408,7 @@ def test_a_snapshot_after_producers_stop_reads_nothing_back(tmp_path, monkeypatc
     monkeypatch.setattr(P, "SNAPSHOT_BYTES", 500)
     one = node(tmp_path, 1)
     try:
-        p = one.open_partition("p")
+        p = open_partition(one, "p")
         producer = new_producer(one)
         for i in range(10):
             p.append(producer.batch("p", [Record(value=b"x" * 100)])).result(5)
@@ -435,14 +434,14 @@ def test_the_table_survives_a_failover(tmp_path):
     one, two = node(tmp_path, 1), node(tmp_path, 2)
     meta = open_metadata(f"sqlite:///{tmp_path}/meta.db")
     try:
-        p = one.open_partition("p")
+        p = open_partition(one, "p")
         producer = new_producer(one)
         sent = [(b, p.append(b).result(5).base_offset)
                 for b in (producer.batch("p", [Record(value=b"%d" % i)] * 2) for i in range(12))]
         crash(one)
         Cluster(meta, LocalObjectStore(str(tmp_path / "objects")), ClusterConfig(), small_config()).fail_over(
             1, reassign=False, lease_over=True, reason="test: node 1 died")
-        q = two.open_partition("p")
+        q = open_partition(two, "p")
         end = q.log.next_offset
         assert end == 24
         assert [q.append(b).result(5).base_offset for b, _ in sent[-5:]] == [off for _, off in sent[-5:]]
@@ -458,7 +457,7 @@ def test_the_table_survives_a_failover(tmp_path):
 def test_records_that_do_not_encode_take_no_sequence(tmp_path):
     one = node(tmp_path, 1)
     try:
-        p = one.open_partition("p")
+        p = open_partition(one, "p")
         producer = new_producer(one)
         assert p.append(producer.batch("p", [Record(value=b"a")])).result(5).base_offset == 0
         with pytest.raises(InvalidArgumentError):
@@ -475,7 +474,7 @@ def test_a_moving_partition_refuses_a_producer_batch_as_moved(tmp_path):
     from s3stream.cluster import PartitionMovedError
     one = node(tmp_path, 1)
     try:
-        p = one.open_partition("p")
+        p = open_partition(one, "p")
         producer = new_producer(one)
         batch = producer.batch("p", [Record(value=b"a")])
         p.close(timeout=10)

@@ -12,6 +12,7 @@ from s3stream import OffsetOutOfRangeError, RecordBatch, StreamClient, StreamClo
 from s3stream.aio import AsyncStreamClient
 from s3stream.objectstore import open_object_store
 from conftest import KiB, small_config
+from s3stream.cluster.aio import open_partition
 
 pytestmark = pytest.mark.asyncio
 
@@ -257,7 +258,7 @@ async def test_async_with_closes_streams_and_client(tmp_path):
             await stream.trim(2)
             assert stream.start_offset == 2
         assert not stream.is_open
-        async with await client.open_partition("orders") as partition:
+        async with await open_partition(client, "orders") as partition:
             assert (await partition.append(RecordBatch(b"p"))).base_offset == 0
             assert [bytes(b.payload) for b in (await partition.fetch(0)).batches] == [b"p"]
         assert not partition.is_open
@@ -306,7 +307,7 @@ async def test_append_records_on_streams_and_partitions(tmp_path):
         assert r.base_offset == 0 and stream.sync.next_offset == 2
         res = await stream.fetch(0)
         assert [(x.offset, x.key) for b in res.batches for x in b.records()] == [(0, b"a"), (1, b"b")]
-        async with await client.open_partition("orders") as partition:
+        async with await open_partition(client, "orders") as partition:
             r = await partition.append_records([Record(b"id", b"{}")])
             res = await partition.fetch(r.base_offset)
             assert [x.key for b in res.batches for x in b.records()] == [b"id"]
@@ -323,11 +324,11 @@ async def test_an_async_partition_append_waits_for_a_move_without_blocking_the_l
     """A move on the node holds AsyncPartition.append (s3stream.cluster.hold) while the loop runs
     on; append_nowait is not held."""
     from s3stream.cluster.hold import AppendHold
-    from s3stream.cluster.partition import PartitionTable
+    from s3stream.cluster import partition_table
     from s3stream.cluster.runtime import THREADS
     async with make_client(tmp_path) as client:
-        async with await client.open_partition("orders") as partition:
-            hold = client.client.addon("partitions", PartitionTable).hold = AppendHold(THREADS, 30.0, 1.0)
+        async with await open_partition(client, "orders") as partition:
+            hold = partition_table(client.client).hold = AppendHold(THREADS, 30.0, 1.0)
             move = hold.moving()
             move.__enter__()
             try:

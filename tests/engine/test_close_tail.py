@@ -18,6 +18,7 @@ from s3stream.objectstore import LocalObjectStore
 
 from close_kill_child import ThreadGatedStore, digest
 from conftest import KiB, MiB, small_config
+from s3stream.cluster import open_partition
 
 HERE = Path(__file__).parent
 CHILDREN = HERE.parent / "children"
@@ -381,7 +382,7 @@ def test_a_partition_open_is_one_metadata_write(tmp_path):
     writes = ("open_streams", "open_stream", "create_stream", "trim_stream", "commit", "close_stream",
               "reserve_offsets", "prepare_objects", "put_kv", "put_kv_if_absent")
     try:
-        p = one.open_partition("p")
+        p = open_partition(one, "p")
         p.append(RecordBatch(b"r0", 1)).result(10)
         p.close(timeout=10)
         calls: list[str] = []
@@ -390,7 +391,7 @@ def test_a_partition_open_is_one_metadata_write(tmp_path):
             real = getattr(meta, name)
             setattr(meta, name, lambda *a, _real=real, _name=name, **k: (calls.append(_name), _real(*a, **k))[1])
         try:
-            q = two.open_partition("p")
+            q = open_partition(two, "p")
         finally:
             for name in writes:
                 delattr(meta, name)
@@ -398,7 +399,7 @@ def test_a_partition_open_is_one_metadata_write(tmp_path):
         assert q.checkpoint.leader_epoch == 2 and q.log.next_offset == 1
         for i in range(6):                                 # moves back and forth: the meta stream stays short
             q.close(timeout=10)
-            q = (one if i % 2 == 0 else two).open_partition("p")
+            q = open_partition((one if i % 2 == 0 else two), "p")
         assert q.meta_stream.confirm_offset - q.meta_stream.start_offset <= 8
     finally:
         one.close()
@@ -414,7 +415,7 @@ def test_a_hinted_open_reads_one_key_and_a_stale_hint_still_opens_the_newest_che
     from s3stream.cluster import partition as P
     one, two = two_nodes(tmp_path)
     try:
-        p = one.open_partition("p")
+        p = open_partition(one, "p")
         p.append(RecordBatch(b"r0", 1)).result(10)
         report = p.close(timeout=10, record={"version": 3})
         stored = json.loads(one.metadata.get_kv("closed/p"))
@@ -434,7 +435,7 @@ def test_a_hinted_open_reads_one_key_and_a_stale_hint_still_opens_the_newest_che
             with monkeypatch.context() as m:
                 m.setattr(P, "_committed_checkpoint", no_read_back)
                 m.setattr(P, "_last_checkpoint", no_read_back)
-                q = two.open_partition("p", hinted=True)
+                q = open_partition(two, "p", hinted=True)
         finally:
             for name in names:
                 meta.__dict__.pop(name, None)
@@ -442,7 +443,7 @@ def test_a_hinted_open_reads_one_key_and_a_stale_hint_still_opens_the_newest_che
         assert q.checkpoint.leader_epoch == 2 and q.log.next_offset == 1
         q.append(RecordBatch(b"r1", 1)).result(10)
         q.close(timeout=10)                          # no record: closed/p still holds the first close's hint
-        q = one.open_partition("p", hinted=True)     # the hint's epochs are stale: read the newest checkpoint
+        q = open_partition(one, "p", hinted=True)     # the hint's epochs are stale: read the newest checkpoint
         assert q.checkpoint.leader_epoch == 3 and q.log.next_offset == 2
         assert [bytes(b.payload) for b in q.log.fetch(0, 2).batches] == [b"r0", b"r1"]
     finally:
@@ -459,10 +460,10 @@ def test_an_open_for_a_newer_assignment_waits_for_the_source_without_locking(tmp
     from s3stream.errors import StreamNotClosedError
     one, two = two_nodes(tmp_path)
     try:
-        p = one.open_partition("p")
+        p = open_partition(one, "p")
         p.append(RecordBatch(b"r0", 1)).result(10)
         p.close(timeout=10, record={"version": 1})
-        p = one.open_partition("p", hinted=True, version=2)    # moved back to node 1 at version 2
+        p = open_partition(one, "p", hinted=True, version=2)    # moved back to node 1 at version 2
         p.append(RecordBatch(b"r1", 1)).result(10)
         calls: list[str] = []
         meta = two.metadata
@@ -471,11 +472,11 @@ def test_an_open_for_a_newer_assignment_waits_for_the_source_without_locking(tmp
             setattr(meta, name, lambda *a, _real=real, _name=name, **k: (calls.append(_name), _real(*a, **k))[1])
         try:
             with pytest.raises(StreamNotClosedError, match="open on node 1"):
-                two.open_partition("p", hinted=True, version=3)
+                open_partition(two, "p", hinted=True, version=3)
             assert calls == ["get_stream"]
             p.close(timeout=10, record={"version": 3})
             calls.clear()
-            q = two.open_partition("p", hinted=True, version=3)
+            q = open_partition(two, "p", hinted=True, version=3)
             assert calls == ["open_streams"]
         finally:
             for name in ("open_streams", "get_stream"):

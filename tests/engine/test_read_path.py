@@ -20,6 +20,7 @@ from s3stream.metadata import ObjectMeta, ObjectState, ObjectType, open_metadata
 from s3stream.objectformat import IndexEntry, read_index
 from s3stream.objectstore import FaultInjectingObjectStore, LocalObjectStore, open_object_store
 from conftest import KiB, MiB, small_config
+from s3stream.cluster import open_partition, read_partition
 
 Batches = list[tuple[int, int, bytes]]
 
@@ -317,14 +318,13 @@ def test_an_end_past_what_exists_is_capped_a_start_past_it_is_out_of_range(tmp_p
     returns what exists below the high watermark; a start past the end still raises. One rule
     (read.fetch_end) for a stream (log cache and objects), fetch_cached, a partition, a
     partition's reader, fetch_committed of a node and of a reader that is not a node."""
-    import s3stream.cluster  # noqa: F401  (installs partitions)
     store = f"file://{tmp_path}/objects"
     one = node(tmp_path, 1, store, small_config())
     try:
         s = one.create_stream()
         for i in range(10):
             s.append(RecordBatch(b"%d" % i)).result(10)
-        p = one.open_partition("p")
+        p = open_partition(one, "p")
         for i in range(10):
             p.append(RecordBatch(b"%d" % i)).result(10)
 
@@ -341,7 +341,7 @@ def test_an_end_past_what_exists_is_capped_a_start_past_it_is_out_of_range(tmp_p
         one.force_upload(30)
         assert offsets(s.fetch(3, 1 << 40)) == list(range(3, 10))          # from objects now
         with s3stream.open_reader(f"sqlite:///{tmp_path}/meta.db", store) as reader:
-            part = reader.read_partition("p")
+            part = read_partition(reader, "p")
             for fetch in (lambda a, b: one.fetch_committed(s.stream_id, a, b),
                           lambda a, b: reader.fetch_committed(s.stream_id, a, b), part.fetch):
                 for _ in range(2):                  # the reader's second call is served from what it knows

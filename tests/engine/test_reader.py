@@ -16,6 +16,7 @@ from s3stream import OffsetOutOfRangeError, Record, RecordBatch, StreamClient, S
 from s3stream.objectstore import open_object_store
 
 from conftest import is_postgres, small_config
+from s3stream.cluster import open_partition, read_partition
 
 
 def snapshot_metadata(url: str) -> list:
@@ -56,7 +57,7 @@ def test_reader_reads_what_a_node_committed_and_changes_nothing(node, store_url,
         s.append(RecordBatch(p, 1))
     s.flush(10)
     node.force_upload(30)
-    p = node.open_partition("p1")
+    p = open_partition(node, "p1")
     p.append_records([Record(b"k", b"v")]).result(10)
     node.force_upload(30)
     s.append(RecordBatch(b"acknowledged, not uploaded", 1)).result(10)   # offset 50: in the WAL only
@@ -72,11 +73,11 @@ def test_reader_reads_what_a_node_committed_and_changes_nothing(node, store_url,
         with pytest.raises(OffsetOutOfRangeError):
             reader.fetch_committed(s.stream_id, 51)
         assert reader.fetch_committed(s.stream_id, 50).batches == []
-        part = reader.read_partition("p1")
+        part = read_partition(reader, "p1")
         records = [r for b in part.fetch(part.start_offset).batches for r in b.records()]
         assert [(r.key, r.value) for r in records] == [(b"k", b"v")]
         with pytest.raises(StreamNotFoundError):
-            reader.read_partition("no-such-partition")
+            read_partition(reader, "no-such-partition")
     assert snapshot_metadata(metadata_url) == meta_before
     assert snapshot_store(store_url) == store_before
 
@@ -151,19 +152,19 @@ def test_consumer_groups_work_with_a_reader(node, store_url, metadata_url):
     in a consumer group (the only thing written, by the caller, through the reader's metadata),
     and a second reader resumes from it."""
     from s3stream import ConsumerGroups
-    p = node.open_partition("events")
+    p = open_partition(node, "events")
     for i in range(6):
         p.append_records([Record(b"%d" % i)]).result(10)
     node.force_upload(30)
     with open_reader(metadata_url, store_url) as reader:
         groups = ConsumerGroups(reader.metadata)
         generation = groups.join("g", "consumer-1")
-        part = reader.read_partition("events")
+        part = read_partition(reader, "events")
         first = [r for b in part.fetch(part.start_offset, part.start_offset + 3).batches for r in b.records()][:3]
         groups.commit("g", "events", first[-1].offset + 1, generation)
     with open_reader(metadata_url, store_url) as reader:
         position = ConsumerGroups(reader.metadata).offsets("g")["events"]
-        part = reader.read_partition("events")
+        part = read_partition(reader, "events")
         rest = [r for b in part.fetch(position).batches for r in b.records()]
     assert [r.key for r in first + rest] == [b"%d" % i for i in range(6)]
 

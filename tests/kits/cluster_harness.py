@@ -44,6 +44,7 @@ from typing import Callable, Iterable
 
 from testservers.moto import MotoProcess
 from testservers.postgres import PostgresProcess as _PostgresProcess
+from s3stream.cluster import read_partition
 
 HERE = Path(__file__).resolve().parent
 NODE_SCRIPT = HERE.parent / "children" / "cluster_harness_node.py"
@@ -1096,7 +1097,7 @@ class ClusterRun:
                 got: dict[int, bytes] = {}
                 records[name] = got
                 try:
-                    part = client.read_partition(name)
+                    part = read_partition(client, name)
                     log_ids[name] = part.log_stream_id
                     pos, end = part.start_offset, part.end_offset
                     while pos < end:

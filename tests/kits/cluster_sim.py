@@ -47,8 +47,8 @@ import greenlet
 from greenlet import getcurrent
 from heapq import heappop, heappush
 
-from s3stream.cluster import Cluster, ClusterConfig, NodeAgent
-from s3stream.cluster.partition import PartitionMovedError, PartitionTable
+from s3stream.cluster import Cluster, ClusterConfig, NodeAgent, partitions_on
+from s3stream.cluster.partition import PartitionMovedError
 from s3stream.errors import (
     LeaseExpiredError, MetadataBusyError, MetadataError, NodeAliveError, ObjectStoreError, OperationTimeoutError, S3StreamError,
     StreamClosedError, StreamFencedError, StreamNotClosedError, StreamNotFoundError, WALError,
@@ -797,8 +797,6 @@ class _EngineConfig:
 class SimClient:
     """One incarnation of a node's engine (the surface of StreamClient the cluster layer uses)."""
 
-    partition_table = PartitionTable
-
     def __init__(self, world: "World", node_id: int, incarnation: Any) -> None:
         self.world = world
         self.node_id = node_id
@@ -1002,20 +1000,20 @@ class SimClient:
 
     # -- streams ----------------------------------------------------------------------------------
 
-    def _check_usable(self) -> None:
+    def check_usable(self) -> None:
         if self.fenced:
             raise StreamFencedError(f"node {self.node_id} is fenced")
         if self.closed:
             raise StreamClosedError(f"node {self.node_id} is closed")
 
     def create_stream(self) -> SimStream:
-        self._check_usable()
+        self.check_usable()
         meta = self.metadata.create_stream(self.node_id, self.node_epoch, self.config.offset_reservation)
         stream = self.streams[meta.stream_id] = SimStream(self, meta)
         return stream
 
     def open_stream(self, stream_id: int) -> SimStream:
-        self._check_usable()
+        self.check_usable()
         if stream_id in self.streams:
             raise StreamNotClosedError(f"stream {stream_id} is already open here")
         meta = self.metadata.open_stream(stream_id, self.node_id, self.node_epoch, self.config.offset_reservation)
@@ -1023,7 +1021,7 @@ class SimClient:
         return stream
 
     def open_streams(self, stream_ids: list[int]) -> list[SimStream]:
-        self._check_usable()
+        self.check_usable()
         if any(sid in self.streams for sid in stream_ids):
             raise StreamNotClosedError(f"streams {stream_ids} are already open here")
         metas = self.metadata.open_streams(stream_ids, self.node_id, self.node_epoch, self.config.offset_reservation)
@@ -1087,17 +1085,8 @@ class SimClient:
             self.addons[key] = make(self)
         return self.addons[key]
 
-    def open_partition(self, name: str, *, hinted: bool = False, version: int | None = None):
-        self._check_usable()
-        return self.addon("partitions", PartitionTable).open(name, hinted, version)
-
-    def partitions(self) -> list:
-        table = self.addons.get("partitions")
-        return [] if table is None else table.all()
-
-    def partition(self, name: str):
-        table = self.addons.get("partitions")
-        return None if table is None else table.get(name)
+    def find_addon(self, key: str):
+        return self.addons.get(key)
 
 
 # ---- the world: nodes, faults, workload, checker ----------------------------------------------------
@@ -1145,7 +1134,7 @@ class Incarnation:
         world, hub = self.world, self.world.hub
         seq = 0
         while True:
-            for partition in sorted(self.client.partitions(), key=lambda p: p.name):
+            for partition in sorted(partitions_on(self.client), key=lambda p: p.name):
                 payload = f"{partition.name}|n{self.node_id}.{self.number}|{seq}".encode()
                 seq += 1
                 try:

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import small_config
 from s3stream import RecordBatch, StreamClient
-from s3stream.cluster.consumer import ConsumerGroups
+from s3stream.records.consumer import ConsumerGroups
 from s3stream.errors import (CorruptDataError, InvalidArgumentError, OffsetOutOfRangeError, S3StreamError,
                              StreamNotClosedError, StreamNotFoundError)
 from s3stream.metadata import open_metadata
@@ -24,6 +24,7 @@ from s3stream.mirror import (DefaultReplicationPolicy, Heartbeater, IdentityRepl
 from s3stream.mirror.checkpoint import NOT_MIRRORED, POLICY_MISMATCH, REWIND_KEPT
 from s3stream.mirror.offsets import BEFORE_START, BEYOND_END, EXACT, GAP, decode_segments, encode_segments
 from s3stream.mirror.flowstate import map_key
+from s3stream.cluster import open_partition, partitions_on, read_partition
 
 FLOW = "A-to-B"
 UPLOAD = 0.05          # seconds: the clusters' upload interval, so committed data appears quickly
@@ -136,7 +137,7 @@ def records_by_offset(batches) -> dict[int, bytes]:
 
 def held(client: StreamClient, name: str):
     """The partition `name` as open on `client` (a flow holds its target partition open)."""
-    return next(p for p in client.partitions() if p.name == name)
+    return next(p for p in partitions_on(client) if p.name == name)
 
 
 def wait_committed(reader, end: int, timeout: float = 20.0) -> None:
@@ -151,7 +152,7 @@ def source_ready(source: StreamClient, partition, timeout: float = 20.0):
     deadline = time.monotonic() + timeout
     while True:
         try:
-            reader = source.read_partition(partition.name)
+            reader = read_partition(source, partition.name)
             break
         except S3StreamError:
             assert time.monotonic() < deadline
@@ -283,11 +284,11 @@ def test_flow_copies_batches_exactly(clusters_any):
     offset translating exactly, memory bounded."""
     rng = random.Random(1)
     source, target = clusters_any.source(), clusters_any.target()
-    own = target.open_partition("A.orders")
+    own = open_partition(target, "A.orders")
     for _ in range(5):
         own.append(RecordBatch(b"local#", 1)).result(10)
     own.close()
-    orders = source.open_partition("orders")
+    orders = open_partition(source, "orders")
     produce(orders, rng, 150)
     source_ready(source, orders)
     flow = MirrorFlow(source, target, "orders", "A.orders", FLOW, source_alias="A", max_in_flight_bytes=256 << 10,
@@ -314,7 +315,7 @@ def test_flow_copies_batches_exactly(clusters_any):
     state = load_flow(clusters_any.meta("target"), FLOW)
     assert state.source_alias == "A" and state.segments == {"A.orders": [(0, 5)]}
     assert state.partitions["A.orders"].source_partition == "orders"
-    committed = target.read_partition("A.orders")
+    committed = read_partition(target, "A.orders")
     assert committed.end_offset == reader.end_offset + 5
     assert read_batches(committed, start=5) == target_batches
 
@@ -324,7 +325,7 @@ def test_resume_after_stop_and_handover_to_another_node(clusters):
     record once; the map stays one segment; a configured start inside a batch rounds down to it."""
     rng = random.Random(2)
     source, target1, target2 = clusters.source(), clusters.target(1), clusters.target(2)
-    orders = source.open_partition("orders")
+    orders = open_partition(source, "orders")
     batches = produce(orders, rng, 400, max_bytes=2_000)
     reader = source_ready(source, orders)
     source_batches = read_batches(reader)
@@ -363,7 +364,7 @@ def test_flow_waits_for_its_source_and_stops_promptly(clusters):
     time.sleep(0.05)
     m = flow.metrics()
     assert m.state == "running" and m.source_end is None and m.lag_records is None and m.upstream_position == 0
-    later = source.open_partition("later")
+    later = open_partition(source, "later")
     produce(later, rng, 30, max_count=4, max_bytes=1_000)
     reader = source_ready(source, later)
     assert flow.wait_position(reader.end_offset, 20)
@@ -381,7 +382,7 @@ def test_source_retention_gap(clusters):
     map translates around it."""
     rng = random.Random(3)
     source, target = clusters.source(), clusters.target()
-    orders = source.open_partition("orders")
+    orders = open_partition(source, "orders")
     produce(orders, rng, 20, max_count=5, max_bytes=500)
     source_ready(source, orders)
     flow = MirrorFlow(source, target, "orders", "A.orders", FLOW, source_alias="A").start()
@@ -419,10 +420,18 @@ class GatedSource:
         self.client = client
         self.open = threading.Event()
 
-    def read_partition(self, name: str):
+    @property
+    def metadata(self):
+        return self.client.metadata
+
+    def check_usable(self) -> None:
+        """Called first by read_partition: while gated, no partition is readable."""
         if not self.open.is_set():
-            raise StreamNotFoundError(f"partition {name!r} is gated")
-        return self.client.read_partition(name)
+            raise StreamNotFoundError("the source's partitions are gated")
+        self.client.check_usable()
+
+    def fetch_committed(self, *args, **kw):
+        return self.client.fetch_committed(*args, **kw)
 
 
 @pytest.mark.parametrize("skip_trimmed", [False, True])
@@ -436,7 +445,7 @@ def test_source_trimmed_while_running(clusters, skip_trimmed):
     flow = MirrorFlow(gated, target, "orders", "A.orders", FLOW, source_alias="A", poll_interval=0.01,
                       skip_trimmed=skip_trimmed).start()
     assert flow.offset_map().segments == ((0, 0),)
-    orders = real.open_partition("orders")
+    orders = open_partition(real, "orders")
     produce(orders, rng, 20, max_count=5, max_bytes=500)
     batches = read_batches(source_ready(real, orders))
     trim_at = batches[5][0]
@@ -457,7 +466,7 @@ def test_source_trimmed_while_running(clusters, skip_trimmed):
 def test_bad_input_and_conflicts(clusters):
     rng = random.Random(4)
     source, target = clusters.source(), clusters.target()
-    orders = source.open_partition("orders")
+    orders = open_partition(source, "orders")
     produce(orders, rng, 10, max_count=3, max_bytes=200)
     reader = source_ready(source, orders)
     kw = dict(source_alias="A")
@@ -477,7 +486,7 @@ def test_bad_input_and_conflicts(clusters):
         MirrorFlow(source, target, "orders", "A.orders", FLOW, start_offset=999, **kw).start()
 
     # The target partition already has a writer on this node.
-    producer = target.open_partition("A.orders")
+    producer = open_partition(target, "A.orders")
     with pytest.raises(MirrorConflictError, match="already open on node 1"):
         MirrorFlow(source, target, "orders", "A.orders", FLOW, **kw).start()
     producer.close()
@@ -494,7 +503,7 @@ def test_bad_input_and_conflicts(clusters):
     with pytest.raises(MirrorConflictError, match="already mirrors source partition 'orders'"):
         MirrorFlow(source, target, "payments", "A.orders", FLOW, **kw).start()
     # Something else wrote the target while the flow was stopped: the resume refuses.
-    intruder = target.open_partition("A.orders")
+    intruder = open_partition(target, "A.orders")
     intruder.append(RecordBatch(b"intruder#", 1)).result(10)
     intruder.close()
     with pytest.raises(MirrorConflictError, match="something else wrote the target"):
@@ -505,7 +514,7 @@ def test_bad_input_and_conflicts(clusters):
     with pytest.raises(CorruptDataError, match="does not follow"):
         MirrorFlow(source, target, "orders", "A.orders", FLOW, **kw).start()
     # Every refusal left the target partition free to open again.
-    target.open_partition("A.orders").close()
+    open_partition(target, "A.orders").close()
 
 
 # ---- checkpoints ---------------------------------------------------------------------------------------
@@ -517,11 +526,11 @@ def test_checkpoints_translate_exactly(clusters_any):
     Target offsets never move back; a group whose consumers joined on the target is theirs."""
     rng = random.Random(5)
     source, target = clusters_any.source(), clusters_any.target()
-    own = target.open_partition("A.orders")            # 7 local records: translation is not the identity
+    own = open_partition(target, "A.orders")            # 7 local records: translation is not the identity
     for _ in range(7):
         own.append(RecordBatch(b"local#", 1)).result(10)
     own.close()
-    orders, payments = source.open_partition("orders"), source.open_partition("payments")
+    orders, payments = open_partition(source, "orders"), open_partition(source, "payments")
     produce(orders, rng, 60, max_count=9, max_bytes=300)
     produce(payments, rng, 5, max_count=3, max_bytes=100)
     reader = source_ready(source, orders)
@@ -533,7 +542,7 @@ def test_checkpoints_translate_exactly(clusters_any):
     reader = source_ready(source, orders)
     source_batches = read_batches(reader)
     up = records_by_offset(source_batches)
-    target_batches = read_batches(target.read_partition("A.orders"))
+    target_batches = read_batches(read_partition(target, "A.orders"))
     down = records_by_offset(target_batches)
     where = {rid: d for d, rid in down.items() if rid != b"local"}
 
@@ -574,7 +583,7 @@ def test_checkpoints_translate_exactly(clusters_any):
     resumed_flow = MirrorFlow(source, target, "orders", "A.orders", FLOW, source_alias="A").start()
     assert resumed_flow.wait_caught_up(20)
     resumed_flow.stop()
-    down = records_by_offset(read_batches(target.read_partition("A.orders")))
+    down = records_by_offset(read_batches(read_partition(target, "A.orders")))
     where = {rid: d for d, rid in down.items() if rid != b"local"}
     report = sync_checkpoints(source_meta, target_meta, FLOW)
     assert report.entry("g-beyond", "orders").status == EXACT
@@ -628,7 +637,7 @@ def test_checkpointers_of_two_flows_share_a_group(clusters):
     even when one joins during the other's commit; a consumer joining then ends the sync of it."""
     rng = random.Random(9)
     source, target = clusters.source(), clusters.target()
-    orders, payments = source.open_partition("orders"), source.open_partition("payments")
+    orders, payments = open_partition(source, "orders"), open_partition(source, "payments")
     produce(orders, rng, 10, max_count=4, max_bytes=100)
     produce(payments, rng, 10, max_count=4, max_bytes=100)
     source_ready(source, orders)
@@ -662,7 +671,7 @@ def test_checkpointers_of_two_flows_share_a_group(clusters):
 def test_heartbeats_latest_per_source(clusters):
     rng = random.Random(6)
     source, target = clusters.source(), clusters.target()
-    orders, payments = source.open_partition("orders"), source.open_partition("payments")
+    orders, payments = open_partition(source, "orders"), open_partition(source, "payments")
     produce(orders, rng, 10, max_count=3, max_bytes=100)
     produce(payments, rng, 10, max_count=3, max_bytes=100)
     source_ready(source, orders)
@@ -683,7 +692,7 @@ def test_heartbeats_latest_per_source(clusters):
     assert set(latest) == {"A", "C"} and latest["A"].at == 1007.0 and latest["A"].offset == written[0].offset
     assert 0 < latest["A"].mirrored_as_of <= time.time()
     assert latest["A"].age(1010.0) == 3.0
-    hb_partition = next(p for p in target.partitions() if p.name == "heartbeats")
+    hb_partition = next(p for p in partitions_on(target) if p.name == "heartbeats")
     assert hb_partition.log.start_offset > 0                          # kept bounded (retain_records)
     assert replication_latency(target, now=latest["C"].mirrored_as_of + 2.5)["C"] == pytest.approx(2.5)
 
@@ -695,7 +704,7 @@ def test_heartbeats_latest_per_source(clusters):
         time.sleep(0.01)
     background.stop()
     beater.stop()
-    assert not any(p.name == "heartbeats" for p in target.partitions())     # released
+    assert not any(p.name == "heartbeats" for p in partitions_on(target))     # released
     other = clusters.target(2)
     latest = latest_heartbeats(other)
     assert latest["A"].at > 1007.0 and latest["C"].at == 1007.0
@@ -714,12 +723,12 @@ def test_an_idempotent_producers_batches_are_copied_across_a_retention_gap(clust
     from kafka.record.default_records import DefaultRecordBatch
     from s3stream import Record, new_producer
     source, target = clusters.source(), clusters.target()
-    own = target.open_partition("A.orders")
+    own = open_partition(target, "A.orders")
     # The target's own producer: ids are per cluster, so it has the source producer's id.
     local = new_producer(target)
     own.append(local.batch("A.orders", [Record(value=b"local")])).result(10)
     own.close()
-    orders = source.open_partition("orders")
+    orders = open_partition(source, "orders")
     producer = new_producer(source)
     assert producer.producer_id == local.producer_id
     for i in range(30):

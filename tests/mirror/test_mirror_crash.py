@@ -21,7 +21,7 @@ from pathlib import Path
 
 from conftest import small_config
 from s3stream import RecordBatch, StreamClient
-from s3stream.cluster import Cluster
+from s3stream.cluster import Cluster, open_partition, partitions_on, read_partition
 from s3stream.errors import StreamNotFoundError
 from s3stream.metadata import open_metadata
 from s3stream.mirror import MirrorFlow
@@ -125,7 +125,7 @@ def wait_committed(source: StreamClient, end: int, timeout: float = 20.0):
     deadline = time.monotonic() + timeout
     while True:
         try:
-            reader = source.read_partition("orders")
+            reader = read_partition(source, "orders")
             if reader.end_offset >= end:
                 return reader
         except StreamNotFoundError:      # its first checkpoint is not uploaded yet
@@ -138,10 +138,10 @@ def verify_exactly_once(source: StreamClient, target: StreamClient, flow: Mirror
     """The target partition is the source partition, batch for batch, offsets equal (the flow
     started on an empty target at the source's start), and the map one segment. Returns the
     number of records checked."""
-    reader = source.read_partition("orders")
+    reader = read_partition(source, "orders")
     end = reader.end_offset
     assert flow.wait_position(end, 30)
-    partition = next(p for p in target.partitions() if p.name == "A.orders")
+    partition = next(p for p in partitions_on(target) if p.name == "A.orders")
     source_batches = read_batches(reader, 0, end)
     target_batches = read_batches(partition, 0, partition.log.confirm_offset)
     assert len(target_batches) == len(source_batches), "records lost or duplicated"
@@ -157,7 +157,7 @@ def verify_exactly_once(source: StreamClient, target: StreamClient, flow: Mirror
 def test_sigkill_and_restart_on_the_same_node(tmp_path):
     source_url, target_url = f"sqlite:///{tmp_path}/source.db", f"sqlite:///{tmp_path}/target.db"
     source = source_client(tmp_path, 1, source_url, upload_interval=0.05)
-    orders = source.open_partition("orders")
+    orders = open_partition(source, "orders")
     producer = Producer(orders, seed=7)
     for f in [orders.append(producer.batch()) for _ in range(600)]:     # about 3 MB before the first child
         f.result(30)
@@ -192,7 +192,7 @@ def test_sigkill_and_restart_on_the_same_node(tmp_path):
 def test_sigkill_then_failover_to_another_node(tmp_path):
     source_url, target_url = f"sqlite:///{tmp_path}/source.db", f"sqlite:///{tmp_path}/target.db"
     source = source_client(tmp_path, 1, source_url, upload_interval=0.05)
-    orders = source.open_partition("orders")
+    orders = open_partition(source, "orders")
     producer = Producer(orders, seed=8)
     for f in [orders.append(producer.batch()) for _ in range(600)]:
         f.result(30)

@@ -22,11 +22,12 @@ import pytest
 
 from conftest import small_config
 from s3stream import RecordBatch, StreamClient
-from s3stream.cluster.consumer import ConsumerGroups
+from s3stream.records.consumer import ConsumerGroups
 from s3stream.errors import ConfigError, InvalidArgumentError, S3StreamError
 from s3stream.metadata import open_metadata
 from s3stream.mirror import HEARTBEATS, MirrorWorker, WorkerConfig, latest_heartbeats, load_flow, mirror_status
 from s3stream.mirror.worker import leader_key, lease_key, quotas
+from s3stream.cluster import open_partition, partitions_on, read_partition
 
 FLOW = "A-to-B"
 UPLOAD = 0.05
@@ -72,7 +73,7 @@ class Env:
 
     def produce(self, name: str, batches: int) -> None:
         if name not in self.partitions:
-            self.partitions[name] = self.producer.open_partition(name)
+            self.partitions[name] = open_partition(self.producer, name)
         part = self.partitions[name]
         futures = []
         for _ in range(batches):
@@ -85,10 +86,10 @@ class Env:
             f.result(30)
 
     def source_batches(self, name: str) -> list[tuple[int, bytes]]:
-        return read_all(self.producer.read_partition(name))
+        return read_all(read_partition(self.producer, name))
 
     def target_batches(self, name: str) -> list[tuple[int, bytes]]:
-        return read_all(self.reader.read_partition(f"A.{name}"))
+        return read_all(read_partition(self.reader, f"A.{name}"))
 
     def wait_mirrored(self, names=None, timeout: float = 30.0) -> None:
         """Until every source partition's committed records are committed on the target too,
@@ -96,7 +97,7 @@ class Env:
         names = sorted(self.partitions) if names is None else names
         deadline = time.monotonic() + timeout
         for name in names:
-            ends = lambda: (self.producer.read_partition(name).end_offset,  # noqa: E731
+            ends = lambda: (read_partition(self.producer, name).end_offset,  # noqa: E731
                             self.partitions[name].log.confirm_offset)
             while True:
                 committed, confirmed = ends()
@@ -106,7 +107,7 @@ class Env:
                 time.sleep(0.02)
             while True:
                 try:
-                    end = self.reader.read_partition(f"A.{name}").end_offset
+                    end = read_partition(self.reader, f"A.{name}").end_offset
                 except S3StreamError:
                     end = -1
                 if end >= committed:
@@ -333,7 +334,7 @@ def test_exactly_one_leader_runs_checkpoints_and_heartbeats(env):
     leaders[0].stop(10)
     wait_for(lambda: other.is_leader and other.heartbeats > 0 and other.checkpoints > 0, timeout=10,
              what="the other worker to lead", status=other.status)
-    assert HEARTBEATS in [p.name for p in other.target_client.partitions()]
+    assert HEARTBEATS in [p.name for p in partitions_on(other.target_client)]
 
 
 def source_nodes(env: Env) -> list[str]:

@@ -10,6 +10,7 @@ from s3stream import (DecompressionLimitError, InvalidArgumentError, InvalidReco
 from s3stream.records import decode_batch
 
 from conftest import small_config
+from s3stream.cluster import open_partition
 
 
 def records_of(stream, start: int, end: int) -> list:
@@ -134,7 +135,7 @@ def test_record_rejects_values_that_are_not_bytes():
 
 
 def test_partition_append_records(client):
-    p = client.open_partition("orders")
+    p = open_partition(client, "orders")
     r = p.append_records([Record(b"id-1", b"{}"), Record(b"id-2", b"{}")], compression="zstd").result(10)
     got = []
     for batch in p.fetch(r.base_offset).batches:
@@ -196,9 +197,8 @@ def test_batches_built_elsewhere_append_checked_and_bad_ones_append_nothing(clie
 def test_a_batch_from_an_idempotent_kafka_producer_is_taken_once(client):
     """Partition.append_encoded: a batch whose header names a producer id and sequence is taken
     idempotently (its retry answers the first offset); the next sequence continues."""
-    import s3stream.cluster  # noqa: F401
     from s3stream import OutOfOrderSequenceError
-    p = client.open_partition("orders")
+    p = open_partition(client, "orders")
     first = kafka_python_batch([Record(value=b"a"), Record(value=b"b")], producer=(42, 0, 0))
     assert p.append_encoded(first).result(5).base_offset == 0
     assert p.append_encoded(first).result(5).base_offset == 0
@@ -224,7 +224,6 @@ def test_stored_kafka_batches_carry_their_offsets_plain_payloads_their_bytes(tmp
     from the payload, its CRC intact, from the log cache, from objects and after a crash and
     recovery from the WAL. A payload appended as bytes stays byte for byte, a Kafka batch's too."""
     import os
-    import s3stream.cluster  # noqa: F401
     from s3stream import new_producer
     from s3stream.records import encode_batch
     from test_engine_model import crash
@@ -235,7 +234,7 @@ def test_stored_kafka_batches_carry_their_offsets_plain_payloads_their_bytes(tmp
     elsewhere[:8] = (12345).to_bytes(8, "big")                          # outside the CRC: still valid
     try:
         s = client.create_stream()
-        p = client.open_partition("p")
+        p = open_partition(client, "p")
         producer = new_producer(client)
         s.append(RecordBatch(b"x", 1)).result(10)
         s.append_records([Record(value=b"a"), Record(value=b"b")]).result(10)
@@ -271,7 +270,7 @@ def test_stored_kafka_batches_carry_their_offsets_plain_payloads_their_bytes(tmp
         crash(client)
         client = StreamClient(1, tmp_path / "node1.wal", store_url, f"sqlite:///{tmp_path}/meta.db", config)
         s = client.open_stream(s.stream_id)
-        p = client.open_partition("p")
+        p = open_partition(client, "p")
         batches = s.fetch(15, max_bytes=1 << 30).batches
         assert kafka_python_offsets(batches[0].payload) == (15, [15]) and batches[1].payload == b"y"
         check("recovered")

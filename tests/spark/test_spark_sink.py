@@ -21,6 +21,7 @@ from s3stream.batches import FetchedBatch  # noqa: E402
 from conftest import small_config  # noqa: E402
 
 from pyspark_s3stream import sink  # noqa: E402
+from s3stream.cluster import open_partition, read_partition
 
 pytestmark = pytest.mark.slow    # the whole module: soaks, campaigns, fault runs or Spark (README: quick tier)
 
@@ -56,7 +57,7 @@ def _cluster(tmp_path, meta: str, store: str):
         client = s3stream.StreamClient(node_id=node_id, wal_path=str(tmp_path / f"wal{node_id}"),
                                        object_store=store, metadata=meta, config=small_config())
         for name in names:
-            client.open_partition(name)
+            open_partition(client, name)
         client.close()
     yield meta, store, create
     sink.close_contexts()
@@ -65,7 +66,7 @@ def _cluster(tmp_path, meta: str, store: str):
 def read_back(meta: str, store: str, name: str) -> tuple[list, int]:
     """(records, committed end offset) of partition `name`."""
     with s3stream.open_reader(meta, store) as reader:
-        part = reader.read_partition(name)
+        part = read_partition(reader, name)
         end, position, out = part.end_offset, part.start_offset, []
         while position < end:
             result = part.fetch(position, end)
@@ -136,13 +137,13 @@ def test_tasks_objects_are_committed_once_with_gaps_over_what_others_reserved(an
     # Each stored batch, the gap too, carries its offset in its header, as a broker stores it.
     from kafka.record.default_records import DefaultRecordBatch
     with s3stream.open_reader(metadata=meta, object_store=store) as reader:
-        stored = reader.read_partition("out-0").fetch(0).batches
+        stored = read_partition(reader, "out-0").fetch(0).batches
     assert [DefaultRecordBatch(bytearray(b.payload)).base_offset for b in stored] == [b.base_offset for b in stored]
     assert len(stored) == 3
     client = s3stream.StreamClient(node_id=1, wal_path=str(tmp_path / "wal1"), object_store=store, metadata=meta,
                                    config=small_config())
     try:
-        assert client.open_partition("out-0").append_records([Record(value=b"z")]).result().base_offset == 6
+        assert open_partition(client, "out-0").append_records([Record(value=b"z")]).result().base_offset == 6
     finally:
         client.close()
 
@@ -203,7 +204,7 @@ def test_racing_writers_create_a_missing_partition_once(any_cluster, tmp_path):
     client = s3stream.StreamClient(node_id=1, wal_path=str(tmp_path / "wal1"), object_store=store, metadata=meta,
                                    config=small_config())
     try:
-        partition = client.open_partition("fresh")
+        partition = open_partition(client, "fresh")
         assert partition.append_records([Record(value=b"node")]).result().base_offset == 6
     finally:
         client.close()
@@ -225,14 +226,14 @@ def test_a_missing_partition_is_refused_without_create_partitions_and_a_half_mad
     client = s3stream.StreamClient(node_id=1, wal_path=str(tmp_path / "wal1"), object_store=store, metadata=meta,
                                    config=small_config(upload_interval=None))
     try:
-        client.open_partition("half")
+        open_partition(client, "half")
         with pytest.raises(sink.SinkError, match="no committed checkpoint yet"):
             sink._write(sink._Options({"metadata": meta, "object_store": store, "partition": "half"}), [rows])
     finally:
         client.close()
     with s3stream.open_reader(meta, store) as reader:
         with pytest.raises(s3stream.StreamNotFoundError):
-            reader.read_partition("nope")
+            read_partition(reader, "nope")
 
 
 def test_a_task_writing_many_partitions_holds_a_bounded_number_of_bytes(cluster, monkeypatch):
@@ -266,7 +267,7 @@ def test_a_commit_refuses_a_partition_a_node_holds_open(cluster, tmp_path):
     client = s3stream.StreamClient(node_id=2, wal_path=str(tmp_path / "wal-open"), object_store=store,
                                    metadata=meta, config=small_config())
     try:
-        client.open_partition("out-0")
+        open_partition(client, "out-0")
         with pytest.raises(sink.SinkError, match="open on node 2"):
             sink._commit(opts, [message], None, None)
     finally:
@@ -445,7 +446,7 @@ def test_batch_and_stream_writes_create_missing_partitions_once(spark, cluster, 
     client = s3stream.StreamClient(node_id=1, wal_path=str(tmp_path / "wal1"), object_store=store, metadata=meta,
                                    config=small_config())
     try:
-        assert client.open_partition("new-a").append_records([Record(value=b"z")]).result().base_offset == 200
+        assert open_partition(client, "new-a").append_records([Record(value=b"z")]).result().base_offset == 200
     finally:
         client.close()
 

@@ -32,6 +32,7 @@ from pyspark_s3stream.source import (BatchReader, FilteringBatchReader, OffsetRa
 from conftest import small_config  # noqa: E402
 from s3stream.records import COMPRESSION_CODECS, compress_payload  # noqa: E402
 from test_records import HEADER, rebuild  # noqa: E402
+from s3stream.cluster import open_partition, read_partition
 
 pytestmark = pytest.mark.slow    # the whole module: soaks, campaigns, fault runs or Spark (README: quick tier)
 
@@ -178,7 +179,7 @@ def test_a_damaged_object_fails_the_read_naming_it(tmp_path):
     finally:
         node.close()
     with s3stream.open_reader(meta, store) as one:
-        stream_id = one.read_partition("z-0").log_stream_id
+        stream_id = read_partition(one, "z-0").log_stream_id
     options = SourceOptions.parse({"metadata": meta, "object_store": store, "subscribe": "z-0"}, streaming=False)
     part = OffsetRange("z-0", stream_id, 0, 100)
     with s3stream.open_reader(meta, store) as reader:
@@ -280,7 +281,7 @@ def spark():
 def append(node, name: str, count: int, first: int = 0, seed: int = 0, compression=None) -> list[Record]:
     """`count` records appended to `name` in a few batches, then uploaded (committed)."""
     rng = random.Random(seed * 7919 + first)
-    partition = node.open_partition(name)
+    partition = open_partition(node, name)
     records = [Record(None if i % 5 == 0 else b"k%d" % i, None if i % 7 == 3 else b"%s-%d" % (name.encode(), i)
                       + bytes(rng.randrange(40)), 1_700_000_000_000 + i,
                       (("n", b"%d" % i), ("none", None)) if i % 3 == 0 else ())
@@ -437,7 +438,7 @@ def test_fail_on_data_loss(spark, cluster, tmp_path):
         out, checkpoint = str(tmp_path / f"out-{fail}"), str(tmp_path / f"checkpoint-{fail}")
         run_available_now(spark, meta, store, out, checkpoint, subscribe="d-0", failOnDataLoss=fail)
     more = append(node, "d-0", 60, first=40)
-    node.open_partition("d-0").log.trim(70)                        # offsets 40..69 gone before any read
+    open_partition(node, "d-0").log.trim(70)                        # offsets 40..69 gone before any read
     with pytest.raises(Exception, match=r"d-0.*\[40, 70\).*failOnDataLoss"):
         run_available_now(spark, meta, store, str(tmp_path / "out-true"), str(tmp_path / "checkpoint-true"),
                           subscribe="d-0")
@@ -472,9 +473,9 @@ def test_a_task_finds_trimmed_offsets_itself(cluster):
     from pyspark_s3stream.source import DataLossError, read_range
     meta, store, node = cluster
     records = append(node, "e-0", 60)
-    node.open_partition("e-0").log.trim(25)
+    open_partition(node, "e-0").log.trim(25)
     with s3stream.open_reader(meta, store) as one:
-        stream_id = one.read_partition("e-0").log_stream_id
+        stream_id = read_partition(one, "e-0").log_stream_id
     part = OffsetRange("e-0", stream_id, 10, 60)
     for fail in ("true", "false"):
         options = SourceOptions.parse({"metadata": meta, "object_store": store, "subscribe": "e-0",

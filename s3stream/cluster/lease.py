@@ -1,6 +1,8 @@
-"""The balancer's lease: at most one leader acts at a time, fenced by epoch.
+"""A lease in metadata: at most one leader acts at a time, fenced by epoch. The balancer's leader
+(`balancer/lease`) and the mirror's workers (one per flow and target partition, and the flow's
+leader) hold these.
 
-One KV record, `balancer/lease`: {"holder": node id, "epoch": n, "expires_ns": t}. A candidate
+One KV record per lease: {"holder": node id, "epoch": n, "expires_ns": t}. A candidate
 takes the lease when it is absent or expired (epoch + 1), and the holder renews it (same epoch)
 before it expires; every change is a compare-and-set (`MetadataStore.replace_kv`), so two
 candidates never both win one epoch.
@@ -18,9 +20,6 @@ import time
 from typing import Callable, TypeGuard
 
 from ..metadata import MetadataStore
-
-LEASE_KEY = "balancer/lease"
-
 
 def read_lease(raw: bytes | None) -> dict | None:
     """A lease record ({"holder", "epoch", "expires_ns"}), or None if absent or not one."""
@@ -54,7 +53,7 @@ class Lease:
     """A candidate for the lease `key`. `token` is the guard for the holder's writes (None while
     not holding it)."""
 
-    def __init__(self, meta: MetadataStore, holder: int, ttl_s: float, key: str = LEASE_KEY,
+    def __init__(self, meta: MetadataStore, holder: int, ttl_s: float, *, key: str,
                  clock: Callable[[], int] = time.time_ns) -> None:
         self.meta = meta
         self.holder = holder

@@ -39,7 +39,7 @@ from _native.checksum import crc32c
 from ..errors import (DuplicateSequenceError, InvalidArgumentError, NotIdempotentError, OutOfOrderSequenceError,
                       ProducerFencedError)
 from ..batches import AppendResult, RecordBatch
-from ..records import Record, encode_records
+from . import Record, encode_records
 
 if TYPE_CHECKING:
     from ..metadata import MetadataStore
@@ -130,7 +130,7 @@ def _refuse_on_stream(stream: Any, batch: ProducedBatch) -> NotIdempotentError:
     return NotIdempotentError(
         f"stream {stream.stream_id} keeps no producer sequences: appended here, this batch of producer "
         f"{batch.producer_id} (epoch {batch.epoch}, sequence {batch.base_sequence}) would be appended again by each "
-        f"retry. Nothing was appended: append it to its partition, client.open_partition({batch.partition!r})"
+        f"retry. Nothing was appended: append it to its partition, s3stream.cluster.open_partition(client, {batch.partition!r})"
         f".append(batch), which takes it once")
 
 

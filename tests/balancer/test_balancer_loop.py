@@ -20,7 +20,7 @@ from s3stream.cluster.loadreport import REPORT_PREFIX, LoadReporter, TrafficMete
 from s3stream.metadata import open_metadata
 from s3stream.objectstore import LocalObjectStore
 from s3stream.cluster.partition import PartitionMovedError
-from test_cluster import InProcessCluster, read_partition
+from test_cluster import InProcessCluster, records_of
 
 KiB = 1024
 FAST = ClusterConfig(agent_interval=0.01, heartbeat_interval=0.1, heartbeat_timeout=2.0, migration_timeout=5.0,
@@ -271,7 +271,7 @@ def test_a_skewed_cluster_converges_and_loses_nothing(tmp_path, metadata_url):
         stop_all(producers)
     try:
         for p in producers:
-            stored = dict(read_partition(c, p.name))
+            stored = dict(records_of(c, p.name))
             assert len(p.acked) > 50
             assert all(stored.get(base) == payload for base, payload in p.acked), p.name
     finally:

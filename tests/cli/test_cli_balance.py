@@ -293,7 +293,7 @@ def test_run_once_with_nothing_to_move_records_the_round_and_releases_the_lease(
 @pytest.mark.slow
 def test_run_once_moves_partitions_of_a_live_cluster(tmp_path):
     """Three nodes with agents, six producing partitions on node 1: one round moves some off it."""
-    from test_balancer_loop import FAST, SKEWED_RATES, read_partition, skewed_load, stop_all
+    from test_balancer_loop import FAST, SKEWED_RATES, records_of, skewed_load, stop_all
     from test_cluster import InProcessCluster
 
     url = f"sqlite:///{tmp_path}/meta.db"
@@ -315,7 +315,7 @@ def test_run_once_moves_partitions_of_a_live_cluster(tmp_path):
         stop_all(producers)
     try:
         for p in producers:
-            stored = dict(read_partition(c, p.name))
+            stored = dict(records_of(c, p.name))
             assert p.acked and all(stored.get(base) == payload for base, payload in p.acked), p.name
     finally:
         c.close()

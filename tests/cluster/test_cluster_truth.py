@@ -149,16 +149,21 @@ def test_migrate_fails_over_a_source_that_is_silent(tmp_path, metadata_url):
         meta.close()
 
 
-def test_a_node_that_cannot_open_hands_the_partition_on(tmp_path, metadata_url):
+def test_a_node_that_cannot_open_hands_the_partition_on(tmp_path, metadata_url, monkeypatch):
     """Node 2 cannot open `p`: after open_attempts tries its agent assigns `p` to another node
     that can serve, with the reason, which the CLI report shows."""
     meta = open_metadata(metadata_url)
     cluster = Cluster(meta, LocalObjectStore(str(tmp_path / "objects")), FAST, small_config())
     nodes = {n: Node(tmp_path, n, metadata_url, f"file://{tmp_path}/objects", cluster) for n in (2, 3)}
     try:
-        def cannot_open(name, **_):
-            raise S3StreamError(f"injected: node 2 cannot open {name!r}")
-        nodes[2].client.open_partition = cannot_open                       # type: ignore[method-assign]
+        from s3stream.cluster import agent as agent_module
+        real = agent_module.open_partition
+
+        def cannot_open(client, name, **kw):
+            if client is nodes[2].client:
+                raise S3StreamError(f"injected: node 2 cannot open {name!r}")
+            return real(client, name, **kw)
+        monkeypatch.setattr(agent_module, "open_partition", cannot_open)
         cluster.assign("p", 2)
         wait_for(lambda: cluster.assignment("p")["node"] == 3, what="p handed to node 3")
         assignment = cluster.assignment("p")

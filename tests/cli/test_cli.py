@@ -392,7 +392,7 @@ def test_bench_errors_of_the_benchmark(tmp_path):
     assert result.exit_code == 0 and "--capacity" in result.stdout
 
 
-BENCH_KINDS = {"engine", "wal", "lease", "metadata", "spark-throughput", "spark-migration", "spark-balance",
+BENCH_KINDS = {"engine", "wal", "lease", "metadata", "scale", "spark-throughput", "spark-migration", "spark-balance",
                "spark-mirror", "spark-pipeline", "spark-datasource", "wal-objects", "records", "reader", "wake",
                "visibility"}
 

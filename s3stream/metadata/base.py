@@ -486,8 +486,25 @@ class MetadataStore(abc.ABC):
         where the store can, two reads otherwise. MetadataError if the node is unknown."""
         return self.get_kv(key), self.get_node(node_id)
 
+    def get_kvs(self, keys: Sequence[str]) -> dict[str, bytes]:
+        """The keys of `keys` that exist and their values, read in one round trip where the
+        store can (an agent's batch of opens reads every partition's close record at once)."""
+        found = {}
+        for key in keys:
+            value = self.get_kv(key)
+            if value is not None:
+                found[key] = value
+        return found
+
     @abc.abstractmethod
     def put_kv(self, key: str, value: bytes) -> None: ...
+
+    def put_kvs(self, items: Sequence[tuple[str, bytes]]) -> None:
+        """`put_kv` of every (key, value), in one transaction where the store can: all written
+        or none (an agent publishes a batch of opens in one write). Change feeds are notified
+        of each key."""
+        for key, value in items:
+            self.put_kv(key, value)
 
     @abc.abstractmethod
     def put_kv_if_absent(self, key: str, value: bytes) -> bytes:
@@ -504,6 +521,12 @@ class MetadataStore(abc.ABC):
 
     @abc.abstractmethod
     def delete_kv(self, key: str) -> None: ...
+
+    def replace_kvs(self, items: Sequence[tuple[str, bytes | None, bytes]]) -> list[bool]:
+        """`replace_kv` (no guard) of each (key, expected, value), in one transaction where the
+        store can: each written only if its key holds `expected` (None: absent); which were,
+        in order. A failover reassigns a dead node's partitions with it."""
+        return [self.replace_kv(key, expected, value) for key, expected, value in items]
 
     @abc.abstractmethod
     def list_kv(self, prefix: str) -> dict[str, bytes]:

@@ -87,7 +87,7 @@ from .base import (TAILING_PREFIX, ChangeFeed, commit_key, commit_notices, taili
                    CommitResult, NodeMeta, ObjectMeta, StreamMeta, object_key)
 # The checks and loaders are shared with the SQLite store: both stores must decide alike. They take
 # any connection-like object whose execute() takes qmark SQL; _Db adapts a psycopg connection.
-from .sql import (SCHEMA_VERSION, SqlMetadataStore, _MARK_DESTROYED, _NODE_COLUMNS, _PREPARED, _RANGE_COLUMNS,
+from .sql import (KV_BATCH, SCHEMA_VERSION, SqlMetadataStore, _MARK_DESTROYED, _NODE_COLUMNS, _PREPARED, _RANGE_COLUMNS,
                   _Connection, _Cursor, _apply_commit, _check_prepare, _check_request_shape, _check_unchanged, _ids,
                   _load_objects, _node_meta, _node_row, _open_rows, _send_load_streams, _send_node_check,
                   _unknown_object, _unknown_stream)
@@ -618,6 +618,18 @@ class PostgresMetadataStore(SqlMetadataStore):
     def put_kv(self, key: str, value: bytes) -> None:
         self._write_alone([(_NOTIFYING.format(f"{_PUT_KV} RETURNING key"), (key, bytes(value), KV_CHANNEL))])
 
+    def put_kvs(self, items: Sequence[tuple[str, bytes]]) -> None:
+        # One multi-row upsert per KV_BATCH keys, all in one transaction and one round trip.
+        statements = []
+        unique = list(dict(items).items())           # a key twice: its last value, as put_kv in turn would
+        for i in range(0, len(unique), KV_BATCH):
+            chunk = unique[i:i + KV_BATCH]
+            rows = ", ".join(["(?, ?)"] * len(chunk))
+            upsert = f"INSERT INTO kv VALUES {rows} ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value RETURNING key"
+            statements.append((_NOTIFYING.format(upsert), [v for k, value in chunk for v in (k, bytes(value))] + [KV_CHANNEL]))
+        if statements:
+            self._write_alone(statements)
+
     def put_kv_if_absent(self, key: str, value: bytes) -> bytes:
         # A concurrent insert of the key makes this wait for it, then do nothing; the SELECT,
         # a statement of its own, sees the winner's row.
@@ -650,6 +662,21 @@ class PostgresMetadataStore(SqlMetadataStore):
             params = (bytes(value), key, bytes(expected), *holds_params)
         statements.append((_NOTIFYING.format(write), (*params, KV_CHANNEL)))
         return bool(self._write_alone(statements))
+
+    def replace_kvs(self, items: Sequence[tuple[str, bytes | None, bytes]]) -> list[bool]:
+        # One transaction; each write compares its row itself, as replace_kv's does.
+        done = []
+        with self._transaction(write=True) as db:
+            for key, expected, value in items:
+                if expected is None:
+                    row = db.execute("INSERT INTO kv VALUES (?, ?) ON CONFLICT (key) DO NOTHING RETURNING key",
+                                     (key, bytes(value))).fetchone()
+                else:
+                    row = db.execute("UPDATE kv SET value = ? WHERE key = ? AND value = ? RETURNING key",
+                                     (bytes(value), key, bytes(expected))).fetchone()
+                done.append(row is not None)
+            _notify(db, [key for (key, _, _), written in zip(items, done) if written])
+        return done
 
     def delete_kv(self, key: str) -> None:
         self._write_alone([(_NOTIFYING.format("DELETE FROM kv WHERE key = ? RETURNING key"), (key, KV_CHANNEL))])

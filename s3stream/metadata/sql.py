@@ -58,6 +58,8 @@ from .base import (CommitRange, CommitRequest, CommitResult, MetadataStore, Node
 #: The schema version of both stores: their tables, columns, keys and indexes are the same, in
 #: each dialect's types, and a version 1 database is upgraded in place alike.
 SCHEMA_VERSION = 2
+#: Keys per statement of get_kvs and put_kvs (bound parameters stay far below either store's limit).
+KV_BATCH = 500
 
 _STREAM_COLUMNS = "stream_id, epoch, state, owner_node_id, start_offset, end_offset, reserved_end"
 _RANGE_COLUMNS = "stream_id, range_index, node_id, epoch, start_offset, end_offset"
@@ -337,6 +339,15 @@ class SqlMetadataStore(MetadataStore):
             raise _unregistered(node_id)
         value = rows[0][0]
         return (None if value is None else bytes(value)), _node_meta(rows[0][1:])
+
+    def get_kvs(self, keys: Sequence[str]) -> dict[str, bytes]:
+        found: dict[str, bytes] = {}
+        unique = list(dict.fromkeys(keys))
+        for i in range(0, len(unique), KV_BATCH):
+            chunk = unique[i:i + KV_BATCH]
+            rows = self._read_rows(f"SELECT key, value FROM kv WHERE key IN ({', '.join('?' * len(chunk))})", chunk)
+            found.update((k, bytes(v)) for k, v in rows)
+        return found
 
     def list_kv(self, prefix: str) -> dict[str, bytes]:
         # A range scan on the primary key: [prefix, prefix + U+10FFFF) holds every key with it

@@ -399,6 +399,14 @@ class SqliteMetadataStore(SqlMetadataStore):
             db.execute("INSERT OR REPLACE INTO kv VALUES (?, ?)", (key, bytes(value)))
         self._notifier.notify(key)
 
+    def put_kvs(self, items: Sequence[tuple[str, bytes]]) -> None:
+        if not items:
+            return
+        with self._transaction(write=True) as db:
+            db.executemany("INSERT OR REPLACE INTO kv VALUES (?, ?)", [(k, bytes(v)) for k, v in items])
+        for key, _ in items:
+            self._notifier.notify(key)
+
     def put_kv_if_absent(self, key: str, value: bytes) -> bytes:
         with self._transaction(write=True) as db:
             inserted = db.execute("INSERT OR IGNORE INTO kv VALUES (?, ?)", (key, bytes(value))).rowcount
@@ -415,6 +423,18 @@ class SqliteMetadataStore(SqlMetadataStore):
             db.execute("INSERT OR REPLACE INTO kv VALUES (?, ?)", (key, bytes(value)))
         self._notifier.notify(key)
         return True
+
+    def replace_kvs(self, items: Sequence[tuple[str, bytes | None, bytes]]) -> list[bool]:
+        done = []
+        with self._transaction(write=True) as db:    # BEGIN IMMEDIATE: no writer in between
+            for key, expected, value in items:
+                done.append(_kv_holds(db, key, expected, None))
+                if done[-1]:
+                    db.execute("INSERT OR REPLACE INTO kv VALUES (?, ?)", (key, bytes(value)))
+        for (key, _, _), written in zip(items, done):
+            if written:
+                self._notifier.notify(key)
+        return done
 
     def delete_kv(self, key: str) -> None:
         with self._transaction(write=True) as db:

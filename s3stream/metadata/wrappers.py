@@ -22,7 +22,8 @@ TIMED_OPERATIONS = (
     "get_streams", "list_streams",
     "prepare_objects", "commit", "get_object", "list_objects", "get_object_refs", "node_stream_set_objects",
     "mark_destroyed", "objects_to_delete", "remove_objects",
-    "get_kv", "get_kv_and_node", "put_kv", "put_kv_if_absent", "replace_kv", "delete_kv", "list_kv",
+    "get_kv", "get_kvs", "get_kv_and_node", "put_kv", "put_kvs", "put_kv_if_absent", "replace_kv", "replace_kvs", "delete_kv",
+    "list_kv",
 )
 
 
@@ -161,6 +162,15 @@ class InstrumentedMetadataStore(MetadataStore):
 
     def put_kv(self, key: str, value: bytes) -> None:
         return self._timed("put_kv", self.inner.put_kv, key, value)
+
+    def get_kvs(self, keys: Sequence[str]) -> dict[str, bytes]:
+        return self._timed("get_kvs", self.inner.get_kvs, keys)
+
+    def put_kvs(self, items: Sequence[tuple[str, bytes]]) -> None:
+        return self._timed("put_kvs", self.inner.put_kvs, items)
+
+    def replace_kvs(self, items: Sequence[tuple[str, bytes | None, bytes]]) -> list[bool]:
+        return self._timed("replace_kvs", self.inner.replace_kvs, items)
 
     def put_kv_if_absent(self, key: str, value: bytes) -> bytes:
         return self._timed("put_kv_if_absent", self.inner.put_kv_if_absent, key, value)

@@ -932,6 +932,43 @@ def test_list_kv_by_prefix(store):
     assert m.list_kv("nothing/") == {}
 
 
+def test_get_kvs_and_put_kvs_read_and_write_many_keys_at_once(store, open_same):
+    """get_kvs returns the keys that exist (any number, more than one statement's worth); put_kvs
+    writes all its items in one transaction, the last value of a key given twice, and notifies
+    every key's feed (issue 53: an agent's batch of opens)."""
+    feed = open_same().kv_changes(("opened/",))
+    try:
+        items = [(f"opened/p{i:04d}", b"%d" % i) for i in range(1200)]
+        store.put_kvs(items + [("opened/p0001", b"last")])
+        store.put_kvs([])
+        assert feed.wait(5)
+        keys = [k for k, _ in items] + ["opened/none", "opened/p0002"]
+        found = store.get_kvs(keys)
+        assert len(found) == 1200 and found["opened/p0001"] == b"last" and found["opened/p1199"] == b"1199"
+        assert "opened/none" not in found and store.get_kvs([]) == {}
+        assert store.list_kv("opened/") == found
+    finally:
+        feed.close()
+
+
+def test_replace_kvs_writes_each_item_that_holds_what_it_expects(store, open_same):
+    """replace_kvs compares each key as replace_kv does, in one transaction: the items that hold
+    their expected value (None: absent) are written and reported True, the others left as they
+    are; the written keys are pushed to the feeds."""
+    store.put_kv("assignment/a", b"a1")
+    store.put_kv("assignment/b", b"b1")
+    feed = open_same().kv_changes(("assignment/",))
+    try:
+        done = store.replace_kvs([("assignment/a", b"a1", b"a2"), ("assignment/b", b"stale", b"b2"),
+                                  ("assignment/c", None, b"c1"), ("assignment/a2", b"x", b"y")])
+        assert done == [True, False, True, False]
+        assert store.list_kv("assignment/") == {"assignment/a": b"a2", "assignment/b": b"b1", "assignment/c": b"c1"}
+        assert feed.wait(5)
+        assert store.replace_kvs([("assignment/c", None, b"c2")]) == [False] and store.replace_kvs([]) == []
+    finally:
+        feed.close()
+
+
 def test_racing_commits_keep_streams_contiguous(open_same):
     """Several stores (connections) commit to the same two streams at once, each from the end
     offset it last read: exactly the commits that continue the end win, so each stream's end is

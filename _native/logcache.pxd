@@ -16,9 +16,9 @@ cdef inline object held_owner(object payload, size_t length):
 
 
 cdef class ChunkPool:
-    cdef void** free_chunks[4]       # per size class, a stack of free chunks
-    cdef size_t free_count[4]
-    cdef size_t free_cap[4]
+    cdef void** free_chunks[5]       # per size class, a stack of free chunks
+    cdef size_t free_count[5]
+    cdef size_t free_cap[5]
     cdef readonly uint64_t free_bytes
     cdef readonly uint64_t max_free_bytes
     cdef readonly uint64_t allocated  # chunks obtained from malloc (not reused)

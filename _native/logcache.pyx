@@ -41,13 +41,15 @@ COMMITTED = "committed"
 
 cdef enum:
     FIRST_BATCHES = 16
-    SIZE_CLASSES = 4
+    SIZE_CLASSES = 5
     FIRST_CHUNKS = 4
 
-# Chunk sizes: a slice starts small and each chunk is four times the last, up to 1 MiB, so a
-# stream with little data in a block wastes little and a busy one needs few chunks.
-cdef size_t CHUNK_SIZE[4]
-CHUNK_SIZE[:] = [16384, 65536, 262144, 1048576]
+# Chunk sizes: a slice starts small and each chunk is four times the last (eight times after the
+# first), up to 1 MiB, so a stream with little data in a block wastes little and a busy one needs
+# few chunks. The first is 2 KiB: an idle partition's two streams keep one checkpoint record
+# each in the cache, 4 KiB in all rather than 32 (issue 53: memory per idle partition).
+cdef size_t CHUNK_SIZE[5]
+CHUNK_SIZE[:] = [2048, 16384, 65536, 262144, 1048576]
 
 
 cdef class ChunkPool:

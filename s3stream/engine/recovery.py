@@ -16,7 +16,7 @@ import wal
 
 from ..errors import CorruptDataError, StreamNotFoundError
 from .logcache import LogCache
-from ..metadata import MetadataStore, StreamMeta, StreamState
+from ..metadata import CommitRequest, MetadataStore, StreamMeta, StreamState
 from .upload import Uploader
 
 log = logging.getLogger("s3stream")
@@ -90,13 +90,18 @@ def replay_wal(records: Iterable[wal.Record], node_id: int, meta: MetadataStore,
                 dropped={sid: dict(from_offset=first, records=n) for sid, (first, n) in broken.items()})
 
 
+#: Streams one metadata transaction closes at a node's recovery or failover: a node holding
+#: 10,000 partitions (20,000 streams) is closed in 20 writes, each a bounded transaction.
+CLOSE_BATCH = 1000
+
+
 def close_node_streams(meta: MetadataStore, node_id: int, node_epoch: int) -> int:
     """Close every stream `node_id` holds open (after its data was committed), as long as
     `node_epoch` is still its epoch: StreamFencedError once a newer incarnation registered (what
-    it opened is its own; it recovers what the older ones held itself)."""
-    closed = 0
-    for m in meta.list_streams(owner_node_id=node_id):
-        meta.close_stream(m.stream_id, m.epoch, node_id, node_epoch)
-        closed += 1
-    return closed
+    it opened is its own; it recovers what the older ones held itself). CLOSE_BATCH streams per
+    metadata transaction (a commit that only closes, as close_stream would each one)."""
+    held = [(m.stream_id, m.epoch) for m in meta.list_streams(owner_node_id=node_id)]
+    for i in range(0, len(held), CLOSE_BATCH):
+        meta.commit(CommitRequest(node_id, node_epoch, closes=tuple(held[i:i + CLOSE_BATCH])))
+    return len(held)
 

@@ -13,8 +13,8 @@ Per N and metadata store, in order:
 3. node B (id 2) starts; A appends one record to each partition and is killed again. B's agent
    judges A silent (heartbeat_timeout) and fails it over: per partition, the time from the kill
    to its open on B ("failover", p50 / p99 / all), beside the target heartbeat_timeout + 2 s.
-4. A starts once more; a drain moves `--drain` of B's partitions to A (Cluster.migrate of each,
-   `max_parallel_moves` at a time): "drain" is the time until all are open on A.
+4. A starts once more; a drain moves `--drain` of B's partitions to A (Cluster.migrate_many:
+   closed on B and opened on A in batches): "drain" is the time until all are open on A.
 
 Each phase also counts the metadata operations of the nodes (InstrumentedMetadataStore: calls
 per operation) and prints them per partition. Reports: reports/scale/report.json and a PNG.
@@ -247,8 +247,13 @@ def one_case(n: int, meta_kind: str, meta_url: str, work: str, args) -> dict:
         nodes.append(a)
         time.sleep(2 * defaults.heartbeat_interval)          # A live again, seen by the cluster
         t0 = time.monotonic()
-        with concurrent.futures.ThreadPoolExecutor(max_workers=defaults.max_parallel_moves) as pool:
-            list(pool.map(lambda name: cluster.migrate(name, 1), drain))
+        if hasattr(cluster, "migrate_many"):
+            moved = cluster.migrate_many({name: 1 for name in drain}, timeout=args.timeout)
+            if moved.waiting:
+                raise TimeoutError(f"drain: {len(moved.waiting)} partitions not open on node 1 after {args.timeout} s")
+        else:                             # a build from before migrate_many (to compare with)
+            with concurrent.futures.ThreadPoolExecutor(max_workers=defaults.max_parallel_moves) as pool:
+                list(pool.map(lambda name: cluster.migrate(name, 1), drain))
         row["drain"] = len(drain)
         row["drain_s"] = round(time.monotonic() - t0, 3)
         log(f"{meta_kind} N={n}: drained {len(drain)} partitions in {row['drain_s']} s")

@@ -269,7 +269,7 @@ def status_report(meta: MetadataStore) -> dict:
         traffic = [t for t in (r.get("partitions") or {}).values() if isinstance(t, dict)]
         at = as_number(r.get("at"))
         nodes.append(dict(node=node, live=node in live, report_age_s=None if at is None else round(now - at, 3),
-                          window_s=r.get("window_s"), partitions=len(traffic),
+                          window_s=r.get("window_s"), partitions=len(traffic) + int(as_number(r.get("idle")) or 0),
                           bytes_in_per_s=sum(as_number(t.get("bytes_in")) or 0.0 for t in traffic),
                           bytes_out_per_s=sum(as_number(t.get("bytes_out")) or 0.0 for t in traffic),
                           append_p99_ms=r.get("append_p99_ms"), fetch_p99_ms=r.get("fetch_p99_ms")))

@@ -10,12 +10,12 @@ This layer wraps the engine: the engine (s3stream.client and below) never import
 and `import s3stream` does not load it.
 """
 from .agent import NodeAgent
-from .cluster import MIGRATION_SECONDS, Cluster, MigrationReport
+from .cluster import MIGRATION_SECONDS, BatchMigrationReport, Cluster, MigrationReport
 from .config import ClusterConfig
 from .detector import FailureDetector
 from .partition import (CloseReport, Partition, PartitionMovedError, PartitionReader, PartitionTable, open_partition,
-                        partition_on, partition_table, partitions_on, read_partition)
+                        open_partitions, partition_on, partition_table, partitions_on, read_partition)
 
-__all__ = ["CloseReport", "Cluster", "ClusterConfig", "FailureDetector", "MIGRATION_SECONDS", "MigrationReport",
-           "NodeAgent", "Partition", "PartitionMovedError", "PartitionReader", "PartitionTable", "open_partition",
+__all__ = ["BatchMigrationReport", "CloseReport", "Cluster", "ClusterConfig", "FailureDetector", "MIGRATION_SECONDS", "MigrationReport",
+           "NodeAgent", "Partition", "PartitionMovedError", "PartitionReader", "PartitionTable", "open_partition", "open_partitions",
            "partition_on", "partition_table", "partitions_on", "read_partition"]

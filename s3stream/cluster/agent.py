@@ -23,6 +23,7 @@ import logging
 import threading
 import zlib
 from collections import deque
+from collections.abc import Sequence
 from typing import Callable
 
 from ..client import StreamClient
@@ -32,11 +33,21 @@ from .detector import FailureDetector
 from . import metrics as cluster_metrics
 from .loadreport import LoadReporter
 from .hold import AppendHold
-from .partition import Partition, closed_key, open_partition, partition_table, partitions_on
+from .partition import (Partition, close_partitions, closed_key, open_partition, open_partitions, partition_table,
+                        partitions_on)
 from .runtime import THREADS
 from ..threads import thread_nice
 
 log = logging.getLogger("s3stream.cluster")
+
+#: Most partitions one task of the agent opens or closes together (`_submit_batches`): one batch's
+#: metadata transactions (an open: a read of the close records, one open of all their streams, one
+#: write of the opened/ records; a close: one commit) stay bounded, and max_parallel_moves batches
+#: run at once.
+OPEN_BATCH = 500
+#: The fallback reconciliation (push_fallback_interval) runs at most one part in this many of the
+#: agent's time: at 10,000 partitions a pass costs ~40 ms, so it runs every ~4 s, not twice a second.
+RECONCILE_SHARE = 100
 
 
 class NodeAgent:
@@ -70,6 +81,7 @@ class NodeAgent:
         self.detector = FailureDetector(self.config.heartbeat_timeout, 2 * self.config.heartbeat_interval)
         self._last_judged = 0
         self._last_reconciled = 0
+        self._reconcile_cost = 0.0           # seconds the last reconciliation took
         self._gone: set[int] = set()             # nodes failed over or forgotten, as last judged
         self._reporter = LoadReporter(self.node_id, self.config.report_window)
         self._last_report = 0.0
@@ -284,9 +296,20 @@ class NodeAgent:
         if mono - self._last_report >= self.config.report_interval:
             self._last_report = mono             # a report that fails waits for the next interval
             self._reporter.publish(self.client.metadata, partitions_on(self.client))
-        if reconcile or now - self._last_reconciled >= self.config.push_fallback_interval * 1e9:
+        if reconcile or now - self._last_reconciled >= self._fallback_interval() * 1e9:
             self._last_reconciled = now
-            self.reconcile_once()
+            started = self.clock()
+            try:
+                self.reconcile_once()
+            finally:
+                self._reconcile_cost = (self.clock() - started) / 1e9
+
+    def _fallback_interval(self) -> float:
+        """Seconds between reconciliations nothing asked for (a push that got lost):
+        push_fallback_interval, or longer where a reconciliation costs more than
+        1/RECONCILE_SHARE of that (thousands of partitions), so that at rest this fallback
+        takes at most that share of a core however many partitions the node holds."""
+        return max(self.config.push_fallback_interval, self._reconcile_cost * RECONCILE_SHARE)
 
     def _wait_for_change(self) -> bool:
         """Until the next pass: a pushed change of an assignment or of a partition's close (a
@@ -307,7 +330,7 @@ class NodeAgent:
         now = self.clock() / 1e9
         due = min(self._last_judged / 1e9 + self.config.heartbeat_interval - now,
                   self._last_report + self.config.report_interval - now,
-                  self._last_reconciled / 1e9 + self.config.push_fallback_interval - now)
+                  self._last_reconciled / 1e9 + self._fallback_interval() - now)
         # At least agent_interval: a pass that failed before its due steps (the store down)
         # must not spin. At most that while a task runs: one that ends with the source not
         # let go does not wake this loop (_submit), which then retries within agent_interval
@@ -380,16 +403,17 @@ class NodeAgent:
             assigned = self.cluster.assignments()
         mine = {name: a["version"] for name, a in assigned.items() if a["node"] == self.node_id}
         open_now = {p.name: p for p in partitions_on(self.client)}
+        to_close: list[tuple[str, Partition, int]] = []
         for name, held in open_now.items():
             if name not in mine:
-                version = assigned.get(name, {}).get("version", 0)
-                self._submit(name, self._close, held, version)
+                to_close.append((name, held, assigned.get(name, {}).get("version", 0)))
         serving = self.last_health.get("serving", False) and not self.fenced
+        to_open: list[tuple[str, int]] = []
         for name, version in mine.items():
             partition = open_now.get(name)
             if partition is None:
                 if serving:
-                    self._submit(name, self._open, name, version)
+                    to_open.append((name, version))
             elif (self._published.get(name, 0) < version and partition.is_open and serving
                   and name not in self._busy):
                 # Re-assigned to the node that already serves it: confirm the new version. Not
@@ -400,75 +424,175 @@ class NodeAgent:
                 # Half closed (a close failed while it was assigned elsewhere) and assigned here
                 # again: finish the close, then the next pass opens it afresh.
                 self._submit(name, self._close, partition, version)
+        if to_close:
+            self._submit_batches(to_close, self._close_batch)
+        if to_open:
+            self._submit_batches(to_open, self._open_batch)
 
     def _publish_opened(self, name: str, version: int, leader_epoch: int, seconds: float,
                         phases: dict[str, float]) -> None:
-        at = self.runtime.wall_ns() / 1e9
-        put_json(self.client.metadata, f"opened/{name}", {
-            "node": self.node_id, "node_epoch": self.node_epoch, "version": version, "leader_epoch": leader_epoch,
-            "at": at, "started": at - seconds, "seconds": seconds, "phases": phases})
-        self._published[name] = version
+        self._publish_opened_many([(name, version, leader_epoch, seconds, phases)])
 
-    def _submit(self, name: str, fn, *args, **kwargs) -> None:
+    def _publish_opened_many(self, opened: list[tuple[str, int, int, float, dict[str, float]]]) -> None:
+        """Write the `opened/` record of each (name, version, leader epoch, seconds, phases),
+        in one metadata write: the moves end when these are seen."""
+        if not opened:
+            return
+        at = self.runtime.wall_ns() / 1e9
+        records = [(f"opened/{name}", json.dumps({
+            "node": self.node_id, "node_epoch": self.node_epoch, "version": version, "leader_epoch": leader_epoch,
+            "at": at, "started": at - seconds, "seconds": seconds, "phases": phases}, sort_keys=True).encode())
+            for name, version, leader_epoch, seconds, phases in opened]
+        if len(records) == 1:
+            self.client.metadata.put_kv(*records[0])
+        else:
+            self.client.metadata.put_kvs(records)
+        for name, version, *_ in opened:
+            self._published[name] = version
+
+    def _claim(self, name: str) -> bool:
+        """Mark `name` busy for a task of this node, unless one runs for it (it is then wanted
+        again once that ends) or it backs off after failing: True if claimed."""
         with self._lock:
             if name in self._busy:
                 self._wanted_while_busy.add(name)
-                return
+                return False
             if self.clock() < self._not_before.get(name, (0, 0))[0]:
-                return
+                return False
             self._busy.add(name)
+            return True
+
+    def _settle(self, name: str, error: Exception | None) -> tuple[bool, bool]:
+        """Account for how a task for `name` ended (`error`, None if it succeeded): whether it
+        failed, and whether it only found the source still holding the partition."""
+        if error is None:
+            return False, False
+        if isinstance(error, StreamNotClosedError):
+            self._retry_soon = True        # the source has not let go yet: no backoff, a pass soon
+            return False, True
+        if isinstance(error, StreamFencedError):
+            if self.client.fenced:
+                self._fence(str(error))
+            else:
+                self.errors.append(f"{name}: {error}")
+                self._retry_soon = True
+            return True, False
+        if isinstance(error, (S3StreamError, OSError)):
+            log.warning("node %d: %s failed: %s", self.node_id, name, error)
+        else:                              # not raised on purpose: a bug, with its traceback
+            self.stats["unexpected_errors"] += 1
+            log.error("node %d: %s failed unexpectedly", self.node_id, name, exc_info=error)
+        self.errors.append(f"{name}: {error}")
+        self._retry_soon = True
+        return True, False
+
+    def _release(self, name: str, failed: bool, not_closed: bool) -> None:
+        """A task for `name` ended: it is no longer busy; a failed one backs off."""
+        with self._lock:
+            self._busy.discard(name)
+            again = name in self._wanted_while_busy
+            self._wanted_while_busy.discard(name)
+            # A move that failed is tried again after a backoff (50 ms doubling to 2 s),
+            # not at every pass: a close failing at once (the metadata store refusing it)
+            # must not spin.
+            tries = self._not_before.get(name, (0, 0))[1] + 1 if failed else 0
+            if tries:
+                delay = min(2.0, 0.05 * 2 ** (tries - 1))
+                self._not_before[name] = (self.clock() + int(delay * 1e9), tries)
+            else:
+                self._not_before.pop(name, None)
+        if not not_closed or again:
+            # The loop looks again now. Not after an open the source had not let go of,
+            # unless a change came while it ran: the next try waits for the source's
+            # close to be pushed (closed/), or agent_interval (_wait_for_change); woken
+            # at once it would spin reads beside that close.
+            self._feed.wake()
+
+    def _submit(self, name: str, fn, *args, **kwargs) -> None:
+        if not self._claim(name):
+            return
 
         def task():
             self._raise_priority()
-            failed = True
-            not_closed = False
+            error: Exception | None = None
             try:
                 fn(*args, **kwargs)
-                failed = False
-            except StreamNotClosedError:
-                failed = False             # the source has not let go yet: no backoff, a pass soon
-                not_closed = True
-                self._retry_soon = True
-            except StreamFencedError as e:
-                if self.client.fenced:
-                    self._fence(str(e))
-                else:
-                    self.errors.append(f"{name}: {e}")
-                    self._retry_soon = True
             except Exception as e:        # noqa: BLE001 - reported, retried by the next pass
-                if isinstance(e, (S3StreamError, OSError)):
-                    log.warning("node %d: %s failed: %s", self.node_id, name, e)
-                else:                     # not raised on purpose: a bug, with its traceback
-                    self.stats["unexpected_errors"] += 1
-                    log.error("node %d: %s failed unexpectedly", self.node_id, name, exc_info=True)
-                self.errors.append(f"{name}: {e}")
-                self._retry_soon = True
-            finally:
-                with self._lock:
-                    self._busy.discard(name)
-                    again = name in self._wanted_while_busy
-                    self._wanted_while_busy.discard(name)
-                    # A move that failed is tried again after a backoff (50 ms doubling to 2 s),
-                    # not at every pass: a close failing at once (the metadata store refusing it)
-                    # must not spin.
-                    tries = self._not_before.get(name, (0, 0))[1] + 1 if failed else 0
-                    if tries:
-                        delay = min(2.0, 0.05 * 2 ** (tries - 1))
-                        self._not_before[name] = (self.clock() + int(delay * 1e9), tries)
-                    else:
-                        self._not_before.pop(name, None)
-                if not not_closed or again:
-                    # The loop looks again now. Not after an open the source had not let go of,
-                    # unless a change came while it ran: the next try waits for the source's
-                    # close to be pushed (closed/), or agent_interval (_wait_for_change); woken
-                    # at once it would spin reads beside that close.
-                    self._feed.wake()
+                error = e
+            self._release(name, *self._settle(name, error))
 
         try:
             self._pool.submit(task)
         except RuntimeError:               # the pool is shut down: the agent is stopping
             with self._lock:
                 self._busy.discard(name)
+
+    def _submit_batches(self, wanted: Sequence[tuple], run: Callable[[list], dict[str, Exception]]) -> None:
+        """Run `run` over the items `wanted` (name first) in batches (at most OPEN_BATCH, spread
+        over max_parallel_moves workers), each batch one task of the pool: a batch of opens or
+        closes costs a few metadata transactions, not a few per partition (issue 53). `run`
+        returns the errors by name; each name is settled as a single task's would be."""
+        claimed = [item for item in wanted if self._claim(item[0])]
+        # Spread over the workers: 8 partitions are 4 batches of 2 on 4 workers, not one of 8.
+        size = max(1, min(OPEN_BATCH, -(-len(claimed) // self.config.max_parallel_moves)))
+        for i in range(0, len(claimed), size):
+            batch = claimed[i:i + size]
+
+            def task(batch=batch):
+                self._raise_priority()
+                try:
+                    errors = run(batch)
+                except Exception as e:    # noqa: BLE001 - the batch's own failure: each name's
+                    errors = {item[0]: e for item in batch}
+                for item in batch:
+                    self._release(item[0], *self._settle(item[0], errors.get(item[0])))
+
+            try:
+                self._pool.submit(task)
+            except RuntimeError:           # the pool is shut down: the agent is stopping
+                with self._lock:
+                    self._busy.difference_update(item[0] for item in batch)
+                return
+
+    def _open_batch(self, batch: list[tuple[str, int]]) -> dict[str, Exception]:
+        """`_open` of many partitions together: opened in a bounded number of metadata
+        transactions (open_partitions), published in one write, then their upkeep. Returns the
+        errors by partition (those absent succeeded)."""
+        if len(batch) == 1:
+            name, version = batch[0]
+            try:
+                self._open(name, version)
+            except Exception as e:        # noqa: BLE001 - settled by the caller
+                return {name: e}
+            return {}
+        t0 = self.clock()
+        errors: dict[str, Exception] = {}
+        serving: list[Partition] = []
+        with self.hold.moving():
+            results = open_partitions(self.client, batch)
+            records = []
+            seconds = (self.clock() - t0) / 1e9
+            for name, version in batch:
+                result = results[name]
+                if isinstance(result, Exception):
+                    errors[name] = result
+                    if not isinstance(result, StreamNotClosedError) and isinstance(result, S3StreamError):
+                        self._count_open_failure(name, version, result)
+                    continue
+                self._open_failures.pop((name, version), None)
+                self.stats["opens"] += 1
+                if result.is_open:
+                    serving.append(result)
+                    records.append((name, version, result.leader_epoch, seconds, result.open_phases))
+            self._publish_opened_many(records)
+        for partition in serving:
+            try:
+                # After the move, not in it: the open's checkpoint durable, then upkeep.
+                partition.trim_checkpoints(self.config.migration_timeout)
+            except S3StreamError as e:           # the next open trims what is left
+                self.errors.append(f"{partition.name}: after its open (the checkpoint made durable, older ones "
+                                   f"trimmed): {e}")
+        return errors
 
     def _open(self, name: str, version: int) -> None:
         # Until the record that the partition serves is written: the move ends when it is seen.
@@ -490,11 +614,7 @@ class NodeAgent:
         except StreamNotClosedError:
             raise                             # the source has not let go yet: not a failure
         except S3StreamError as e:
-            self.stats["open_failures"] += 1
-            failures = self._open_failures.setdefault((name, version), [])
-            failures.append(str(e))
-            if len(failures) >= self.config.open_attempts:
-                self._hand_on(name, version, failures)
+            self._count_open_failure(name, version, e)
             raise
         self._open_failures.pop((name, version), None)
         self.stats["opens"] += 1
@@ -503,6 +623,14 @@ class NodeAgent:
         self._publish_opened(name, version, partition.leader_epoch, (self.clock() - t0) / 1e9,
                              partition.open_phases)
         return partition
+
+    def _count_open_failure(self, name: str, version: int, error: S3StreamError) -> None:
+        """An open of `name` for `version` failed: after open_attempts of them, hand it on."""
+        self.stats["open_failures"] += 1
+        failures = self._open_failures.setdefault((name, version), [])
+        failures.append(str(error))
+        if len(failures) >= self.config.open_attempts:
+            self._hand_on(name, version, failures)
 
     def _hand_on(self, name: str, version: int, failures: list[str]) -> None:
         """This node failed to open `name` open_attempts times: assign it to another node that
@@ -517,6 +645,40 @@ class NodeAgent:
             self.stats["handed_on"] += 1
             log.warning("partition %s: %s; assigned to node %d", name, reason, target)
             self._open_failures.pop((name, version), None)
+
+    def _close_batch(self, batch: list[tuple[str, Partition, int]]) -> dict[str, Exception]:
+        """`_close` of many partitions together (close_partitions: one force upload, one commit
+        for all, their close records in it), then their figures in one write. Returns the
+        errors by partition (those absent closed)."""
+        if len(batch) == 1:
+            name, partition, version = batch[0]
+            try:
+                self._close(partition, version)
+            except Exception as e:        # noqa: BLE001 - settled by the caller
+                return {name: e}
+            return {}
+        started = self.runtime.wall_ns() / 1e9
+        records = [{"node": self.node_id, "node_epoch": self.node_epoch, "version": version, "started": started}
+                   for _, _, version in batch]
+        with self.hold.moving():
+            results = close_partitions([partition for _, partition, _ in batch], records)
+        errors: dict[str, Exception] = {}
+        figures = []
+        at = self.runtime.wall_ns() / 1e9
+        for (name, _, _), record in zip(batch, records):
+            result = results[name]
+            if isinstance(result, Exception):
+                self.stats["close_failures"] += 1
+                errors[name] = result
+                continue
+            self.stats["closes"] += 1
+            self._published.pop(name, None)
+            figures.append((closed_key(name), json.dumps(dict(
+                result.record or record, tail_bytes=result.tail_bytes, seconds=result.seconds, phases=result.phases,
+                at=at), sort_keys=True).encode()))
+        if figures:
+            self.client.metadata.put_kvs(figures)
+        return errors
 
     def _close(self, partition, version: int) -> None:
         started = self.runtime.wall_ns() / 1e9

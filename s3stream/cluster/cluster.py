@@ -54,6 +54,9 @@ FAILOVER_SECONDS = LatencyHistogram(DURATION_BUCKETS)
 
 #: KV prefix of the failover history.
 HISTORY_PREFIX = "history/"
+#: Assignments one metadata write changes (`assign_many`): a failover of a node holding 10,000
+#: partitions reassigns them in 10 writes.
+ASSIGN_BATCH = 1000
 #: History entries kept (the oldest are removed beyond this).
 HISTORY_KEPT = 2000
 
@@ -101,6 +104,19 @@ class FailoverOutcome:
     already: bool = False
     previous: dict | None = None
     forced: bool = False
+
+
+@dataclass
+class BatchMigrationReport:
+    """What Cluster.migrate_many (or drain) did: the moves asked for (name -> node), the seconds
+    until all were served at their targets (or the timeout), and those not served by then."""
+    moves: dict[str, int]
+    seconds: float
+    waiting: list[str]
+
+    @property
+    def done(self) -> bool:
+        return not self.waiting
 
 
 @dataclass
@@ -319,6 +335,25 @@ class Cluster:
                     "leader's lease (another leader took over); the deposed leader stops acting")
             raw = self.meta.get_kv(key)
 
+    def assign_many(self, moves: dict[str, int], note: dict | None = None) -> dict[str, int]:
+        """`assign` of many partitions (name -> node), in one metadata write for all of them
+        (compare-and-set each, as `assign`): a failover reassigns a dead node's partitions at
+        once. A partition another assigner changed meanwhile is assigned on its own after.
+        Returns each partition's new version."""
+        current = self.meta.get_kvs([f"assignment/{name}" for name in moves])
+        versions: dict[str, int] = {}
+        items = []
+        for name, node_id in moves.items():
+            raw = current.get(f"assignment/{name}")
+            versions[name] = (json.loads(raw)["version"] if raw is not None else 0) + 1
+            value = json.dumps(dict(note or {}, node=node_id, version=versions[name]), sort_keys=True).encode()
+            items.append((f"assignment/{name}", raw, value))
+        for (key, _, _), written in zip(items, self.meta.replace_kvs(items)):
+            if not written:
+                name = key.split("/", 1)[1]
+                versions[name] = self.assign(name, moves[name], note=note)
+        return versions
+
     def owner(self, name: str) -> int | None:
         """The node the partition is open on now (None while it moves)."""
         a, o = self.assignment(name), get_json(self.meta, f"opened/{name}")
@@ -456,6 +491,59 @@ class Cluster:
         return MigrationReport(name, source, to_node, seconds, 0, opened["leader_epoch"], failed_over,
                                open_seconds=opened.get("seconds", 0.0), version=version, assigned_at=assigned_at,
                                assign_seconds=assign_seconds, seen_at=self.runtime.wall_ns() / 1e9, opened=opened)
+
+    def migrate_many(self, moves: dict[str, int], timeout: float | None = None) -> "BatchMigrationReport":
+        """Move many partitions at once (name -> target node): assigned in writes of
+        ASSIGN_BATCH (assign_many), closed by their sources' agents and opened by the targets'
+        in batches (a few metadata transactions per batch, not per partition). Returns once
+        every target's current incarnation serves its partitions at their new versions, or
+        after `timeout` (default: migration_timeout, plus one per 1,000 partitions) with those
+        not open yet named (`waiting`). It does not fail sources over: a source that does not
+        let go is an operator's matter (`migrate` of one partition, or `node fail-over`)."""
+        t0 = self.monotonic()
+        names = sorted(moves)
+        timeout = (self.config.migration_timeout * (1 + len(names) // 1000)) if timeout is None else timeout
+        serving = set(self.live_nodes(serving=True))
+        bad = sorted({node for node in moves.values() if node not in serving})
+        if bad:
+            raise S3StreamError(f"cannot migrate to nodes {bad}: they are not live nodes that can serve (no recent "
+                                f"heartbeat, failed over, or their last heartbeat said they cannot); such nodes: "
+                                f"{sorted(serving)}")
+        feed = self.meta.kv_changes(("opened/",))
+        try:
+            versions: dict[str, int] = {}
+            for i in range(0, len(names), ASSIGN_BATCH):
+                versions.update(self.assign_many({name: moves[name] for name in names[i:i + ASSIGN_BATCH]}))
+            deadline = t0 + int(timeout * 1e9)
+            waiting = set(names)
+            epochs = {n.node_id: n.node_epoch for n in self.meta.list_nodes() if not n.failover}
+            while waiting:
+                found = self.meta.get_kvs([f"opened/{name}" for name in sorted(waiting)])
+                for key, raw in found.items():
+                    record = json.loads(raw)
+                    name = key.split("/", 1)[1]
+                    if (record["version"] == versions[name] and record["node"] == moves[name]
+                            and record.get("node_epoch") == epochs.get(record["node"])):
+                        waiting.discard(name)
+                left = (deadline - self.monotonic()) / 1e9
+                if not waiting or left <= 0:
+                    break
+                feed.wait(min(left, self.config.push_fallback_interval))
+        finally:
+            feed.close()
+        return BatchMigrationReport(dict(moves), (self.monotonic() - t0) / 1e9, sorted(waiting))
+
+    def drain(self, node_id: int, to_nodes: list[int] | None = None, limit: int | None = None,
+              timeout: float | None = None) -> "BatchMigrationReport":
+        """Move the partitions assigned to `node_id` (the first `limit` by name, or all) to
+        `to_nodes` (default: every other live node that can serve), spread evenly, with
+        migrate_many: what to do before taking a node out of service."""
+        targets = sorted(to_nodes if to_nodes is not None else
+                         [n for n in self.live_nodes(serving=True) if n != node_id])
+        if not targets:
+            raise S3StreamError(f"cannot drain node {node_id}: no other live node can serve")
+        mine = sorted(name for name, a in self.assignments().items() if a["node"] == node_id)[:limit]
+        return self.migrate_many({name: targets[i % len(targets)] for i, name in enumerate(mine)}, timeout)
 
     def _fallback(self, name: str, version: int, to_node: int, timeout: float,
                   watch: _SilenceWatch) -> tuple[dict | None, bool]:
@@ -691,10 +779,10 @@ class Cluster:
         mine = sorted(name for name, a in self.assignments().items() if a["node"] == node_id)
         if not live:
             return {}, mine
-        moved = {}
-        for i, name in enumerate(mine):
-            moved[name] = live[i % len(live)]
-            self.assign(name, moved[name], note=dict(reason=f"node {node_id} failed over", from_node=node_id))
+        moved = {name: live[i % len(live)] for i, name in enumerate(mine)}
+        for i in range(0, len(mine), ASSIGN_BATCH):
+            self.assign_many({name: moved[name] for name in mine[i:i + ASSIGN_BATCH]},
+                             note=dict(reason=f"node {node_id} failed over", from_node=node_id))
         return moved, []
 
     def _waiting_on(self, node_id: int) -> list[str]:

@@ -6,12 +6,14 @@ Each node's agent publishes, every `ClusterConfig.report_interval`, one report u
 `balancer/metrics/<node id>`:
 
     {"node": 3, "at": unix seconds, "window_s": 10.0,
-     "partitions": {"orders": {"bytes_in": B/s, "bytes_out": B/s}, ...},
+     "partitions": {"orders": {"bytes_in": B/s, "bytes_out": B/s}, ...}, "idle": n,
      "append_p99_ms": x, "fetch_p99_ms": y}
 
 rates being averages over the last `window_s` seconds, or since the partition opened on this
 node if that is later (a moved partition's rate is its rate here, not diluted by the time it was
-elsewhere).
+elsewhere). A partition with no traffic in the window is not listed, only counted (`idle`): the
+balancer gives a partition no report names zero load, and a node with 10,000 idle partitions
+writes a report of a few bytes.
 
 Why KV and not an internal stream, as article 001 does with a Kafka topic: a report matters only
 until the next one, so the balancer needs the newest report of each node, now, from any host. In
@@ -87,6 +89,7 @@ class LoadReporter:
         appends: list[float] = []
         fetches: list[float] = []
         live = set()
+        idle = 0
         for p in partitions:
             m = p.meter
             live.add(p.name)
@@ -98,15 +101,18 @@ class LoadReporter:
             while len(seen) > 2 and seen[1][0] <= t - self.window_s:
                 seen.popleft()
             t0, in0, out0 = seen[0]
-            span = max(t - t0, 1e-3)
-            out[p.name] = {"bytes_in": (m.bytes_in - in0) / span, "bytes_out": (m.bytes_out - out0) / span}
+            if m.bytes_in == in0 and m.bytes_out == out0:
+                idle += 1                  # no traffic in the window: counted, not listed
+            else:
+                span = max(t - t0, 1e-3)
+                out[p.name] = {"bytes_in": (m.bytes_in - in0) / span, "bytes_out": (m.bytes_out - out0) / span}
             appends += m.append_latencies_ms()
             fetches += list(m.fetch_ms)
         for name in list(self._seen):
             if name not in live:
                 del self._seen[name]
         return {"node": self.node_id, "at": time.time() if now is None else now, "window_s": self.window_s,
-                "partitions": out, "append_p99_ms": _p99(appends), "fetch_p99_ms": _p99(fetches)}
+                "partitions": out, "idle": idle, "append_p99_ms": _p99(appends), "fetch_p99_ms": _p99(fetches)}
 
     def publish(self, meta: "MetadataStore", partitions: Iterable["Partition"]) -> dict:
         report = self.report(partitions)

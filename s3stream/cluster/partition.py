@@ -24,7 +24,7 @@ import json
 import threading
 import time
 from dataclasses import dataclass, field
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..client import StreamClient
@@ -335,48 +335,132 @@ class Partition:
         with self._close_lock:
             if self._closed is not None:
                 return self._closed
-            t0 = time.perf_counter()
-            self._closing = True
+            step = self._begin_close(timeout, record)
             try:
-                open_streams = [s for s in (*self.streams.values(), self.meta_stream) if s.is_open]
-                for s in self.streams.values():
-                    if s.is_open:
-                        s.flush(timeout)
-                t1 = time.perf_counter()
-                tail = sum(self._client.unuploaded_bytes(s) for s in self.streams.values())
-                if self.meta_stream.is_open:
-                    # Into the meta stream first, so that one force upload carries the data
-                    # streams' tails and the checkpoint together. Not waited for in the WAL:
-                    # that upload's commit makes it durable (close_streams' not_durable).
-                    with self._producer_lock:      # appends stopped: the table is whole
-                        done = Checkpoint(self.checkpoint.streams, self.checkpoint.leader_epoch, True,
-                                          {role: s.start_offset for role, s in self.streams.items()},
-                                          self.producers.snapshot())
-                    _write_checkpoint(self.meta_stream, done, timeout, trim=False, wait=False)
-                    self.checkpoint = done
-                t2 = time.perf_counter()
                 timing: dict = {}
-                kv: tuple[tuple[str, bytes], ...] = ()
-                if record is not None:
-                    record = dict(record, tail_bytes=tail)
-                    if len(self.producers) <= HINT_PRODUCERS:       # else the record would be large
-                        record["hint"] = dict(
-                            meta=self.meta_stream.stream_id, checkpoint=json.loads(self.checkpoint.encode()),
-                            epochs={str(s.stream_id): s.epoch for s in (self.meta_stream, *self.streams.values())})
-                    kv = ((closed_key(self.name), json.dumps(record, sort_keys=True).encode()),)
-                self._client.close_streams(open_streams, timeout, timing, kv, not_durable=(self.meta_stream,))
+                self._client.close_streams(step.streams, timeout, timing, step.kv, not_durable=(self.meta_stream,))
             except BaseException as e:
-                self.close_error = e
-                # Serve again if every stream still can; else keep refusing until a close finishes.
-                self._closing = not all(s.is_open for s in (self.meta_stream, *self.streams.values()))
+                self._close_failed(e)
                 raise
-            t3 = time.perf_counter()
-            self._closed = CloseReport(tail, t3 - t0, dict(flush=t1 - t0, checkpoint=t2 - t1, upload=t3 - t2,
-                                                           **{f"upload.{k}": v for k, v in timing.items()}), record)
-            self._closing = False
-            self.close_error = None
+            report = self._end_close(step, timing)
         self._table.forget(self)
-        return self._closed
+        return report
+
+    def _begin_close(self, timeout: float | None, record: dict | None) -> "_Closing":
+        """A close up to its commit: appends stopped and flushed, the clean checkpoint appended
+        (not waited for: the close's commit makes it durable), the close record built."""
+        t0 = time.perf_counter()
+        self._closing = True
+        try:
+            open_streams = [s for s in (*self.streams.values(), self.meta_stream) if s.is_open]
+            for s in self.streams.values():
+                if s.is_open:
+                    s.flush(timeout)
+            t1 = time.perf_counter()
+            tail = sum(self._client.unuploaded_bytes(s) for s in self.streams.values())
+            if self.meta_stream.is_open:
+                # Into the meta stream first, so that one force upload carries the data
+                # streams' tails and the checkpoint together. Not waited for in the WAL:
+                # that upload's commit makes it durable (close_streams' not_durable).
+                with self._producer_lock:      # appends stopped: the table is whole
+                    done = Checkpoint(self.checkpoint.streams, self.checkpoint.leader_epoch, True,
+                                      {role: s.start_offset for role, s in self.streams.items()},
+                                      self.producers.snapshot())
+                _write_checkpoint(self.meta_stream, done, timeout, trim=False, wait=False)
+                self.checkpoint = done
+            kv: tuple[tuple[str, bytes], ...] = ()
+            if record is not None:
+                record = dict(record, tail_bytes=tail)
+                if len(self.producers) <= HINT_PRODUCERS:       # else the record would be large
+                    record["hint"] = dict(
+                        meta=self.meta_stream.stream_id, checkpoint=json.loads(self.checkpoint.encode()),
+                        epochs={str(s.stream_id): s.epoch for s in (self.meta_stream, *self.streams.values())})
+                kv = ((closed_key(self.name), json.dumps(record, sort_keys=True).encode()),)
+        except BaseException as e:
+            self._close_failed(e)
+            raise
+        return _Closing(open_streams, kv, record, tail, t0, t1, time.perf_counter())
+
+    def _close_failed(self, e: BaseException) -> None:
+        self.close_error = e
+        # Serve again if every stream still can; else keep refusing until a close finishes.
+        self._closing = not all(s.is_open for s in (self.meta_stream, *self.streams.values()))
+
+    def _end_close(self, step: "_Closing", timing: dict) -> CloseReport:
+        t3 = time.perf_counter()
+        report = self._closed = CloseReport(step.tail, t3 - step.t0, dict(
+            flush=step.t1 - step.t0, checkpoint=step.t2 - step.t1, upload=t3 - step.t2,
+            **{f"upload.{k}": v for k, v in timing.items()}), step.record)
+        self._closing = False
+        self.close_error = None
+        return report
+
+
+@dataclass
+class _Closing:
+    """A partition's close between its first steps and its commit (Partition._begin_close)."""
+    streams: list["Stream"]
+    kv: tuple[tuple[str, bytes], ...]
+    record: dict | None
+    tail: int
+    t0: float
+    t1: float
+    t2: float
+
+
+def close_partitions(partitions: Sequence[Partition], records: Sequence[dict | None] | None = None,
+                     timeout: float | None = None) -> dict[str, "CloseReport | Exception"]:
+    """Close many partitions of one client together (a node agent's batch of moves away, a
+    drain): each as Partition.close does, but their tails uploaded by one force upload and
+    all their streams closed, their close records written, by ONE metadata commit. `records`:
+    each partition's close record (Partition.close's `record`), or None. Returns each name's
+    CloseReport, or the exception its close raised: one whose first steps fail is left out of
+    the commit; if the commit fails, each partition of it is left as a failed close is (it
+    serves again where it can) and a later close of it, alone, finishes it."""
+    out: dict[str, CloseReport | Exception] = {}
+    records = list(records) if records is not None else [None] * len(partitions)
+    if not partitions:
+        return out
+    client = partitions[0]._client
+    locked: list[Partition] = []
+    steps: dict[str, _Closing] = {}
+    try:
+        for p, record in sorted(zip(partitions, records), key=lambda pr: pr[0].name):
+            p._close_lock.acquire()        # in name order: two batches never wait for each other
+            locked.append(p)
+            if p._closed is not None:
+                out[p.name] = p._closed
+                continue
+            try:
+                steps[p.name] = p._begin_close(timeout, record)
+            except Exception as e:        # noqa: BLE001 - this partition's, handed to the caller
+                out[p.name] = e
+        if steps:
+            timing: dict = {}
+            closing = [p for p in locked if p.name in steps]
+            try:
+                client.close_streams([s for p in closing for s in steps[p.name].streams], timeout, timing,
+                                     tuple(kv for p in closing for kv in steps[p.name].kv),
+                                     not_durable=tuple(p.meta_stream for p in closing))
+            except Exception as e:        # noqa: BLE001 - sorted out per partition below
+                failure: Exception | None = e
+            else:
+                failure = None
+            for p in closing:
+                if failure is not None:
+                    # As a single close that failed: it serves again if it can, and a later
+                    # close (alone) finishes what this one left.
+                    p._close_failed(failure)
+                    out[p.name] = failure
+                else:
+                    out[p.name] = p._end_close(steps[p.name], timing)
+    finally:
+        for p in locked:
+            p._close_lock.release()
+    for p in partitions:
+        if isinstance(out.get(p.name), CloseReport):
+            p._table.forget(p)
+    return out
 
 
 class CommittedSource(Protocol):
@@ -448,6 +532,16 @@ class PartitionTable:
         partition = _open(self._client, self, name, hinted, version)
         with self._lock:
             self._partitions[name] = partition
+        return partition
+
+    def open_many(self, wanted: Sequence[tuple[str, int | None]]) -> dict[str, "Partition | Exception"]:
+        """Open many partitions (name, assignment version) in a bounded number of metadata
+        transactions (`_open_batch`): each name's Partition or the exception its open raised."""
+        return _open_batch(self._client, self, wanted)
+
+    def add(self, partition: Partition) -> Partition:
+        with self._lock:
+            self._partitions[partition.name] = partition
         return partition
 
     def reader(self, name: str) -> "PartitionReader":
@@ -591,6 +685,30 @@ def _open_hinted(client: StreamClient, raw: bytes | None,
     last record); else the checkpoint is read from the meta stream, now open here. None when it
     does not apply (no record or no hint, a handle already open here, a stream gone): the
     caller opens the usual way. StreamNotClosedError while another node holds it."""
+    plan = _hint(client, raw)
+    if plan is None:
+        return None
+    timing["read"] = time.perf_counter()
+    try:
+        handles = client.open_streams(plan.stream_ids)
+    except StreamNotFoundError:
+        return None
+    return _from_hint(client, plan, handles)
+
+
+@dataclass
+class _Hint:
+    """What a close record's hint says of the partition: its checkpoint, its streams (the meta
+    stream first, then the data streams by `roles`) and the epoch the close left each at. Or
+    (`epochs` None) what its last committed checkpoint says, read from its meta stream."""
+    checkpoint: Checkpoint
+    roles: list[str]
+    stream_ids: list[int]
+    epochs: dict[int, int] | None
+
+
+def _hint(client: StreamClient, raw: bytes | None) -> _Hint | None:
+    """The hint of close record `raw`, if it has a whole one and none of its streams is open here."""
     hint = None if raw is None else json.loads(raw).get("hint")
     if not hint:
         return None
@@ -600,13 +718,17 @@ def _open_hinted(client: StreamClient, raw: bytes | None,
     epochs = {int(sid): int(epoch) for sid, epoch in hint["epochs"].items()}
     if set(epochs) != set(ids) or any(client.opened(sid) is not None for sid in ids):
         return None
-    timing["read"] = time.perf_counter()
-    try:
-        handles = client.open_streams(ids)
-    except StreamNotFoundError:
-        return None
-    meta, streams = handles[0], dict(zip(roles, handles[1:]))
-    if any(h.epoch != epochs[h.stream_id] + 1 for h in handles):
+    return _Hint(checkpoint, roles, ids, epochs)
+
+
+def _from_hint(client: StreamClient, plan: _Hint,
+               handles: list["Stream"]) -> tuple["Stream", dict[str, "Stream"], Checkpoint] | None:
+    """The partition's streams, opened here (`handles`, in `plan.stream_ids`' order), and its
+    checkpoint: the hint's if no stream was opened since that close, else the meta stream's
+    last one (read now). None (the handles let go) if the meta stream names other streams."""
+    meta, streams = handles[0], dict(zip(plan.roles, handles[1:]))
+    checkpoint = plan.checkpoint
+    if plan.epochs is not None and any(h.epoch != plan.epochs[h.stream_id] + 1 for h in handles):
         # Opened since that close (a failover closed it, or a close without a record): the last
         # checkpoint is in the meta stream, open here now.
         try:
@@ -619,6 +741,102 @@ def _open_hinted(client: StreamClient, raw: bytes | None,
             return None
         checkpoint = last
     return meta, streams, checkpoint
+
+
+def _plan_committed(client: StreamClient, names: list[str], plans: dict[str, _Hint],
+                    out: dict[str, "Partition | Exception"]) -> None:
+    """`_open_all` of many partitions up to their streams' open: their meta streams found in
+    two reads (the partitions' keys, the streams' rows), each one's last committed checkpoint
+    read (a read of the object store each), and a plan added to `plans` for every partition
+    that exists, is closed elsewhere and has a committed checkpoint. One another node holds
+    gets StreamNotClosedError in `out`; the rest are left to the one-by-one open."""
+    keys = client.metadata.get_kvs([partition_kv_key(name) for name in names])
+    meta_ids = {name: int(keys[partition_kv_key(name)]) for name in names if partition_kv_key(name) in keys}
+    rows = client.metadata.get_streams(list(meta_ids.values())) if meta_ids else {}
+    for name, meta_id in meta_ids.items():
+        row = rows.get(meta_id)
+        if row is None or client.opened(meta_id) is not None:
+            continue
+        if row.state == StreamState.OPENED and row.owner_node_id != client.node_id:
+            out[name] = StreamNotClosedError.held(meta_id, row.owner_node_id, row.epoch)
+            continue
+        try:
+            checkpoint = _committed_checkpoint(client, row)
+        except S3StreamError:
+            continue                      # the one-by-one open tries again and says why
+        if checkpoint is None or any(client.opened(sid) is not None for sid in checkpoint.streams.values()):
+            continue
+        roles = list(checkpoint.streams)
+        plans[name] = _Hint(checkpoint, roles, [meta_id, *(checkpoint.streams[r] for r in roles)], None)
+
+
+def _open_batch(client: StreamClient, table: "PartitionTable",
+                wanted: Sequence[tuple[str, int | None]]) -> dict[str, "Partition | Exception"]:
+    """Open many partitions on this node (`wanted`: name and assignment version, as a hinted
+    `_open` of each), with a bounded number of metadata transactions for all of them: one read
+    of their close records, one of the meta streams a version check needs, two more (and a
+    read of each one's last committed checkpoint) for those without a close record, and ONE
+    transaction opening the streams of them all. Any the plan does not cover (a new partition,
+    a handle open here already, a hint that does not hold) opens one by one (`_open`, hinted). If the shared transaction is
+    refused (one stream held by another node, or gone), each opens alone, so one partition
+    never stops the others. Returns each name's Partition, or the exception its open raised
+    (StreamNotClosedError: another node still holds it)."""
+    out: dict[str, Partition | Exception] = {}
+    todo = []
+    for name, version in wanted:
+        already = table.get(name)
+        if already is not None:
+            out[name] = already
+        else:
+            todo.append((name, version))
+    started = time.perf_counter()
+    raws = client.metadata.get_kvs([closed_key(name) for name, _ in todo])
+    plans: dict[str, _Hint] = {}
+    check: dict[str, int] = {}
+    for name, version in todo:
+        raw = raws.get(closed_key(name))
+        plan = _hint(client, raw) if name and "/" not in name else None
+        if plan is None:
+            continue
+        plans[name] = plan
+        record = json.loads(raw) if raw is not None else {}
+        if version is not None and record.get("version", 0) < version:
+            check[name] = plan.stream_ids[0]
+    unhinted = [name for name, _ in todo if name not in plans and name and "/" not in name]
+    if unhinted:
+        _plan_committed(client, unhinted, plans, out)
+    if check:
+        # _check_let_go of all of them in one read: the source may still hold some.
+        metas = client.metadata.get_streams(list(check.values()))
+        for name, meta_id in check.items():
+            m = metas.get(meta_id)
+            if m is not None and m.state == StreamState.OPENED and m.owner_node_id != client.node_id:
+                out[name] = StreamNotClosedError.held(meta_id, m.owner_node_id, m.epoch)
+                del plans[name]
+    handles: dict[str, list[Stream]] = {}
+    t_read = time.perf_counter()
+    if plans:
+        try:
+            opened = client.open_streams([sid for plan in plans.values() for sid in plan.stream_ids])
+        except (StreamNotClosedError, StreamNotFoundError):
+            opened = []                   # one of them is held or gone: each opens alone below
+        for name, plan in plans.items():
+            if opened:
+                handles[name], opened = opened[:len(plan.stream_ids)], opened[len(plan.stream_ids):]
+    for name, version in todo:
+        if name in out:
+            continue
+        try:
+            together = _from_hint(client, plans[name], handles[name]) if name in handles else None
+            if together is None:
+                out[name] = table.open(name, True, version)
+                continue
+            timing = {"started": started, "read": t_read}
+            out[name] = table.add(_opened(client, table, name, *together, trim_later=True, timing=timing,
+                                          defer_trim=True))
+        except Exception as e:            # noqa: BLE001 - this partition's, handed to the caller
+            out[name] = e
+    return out
 
 
 def _opened(client: StreamClient, table: "PartitionTable", name: str, meta: "Stream", streams: dict[str, "Stream"],
@@ -744,6 +962,15 @@ def open_partition(client: StreamClient, name: str, *, hinted: bool = False, ver
     recorded, if it holds, for that assignment version (see _open)."""
     client.check_usable()
     return partition_table(client).open(name, hinted, version)
+
+
+def open_partitions(client: StreamClient, wanted: Sequence[tuple[str, int | None]]) -> dict[str, "Partition | Exception"]:
+    """Open many partitions on the client's node at once, as node agents do (`wanted`: name and
+    assignment version, None if unversioned): a bounded number of metadata transactions for the
+    whole batch, not a few per partition. Returns each name's Partition, or the exception its
+    open raised: one partition failing does not stop the others."""
+    client.check_usable()
+    return partition_table(client).open_many(wanted)
 
 
 def read_partition(source: CommittedSource, name: str) -> PartitionReader:

@@ -11,7 +11,7 @@ import pytest
 
 import s3stream
 from s3stream import RecordBatch
-from s3stream.balancer import BalancerConfig
+from s3stream.balancer import BalancerConfig, ClusterModel
 from s3stream.balancer.loop import LEASE_KEY
 from s3stream.cluster.lease import Lease
 from s3stream.balancer.loop import LAST_ROUND_KEY, Balancer, live_model
@@ -55,6 +55,25 @@ def test_load_report_rates_over_the_window_and_since_open():
     r = reporter.report([p])
     assert 450 < r["partitions"]["a"]["bytes_in"] < 525
     assert reporter.report([])["partitions"] == {}       # closed here: no longer reported
+
+
+def test_a_load_report_counts_idle_partitions_without_listing_them():
+    """Partitions with no traffic in the window are counted (`idle`), not listed: 10,000 idle
+    partitions make a report of a few bytes (issue 53), and the balancer gives the unlisted
+    zero load. One that gets traffic again is listed again."""
+    reporter = LoadReporter(7, window_s=10.0)
+    parts = [FakePartition(f"p{i}") for i in range(10_000)]
+    for p in parts:
+        p.meter.opened = time.monotonic() - 1.0
+    parts[3].meter.bytes_in = 100
+    r = reporter.report(parts)
+    assert list(r["partitions"]) == ["p3"] and r["idle"] == 9_999
+    assert len(json.dumps(r)) < 300
+    parts[5].meter.bytes_out = 10
+    r = reporter.report(parts)
+    assert sorted(r["partitions"]) == ["p3", "p5"] and r["idle"] == 9_998
+    model = ClusterModel.from_reports({p.name: 7 for p in parts}, [r], live=[7], now=r["at"])
+    assert model.partition("p9").bytes_in_per_s == 0.0 and model.partition("p3").bytes_in_per_s > 0
 
 
 def test_reports_of_real_partitions_reach_metadata(tmp_path, metadata_url):

@@ -285,7 +285,7 @@ def metadata_url(kind: str, work: str) -> Iterator[str]:
         yield f"sqlite:///{work}/meta.db"
         return
     from testservers.postgres import throwaway_postgres
-    with throwaway_postgres(os.path.join(work, "pg")) as server:
+    with throwaway_postgres() as server:           # its own directory, which its server user can enter
         yield server.create_database("scale")
 
 

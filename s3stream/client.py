@@ -301,16 +301,17 @@ class StreamClient:
                                               self.config.offset_reservation))
 
     def fetch_committed(self, stream_id: int, start_offset: int, end_offset: int | None = None,
-                        max_bytes: int = 1 << 20) -> "FetchResult":
+                        max_bytes: int = 1 << 20, known: StreamMeta | None = None) -> "FetchResult":
         """Read a stream's committed records (what its objects hold) without opening it: no
         epoch change, nothing written, whichever node owns it. For readers that own nothing:
         a verifier, a mirror's source side, an audit. The readable range is [start, end) of the
         stream in metadata (`end_offset` default: its committed end); a stream open elsewhere may
         hold acknowledged records beyond it in its owner's WAL, readable here once uploaded.
         StreamNotFoundError for a stream that does not exist or was deleted; OffsetOutOfRangeError
-        outside that range."""
+        outside that range. `known`: the stream as the caller just read it from metadata (it is
+        not read again: a batch of partition opens has every meta stream's row already)."""
         self.check_usable()
-        return fetch_committed(self._meta, self._reader, stream_id, start_offset, end_offset, max_bytes)
+        return fetch_committed(self._meta, self._reader, stream_id, start_offset, end_offset, max_bytes, known)
 
     # ---- add-ons: per-client state of the layers above ------------------------------------------
 

@@ -27,8 +27,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from .config import Config
-from .errors import (ConfigError, CorruptDataError, ObjectNotFoundError, OffsetsLostError, S3StreamError,
-                     StreamNotFoundError, check_int)
+from .errors import (ConfigError, CorruptDataError, InvalidArgumentError, ObjectNotFoundError, OffsetsLostError,
+                     S3StreamError, StreamNotFoundError, check_int)
 from .engine.logcache import new_log_cache
 from .metadata import MetadataStore, StreamMeta, StreamState, commit_key, open_metadata
 from .objectstore import ObjectStore, open_object_store
@@ -45,12 +45,15 @@ KNOWN_RANGES = 4096
 
 
 def fetch_committed(meta: MetadataStore, reader: Reader, stream_id: int, start_offset: int,
-                    end_offset: int | None, max_bytes: int) -> FetchResult:
+                    end_offset: int | None, max_bytes: int, known: StreamMeta | None = None) -> FetchResult:
     """A stream's committed batches in [start_offset, end_offset) (default, and at most: its
     committed end), read through `reader` without opening the stream (StreamClient.fetch_committed's
-    contract; the bounds are read.fetch_end's)."""
+    contract; the bounds are read.fetch_end's). `known`: the stream as the caller just read it
+    from metadata (not read again)."""
     _check_fetch(stream_id, start_offset, end_offset, max_bytes)
-    return _fetch_in(meta.get_stream(stream_id), reader, start_offset, end_offset, max_bytes)
+    if known is not None and known.stream_id != stream_id:
+        raise InvalidArgumentError(f"known describes stream {known.stream_id}, not {stream_id}")
+    return _fetch_in(known or meta.get_stream(stream_id), reader, start_offset, end_offset, max_bytes)
 
 
 def _check_fetch(stream_id: int, start_offset: int, end_offset: int | None, max_bytes: int) -> None:
@@ -71,7 +74,7 @@ def _fetch_in(stream: StreamMeta, reader: Reader, start_offset: int, end_offset:
                     "its committed range")
     if start_offset == end:
         return FetchResult([])
-    return FetchResult(reader.read(stream_id, start_offset, end, max_bytes))
+    return FetchResult(reader.read(stream_id, start_offset, end, max_bytes, stream_end=stream.end_offset))
 
 
 class StreamReader:
@@ -127,18 +130,21 @@ class StreamReader:
             raise S3StreamError("this reader is closed; open another with s3stream.open_reader")
 
     def fetch_committed(self, stream_id: int, start_offset: int, end_offset: int | None = None,
-                        max_bytes: int = 1 << 20) -> FetchResult:
+                        max_bytes: int = 1 << 20, known: StreamMeta | None = None) -> FetchResult:
         """Batches of the stream's committed records from the one holding `start_offset` towards
         `end_offset` (default, and at most: the committed end, as read from metadata at most
-        RANGE_RECHECK seconds ago), up to `max_bytes` (at least one batch).
+        RANGE_RECHECK seconds ago, or `known`: the stream as the caller just read it),
+        up to `max_bytes` (at least one batch).
         StreamNotFoundError for a stream that does not exist or was deleted, OffsetOutOfRangeError
         for a start outside its committed range (s3stream.engine.readpath.fetch_end)."""
         self.check_usable()
+        if known is not None:
+            return fetch_committed(self._meta, self._reader, stream_id, start_offset, end_offset, max_bytes, known)
         _check_fetch(stream_id, start_offset, end_offset, max_bytes)
         with self._known_lock:
-            known = self._known.get(stream_id)
-        if known is not None and time.monotonic() - known[1] < RANGE_RECHECK:
-            stream = known[0]
+            seen = self._known.get(stream_id)
+        if seen is not None and time.monotonic() - seen[1] < RANGE_RECHECK:
+            stream = seen[0]
             # An end past the committed end as last read is capped there, as None is: what was
             # committed since is seen within RANGE_RECHECK, like the committed end itself.
             end = stream.end_offset if end_offset is None else min(end_offset, stream.end_offset)

@@ -471,7 +471,7 @@ class CommittedSource(Protocol):
     def metadata(self) -> "MetadataStore": ...
 
     def fetch_committed(self, stream_id: int, start_offset: int, end_offset: int | None = None,
-                        max_bytes: int = 1 << 20) -> FetchResult: ...
+                        max_bytes: int = 1 << 20, known: StreamMeta | None = None) -> FetchResult: ...
 
     def check_usable(self) -> None: ...
 
@@ -936,7 +936,7 @@ def _committed_checkpoint(client: CommittedSource, meta: StreamMeta) -> Checkpoi
     last = _last_committed(meta)
     if last is None:
         return None
-    res = client.fetch_committed(meta.stream_id, last, last + 1)
+    res = client.fetch_committed(meta.stream_id, last, last + 1, known=meta)
     return Checkpoint.decode(res.batches[-1].payload)
 
 

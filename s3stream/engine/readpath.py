@@ -245,17 +245,20 @@ class Reader:
 
     # ---- the read -----------------------------------------------------------------------------
 
-    def read(self, stream_id: int, start: int, end: int, max_bytes: int) -> list[Batch]:
+    def read(self, stream_id: int, start: int, end: int, max_bytes: int, stream_end: int | None = None) -> list[Batch]:
         """Batches covering [start, end) from the one containing `start`, up to `max_bytes`
         (always at least one batch when start < end). Its seconds go to `fetch_latency` (a
-        microsecond per fetch; read_cached, the event loop's inline path, is not timed)."""
+        microsecond per fetch; read_cached, the event loop's inline path, is not timed).
+        `stream_end`: the stream's committed end, if the caller knows it: a read that reaches it
+        queues no read-ahead (there is nothing past it to look up: a partition's open reads
+        its last checkpoint, thousands of them at a node's restart)."""
         t0 = time.perf_counter()
         try:
-            return self._read(stream_id, start, end, max_bytes)
+            return self._read(stream_id, start, end, max_bytes, stream_end)
         finally:
             self.fetch_latency.observe(time.perf_counter() - t0)
 
-    def _read(self, stream_id: int, start: int, end: int, max_bytes: int) -> list[Batch]:
+    def _read(self, stream_id: int, start: int, end: int, max_bytes: int, stream_end: int | None = None) -> list[Batch]:
         out: list[Batch] = []
         size = 0
         pos = start
@@ -265,7 +268,7 @@ class Reader:
                 break
             got = self.read_cached(stream_id, pos, end, max(budget, 1))
             if not got:
-                got = self._read_objects(stream_id, pos, end, max(budget, 1), first=not out)
+                got = self._read_objects(stream_id, pos, end, max(budget, 1), first=not out, stream_end=stream_end)
                 if not got and out:
                     break                        # the next block does not fit what is left
             if not got:
@@ -292,7 +295,8 @@ class Reader:
             self.stats["cache_reads"] += 1
         return got
 
-    def _read_objects(self, stream_id: int, pos: int, end: int, budget: int, first: bool = True) -> list[Batch]:
+    def _read_objects(self, stream_id: int, pos: int, end: int, budget: int, first: bool = True,
+                      stream_end: int | None = None) -> list[Batch]:
         last_error: Exception | None = None
         for attempt in range(_RETRIES):
             ref = self._ref_at(stream_id, pos, end, fresh=attempt > 0)
@@ -303,7 +307,7 @@ class Reader:
                     return cached
                 continue
             try:
-                return self._read_from(stream_id, ref, pos, end, budget, first)
+                return self._read_from(stream_id, ref, pos, end, budget, first, stream_end)
             except ObjectNotFoundError as e:
                 last_error = e
                 self.indexes.pop(ref.object_id)
@@ -313,7 +317,7 @@ class Reader:
         return []
 
     def _read_from(self, stream_id: int, first_ref: ObjectRef, pos: int, end: int, budget: int,
-                   first: bool) -> list[Batch]:
+                   first: bool, stream_end: int | None = None) -> list[Batch]:
         """Read from `first_ref` (and the objects after it) up to `budget` bytes; read ahead past it.
         A `first` read returns at least one batch; a later part of the same fetch claims only
         blocks whose payloads all fit its budget (it never waits for a block it would drop), and
@@ -339,7 +343,8 @@ class Reader:
                 f"stream {stream_id}: object {first_ref.key} is listed for offset {pos} but its index has no block "
                 f"there")
         futures, waited = self._claim(stream_id, wanted, demand=True)
-        self._follow_reader(stream_id, pos, at, waited)
+        if stream_end is None or at < stream_end:
+            self._follow_reader(stream_id, pos, at, waited)
         out: list[Batch] = []
         try:
             self._collect(futures, wanted, out, pos, end, budget)

@@ -35,7 +35,9 @@ def replay_wal(records: Iterable[wal.Record], node_id: int, meta: MetadataStore,
     `gaps_below` (the WAL's salvaged_end: records there were salvaged past a corrupt span) a
     stream whose offsets stop at a gap keeps what precedes the gap; its records after it are
     dropped and reported (offsets cannot skip); elsewhere a gap is CorruptDataError."""
-    metas: dict[int, StreamMeta | None] = {}
+    # The streams the node holds open, in one read (a node with 10,000 partitions would
+    # otherwise read 20,000 rows one by one); any other stream its WAL names is read alone.
+    metas: dict[int, StreamMeta | None] = {m.stream_id: m for m in meta.list_streams(owner_node_id=node_id)}
     expected: dict[int, int] = {}
     broken: dict[int, list[int]] = {}          # stream -> [where it now ends, records dropped]
     count = replayed = 0

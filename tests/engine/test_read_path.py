@@ -220,6 +220,32 @@ def test_catch_up_from_objects_reads_every_byte_with_readahead(tmp_path, store_u
 
 # ---- zero copy ---------------------------------------------------------------------------------
 
+def test_a_read_that_reaches_the_committed_end_looks_up_nothing_past_it(tmp_path):
+    """fetch_committed of a stream's last batch (a partition's open reads its last checkpoint,
+    thousands at a node's restart) queues no read-ahead: one object lookup, not two; given the
+    stream's row (`known`), no read of the stream either (reads short of the end read ahead:
+    test_catch_up_from_objects_reads_every_byte_with_readahead)."""
+    store, stream_id, batches = one_stream(tmp_path, [3000] * 40, config=reader_config())
+    reader = node(tmp_path, 2, store, reader_config())
+    try:
+        meta = reader.metadata
+        calls: list[str] = []
+        for name in ("get_object_refs", "get_stream"):
+            real = getattr(meta, name)
+            setattr(meta, name, lambda *a, _real=real, _name=name, **k: (calls.append(_name), _real(*a, **k))[1])
+        row = meta.get_stream(stream_id)
+        calls.clear()
+        base, count, payload = batches[-1]
+        got = reader.fetch_committed(stream_id, base, base + count, known=row)
+        assert as_tuples(got.batches) == [batches[-1]]
+        time.sleep(0.3)                                   # read-ahead, if queued, has run by now
+        assert calls == ["get_object_refs"], calls
+        with pytest.raises(s3stream.InvalidArgumentError, match="known describes stream"):
+            reader.fetch_committed(stream_id + 1, 0, 1, known=row)
+    finally:
+        reader.close()
+
+
 def test_payloads_are_read_only_views_of_one_buffer_per_get_or_cache_read(tmp_path):
     store, stream_id, batches = one_stream(tmp_path, [500] * 2000)       # ~120 batches a block
     config = reader_config(block_cache_size=256 * KiB)

@@ -1030,8 +1030,9 @@ class SimClient:
         return [self.streams[meta.stream_id] for meta in metas]
 
     def fetch_committed(self, stream_id: int, start: int, end: int | None = None,
-                        max_bytes: int = 1 << 20) -> FetchResult:
-        """What is committed in the world's store (a reader that is not the owner)."""
+                        max_bytes: int = 1 << 20, known: StreamMeta | None = None) -> FetchResult:
+        """What is committed in the world's store (a reader that is not the owner); `known`
+        (the caller's row of the stream) changes nothing here: the world is read directly."""
         stored = self.world.streams[stream_id]
         end = stored.end if end is None else end
         out, pos = [], start

@@ -516,8 +516,9 @@ class Cluster:
                 versions.update(self.assign_many({name: moves[name] for name in names[i:i + ASSIGN_BATCH]}))
             deadline = t0 + int(timeout * 1e9)
             waiting = set(names)
-            epochs = {n.node_id: n.node_epoch for n in self.meta.list_nodes() if not n.failover}
             while waiting:
+                # Read at each look: a target that restarted meanwhile serves under its new epoch.
+                epochs = {n.node_id: n.node_epoch for n in self.meta.list_nodes() if not n.failover}
                 found = self.meta.get_kvs([f"opened/{name}" for name in sorted(waiting)])
                 for key, raw in found.items():
                     record = json.loads(raw)

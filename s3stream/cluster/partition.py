@@ -647,18 +647,33 @@ def _open_all(client: StreamClient, meta_id: int,
     checkpoint names its streams, which are opened together in ONE metadata transaction. None
     when that does not apply (a handle already open here, no committed checkpoint): the caller
     opens them one by one. StreamNotClosedError while another node holds it."""
-    meta_meta = client.metadata.get_stream(meta_id)
-    if meta_meta.state == StreamState.OPENED and meta_meta.owner_node_id != client.node_id:
-        raise StreamNotClosedError.held(meta_id, meta_meta.owner_node_id, meta_meta.epoch)
-    if client.opened(meta_id) is not None:
+    plan = _committed_plan(client, client.metadata.get_stream(meta_id))
+    if plan is None:
         return None
-    checkpoint = _committed_checkpoint(client, meta_meta)
+    timing["read"] = time.perf_counter()
+    handles = client.open_streams(plan.stream_ids)
+    return handles[0], dict(zip(plan.roles, handles[1:])), plan.checkpoint
+
+
+def _check_free(client: StreamClient, meta: StreamMeta) -> None:
+    """StreamNotClosedError if the partition's meta stream (`meta`, its row) is open on another
+    node: its source has not let it go."""
+    if meta.state == StreamState.OPENED and meta.owner_node_id != client.node_id:
+        raise StreamNotClosedError.held(meta.stream_id, meta.owner_node_id, meta.epoch)
+
+
+def _committed_plan(client: StreamClient, meta: StreamMeta) -> "_Hint | None":
+    """What the last committed checkpoint in meta stream `meta` (its row) says: the streams to
+    open together; None if a handle of them is open here or none is committed.
+    StreamNotClosedError while another node holds it."""
+    _check_free(client, meta)
+    if client.opened(meta.stream_id) is not None:
+        return None
+    checkpoint = _committed_checkpoint(client, meta)
     if checkpoint is None or any(client.opened(sid) is not None for sid in checkpoint.streams.values()):
         return None
     roles = list(checkpoint.streams)
-    timing["read"] = time.perf_counter()
-    handles = client.open_streams([meta_id, *(checkpoint.streams[r] for r in roles)])
-    return handles[0], dict(zip(roles, handles[1:])), checkpoint
+    return _Hint(checkpoint, roles, [meta.stream_id, *(checkpoint.streams[r] for r in roles)], None)
 
 
 def _check_let_go(client: StreamClient, raw: bytes | None, version: int) -> None:
@@ -672,8 +687,7 @@ def _check_let_go(client: StreamClient, raw: bytes | None, version: int) -> None
         meta = client.metadata.get_stream(meta_id)
     except StreamNotFoundError:
         return                            # the usual open finds out what happened
-    if meta.state == StreamState.OPENED and meta.owner_node_id != client.node_id:
-        raise StreamNotClosedError.held(meta_id, meta.owner_node_id, meta.epoch)
+    _check_free(client, meta)
 
 
 def _open_hinted(client: StreamClient, raw: bytes | None,
@@ -746,28 +760,24 @@ def _from_hint(client: StreamClient, plan: _Hint,
 def _plan_committed(client: StreamClient, names: list[str], plans: dict[str, _Hint],
                     out: dict[str, "Partition | Exception"]) -> None:
     """`_open_all` of many partitions up to their streams' open: their meta streams found in
-    two reads (the partitions' keys, the streams' rows), each one's last committed checkpoint
-    read (a read of the object store each), and a plan added to `plans` for every partition
-    that exists, is closed elsewhere and has a committed checkpoint. One another node holds
-    gets StreamNotClosedError in `out`; the rest are left to the one-by-one open."""
+    two reads (the partitions' keys, the streams' rows), then each one's `_committed_plan` (a
+    read of its last committed checkpoint) added to `plans`. One another node holds gets
+    StreamNotClosedError in `out`; the rest are left to the one-by-one open."""
     keys = client.metadata.get_kvs([partition_kv_key(name) for name in names])
     meta_ids = {name: int(keys[partition_kv_key(name)]) for name in names if partition_kv_key(name) in keys}
     rows = client.metadata.get_streams(list(meta_ids.values())) if meta_ids else {}
     for name, meta_id in meta_ids.items():
-        row = rows.get(meta_id)
-        if row is None or client.opened(meta_id) is not None:
-            continue
-        if row.state == StreamState.OPENED and row.owner_node_id != client.node_id:
-            out[name] = StreamNotClosedError.held(meta_id, row.owner_node_id, row.epoch)
+        if meta_id not in rows:
             continue
         try:
-            checkpoint = _committed_checkpoint(client, row)
+            plan = _committed_plan(client, rows[meta_id])
+        except StreamNotClosedError as e:
+            out[name] = e
+            continue
         except S3StreamError:
             continue                      # the one-by-one open tries again and says why
-        if checkpoint is None or any(client.opened(sid) is not None for sid in checkpoint.streams.values()):
-            continue
-        roles = list(checkpoint.streams)
-        plans[name] = _Hint(checkpoint, roles, [meta_id, *(checkpoint.streams[r] for r in roles)], None)
+        if plan is not None:
+            plans[name] = plan
 
 
 def _open_batch(client: StreamClient, table: "PartitionTable",
@@ -777,9 +787,9 @@ def _open_batch(client: StreamClient, table: "PartitionTable",
     of their close records, one of the meta streams a version check needs, two more (and a
     read of each one's last committed checkpoint) for those without a close record, and ONE
     transaction opening the streams of them all. Any the plan does not cover (a new partition,
-    a handle open here already, a hint that does not hold) opens one by one (`_open`, hinted). If the shared transaction is
-    refused (one stream held by another node, or gone), each opens alone, so one partition
-    never stops the others. Returns each name's Partition, or the exception its open raised
+    a handle open here already, a hint that does not hold) opens one by one (`_open`, hinted).
+    If the shared transaction is refused (one stream held by another node, or gone), each opens
+    alone, so one partition never stops the others. Returns each name's Partition, or the exception its open raised
     (StreamNotClosedError: another node still holds it)."""
     out: dict[str, Partition | Exception] = {}
     todo = []
@@ -793,25 +803,28 @@ def _open_batch(client: StreamClient, table: "PartitionTable",
     raws = client.metadata.get_kvs([closed_key(name) for name, _ in todo])
     plans: dict[str, _Hint] = {}
     check: dict[str, int] = {}
+    valid = {name for name, _ in todo if name and "/" not in name}     # others: _open says why
     for name, version in todo:
         raw = raws.get(closed_key(name))
-        plan = _hint(client, raw) if name and "/" not in name else None
+        plan = _hint(client, raw) if name in valid else None
         if plan is None:
             continue
         plans[name] = plan
         record = json.loads(raw) if raw is not None else {}
         if version is not None and record.get("version", 0) < version:
             check[name] = plan.stream_ids[0]
-    unhinted = [name for name, _ in todo if name not in plans and name and "/" not in name]
+    unhinted = [name for name, _ in todo if name in valid and name not in plans]
     if unhinted:
         _plan_committed(client, unhinted, plans, out)
     if check:
         # _check_let_go of all of them in one read: the source may still hold some.
         metas = client.metadata.get_streams(list(check.values()))
         for name, meta_id in check.items():
-            m = metas.get(meta_id)
-            if m is not None and m.state == StreamState.OPENED and m.owner_node_id != client.node_id:
-                out[name] = StreamNotClosedError.held(meta_id, m.owner_node_id, m.epoch)
+            try:
+                if meta_id in metas:
+                    _check_free(client, metas[meta_id])
+            except StreamNotClosedError as e:
+                out[name] = e
                 del plans[name]
     handles: dict[str, list[Stream]] = {}
     t_read = time.perf_counter()

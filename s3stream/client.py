@@ -18,7 +18,7 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, TypeVar
 
 import wal
 from _native.appendpath import AppendPath
@@ -312,6 +312,13 @@ class StreamClient:
         not read again: a batch of partition opens has every meta stream's row already)."""
         self.check_usable()
         return fetch_committed(self._meta, self._reader, stream_id, start_offset, end_offset, max_bytes, known)
+
+    def locate_committed(self, points: Sequence[tuple[int, int]]) -> None:
+        """Find the committed objects holding these (stream_id, offset) points in one metadata
+        read, for the reads of them that follow (fetch_committed, or a fetch of a stream open
+        here): each then costs no metadata read of its own. A hint: nothing is checked."""
+        self.check_usable()
+        self._reader.locate(points)
 
     # ---- add-ons: per-client state of the layers above ------------------------------------------
 
@@ -905,12 +912,13 @@ class StreamClient:
     def _recover(self) -> dict:
         """Upload and commit what the WAL holds above each stream's committed end, then close
         the streams this node left open. Returns counts for logs and tests."""
+        held = self._meta.list_streams(owner_node_id=self.node_id)     # one read for both steps
         try:
             result = replay_wal(self._wal.recover(), self.node_id, self._meta, self._cache, self._uploader,
-                                self._wal.salvaged_end)
+                                self._wal.salvaged_end, held)
         except wal.WALCorruptError as e:
             raise WALCorruptError.from_wal(e, f"node {self.node_id} cannot start: ") from e
-        closed = close_node_streams(self._meta, self.node_id, self.node_epoch)
+        closed = close_node_streams(self._meta, self.node_id, self.node_epoch, held)
         self._recovering = False
         if result["last_end"] is not None:
             self._wal.trim(result["last_end"])

@@ -24,7 +24,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Sequence
 
 from .config import Config
 from .errors import (ConfigError, CorruptDataError, InvalidArgumentError, ObjectNotFoundError, OffsetsLostError,
@@ -154,6 +154,12 @@ class StreamReader:
                 except (CorruptDataError, ObjectNotFoundError, OffsetsLostError):
                     pass              # trimmed or deleted since, maybe: metadata says how
         return _fetch_in(self._stream(stream_id), self._reader, start_offset, end_offset, max_bytes)
+
+    def locate_committed(self, points: Sequence[tuple[int, int]]) -> None:
+        """StreamClient.locate_committed: the objects of these (stream_id, offset) points
+        found in one metadata read, for the fetch_committed calls that follow."""
+        self.check_usable()
+        self._reader.locate(points)
 
     def _stream(self, stream_id: int) -> StreamMeta:
         """The stream's metadata, read now and remembered for fetch_committed."""

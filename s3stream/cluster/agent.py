@@ -48,6 +48,12 @@ OPEN_BATCH = 500
 #: The fallback reconciliation (push_fallback_interval) runs at most one part in this many of the
 #: agent's time: at 10,000 partitions a pass costs ~40 ms, so it runs every ~4 s, not twice a second.
 RECONCILE_SHARE = 100
+#: Pushed changes reconcile at most every this many times the last pass's cost: a burst of
+#: them (a failover reassigning 10,000 partitions, a thousand at a time) is taken in a few
+#: passes, not one per datagram, and the passes leave the opens most of the time. At 10
+#: partitions a pass costs well under a millisecond: a move waits for no spacing worth the name
+#: (and never for more than half a second).
+RECONCILE_SPACING = 2
 
 
 class NodeAgent:
@@ -321,6 +327,12 @@ class NodeAgent:
             self._retry_soon = False
             self._stop.wait(self.config.agent_interval)
             return True
+        # Spaced by what a pass costs (RECONCILE_SPACING): changes pushed meanwhile wait in the
+        # feed and are taken together.
+        spacing = min(0.5, RECONCILE_SPACING * self._reconcile_cost)
+        since = (self.clock() - self._last_reconciled) / 1e9 - self._reconcile_cost
+        if since < spacing:
+            self._stop.wait(spacing - since)
         if self._retry_soon:
             # A move that failed (the source had not let go) is retried when the source's close
             # is pushed (closed/), and after agent_interval at the latest.
@@ -397,9 +409,11 @@ class NodeAgent:
         """Close what is open here but assigned elsewhere; open what is assigned here; confirm
         a partition reassigned to this node that already serves it."""
         assigned = self.cluster.assignments()
-        if self._judge_healthy and any(a["node"] in self._gone for a in assigned.values()):
+        # Not those of a node this one is failing over now: that failover reassigns them.
+        mine_failing = {n for n in self._gone if f"failover/{n}" in self._busy}
+        if self._judge_healthy and any(a["node"] in self._gone - mine_failing for a in assigned.values()):
             # Partitions a failover or forget could not hand on (no live node then) move now.
-            self.cluster.reassign_orphans()
+            self.cluster.reassign_orphans(skip=mine_failing)
             assigned = self.cluster.assignments()
         mine = {name: a["version"] for name, a in assigned.items() if a["node"] == self.node_id}
         open_now = {p.name: p for p in partitions_on(self.client)}
@@ -427,7 +441,7 @@ class NodeAgent:
         if to_close:
             self._submit_batches(to_close, self._close_batch)
         if to_open:
-            self._submit_batches(to_open, self._open_batch)
+            self._submit_batches(to_open, self._open_batch, wake=False)
 
     def _publish_opened(self, name: str, version: int, leader_epoch: int, seconds: float,
                         phases: dict[str, float]) -> None:
@@ -486,8 +500,9 @@ class NodeAgent:
         self._retry_soon = True
         return True, False
 
-    def _release(self, name: str, failed: bool, not_closed: bool) -> None:
-        """A task for `name` ended: it is no longer busy; a failed one backs off."""
+    def _release(self, name: str, failed: bool, not_closed: bool, wake: bool = True) -> None:
+        """A task for `name` ended: it is no longer busy; a failed one backs off. The loop
+        looks again now after a failure, a change that came while it ran, or (`wake`) a success."""
         with self._lock:
             self._busy.discard(name)
             again = name in self._wanted_while_busy
@@ -501,7 +516,7 @@ class NodeAgent:
                 self._not_before[name] = (self.clock() + int(delay * 1e9), tries)
             else:
                 self._not_before.pop(name, None)
-        if not not_closed or again:
+        if failed or again or (wake and not not_closed):
             # The loop looks again now. Not after an open the source had not let go of,
             # unless a change came while it ran: the next try waits for the source's
             # close to be pushed (closed/), or agent_interval (_wait_for_change); woken
@@ -527,11 +542,14 @@ class NodeAgent:
             with self._lock:
                 self._busy.discard(name)
 
-    def _submit_batches(self, wanted: Sequence[tuple], run: Callable[[list], dict[str, Exception]]) -> None:
+    def _submit_batches(self, wanted: Sequence[tuple], run: Callable[[list], dict[str, Exception]],
+                        wake: bool = True) -> None:
         """Run `run` over the items `wanted` (name first) in batches (at most OPEN_BATCH, spread
         over max_parallel_moves workers), each batch one task of the pool: a batch of opens or
         closes costs a few metadata transactions, not a few per partition (issue 53). `run`
-        returns the errors by name; each name is settled as a single task's would be."""
+        returns the errors by name; each name is settled as a single task's would be. `wake`:
+        whether the loop looks again when one succeeded (after a close, not after an open: a
+        node taking 10,000 partitions in batches would read every assignment after each)."""
         claimed = [item for item in wanted if self._claim(item[0])]
         # Spread over the workers: 8 partitions are 4 batches of 2 on 4 workers, not one of 8.
         size = max(1, min(OPEN_BATCH, -(-len(claimed) // self.config.max_parallel_moves)))
@@ -545,7 +563,7 @@ class NodeAgent:
                 except Exception as e:    # noqa: BLE001 - the batch's own failure: each name's
                     errors = {item[0]: e for item in batch}
                 for item in batch:
-                    self._release(item[0], *self._settle(item[0], errors.get(item[0])))
+                    self._release(item[0], *self._settle(item[0], errors.get(item[0])), wake=wake)
 
             try:
                 self._pool.submit(task)

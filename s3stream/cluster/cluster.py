@@ -30,7 +30,7 @@ import json
 import logging
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from ..config import Config
 from ..errors import ConfigError, FencedLeaderError, NodeAliveError, S3StreamError
@@ -273,6 +273,8 @@ class Cluster:
         self.clock = clock or runtime.wall_ns
         self.monotonic = monotonic or runtime.monotonic_ns
         self._recover = recover
+        # assignments(): each key's last value read and what it decodes to (see there).
+        self._decoded: dict[str, tuple[bytes, dict]] = {}
 
     def _open_owned(self, value, what: str, methods: tuple[str, ...], opener: Callable, example: str):
         """`value` if it is a store (it has `methods`), else the store opened from the URL `value`
@@ -305,7 +307,19 @@ class Cluster:
         return get_json(self.meta, f"assignment/{name}")
 
     def assignments(self) -> dict[str, dict]:
-        return {k.split("/", 1)[1]: json.loads(v) for k, v in self.meta.list_kv("assignment/").items()}
+        """Every partition's assignment. A node agent reads them all at each reconciliation:
+        the values unchanged since the last read are not decoded again (10,000 partitions: a
+        copy of each instead of a JSON parse)."""
+        before, now = self._decoded, {}
+        out = {}
+        for key, raw in self.meta.list_kv("assignment/").items():
+            seen = before.get(key)
+            if seen is None or seen[0] != raw:
+                seen = (raw, json.loads(raw))
+            now[key] = seen
+            out[key.split("/", 1)[1]] = dict(seen[1])
+        self._decoded = now
+        return out
 
     def assign(self, name: str, node_id: int, guard: tuple[str, bytes] | None = None,
                expected_version: int | None = None, note: dict | None = None) -> int:
@@ -335,23 +349,36 @@ class Cluster:
                     "leader's lease (another leader took over); the deposed leader stops acting")
             raw = self.meta.get_kv(key)
 
-    def assign_many(self, moves: dict[str, int], note: dict | None = None) -> dict[str, int]:
+    def assign_many(self, moves: dict[str, int], note: dict | None = None,
+                    from_node: int | None = None) -> dict[str, int]:
         """`assign` of many partitions (name -> node), in one metadata write for all of them
         (compare-and-set each, as `assign`): a failover reassigns a dead node's partitions at
-        once. A partition another assigner changed meanwhile is assigned on its own after.
-        Returns each partition's new version."""
-        current = self.meta.get_kvs([f"assignment/{name}" for name in moves])
+        once. A partition another assigner changed meanwhile is read again and written in the
+        next round (one read and one write for all such). `from_node`: only the partitions
+        still assigned to that node move (a failover's reassignment, which another node's
+        `reassign_orphans` may race: each partition moves once, not twice). Returns each moved
+        partition's new version (with `from_node`, those not on it are left out)."""
         versions: dict[str, int] = {}
-        items = []
-        for name, node_id in moves.items():
-            raw = current.get(f"assignment/{name}")
-            versions[name] = (json.loads(raw)["version"] if raw is not None else 0) + 1
-            value = json.dumps(dict(note or {}, node=node_id, version=versions[name]), sort_keys=True).encode()
-            items.append((f"assignment/{name}", raw, value))
-        for (key, _, _), written in zip(items, self.meta.replace_kvs(items)):
-            if not written:
-                name = key.split("/", 1)[1]
-                versions[name] = self.assign(name, moves[name], note=note)
+        todo = dict(moves)
+        while todo:
+            current = self.meta.get_kvs([f"assignment/{name}" for name in todo])
+            items, names = [], []
+            for name, node_id in todo.items():
+                raw = current.get(f"assignment/{name}")
+                was = json.loads(raw) if raw is not None else None
+                if from_node is not None and (was is None or was["node"] != from_node):
+                    continue
+                version = (was["version"] if was is not None else 0) + 1
+                value = json.dumps(dict(note or {}, node=node_id, version=version), sort_keys=True).encode()
+                items.append((f"assignment/{name}", raw, value))
+                names.append((name, version))
+            written = self.meta.replace_kvs(items) if items else []
+            todo = {}
+            for (name, version), ok in zip(names, written):
+                if ok:
+                    versions[name] = version
+                else:
+                    todo[name] = moves[name]
         return versions
 
     def owner(self, name: str) -> int | None:
@@ -707,7 +734,8 @@ class Cluster:
             self.record_history(dict(entry, ok=True, fenced_epoch=report.fenced_epoch, records=report.records,
                                      replayed=report.replayed, streams_closed=report.streams_closed,
                                      seconds=round(report.seconds, 6), reassigned=moved, waiting=waiting,
-                                     streams=[dataclasses.asdict(r) for r in report.streams]))
+                                     streams=[dict(stream_id=r.stream_id, committed_end=r.committed_end, end=r.end)
+                                              for r in report.streams]))
         return report, moved, waiting
 
     def fail_over_node(self, node_id: int, *, force: bool = False, reason: str = "an operator's failover",
@@ -773,29 +801,34 @@ class Cluster:
     def _reassign_from(self, node_id: int) -> tuple[dict[str, int], list[str]]:
         """Spread the partitions assigned to `node_id` over the live nodes that can serve, or
         (none can: the object store is down for everyone, say) over the live ones, which open
-        them once they can serve again. Returns the moves, and the partitions left assigned to
+        them once they can serve again. Returns the moves this call made (a concurrent
+        `reassign_orphans` may have made some first), and the partitions left assigned to
         `node_id` because no node is live (they wait for one: `reassign_orphans`)."""
         live = ([n for n in self.live_nodes(serving=True) if n != node_id]
                 or [n for n in self.live_nodes() if n != node_id])
         mine = sorted(name for name, a in self.assignments().items() if a["node"] == node_id)
         if not live:
             return {}, mine
-        moved = {name: live[i % len(live)] for i, name in enumerate(mine)}
+        wanted = {name: live[i % len(live)] for i, name in enumerate(mine)}
+        moved: dict[str, int] = {}
         for i in range(0, len(mine), ASSIGN_BATCH):
-            self.assign_many({name: moved[name] for name in mine[i:i + ASSIGN_BATCH]},
-                             note=dict(reason=f"node {node_id} failed over", from_node=node_id))
+            done = self.assign_many({name: wanted[name] for name in mine[i:i + ASSIGN_BATCH]},
+                                    note=dict(reason=f"node {node_id} failed over", from_node=node_id),
+                                    from_node=node_id)
+            moved.update((name, wanted[name]) for name in done)
         return moved, []
 
     def _waiting_on(self, node_id: int) -> list[str]:
         """Partitions still assigned to `node_id`."""
         return sorted(name for name, a in self.assignments().items() if a["node"] == node_id)
 
-    def reassign_orphans(self, nodes: list[NodeMeta] | None = None) -> dict[str, int]:
+    def reassign_orphans(self, nodes: list[NodeMeta] | None = None, skip: Iterable[int] = ()) -> dict[str, int]:
         """Reassign the partitions still assigned to nodes that were failed over or forgotten
-        (their failover could not reassign them: no live node then). Any node may call it; the
-        versioned assignment makes concurrent callers move each partition once."""
+        (their failover could not reassign them: no live node then), but those of the nodes
+        in `skip` (a failover the caller runs reassigns them itself). Any node may call it;
+        the versioned assignment makes concurrent callers move each partition once."""
         nodes = self.meta.list_nodes() if nodes is None else nodes
-        gone = {n.node_id for n in nodes if n.failover}
+        gone = {n.node_id for n in nodes if n.failover} - set(skip)
         moved: dict[str, int] = {}
         for node_id in sorted({a["node"] for a in self.assignments().values()} & gone):
             moved.update(self._reassign_from(node_id)[0])     # none live yet: the next call tries again

@@ -93,23 +93,23 @@ def fail_over(node_id: int, *, store: ObjectStore, metadata: MetadataStore, conf
             w.close()
         raise
     # What it held once fenced (it commits nothing more): the figures of the report per stream.
-    held = {m.stream_id: m.end_offset for m in metadata.list_streams(owner_node_id=node_id)}
+    held = metadata.list_streams(owner_node_id=node_id)
     cache = new_log_cache(config, time.monotonic_ns)
     uploader = Uploader(node_id=node_id, node_epoch=node.node_epoch, store=store, metadata=metadata, cache=cache,
                         trim_wal=lambda offset: None, config=config, on_committed=lambda block, result: None,
                         on_fenced=lambda streams: None)
     try:
         try:
-            result = replay_wal(w.recover(), node_id, metadata, cache, uploader, w.salvaged_end)
+            result = replay_wal(w.recover(), node_id, metadata, cache, uploader, w.salvaged_end, held)
         except wal.WALCorruptError as e:
             raise WALCorruptError.from_wal(e, f"failover of node {node_id}: ") from e
     finally:
         uploader.close()
         w.close()
-    closed = close_node_streams(metadata, node_id, node.node_epoch)
-    after = metadata.get_streams(held)
-    streams = [ReplayedStream(sid, end, after[sid].end_offset if sid in after else end)
-               for sid, end in sorted(held.items())]
+    closed = close_node_streams(metadata, node_id, node.node_epoch, held)
+    ends = result["ends"]
+    streams = [ReplayedStream(m.stream_id, m.end_offset, ends.get(m.stream_id, m.end_offset))
+               for m in sorted(held, key=lambda m: m.stream_id)]
     report = FailoverReport(node_id, node.node_epoch, result["records"], result["replayed"], closed,
                             time.perf_counter() - t0, streams)
     log.warning("failed over node %d: %d WAL records (%d committed on its behalf), %d streams closed in %.3f s",

@@ -35,7 +35,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Callable, Hashable, NamedTuple
+from typing import Callable, Hashable, NamedTuple, Sequence
 
 from ..config import Config
 from ..errors import CorruptDataError, ObjectNotFoundError, ObjectStoreError, OffsetOutOfRangeError, OffsetsLostError
@@ -54,6 +54,9 @@ INDEX_CACHE_BYTES = 64 * 1024 * 1024
 REF_CACHE_ENTRIES = 64 * 1024
 #: Refs looked up per metadata query.
 REF_BATCH = 64
+#: Bytes between two wanted blocks of one object that `locate` reads rather than split the GET
+#: (the checkpoints of many partitions lie in one StreamSetObject between their logs' blocks).
+LOCATE_GAP = 256 * 1024
 #: Streams whose reading position is followed for readahead.
 TRACKED_READERS = 4096
 _NO_END = (1 << 63) - 1
@@ -192,6 +195,25 @@ class _Follow:
         self.past_end_at = 0.0           # ...when last asked (time.monotonic())
 
 
+class _ObjectIndex(list):
+    """An object's index entries, and each stream's of them: a StreamSetObject holds the
+    blocks of thousands of streams, and a read of one finds its own by a lookup, not a scan
+    (a failover's partition opens read thousands of them out of one object)."""
+
+    def __init__(self, entries: list[IndexEntry]) -> None:
+        super().__init__(entries)
+        self.by_stream: dict[int, list[IndexEntry]] = {}
+        for e in entries:
+            self.by_stream.setdefault(e.stream_id, []).append(e)
+
+
+def _stream_entries(index: list[IndexEntry], stream_id: int, start: int, end: int) -> list[IndexEntry]:
+    """entries_for, by the per-stream lookup of an _ObjectIndex."""
+    if isinstance(index, _ObjectIndex):
+        return entries_for(index.by_stream.get(stream_id, ()), stream_id, start, end)
+    return entries_for(index, stream_id, start, end)
+
+
 class _Unit(NamedTuple):
     """Consecutive blocks of one stream in one object: one ranged GET."""
     ref: ObjectRef
@@ -327,7 +349,7 @@ class Reader:
         at = pos
         ref: ObjectRef | None = first_ref
         while ref is not None and total < budget and at < end:
-            for e in entries_for(self._index(ref, budget), stream_id, at, min(end, ref.end_offset)):
+            for e in _stream_entries(self._index(ref, budget), stream_id, at, min(end, ref.end_offset)):
                 if wanted and total >= budget:
                     break
                 if not first and not wanted and _payload_bytes(e) > budget:
@@ -380,11 +402,12 @@ class Reader:
     # ---- blocks: cached, in flight, or fetched ----------------------------------------------------
 
     def _claim(self, stream_id: int, wanted: list[tuple[ObjectRef, IndexEntry]],
-               demand: bool) -> tuple[list[Future], bool]:
+               demand: bool, gap: int = 0) -> tuple[list[Future], bool]:
         """A future per wanted block: done if cached, the in-flight GET's if one is running, else
-        a new GET's (grouped into units). Read-ahead (demand=False) skips what is cached or in
-        flight and stops at the in-flight byte cap; it gets futures for the GETs it started only.
-        Returns (futures, whether any block was not cached yet)."""
+        a new GET's (grouped into units: blocks of one object at most `gap` bytes apart, in
+        position order, up to the fetch size, share a GET). Read-ahead (demand=False) skips what
+        is cached or in flight and stops at the in-flight byte cap; it gets futures for the GETs
+        it started only. Returns (futures, whether any block was not cached yet)."""
         futures: list[Future] = []
         units: list[tuple[_Unit, list[Future]]] = []
         waited = False
@@ -421,11 +444,15 @@ class Reader:
                 self._inflight_bytes += e.block_size
                 futures.append(fut)
                 last = units[-1][0] if units else None
+                last_end = last.entries[-1].block_position + last.entries[-1].block_size if last else 0
                 if (last is not None and last.ref.object_id == ref.object_id
-                        and last.entries[-1].block_position + last.entries[-1].block_size == e.block_position
-                        and last.nbytes + e.block_size <= self._fetch_size):
+                        and last_end <= e.block_position <= last_end + gap
+                        and last.nbytes + (e.block_position - last_end) + e.block_size <= self._fetch_size):
+                    # The bytes between the blocks are read too (and weigh in the cache with them).
+                    self._inflight_bytes += e.block_position - last_end
                     last.entries.append(e)
-                    units[-1] = (_Unit(ref, last.entries, last.nbytes + e.block_size), units[-1][1] + [fut])
+                    units[-1] = (_Unit(ref, last.entries, last.nbytes + e.block_position - last_end + e.block_size),
+                                 units[-1][1] + [fut])
                 else:
                     units.append((_Unit(ref, [e], e.block_size), [fut]))
             self.stats["max_inflight_bytes"] = max(self.stats["max_inflight_bytes"], self._inflight_bytes)
@@ -467,7 +494,7 @@ class Reader:
                     self._demanded.discard(key)
                     unread = False
                     self.stats["readahead_used_bytes"] += e.block_size
-                blocks.append((key, _Block(stream_id, batches, e.block_size, unread)))
+                blocks.append((key, _Block(e.stream_id, batches, e.block_size, unread)))
                 self._inflight.pop(key, None)
             self.blocks.put(blocks, unit.nbytes)
             self._inflight_bytes -= unit.nbytes
@@ -553,7 +580,7 @@ class Reader:
                     total += ref.size
                     at = ref.end_offset
                     continue
-                for e in entries_for(self._index(ref), stream_id, at, ref.end_offset):
+                for e in _stream_entries(self._index(ref), stream_id, at, ref.end_offset):
                     if total >= window:
                         break
                     wanted.append((ref, e))
@@ -586,6 +613,48 @@ class Reader:
         self._refs.put(stream_id, refs, len(refs))
         return refs[0]
 
+    def locate(self, points: Sequence[tuple[int, int]], fetch: bool = True) -> None:
+        """Look up the committed objects holding these (stream_id, offset) points in one
+        metadata read and keep each in its stream's ref cache: the reads of them that follow
+        cost no lookup each (a batch of partition opens reads each one's last checkpoint:
+        thousands after a failover). Points whose ref is cached already are not looked up.
+        `fetch`: read their blocks ahead too (_fetch_points), a few GETs for all."""
+        missing = [(sid, pos) for sid, pos in points if self._ref_at(sid, pos, pos + 1, cached_only=True) is None]
+        if missing:
+            with self._lock:
+                self.stats["metadata_lookups"] += 1
+            for (sid, _), ref in self._meta.get_object_refs_at(missing).items():
+                self._refs.put(sid, [ref], 1)
+        if fetch:
+            self._fetch_points(points)
+
+    def _fetch_points(self, points: Sequence[tuple[int, int]]) -> None:
+        """Read ahead the block holding each point: the objects' indexes read in parallel,
+        then the blocks of each object in a few ranged GETs (neighbours up to LOCATE_GAP bytes
+        apart share one), on the pool. A hint: errors are left to the reads that follow."""
+        by_object: dict[int, tuple[ObjectRef, list[tuple[int, int]]]] = {}
+        for sid, pos in points:
+            ref = self._ref_at(sid, pos, pos + 1, cached_only=True)
+            if ref is not None:
+                by_object.setdefault(ref.object_id, (ref, []))[1].append((sid, pos))
+        try:
+            loads = {oid: self._pool.submit(self._index, ref) for oid, (ref, _) in by_object.items()
+                     if self.indexes.get(oid) is None}
+        except RuntimeError:
+            return                                       # closing: no more read-ahead
+        wanted: dict[tuple[int, int], tuple[ObjectRef, IndexEntry]] = {}
+        for oid, (ref, at) in by_object.items():
+            try:
+                index = self._wait(loads[oid], f"reading the index of object {ref.key}") if oid in loads \
+                    else self._index(ref)
+            except Exception:
+                continue
+            for sid, pos in at:
+                for e in _stream_entries(index, sid, pos, pos + 1):
+                    wanted[(oid, e.block_position)] = (ref, e)
+        if wanted:
+            self._claim(0, [wanted[k] for k in sorted(wanted)], demand=False, gap=LOCATE_GAP)
+
     def forget_stream(self, stream_id: int) -> None:
         """Drop the cached refs and the followed position of a stream (trimmed, destroyed)."""
         self._refs.pop(stream_id)
@@ -611,8 +680,9 @@ class Reader:
             return self._wait(loading, f"reading the index of object {ref.key}")
         try:
             whole = self._is_whole(ref) and (budget == 0 or WHOLE_OBJECT_FETCHES * budget >= ref.size)
-            index = self._read_whole(ref, budget == 0) if whole else read_index(self._store, ref.key, ref.size)
-            self.indexes.put(ref.object_id, index, 64 + 56 * len(index))
+            index = _ObjectIndex(self._read_whole(ref, budget == 0) if whole
+                                 else read_index(self._store, ref.key, ref.size))
+            self.indexes.put(ref.object_id, index, 64 + 96 * len(index))
         except BaseException as e:
             mine.set_exception(e)
             raise

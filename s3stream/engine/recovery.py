@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import struct
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import wal
 
@@ -27,17 +27,21 @@ WAL_RECORD = struct.Struct("<QQQI")
 
 
 def replay_wal(records: Iterable[wal.Record], node_id: int, meta: MetadataStore, cache: LogCache, uploader: Uploader,
-               gaps_below: int = 0) -> dict:
+               gaps_below: int = 0, held: Sequence[StreamMeta] | None = None) -> dict:
     """Upload and commit the WAL records of `node_id` above each stream's committed end, through
     `cache` and `uploader` (whose node id and epoch are the ones committed under). Used at a
     node's restart and, on a dead node's behalf, by failover. Records of streams that have moved
     on (another owner or epoch) cannot be committed and are reported in the log. Below
     `gaps_below` (the WAL's salvaged_end: records there were salvaged past a corrupt span) a
     stream whose offsets stop at a gap keeps what precedes the gap; its records after it are
-    dropped and reported (offsets cannot skip); elsewhere a gap is CorruptDataError."""
+    dropped and reported (offsets cannot skip); elsewhere a gap is CorruptDataError. `held`:
+    the streams the node holds open, if the caller listed them already. The result's `ends`
+    are where the streams it committed records of end now."""
     # The streams the node holds open, in one read (a node with 10,000 partitions would
     # otherwise read 20,000 rows one by one); any other stream its WAL names is read alone.
-    metas: dict[int, StreamMeta | None] = {m.stream_id: m for m in meta.list_streams(owner_node_id=node_id)}
+    if held is None:
+        held = meta.list_streams(owner_node_id=node_id)
+    metas: dict[int, StreamMeta | None] = {m.stream_id: m for m in held}
     expected: dict[int, int] = {}
     broken: dict[int, list[int]] = {}          # stream -> [where it now ends, records dropped]
     count = replayed = 0
@@ -88,7 +92,7 @@ def replay_wal(records: Iterable[wal.Record], node_id: int, meta: MetadataStore,
     for stream_id, (first, n) in sorted(broken.items()):
         log.error("stream %d: the salvaged WAL of node %d lost its records from offset %d on (a corrupt span); "
                   "%d later records of it are dropped: the stream ends at %d", stream_id, node_id, first, n, first)
-    return dict(records=count, replayed=replayed, last_end=last_end,
+    return dict(records=count, replayed=replayed, last_end=last_end, ends=expected,
                 dropped={sid: dict(from_offset=first, records=n) for sid, (first, n) in broken.items()})
 
 
@@ -97,13 +101,17 @@ def replay_wal(records: Iterable[wal.Record], node_id: int, meta: MetadataStore,
 CLOSE_BATCH = 1000
 
 
-def close_node_streams(meta: MetadataStore, node_id: int, node_epoch: int) -> int:
+def close_node_streams(meta: MetadataStore, node_id: int, node_epoch: int,
+                       held: Sequence[StreamMeta] | None = None) -> int:
     """Close every stream `node_id` holds open (after its data was committed), as long as
     `node_epoch` is still its epoch: StreamFencedError once a newer incarnation registered (what
     it opened is its own; it recovers what the older ones held itself). CLOSE_BATCH streams per
-    metadata transaction (a commit that only closes, as close_stream would each one)."""
-    held = [(m.stream_id, m.epoch) for m in meta.list_streams(owner_node_id=node_id)]
-    for i in range(0, len(held), CLOSE_BATCH):
-        meta.commit(CommitRequest(node_id, node_epoch, closes=tuple(held[i:i + CLOSE_BATCH])))
-    return len(held)
+    metadata transaction (a commit that only closes, as close_stream would each one). `held`:
+    those streams, if the caller listed them already (it opens none meanwhile)."""
+    if held is None:
+        held = meta.list_streams(owner_node_id=node_id)
+    closes = [(m.stream_id, m.epoch) for m in held]
+    for i in range(0, len(closes), CLOSE_BATCH):
+        meta.commit(CommitRequest(node_id, node_epoch, closes=tuple(closes[i:i + CLOSE_BATCH])))
+    return len(closes)
 

@@ -455,6 +455,18 @@ class MetadataStore(abc.ABC):
         """COMMITTED objects holding data of the stream overlapping [start_offset, end_offset),
         ordered by start offset, at most `limit`. StreamObjects and StreamSetObject ranges alike."""
 
+    def get_object_refs_at(self, points: Sequence[tuple[int, int]]) -> dict[tuple[int, int], ObjectRef]:
+        """The COMMITTED object holding each (stream_id, offset) point, in one read for all
+        of them where the store can (this default: a get_object_refs each); points no
+        committed object holds are absent. What a batch of partition opens needs: the object
+        of each one's last checkpoint."""
+        out: dict[tuple[int, int], ObjectRef] = {}
+        for stream_id, offset in dict.fromkeys(points):
+            refs = self.get_object_refs(stream_id, offset, offset + 1, limit=1)
+            if refs and refs[0].start_offset <= offset:
+                out[(stream_id, offset)] = refs[0]
+        return out
+
     @abc.abstractmethod
     def node_stream_set_objects(self, node_id: int) -> list[ObjectMeta]:
         """The node's COMMITTED SSOs in commit order."""

@@ -288,6 +288,29 @@ class SqlMetadataStore(MetadataStore):
         refs.sort(key=lambda ref: (ref.start_offset, ref.end_offset, ref.object_id))
         return refs[:limit]
 
+    def get_object_refs_at(self, points: Sequence[tuple[int, int]]) -> dict[tuple[int, int], ObjectRef]:
+        # One statement per KV_BATCH points, all in one read transaction: the points as a
+        # VALUES list joined on the (stream_id, end_offset) indexes (the ranges of a stream's
+        # COMMITTED objects never overlap: at most one row per point and table).
+        unique = list(dict.fromkeys(points))
+        out: dict[tuple[int, int], ObjectRef] = {}
+        with self._transaction(write=False) as db:
+            for i in range(0, len(unique), KV_BATCH):
+                chunk = unique[i:i + KV_BATCH]
+                values = ", ".join(["(CAST(? AS BIGINT), CAST(? AS BIGINT))"] * len(chunk))
+                params = [v for point in chunk for v in point]
+                for table, kind in (("sso_ranges", ObjectType.STREAM_SET_OBJECT),
+                                    ("stream_objects", ObjectType.STREAM_OBJECT)):
+                    rows = db.execute(
+                        f"WITH p (sid, off) AS (VALUES {values}) "
+                        f"SELECT p.sid, p.off, o.object_id, o.key, o.size, r.start_offset, r.end_offset "
+                        f"FROM p JOIN {table} r ON r.stream_id = p.sid AND r.end_offset > p.off "
+                        f"AND r.start_offset <= p.off JOIN objects o ON o.object_id = r.object_id "
+                        f"WHERE o.state = ?", (*params, _COMMITTED)).fetchall()
+                    for sid, off, object_id, key, size, start, end in rows:
+                        out[(sid, off)] = ObjectRef(object_id, key, size, kind, sid, start, end)
+        return out
+
     def node_stream_set_objects(self, node_id: int) -> list[ObjectMeta]:
         with self._transaction(write=False) as db:
             return _load_objects(db, "o.node_id = ? AND o.state = ? AND o.type = ?",

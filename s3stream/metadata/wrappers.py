@@ -20,7 +20,8 @@ TIMED_OPERATIONS = (
     "create_stream", "open_stream", "open_streams", "reserve_offsets", "abandon_stream", "close_stream", "trim_stream",
     "delete_stream", "get_stream",
     "get_streams", "list_streams",
-    "prepare_objects", "commit", "get_object", "list_objects", "get_object_refs", "node_stream_set_objects",
+    "prepare_objects", "commit", "get_object", "list_objects", "get_object_refs", "get_object_refs_at",
+    "node_stream_set_objects",
     "mark_destroyed", "objects_to_delete", "remove_objects",
     "get_kv", "get_kvs", "get_kv_and_node", "put_kv", "put_kvs", "put_kv_if_absent", "replace_kv", "replace_kvs", "delete_kv",
     "list_kv",
@@ -137,6 +138,9 @@ class InstrumentedMetadataStore(MetadataStore):
     def list_objects(self, state: ObjectState | None = None, type: ObjectType | None = None,
                      node_id: int | None = None) -> list[ObjectMeta]:
         return self._timed("list_objects", self.inner.list_objects, state, type, node_id)
+
+    def get_object_refs_at(self, points: Sequence[tuple[int, int]]) -> dict[tuple[int, int], ObjectRef]:
+        return self._timed("get_object_refs_at", self.inner.get_object_refs_at, points)
 
     def get_object_refs(self, stream_id: int, start_offset: int, end_offset: int,
                         limit: int = 64) -> list[ObjectRef]:

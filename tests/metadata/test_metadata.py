@@ -674,6 +674,27 @@ def test_get_object_refs_order_overlap_and_limit(store):
     assert (ref.key, ref.size, ref.stream_id) == (object_key(ids[0]), 100, a.stream_id)
 
 
+def test_get_object_refs_at_finds_the_object_of_each_point_in_one_read(store):
+    n1 = store.register_node(1, "w1")
+    a, other = store.create_stream(1, n1.node_epoch), store.create_stream(1, n1.node_epoch)
+    for start in range(0, 40, 20):
+        store.commit(upload(store, n1, [rng(a, start, start + 10), rng(other, start, start + 20)],
+                            sos=[rng(a, start + 10, start + 20)]))
+    points = [(a.stream_id, p) for p in (0, 9, 10, 19, 25, 39, 40)] + [(other.stream_id, 5), (other.stream_id, 5),
+                                                                       (other.stream_id, 33), (999, 0)]
+    got = store.get_object_refs_at(points)
+    # The same as get_object_refs of each point, with a ref's kind (StreamObject or SSO range).
+    for sid, pos in set(points):
+        one = store.get_object_refs(sid, pos, pos + 1, limit=1)
+        assert got.get((sid, pos)) == (one[0] if one else None), (sid, pos)
+    assert set(got) == set(points) - {(a.stream_id, 40), (999, 0)}
+    assert got[(a.stream_id, 19)].type == ObjectType.STREAM_OBJECT
+    assert got[(a.stream_id, 9)].type == ObjectType.STREAM_SET_OBJECT
+    many = [(other.stream_id, p % 40) for p in range(1200)]           # more than one statement
+    assert len(store.get_object_refs_at(many)) == 40
+    assert store.get_object_refs_at([]) == {}
+
+
 # ---- object lifecycle --------------------------------------------------------------------------
 
 def test_prepare_objects_ids_and_keys(store, clock):
@@ -965,6 +986,14 @@ def test_replace_kvs_writes_each_item_that_holds_what_it_expects(store, open_sam
         assert store.list_kv("assignment/") == {"assignment/a": b"a2", "assignment/b": b"b1", "assignment/c": b"c1"}
         assert feed.wait(5)
         assert store.replace_kvs([("assignment/c", None, b"c2")]) == [False] and store.replace_kvs([]) == []
+        # A key given twice: in turn, the second sees the first's write.
+        assert store.replace_kvs([("assignment/d", None, b"d1"), ("assignment/d", b"d1", b"d2"),
+                                  ("assignment/c", b"c1", b"c3")]) == [True, True, True]
+        assert store.get_kv("assignment/d") == b"d2" and store.get_kv("assignment/c") == b"c3"
+        many = [(f"assignment/m{i}", None, b"m") for i in range(1200)]     # set-based where it can be
+        assert store.replace_kvs(many) == [True] * 1200
+        assert store.replace_kvs([(k, b"m", b"n") for k, _, _ in many[:600]] + [(k, b"x", b"n") for k, _, _ in many[600:]]) \
+            == [True] * 600 + [False] * 600
     finally:
         feed.close()
 

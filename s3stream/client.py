@@ -36,7 +36,7 @@ from .objectstore import ObjectStore, open_object_store
 from .engine.failover import fail_over
 from .engine.readpath import Reader
 from .reader import fetch_committed
-from .batches import FetchResult
+from .batches import FetchedBatch, FetchResult
 from .engine.recovery import close_node_streams, replay_wal
 from .stream import Stream
 from .engine.upload import UploadAborted, Uploader
@@ -313,12 +313,13 @@ class StreamClient:
         self.check_usable()
         return fetch_committed(self._meta, self._reader, stream_id, start_offset, end_offset, max_bytes, known)
 
-    def locate_committed(self, points: Sequence[tuple[int, int]]) -> None:
-        """Find the committed objects holding these (stream_id, offset) points in one metadata
-        read, for the reads of them that follow (fetch_committed, or a fetch of a stream open
-        here): each then costs no metadata read of its own. A hint: nothing is checked."""
+    def fetch_committed_at(self, points: Sequence[tuple[int, int]]) -> dict[tuple[int, int], FetchedBatch]:
+        """The committed batch holding each (stream_id, offset) point, read together: one
+        metadata read for all, and a few ranged GETs per object (a batch of partition opens
+        reads each one's last checkpoint so). A point that is not committed, or whose read
+        failed, is absent: read it with fetch_committed, which says why. Nothing is opened."""
         self.check_usable()
-        self._reader.locate(points)
+        return self._reader.read_points(points)
 
     # ---- add-ons: per-client state of the layers above ------------------------------------------
 

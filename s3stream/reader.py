@@ -155,11 +155,11 @@ class StreamReader:
                     pass              # trimmed or deleted since, maybe: metadata says how
         return _fetch_in(self._stream(stream_id), self._reader, start_offset, end_offset, max_bytes)
 
-    def locate_committed(self, points: Sequence[tuple[int, int]]) -> None:
-        """StreamClient.locate_committed: the objects of these (stream_id, offset) points
-        found in one metadata read, for the fetch_committed calls that follow."""
+    def fetch_committed_at(self, points: Sequence[tuple[int, int]]) -> dict[tuple[int, int], FetchedBatch]:
+        """StreamClient.fetch_committed_at: the committed batch holding each (stream_id,
+        offset) point, read together; those not found are absent."""
         self.check_usable()
-        self._reader.locate(points)
+        return self._reader.read_points(points)
 
     def _stream(self, stream_id: int) -> StreamMeta:
         """The stream's metadata, read now and remembered for fetch_committed."""

@@ -26,6 +26,7 @@ opened (`close()`, or use it as a context manager), or ready-made stores, which 
 """
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import dataclasses
@@ -59,6 +60,8 @@ HISTORY_PREFIX = "history/"
 ASSIGN_BATCH = 1000
 #: History entries kept (the oldest are removed beyond this).
 HISTORY_KEPT = 2000
+#: Streams and moves a failover's history entry names one by one (it counts them all).
+HISTORY_DETAIL = 1000
 
 
 @dataclass
@@ -274,7 +277,7 @@ class Cluster:
         self.monotonic = monotonic or runtime.monotonic_ns
         self._recover = recover
         # assignments(): each key's last value read and what it decodes to (see there).
-        self._decoded: dict[str, tuple[bytes, dict]] = {}
+        self._decoded: dict[str, tuple[bytes, str, dict]] = {}
 
     def _open_owned(self, value, what: str, methods: tuple[str, ...], opener: Callable, example: str):
         """`value` if it is a store (it has `methods`), else the store opened from the URL `value`
@@ -307,17 +310,18 @@ class Cluster:
         return get_json(self.meta, f"assignment/{name}")
 
     def assignments(self) -> dict[str, dict]:
-        """Every partition's assignment. A node agent reads them all at each reconciliation:
-        the values unchanged since the last read are not decoded again (10,000 partitions: a
-        copy of each instead of a JSON parse)."""
+        """Every partition's assignment ({"node", "version", ...}: read them, do not change
+        them: a value unchanged since the last call is the same dict). A node agent reads them
+        all at each reconciliation: what did not change is not decoded again (10,000
+        partitions: a lookup each instead of a JSON parse)."""
         before, now = self._decoded, {}
         out = {}
         for key, raw in self.meta.list_kv("assignment/").items():
             seen = before.get(key)
             if seen is None or seen[0] != raw:
-                seen = (raw, json.loads(raw))
+                seen = (raw, key.split("/", 1)[1], json.loads(raw))
             now[key] = seen
-            out[key.split("/", 1)[1]] = dict(seen[1])
+            out[seen[1]] = seen[2]
         self._decoded = now
         return out
 
@@ -731,11 +735,16 @@ class Cluster:
             if reassign:
                 moved, waiting = self._reassign_from(node_id)
         finally:
+            # At most HISTORY_DETAIL streams (those it replayed records of) and moves named: a
+            # failover of 10,000 partitions must not write (and each later entry read) megabytes.
+            replayed = [dict(stream_id=r.stream_id, committed_end=r.committed_end, end=r.end)
+                        for r in report.streams if r.end > r.committed_end]
             self.record_history(dict(entry, ok=True, fenced_epoch=report.fenced_epoch, records=report.records,
                                      replayed=report.replayed, streams_closed=report.streams_closed,
-                                     seconds=round(report.seconds, 6), reassigned=moved, waiting=waiting,
-                                     streams=[dict(stream_id=r.stream_id, committed_end=r.committed_end, end=r.end)
-                                              for r in report.streams]))
+                                     seconds=round(report.seconds, 6), waiting=waiting,
+                                     reassigned=dict(itertools.islice(moved.items(), HISTORY_DETAIL)),
+                                     reassigned_count=len(moved), streams=replayed[:HISTORY_DETAIL],
+                                     streams_replayed=len(replayed)))
         return report, moved, waiting
 
     def fail_over_node(self, node_id: int, *, force: bool = False, reason: str = "an operator's failover",

@@ -33,7 +33,7 @@ from ..errors import (
     StreamNotFoundError,
 )
 from ..metadata import StreamMeta, StreamState
-from ..batches import AppendFuture, FetchResult, RecordBatch, encoded_batch, records_batch
+from ..batches import AppendFuture, FetchedBatch, FetchResult, RecordBatch, encoded_batch, records_batch
 from ..records import Record
 from .hold import AppendHold
 from .loadreport import SAMPLE_EVERY, TrafficMeter
@@ -475,7 +475,7 @@ class CommittedSource(Protocol):
     def fetch_committed(self, stream_id: int, start_offset: int, end_offset: int | None = None,
                         max_bytes: int = 1 << 20, known: StreamMeta | None = None) -> FetchResult: ...
 
-    def locate_committed(self, points: Sequence[tuple[int, int]]) -> None: ...
+    def fetch_committed_at(self, points: Sequence[tuple[int, int]]) -> dict[tuple[int, int], FetchedBatch]: ...
 
     def check_usable(self) -> None: ...
 
@@ -673,14 +673,15 @@ def _check_free(client: StreamClient, meta: StreamMeta) -> None:
         raise StreamNotClosedError.held(meta.stream_id, meta.owner_node_id, meta.epoch)
 
 
-def _committed_plan(client: StreamClient, meta: StreamMeta) -> "_Hint | None":
+def _committed_plan(client: StreamClient, meta: StreamMeta, found: FetchedBatch | None = None) -> "_Hint | None":
     """What the last committed checkpoint in meta stream `meta` (its row) says: the streams to
-    open together; None if a handle of them is open here or none is committed.
+    open together; None if a handle of them is open here or none is committed. `found`: that
+    checkpoint's batch, if the caller read it already (a batch of opens reads them together).
     StreamNotClosedError while another node holds it."""
     _check_free(client, meta)
     if client.opened(meta.stream_id) is not None:
         return None
-    checkpoint = _committed_checkpoint(client, meta)
+    checkpoint = _committed_checkpoint(client, meta, found)
     if checkpoint is None or any(client.opened(sid) is not None for sid in checkpoint.streams.values()):
         return None
     roles = list(checkpoint.streams)
@@ -746,18 +747,21 @@ def _hint(client: StreamClient, raw: bytes | None) -> _Hint | None:
     return _Hint(checkpoint, roles, ids, epochs)
 
 
-def _from_hint(client: StreamClient, plan: _Hint,
-               handles: list["Stream"]) -> tuple["Stream", dict[str, "Stream"], Checkpoint] | None:
+def _from_hint(client: StreamClient, plan: _Hint, handles: list["Stream"],
+               lasts: dict[tuple[int, int], FetchedBatch] | None = None
+               ) -> tuple["Stream", dict[str, "Stream"], Checkpoint] | None:
     """The partition's streams, opened here (`handles`, in `plan.stream_ids`' order), and its
     checkpoint: the hint's if no stream was opened since that close, else the meta stream's
-    last one (read now). None (the handles let go) if the meta stream names other streams."""
+    last one (read now, unless in `lasts`: batches read together, by (stream, offset)). None
+    (the handles let go) if the meta stream names other streams."""
     meta, streams = handles[0], dict(zip(plan.roles, handles[1:]))
     checkpoint = plan.checkpoint
     if not _hint_holds(plan, handles):
         # Opened since that close (a failover closed it, or a close without a record): the last
         # checkpoint is in the meta stream, open here now.
         try:
-            last = _last_checkpoint(meta)
+            found = (lasts or {}).get((meta.stream_id, meta.confirm_offset - 1))
+            last = Checkpoint.decode(found.payload) if found is not None else _last_checkpoint(meta)
         except BaseException:
             _let_go(client, meta, streams)
             raise
@@ -775,6 +779,17 @@ def _hint_holds(plan: _Hint, handles: list["Stream"]) -> bool:
     return plan.epochs is None or all(h.epoch == plan.epochs[h.stream_id] + 1 for h in handles)
 
 
+def _fetch_together(client: CommittedSource, points: list[tuple[int, int]]) -> dict[tuple[int, int], FetchedBatch]:
+    """client.fetch_committed_at(points), or nothing if that read fails: each partition then
+    reads its own checkpoint, and its open says what went wrong."""
+    if not points:
+        return {}
+    try:
+        return client.fetch_committed_at(points)
+    except Exception:                     # noqa: BLE001 - a shortcut only; see the docstring
+        return {}
+
+
 def _plan_committed(client: StreamClient, names: list[str], plans: dict[str, _Hint],
                     out: dict[str, "Partition | Exception"]) -> None:
     """`_open_all` of many partitions up to their streams' open: their meta streams found in
@@ -784,14 +799,14 @@ def _plan_committed(client: StreamClient, names: list[str], plans: dict[str, _Hi
     keys = client.metadata.get_kvs([partition_kv_key(name) for name in names])
     meta_ids = {name: int(keys[partition_kv_key(name)]) for name in names if partition_kv_key(name) in keys}
     rows = client.metadata.get_streams(list(meta_ids.values())) if meta_ids else {}
-    # Each one's last committed checkpoint: their objects found in one read, not one each.
-    client.locate_committed([(row.stream_id, last) for row in rows.values()
-                             if (last := _last_committed(row)) is not None])
+    # Each one's last committed checkpoint, read together: one metadata read, a few GETs.
+    lasts = {row.stream_id: last for row in rows.values() if (last := _last_committed(row)) is not None}
+    found = _fetch_together(client, list(lasts.items()))
     for name, meta_id in meta_ids.items():
         if meta_id not in rows:
             continue
         try:
-            plan = _committed_plan(client, rows[meta_id])
+            plan = _committed_plan(client, rows[meta_id], found.get((meta_id, lasts.get(meta_id))))
         except StreamNotClosedError as e:
             out[name] = e
             continue
@@ -857,17 +872,17 @@ def _open_batch(client: StreamClient, table: "PartitionTable",
         for name, plan in plans.items():
             if opened:
                 handles[name], opened = opened[:len(plan.stream_ids)], opened[len(plan.stream_ids):]
-        # Those opened since their close (a failover closed them) read their meta stream's last
-        # checkpoint: its objects found in one read for all of them.
-        stale = [handles[name][0] for name, plan in plans.items()
-                 if name in handles and not _hint_holds(plan, handles[name])]
-        client.locate_committed([(m.stream_id, m.confirm_offset - 1) for m in stale
-                                 if m.confirm_offset > m.start_offset])
+    # Those opened since their close (a failover closed them) take their meta stream's last
+    # checkpoint, read for all of them together.
+    stale = [handles[name][0] for name, plan in plans.items()
+             if name in handles and not _hint_holds(plan, handles[name])]
+    lasts = _fetch_together(client, [(m.stream_id, m.confirm_offset - 1) for m in stale
+                                     if m.confirm_offset > m.start_offset])
     for name, version in todo:
         if name in out:
             continue
         try:
-            together = _from_hint(client, plans[name], handles[name]) if name in handles else None
+            together = _from_hint(client, plans[name], handles[name], lasts) if name in handles else None
             if together is None:
                 out[name] = table.open(name, True, version)
                 continue
@@ -970,12 +985,15 @@ def _last_checkpoint(meta: "Stream") -> Checkpoint | None:
     return None
 
 
-def _committed_checkpoint(client: CommittedSource, meta: StreamMeta) -> Checkpoint | None:
+def _committed_checkpoint(client: CommittedSource, meta: StreamMeta,
+                          found: FetchedBatch | None = None) -> Checkpoint | None:
     """The newest checkpoint committed to objects in meta stream `meta` (read without opening
-    it), or None if none is."""
+    it, unless the caller did: `found`, the batch holding it), or None if none is."""
     last = _last_committed(meta)
     if last is None:
         return None
+    if found is not None and found.base_offset <= last < found.end_offset:
+        return Checkpoint.decode(found.payload)
     res = client.fetch_committed(meta.stream_id, last, last + 1, known=meta)
     return Checkpoint.decode(res.batches[-1].payload)
 

@@ -613,25 +613,20 @@ class Reader:
         self._refs.put(stream_id, refs, len(refs))
         return refs[0]
 
-    def locate(self, points: Sequence[tuple[int, int]], fetch: bool = True) -> None:
-        """Look up the committed objects holding these (stream_id, offset) points in one
-        metadata read and keep each in its stream's ref cache: the reads of them that follow
-        cost no lookup each (a batch of partition opens reads each one's last checkpoint:
-        thousands after a failover). Points whose ref is cached already are not looked up.
-        `fetch`: read their blocks ahead too (_fetch_points), a few GETs for all."""
+    def read_points(self, points: Sequence[tuple[int, int]]) -> dict[tuple[int, int], Batch]:
+        """The committed batch holding each (stream_id, offset) point, read together: the
+        objects not in the ref cache looked up in ONE metadata read, their indexes read in
+        parallel, their blocks in a few ranged GETs (blocks of one object up to LOCATE_GAP bytes
+        apart share one). What a batch of partition opens needs: each one's last checkpoint,
+        thousands of them after a failover, most in one StreamSetObject. A point no committed
+        object holds, or whose read failed, is absent: the caller reads it alone (and sees why)."""
+        points = list(dict.fromkeys(points))
         missing = [(sid, pos) for sid, pos in points if self._ref_at(sid, pos, pos + 1, cached_only=True) is None]
         if missing:
             with self._lock:
                 self.stats["metadata_lookups"] += 1
             for (sid, _), ref in self._meta.get_object_refs_at(missing).items():
                 self._refs.put(sid, [ref], 1)
-        if fetch:
-            self._fetch_points(points)
-
-    def _fetch_points(self, points: Sequence[tuple[int, int]]) -> None:
-        """Read ahead the block holding each point: the objects' indexes read in parallel,
-        then the blocks of each object in a few ranged GETs (neighbours up to LOCATE_GAP bytes
-        apart share one), on the pool. A hint: errors are left to the reads that follow."""
         by_object: dict[int, tuple[ObjectRef, list[tuple[int, int]]]] = {}
         for sid, pos in points:
             ref = self._ref_at(sid, pos, pos + 1, cached_only=True)
@@ -641,19 +636,34 @@ class Reader:
             loads = {oid: self._pool.submit(self._index, ref) for oid, (ref, _) in by_object.items()
                      if self.indexes.get(oid) is None}
         except RuntimeError:
-            return                                       # closing: no more read-ahead
-        wanted: dict[tuple[int, int], tuple[ObjectRef, IndexEntry]] = {}
+            raise ObjectStoreError("the stream client is closed; its reader takes no more reads") from None
+        blocks: dict[tuple[int, int], tuple[ObjectRef, IndexEntry]] = {}
+        block_of: dict[tuple[int, int], tuple[int, int]] = {}
         for oid, (ref, at) in by_object.items():
             try:
                 index = self._wait(loads[oid], f"reading the index of object {ref.key}") if oid in loads \
                     else self._index(ref)
-            except Exception:
+            except Exception:     # noqa: BLE001 - those points are read alone, which says why
                 continue
             for sid, pos in at:
                 for e in _stream_entries(index, sid, pos, pos + 1):
-                    wanted[(oid, e.block_position)] = (ref, e)
-        if wanted:
-            self._claim(0, [wanted[k] for k in sorted(wanted)], demand=False, gap=LOCATE_GAP)
+                    blocks[(oid, e.block_position)] = (ref, e)
+                    block_of[(sid, pos)] = (oid, e.block_position)
+        keys = sorted(blocks)
+        futures, _ = self._claim(0, [blocks[k] for k in keys], demand=True, gap=LOCATE_GAP) if keys else ([], False)
+        decoded: dict[tuple[int, int], list[Batch]] = {}
+        for key, fut in zip(keys, futures):
+            try:
+                decoded[key] = self._wait(fut, f"read of object {blocks[key][0].key} block {key[1]}")
+            except Exception:     # noqa: BLE001 - as above
+                continue
+        out: dict[tuple[int, int], Batch] = {}
+        for point, key in block_of.items():
+            for batch in decoded.get(key, ()):
+                if batch.base_offset <= point[1] < batch.end_offset:
+                    out[point] = batch
+                    break
+        return out
 
     def forget_stream(self, stream_id: int) -> None:
         """Drop the cached refs and the followed position of a stream (trimmed, destroyed)."""

@@ -246,6 +246,55 @@ def test_a_read_that_reaches_the_committed_end_looks_up_nothing_past_it(tmp_path
         reader.close()
 
 
+def test_fetch_committed_at_reads_many_streams_points_in_one_lookup_and_few_gets(tmp_path):
+    """fetch_committed_at (a batch of partition opens reading each one's last checkpoint): the
+    batch holding each (stream, offset) point, the same as fetch_committed returns there, with
+    ONE metadata lookup for all of them and a few ranged GETs (blocks of one object share one),
+    not a lookup and a GET each. Points no object holds (past the end, an unknown stream) are
+    absent; a point whose object is gone from the store is absent too, the rest still read."""
+    store = open_object_store(f"file://{tmp_path}/objects")
+    expected = write_committed(tmp_path, store, [[200] * 3 for _ in range(30)], seed=5)
+    expected.update(write_committed(tmp_path, store, [[200] * 3 for _ in range(30)], seed=6))   # other objects
+    reader = node(tmp_path, 2, store, reader_config())
+    try:
+        meta = reader.metadata
+        calls: list[str] = []
+        for name in ("get_object_refs", "get_object_refs_at", "get_stream"):
+            real = getattr(meta, name)
+            setattr(meta, name, lambda *a, _real=real, _name=name, **k: (calls.append(_name), _real(*a, **k))[1])
+        points = {}
+        for stream_id, batches in expected.items():
+            base, count, payload = batches[-1]
+            points[(stream_id, base + count - 1)] = batches[-1]
+            points[(stream_id, batches[0][0])] = batches[0]
+        reads_before = reader._reader.stats["object_reads"]
+        got = reader.fetch_committed_at([*points, (999_999, 0), (next(iter(expected)), 10_000)])
+        assert {p: as_tuples([b])[0] for p, b in got.items()} == points
+        assert calls == ["get_object_refs_at"], calls
+        gets = reader._reader.stats["object_reads"] - reads_before
+        objects = {r.object_id for sid in expected for r in meta.get_object_refs(sid, 0, 1 << 40)}
+        assert gets <= 2 * len(objects), (gets, len(objects))     # not one per point (120)
+        # The same as fetch_committed, point by point.
+        for (stream_id, pos), batch in list(got.items())[:5]:
+            assert as_tuples(reader.fetch_committed(stream_id, pos, pos + 1).batches)[:1] == as_tuples([batch])
+    finally:
+        reader.close()
+    # An object gone from the store: its points are absent, fetch_committed says why.
+    reader = node(tmp_path, 3, store, reader_config())
+    try:
+        victim = reader.metadata.get_object_refs(next(iter(expected)), 0, 1 << 40)[0].key
+        store.delete([victim])
+        gone = {(r.stream_id, pos) for (sid, pos) in points
+                for r in reader.metadata.get_object_refs(sid, pos, pos + 1) if r.key == victim}
+        got = reader.fetch_committed_at(list(points))
+        assert gone and len(gone) < len(points)
+        assert {p: as_tuples([b])[0] for p, b in got.items()} == {p: b for p, b in points.items() if p not in gone}
+        with pytest.raises(s3stream.CorruptDataError, match="missing from the store"):
+            reader.fetch_committed(*next(iter(gone)), next(iter(gone))[1] + 1)
+    finally:
+        reader.close()
+
+
 def test_payloads_are_read_only_views_of_one_buffer_per_get_or_cache_read(tmp_path):
     store, stream_id, batches = one_stream(tmp_path, [500] * 2000)       # ~120 batches a block
     config = reader_config(block_cache_size=256 * KiB)

@@ -1029,8 +1029,9 @@ class SimClient:
             self.streams[meta.stream_id] = SimStream(self, meta)
         return [self.streams[meta.stream_id] for meta in metas]
 
-    def locate_committed(self, points) -> None:
-        """Nothing to find: the world is read directly."""
+    def fetch_committed_at(self, points) -> dict:
+        """Nothing found together: each point is read alone (fetch_committed), from the world."""
+        return {}
 
     def fetch_committed(self, stream_id: int, start: int, end: int | None = None,
                         max_bytes: int = 1 << 20, known: StreamMeta | None = None) -> FetchResult:

@@ -204,6 +204,40 @@ def test_lost_host_with_the_wal_on_the_store(request, tmp_path, backend):
     assert result["settle"]["all_live"], result["settle"]
 
 
+#: Issue 53: hundreds of partitions per node, at a low rate each.
+MANY = dict(partitions=240, rate=3.0)
+
+
+@pytest.mark.parametrize("backend", ["sqlite-local"], indirect=True)
+def test_a_kill_in_the_middle_of_a_batched_failover(request, tmp_path, backend):
+    """Three nodes with 80 partitions each. One is killed; as its peers fail it over (one
+    reassignment, opens in batches, their checkpoints and commits) a second is killed -9 in
+    the middle of it. Both come back; nothing acknowledged is lost or written twice, and every
+    partition acknowledges again."""
+    def script(run):
+        first = run.inject("kill", slot=1, seconds=6.0, wait=False)
+        run.sleep(run.config.heartbeat_timeout + 0.4)     # the failover and its batches under way
+        run.inject("kill", slot=2, seconds=2.0)
+        first.join()
+
+    assert_safe(run_scenario(request, tmp_path, backend, script, **MANY))
+
+
+@pytest.mark.parametrize("backend", PG, indirect=True)
+def test_postgres_outage_during_a_batched_failover(request, tmp_path, backend):
+    """Three nodes with 80 partitions each; one is killed and, as its peers start failing it
+    over, PostgreSQL stops for 5 s (pg_ctl stop -m immediate): the failover's batches fail
+    part-way and are taken up again once the store is back; nothing acknowledged is lost, no
+    live node is failed over, every partition acknowledges again."""
+    def script(run):
+        killed = run.inject("kill", slot=1, seconds=12.0, wait=False)
+        run.sleep(run.config.heartbeat_timeout + 0.3)
+        run.inject("pg-outage", seconds=5.0)
+        killed.join()
+
+    assert_safe(run_scenario(request, tmp_path, backend, script, **MANY))
+
+
 @pytest.mark.parametrize("backend", PG, indirect=True)
 def test_failover_during_an_object_store_stall(request, tmp_path, backend):
     """S3 frozen for 10 s; 1 s in, a node is killed and stays down (30 s). Its peers fail it over;

@@ -137,6 +137,24 @@ def test_ten_thousand_seeds_break_no_invariant():
     assert summary["distinct_interleavings"] > SEEDS // 2
 
 
+#: Seeds run with hundreds of partitions per node (issue 53): batched opens, closes, failovers
+#: and reassignments under the same faults.
+MANY_SEEDS, MANY_PARTITIONS = 12, 300
+
+
+@pytest.mark.slow
+def test_seeds_with_hundreds_of_partitions_per_node_break_no_invariant():
+    """Three nodes, 100 partitions each, the simulation's faults: nothing lost, overwritten or
+    acknowledged twice, every partition acknowledging again at the end; and the faults bit
+    (failovers and migrations happened, moving hundreds of partitions in batches)."""
+    summary = cluster_sim.run_many(list(range(MANY_SEEDS)), workers=2, partitions=MANY_PARTITIONS)
+    SUMMARY.append(f"{summary['seeds']} seeds with {MANY_PARTITIONS} partitions in {summary['seconds']} s: "
+                   f"{summary['totals']}")
+    assert not summary["failed"], summary["failures"][:2]
+    totals = summary["totals"]
+    assert totals["acknowledged"] > 1000 * MANY_SEEDS and totals["failovers"] > 0 and totals["migrated"] > 0, totals
+
+
 def test_a_seed_replays_exactly():
     first, again = cluster_sim.run_seed(4242), cluster_sim.run_seed(4242)
     assert first == again and first["ok"] and first["steps"] > 1000

@@ -1138,17 +1138,38 @@ class Incarnation:
     def produce(self) -> None:
         world, hub = self.world, self.world.hub
         seq = 0
+        # A few partitions: one append at a time (the schedules the known seeds were found
+        # with). Many (issue 53): an append to each, then their acknowledgments, so that every
+        # partition takes one per round however many the node holds.
+        together = len(world.partition_names) > PRODUCE_TOGETHER
         while True:
+            pending = []
             for partition in sorted(partitions_on(self.client), key=lambda p: p.name):
                 payload = f"{partition.name}|n{self.node_id}.{self.number}|{seq}".encode()
                 seq += 1
                 try:
-                    offset = partition.append(_Batch(payload)).result(1.0).base_offset
+                    future = partition.append(_Batch(payload))
+                    if together:
+                        pending.append((partition, payload, future))
+                        continue
+                    offset = future.result(1.0).base_offset
+                except (PartitionMovedError, S3StreamError, OperationTimeoutError):
+                    continue
+                world.acks.append((partition.log.stream_id, offset, payload, hub.now))
+                world.partition_acks[partition.name] = hub.now
+            for partition, payload, future in pending:
+                try:
+                    offset = future.result(1.0).base_offset
                 except (PartitionMovedError, S3StreamError, OperationTimeoutError):
                     continue
                 world.acks.append((partition.log.stream_id, offset, payload, hub.now))
                 world.partition_acks[partition.name] = hub.now
             hub.sleep(hub.rng.uniform(0.04, 0.12))
+
+
+#: Partitions in a world above which its producers append to all of a node's partitions before
+#: waiting for their acknowledgments (SimClient.produce).
+PRODUCE_TOGETHER = 12
 
 
 class _Batch:
@@ -1443,8 +1464,19 @@ class World:
 
         def assign() -> None:
             self.hub.sleep(0.3)
-            for i, name in enumerate(self.partition_names):
-                cluster.assign(name, self.node_ids[i % len(self.node_ids)])
+            if len(self.partition_names) <= PRODUCE_TOGETHER:
+                for i, name in enumerate(self.partition_names):
+                    cluster.assign(name, self.node_ids[i % len(self.node_ids)])
+                return
+            # Many: in a few writes, retried through the faults (which start at 1.5 s) until
+            # every partition is assigned.
+            wanted = {name: self.node_ids[i % len(self.node_ids)] for i, name in enumerate(self.partition_names)}
+            while wanted:
+                try:
+                    for name in cluster.assign_many(wanted):
+                        wanted.pop(name)
+                except S3StreamError:
+                    self.hub.sleep(0.1)
         self.hub.spawn(None, "assign", assign)
         self.hub.spawn(None, "supervisor", self.supervise)
 
@@ -1564,9 +1596,9 @@ class World:
                     signature="/".join(self.signature), sim_seconds=self.hub.now / S)
 
 
-def run_seed(seed: int, mutant: str | None = None, seconds: float = 10.0) -> dict:
+def run_seed(seed: int, mutant: str | None = None, seconds: float = 10.0, partitions: int = 4) -> dict:
     with MUTANTS[mutant]() if mutant else _nothing():
-        world = World(seed, seconds=seconds, mutant=mutant)
+        world = World(seed, partitions=partitions, seconds=seconds, mutant=mutant)
         try:
             return world.run()
         except BaseException as e:       # noqa: BLE001 - the simulation itself failing is a finding
@@ -1703,15 +1735,15 @@ def _seed_range(text: str) -> list[int]:
     return out
 
 
-def _worker(args: tuple[list[int], str | None, float]) -> list[dict]:
+def _worker(args: tuple[list[int], str | None, float, int]) -> list[dict]:
     import logging
     logging.disable(logging.CRITICAL)
-    seeds, mutant, seconds = args
-    return [{k: v for k, v in run_seed(s, mutant, seconds).items() if k != "trace"} for s in seeds]
+    seeds, mutant, seconds, partitions = args
+    return [{k: v for k, v in run_seed(s, mutant, seconds, partitions).items() if k != "trace"} for s in seeds]
 
 
 def run_many(seeds: list[int], mutant: str | None = None, seconds: float = 10.0, workers: int = 2,
-             stop_at_first: bool = False) -> dict:
+             stop_at_first: bool = False, partitions: int = 4) -> dict:
     """Run `seeds` in `workers` processes; a summary with every failing seed's result. The
     workers are spawned, not forked: a fork of a process with other threads (pytest's, after
     tests that leave pools and feeds behind) can copy a lock held by one of them, and the child
@@ -1722,12 +1754,12 @@ def run_many(seeds: list[int], mutant: str | None = None, seconds: float = 10.0,
     results: list[dict] = []
     if workers == 1:
         for chunk in chunks:
-            results += _worker((chunk, mutant, seconds))
+            results += _worker((chunk, mutant, seconds, partitions))
             if stop_at_first and not results[-1]["ok"]:
                 break
     else:
         with multiprocessing.get_context("spawn").Pool(workers) as pool:
-            for part in pool.imap_unordered(_worker, [(c, mutant, seconds) for c in chunks]):
+            for part in pool.imap_unordered(_worker, [(c, mutant, seconds, partitions) for c in chunks]):
                 results += part
                 if stop_at_first and any(not r["ok"] for r in part):
                     pool.terminate()
@@ -1742,7 +1774,7 @@ def run_many(seeds: list[int], mutant: str | None = None, seconds: float = 10.0,
                 seeds_per_second=round(len(results) / elapsed, 1), mutant=mutant,
                 distinct_interleavings=len({r.get("signature") for r in results}),
                 totals=dict(totals), first_failing_seed=failed[0]["seed"] if failed else None,
-                sim_seconds_per_seed=seconds)
+                sim_seconds_per_seed=seconds, partitions=partitions)
 
 
 def replay(seed: int, mutant: str | None = None, seconds: float = 10.0) -> dict:
@@ -1760,6 +1792,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", default="0-999", help="seeds: 0-9999 or 1,5,7")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--seconds", type=float, default=10.0, help="simulated seconds of faults per seed")
+    p.add_argument("--partitions", type=int, default=4, help="partitions of the cluster (three nodes)")
     p.add_argument("--mutant", choices=sorted(MUTANTS), default=None, help="run with one known bug reintroduced")
     p.add_argument("--replay", type=int, default=None, help="run this seed and print its trace")
     p.add_argument("--json", default=None, help="write the summary here")
@@ -1770,7 +1803,7 @@ def main(argv: list[str] | None = None) -> int:
         result = replay(args.replay, args.mutant, args.seconds)
         print(json.dumps({k: v for k, v in result.items() if k != "trace"}, indent=2, default=str))
         return 0 if result["ok"] else 1
-    summary = run_many(_seed_range(args.seeds), args.mutant, args.seconds, args.workers)
+    summary = run_many(_seed_range(args.seeds), args.mutant, args.seconds, args.workers, partitions=args.partitions)
     print(json.dumps(summary, indent=2, default=str))
     if args.json:
         with open(args.json, "w") as f:

@@ -279,3 +279,35 @@ def test_a_drain_moves_a_node_s_partitions_in_batches_and_loses_nothing(tmp_path
             c.cluster.migrate_many({"d00": 9})
     finally:
         c.close()
+
+
+def test_a_failover_s_reassignment_moves_each_partition_once_beside_another_mover(metadata_url, monkeypatch):
+    """A failover reassigns a dead node's partitions with assign_many(from_node=) while another
+    node's reassign_orphans may move some of them first: those it finds moved meanwhile (its
+    compare-and-set fails) are read again and left where they are, not moved a second time (a
+    second move made every partition open twice after a failover of 10,000). Without
+    from_node, a conflicting item is read again and written."""
+    from s3stream.cluster import Cluster
+    cluster = Cluster(metadata_url, None)
+    try:
+        names = [f"p{i}" for i in range(10)]
+        cluster.assign_many({name: 1 for name in names})
+        stale = cluster.meta.get_kvs([f"assignment/{name}" for name in names])
+        for name in names[:5]:
+            cluster.assign(name, 3)                   # the other mover got there first
+        real, reads = cluster.meta.get_kvs, []
+
+        def first_read_stale(keys):
+            reads.append(len(keys))
+            return {k: stale[k] for k in keys if k in stale} if len(reads) == 1 else real(keys)
+        monkeypatch.setattr(cluster.meta, "get_kvs", first_read_stale)
+        moved = cluster.assign_many({name: 2 for name in names}, from_node=1)
+        assert set(moved) == set(names[5:]) and set(moved.values()) == {2}
+        assert reads == [10, 5]                       # the five that failed, read again once
+        now = cluster.assignments()
+        assert [(now[n]["node"], now[n]["version"]) for n in names] == [(3, 2)] * 5 + [(2, 2)] * 5
+        reads.clear()                                 # its first read stale again
+        assert cluster.assign_many({name: 1 for name in names[:5]}) == {name: 3 for name in names[:5]}
+        assert reads == [5, 5]                        # without from_node: read again, and written
+    finally:
+        cluster.close()

@@ -812,9 +812,14 @@ class Uploader:
             with self._cond:
                 self._committed_id = block.block_id
             # A closed tail is remembered while some block still to commit holds a slice of it:
-            # by the slices themselves, since a cut may have moved one into a later block.
-            for key in [k for k in self._closed_tails if not self._cache.uncommitted_slices(*k)]:
-                del self._closed_tails[key]
+            # by the slices themselves, since a cut may have moved one into a later block. Only
+            # the tails this block held a slice of can have lost their last one now (a node
+            # closing 10,000 partitions has 20,000 closed tails, and the cache thousands of
+            # blocks: looking at every tail at every commit took minutes).
+            if self._closed_tails:
+                for key in {(s.stream_id, s.epoch) for s in block.streams.values()}:
+                    if key in self._closed_tails and not self._cache.uncommitted_slices(*key):
+                        del self._closed_tails[key]
         trim = self._cache.trim_point(block)
         try:
             self._trim_wal(trim)

@@ -14,7 +14,7 @@ from typing import Iterable, Sequence
 
 import wal
 
-from ..errors import CorruptDataError, StreamNotFoundError
+from ..errors import CorruptDataError, StreamFencedError, StreamNotFoundError
 from .logcache import LogCache
 from ..metadata import CommitRequest, MetadataStore, StreamMeta, StreamState
 from .upload import Uploader
@@ -107,11 +107,18 @@ def close_node_streams(meta: MetadataStore, node_id: int, node_epoch: int,
     `node_epoch` is still its epoch: StreamFencedError once a newer incarnation registered (what
     it opened is its own; it recovers what the older ones held itself). CLOSE_BATCH streams per
     metadata transaction (a commit that only closes, as close_stream would each one). `held`:
-    those streams, if the caller listed them already (it opens none meanwhile)."""
+    those streams, if the caller listed them already (before its replay): should one have been
+    taken meanwhile (a failover of the node racing its restart), they are listed again."""
+    listed = held is None
     if held is None:
         held = meta.list_streams(owner_node_id=node_id)
     closes = [(m.stream_id, m.epoch) for m in held]
-    for i in range(0, len(closes), CLOSE_BATCH):
-        meta.commit(CommitRequest(node_id, node_epoch, closes=tuple(closes[i:i + CLOSE_BATCH])))
+    try:
+        for i in range(0, len(closes), CLOSE_BATCH):
+            meta.commit(CommitRequest(node_id, node_epoch, closes=tuple(closes[i:i + CLOSE_BATCH])))
+    except StreamFencedError:
+        if listed:
+            raise
+        return close_node_streams(meta, node_id, node_epoch)     # what it holds now; closed ones are not
     return len(closes)
 

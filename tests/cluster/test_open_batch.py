@@ -254,6 +254,26 @@ def test_recovery_closes_a_node_s_streams_in_a_few_commits(tmp_path, metadata_ur
         meta.close()
 
 
+def test_recovery_s_closes_list_again_when_a_stream_was_taken_since_the_replay(metadata_url):
+    """A failover and a restart list the node's streams once, before the WAL's replay, for the
+    replay and the closes. Should one of them be taken meanwhile (a failover of the node racing
+    its restart closed it and another node opened it), the closes list again: the rest close,
+    the taken one is left to its new owner, nothing raises."""
+    meta = open_metadata(metadata_url)
+    try:
+        n1, n2 = meta.register_node(1, "w1"), meta.register_node(2, "w2")
+        ids = [meta.create_stream(1, n1.node_epoch).stream_id for _ in range(3)]
+        held = meta.list_streams(owner_node_id=1)
+        taken = meta.get_stream(ids[0])
+        meta.close_stream(ids[0], taken.epoch, 1)
+        meta.open_stream(ids[0], 2, n2.node_epoch)
+        assert recovery.close_node_streams(meta, 1, n1.node_epoch, held) == 2
+        assert [meta.get_stream(i).state for i in ids] == [StreamState.OPENED, StreamState.CLOSED, StreamState.CLOSED]
+        assert meta.get_stream(ids[0]).owner_node_id == 2
+    finally:
+        meta.close()
+
+
 def test_a_drain_moves_a_node_s_partitions_in_batches_and_loses_nothing(tmp_path, metadata_url):
     """Cluster.drain: node 1's thirty partitions move to node 2 (its agent closes them in
     batches, node 2's opens them in batches); every acknowledged record is read there, each

@@ -275,8 +275,7 @@ class SqlMetadataStore(MetadataStore):
         # end offset equals order by start offset and lets the (stream_id, end_offset) index
         # both find the first range and stop after `limit`.
         with self._transaction(write=False) as db:
-            for table, kind in (("sso_ranges", ObjectType.STREAM_SET_OBJECT),
-                                ("stream_objects", ObjectType.STREAM_OBJECT)):
+            for table, kind in _REF_TABLES:
                 rows = db.execute(
                     f"SELECT o.object_id, o.key, o.size, r.start_offset, r.end_offset "
                     f"FROM {table} r JOIN objects o ON o.object_id = r.object_id "
@@ -299,8 +298,7 @@ class SqlMetadataStore(MetadataStore):
                 chunk = unique[i:i + KV_BATCH]
                 values = ", ".join(["(CAST(? AS BIGINT), CAST(? AS BIGINT))"] * len(chunk))
                 params = [v for point in chunk for v in point]
-                for table, kind in (("sso_ranges", ObjectType.STREAM_SET_OBJECT),
-                                    ("stream_objects", ObjectType.STREAM_OBJECT)):
+                for table, kind in _REF_TABLES:
                     rows = db.execute(
                         f"WITH p (sid, off) AS (VALUES {values}) "
                         f"SELECT p.sid, p.off, o.object_id, o.key, o.size, r.start_offset, r.end_offset "
@@ -565,6 +563,8 @@ def _send_node_check(db: _Connection, node_id: int, node_epoch: int, lock: str =
     return check
 
 
+#: Where a stream's committed ranges are, and the kind of object each table's rows are in.
+_REF_TABLES = (("sso_ranges", ObjectType.STREAM_SET_OBJECT), ("stream_objects", ObjectType.STREAM_OBJECT))
 #: A stream row's state: a lookup, not an Enum call (a failover loads 20,000 rows).
 _STATES = {state.value: state for state in StreamState}
 

@@ -495,20 +495,18 @@ def balance_run(meta_url: str, store_url: str, node_id: int, once: bool, exclude
     """
     config = balancer_config(**thresholds)
     stop_on_signals()
+    serve_metrics(metrics_port, metrics_addr)
     # A failover opens the source's WAL with the capacity in its header, whatever it is.
     failover_config = Config(wal=wal.WALConfig(capacity=None))
     with contextlib.closing(open_meta(meta_url)) as meta, contextlib.closing(open_store(store_url)) as store:
         balancer = Balancer(Cluster(meta, store, engine_config=failover_config), node_id, config, excluded=excluded)
         if once:
-            serve_metrics(metrics_port, metrics_addr)
             run_one_round(balancer)
             return
         # Ctrl-C may come at any moment from here on, the start included: its threads are
         # stopped whatever happens (a KeyboardInterrupt past them left the process waiting for
-        # them, forever). Metrics are served from here too: a supervisor that sees them and
-        # stops the process at once stops it cleanly (it was "Aborted!" during the setup).
+        # them, forever).
         try:
-            serve_metrics(metrics_port, metrics_addr)
             balancer.start()
             click.echo(f"balancer candidate {node_id} running: plans every {config.loop_interval_s:g} s while it "
                        "holds the lease; Ctrl-C to stop")

@@ -666,10 +666,15 @@ def _open_all(client: StreamClient, meta_id: int,
     return handles[0], dict(zip(plan.roles, handles[1:])), plan.checkpoint
 
 
+def _held_elsewhere(client: StreamClient, meta: StreamMeta) -> bool:
+    """Whether the partition's meta stream (`meta`, its row) is open on another node."""
+    return meta.state == StreamState.OPENED and meta.owner_node_id != client.node_id
+
+
 def _check_free(client: StreamClient, meta: StreamMeta) -> None:
     """StreamNotClosedError if the partition's meta stream (`meta`, its row) is open on another
     node: its source has not let it go."""
-    if meta.state == StreamState.OPENED and meta.owner_node_id != client.node_id:
+    if _held_elsewhere(client, meta):
         raise StreamNotClosedError.held(meta.stream_id, meta.owner_node_id, meta.epoch)
 
 
@@ -799,8 +804,11 @@ def _plan_committed(client: StreamClient, names: list[str], plans: dict[str, _Hi
     keys = client.metadata.get_kvs([partition_kv_key(name) for name in names])
     meta_ids = {name: int(keys[partition_kv_key(name)]) for name in names if partition_kv_key(name) in keys}
     rows = client.metadata.get_streams(list(meta_ids.values())) if meta_ids else {}
-    # Each one's last committed checkpoint, read together: one metadata read, a few GETs.
-    lasts = {row.stream_id: last for row in rows.values() if (last := _last_committed(row)) is not None}
+    # Each one's last committed checkpoint, read together: one metadata read, a few GETs. Not
+    # of those still held elsewhere (a target retrying until its source lets go) or open here.
+    lasts = {row.stream_id: last for row in rows.values()
+             if not _held_elsewhere(client, row) and client.opened(row.stream_id) is None
+             and (last := _last_committed(row)) is not None}
     found = _fetch_together(client, list(lasts.items()))
     for name, meta_id in meta_ids.items():
         if meta_id not in rows:

@@ -54,7 +54,7 @@ INDEX_CACHE_BYTES = 64 * 1024 * 1024
 REF_CACHE_ENTRIES = 64 * 1024
 #: Refs looked up per metadata query.
 REF_BATCH = 64
-#: Bytes between two wanted blocks of one object that `locate` reads rather than split the GET
+#: Bytes between two wanted blocks of one object that `read_points` reads rather than split the GET
 #: (the checkpoints of many partitions lie in one StreamSetObject between their logs' blocks).
 LOCATE_GAP = 256 * 1024
 #: Streams whose reading position is followed for readahead.
@@ -207,11 +207,9 @@ class _ObjectIndex(list):
             self.by_stream.setdefault(e.stream_id, []).append(e)
 
 
-def _stream_entries(index: list[IndexEntry], stream_id: int, start: int, end: int) -> list[IndexEntry]:
-    """entries_for, by the per-stream lookup of an _ObjectIndex."""
-    if isinstance(index, _ObjectIndex):
-        return entries_for(index.by_stream.get(stream_id, ()), stream_id, start, end)
-    return entries_for(index, stream_id, start, end)
+def _stream_entries(index: _ObjectIndex, stream_id: int, start: int, end: int) -> list[IndexEntry]:
+    """entries_for, by the index's per-stream lookup."""
+    return entries_for(index.by_stream.get(stream_id, ()), stream_id, start, end)
 
 
 class _Unit(NamedTuple):
@@ -674,7 +672,7 @@ class Reader:
     def _is_whole(self, ref: ObjectRef) -> bool:
         return ref.type == ObjectType.STREAM_OBJECT and ref.size <= self._whole_object
 
-    def _index(self, ref: ObjectRef, budget: int = 0) -> list[IndexEntry]:
+    def _index(self, ref: ObjectRef, budget: int = 0) -> _ObjectIndex:
         """The object's index, cached; one GET per object however many threads want it. A small
         StreamObject is read whole if read-ahead asks (`budget` 0) or if the reader's fetch
         wants at least a quarter of it: a point read does not pull 16 MiB."""

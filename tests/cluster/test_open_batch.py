@@ -91,9 +91,16 @@ def test_a_batch_without_close_records_opens_from_committed_checkpoints_in_one_w
             p.append(RecordBatch(name.encode(), 1)).result(10)
             p.close(timeout=10)                                  # no record: no hint
         assert two.metadata.get_kvs([closed_key(n) for n in names]) == {}
+        open_partition(one, "q99").close(timeout=10)            # a committed checkpoint, then
+        held = open_partition(one, "q99")                        # open on node 1 again: held there
+        read, real = [], two.fetch_committed_at
+        two.fetch_committed_at = lambda points: (read.extend(points), real(points))[1]
         with Calls(two) as calls:
-            opened = open_partitions(two, [(name, 2) for name in names])
+            opened = open_partitions(two, [(name, 2) for name in names + ["q99"]])
         assert calls.count(*WRITES) == 1 and calls.count("open_streams") == 1, calls.calls
+        # Every checkpoint read together, but not the one of a partition still held elsewhere.
+        assert len(read) == len(names) and held.meta_stream.stream_id not in {sid for sid, _ in read}
+        assert isinstance(opened["q99"], StreamNotClosedError)
         for name in names:
             assert bytes(opened[name].fetch(0).batches[0].payload) == name.encode()
             assert opened[name].append(RecordBatch(b"more", 1)).result(10).base_offset == 1

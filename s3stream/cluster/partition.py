@@ -814,7 +814,8 @@ def _plan_committed(client: StreamClient, names: list[str], plans: dict[str, _Hi
         if meta_id not in rows:
             continue
         try:
-            plan = _committed_plan(client, rows[meta_id], found.get((meta_id, lasts.get(meta_id))))
+            last = lasts.get(meta_id)
+            plan = _committed_plan(client, rows[meta_id], None if last is None else found.get((meta_id, last)))
         except StreamNotClosedError as e:
             out[name] = e
             continue

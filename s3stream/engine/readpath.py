@@ -623,8 +623,8 @@ class Reader:
         if missing:
             with self._lock:
                 self.stats["metadata_lookups"] += 1
-            for (sid, _), ref in self._meta.get_object_refs_at(missing).items():
-                self._refs.put(sid, [ref], 1)
+            for (sid, _), got in self._meta.get_object_refs_at(missing).items():
+                self._refs.put(sid, [got], 1)
         by_object: dict[int, tuple[ObjectRef, list[tuple[int, int]]]] = {}
         for sid, pos in points:
             ref = self._ref_at(sid, pos, pos + 1, cached_only=True)

@@ -623,8 +623,15 @@ class Reader:
         if missing:
             with self._lock:
                 self.stats["metadata_lookups"] += 1
+            found: dict[int, dict[int, ObjectRef]] = {}
             for (sid, _), got in self._meta.get_object_refs_at(missing).items():
-                self._refs.put(sid, [got], 1)
+                found.setdefault(sid, {})[got.start_offset] = got
+            for sid, refs in found.items():
+                # Several points of one stream: all their refs, beside those cached already.
+                for ref in self._refs.get(sid) or ():
+                    refs.setdefault(ref.start_offset, ref)
+                merged = sorted(refs.values(), key=_end_offset)
+                self._refs.put(sid, merged, len(merged))
         by_object: dict[int, tuple[ObjectRef, list[tuple[int, int]]]] = {}
         for sid, pos in points:
             ref = self._ref_at(sid, pos, pos + 1, cached_only=True)

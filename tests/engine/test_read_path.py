@@ -295,6 +295,32 @@ def test_fetch_committed_at_reads_many_streams_points_in_one_lookup_and_few_gets
         reader.close()
 
 
+def test_fetch_committed_at_reads_points_of_one_stream_in_several_objects(tmp_path):
+    """Many points of each stream, in several StreamSetObjects (what a reader warming its cache
+    for many partitions asks): every one found, a few GETs per object, and the blocks they
+    read serve the streams' fetches after it without another GET. (Each point's ref once
+    replaced the stream's cached refs: only the last point of each stream was read.)"""
+    store = open_object_store(f"file://{tmp_path}/objects")
+    expected = write_committed(tmp_path, store, [[2000] * 100 for _ in range(30)], seed=7)
+    reader = node(tmp_path, 2, store, reader_config(block_cache_size=64 * MiB, read_fetch_size=None))
+    try:
+        meta = reader.metadata
+        objects = {r.object_id: r for sid in expected for r in meta.get_object_refs(sid, 0, 1 << 40)}
+        assert len(objects) >= 3 and all(r.type == ObjectType.STREAM_SET_OBJECT for r in objects.values())
+        points = {(sid, base): (base, count, payload) for sid, batches in expected.items()
+                  for base, count, payload in batches}
+        got = reader.fetch_committed_at(list(points))
+        assert {p: as_tuples([b])[0] for p, b in got.items()} == points
+        reads = reader._reader.stats["object_reads"]
+        assert reads <= 2 * len(objects), (reads, len(objects))
+        for sid, batches in expected.items():
+            assert as_tuples(reader.fetch_committed(sid, 0, batches[-1][0] + batches[-1][1],
+                                                    max_bytes=64 * MiB).batches) == batches
+        assert reader._reader.stats["object_reads"] == reads
+    finally:
+        reader.close()
+
+
 def test_payloads_are_read_only_views_of_one_buffer_per_get_or_cache_read(tmp_path):
     store, stream_id, batches = one_stream(tmp_path, [500] * 2000)       # ~120 batches a block
     config = reader_config(block_cache_size=256 * KiB)

@@ -15,6 +15,10 @@ Per N and metadata store, in order:
    to its open on B ("failover", p50 / p99 / all), beside the target heartbeat_timeout + 2 s.
 4. A starts once more; a drain moves `--drain` of B's partitions to A (Cluster.migrate_many:
    closed on B and opened on A in batches): "drain" is the time until all are open on A.
+5. Busy among idle: node C (id 3) starts with `--busy` partitions of its own and appends to them
+   as fast as it can for `--load` seconds (64 KiB batches, 8 in flight per partition), after a
+   warm-up of up to 2 s: MB/s alone. Then all N idle partitions move to C (migrate_many: "move all") and C appends to its
+   busy ones again: MB/s among N idle, and the ratio, beside the target 0.9.
 
 Each phase also counts the metadata operations of the nodes (InstrumentedMetadataStore: calls
 per operation) and prints them per partition. Reports: reports/scale/report.json and a PNG.
@@ -41,6 +45,7 @@ TARGETS = {
     "drain_1000_s": 5.0,
     "idle_cpu_percent": 5.0,
     "rss_per_idle_partition_kib": 32.0,
+    "busy_among_idle_ratio": 0.9,
 }
 #: Published figures to read ours against: Kafka's, from the ZooKeeper era and KRaft.
 ANCHORS = [
@@ -59,7 +64,9 @@ BEFORE = {10: (0.20, 5.12, 5.12, 5.12, 0.6, 51), 100: (1.16, 5.35, 5.45, 5.45, 0
 def node_main(argv: list[str]) -> None:
     """One node: a StreamClient (default Config) and its NodeAgent (default ClusterConfig).
     Commands on stdin, one per line: `append` (one record to every partition open here, waits
-    for all to be durable), `ops` (metadata calls so far, JSON), `stop` (a clean close)."""
+    for all to be durable), `load PREFIX SECONDS` (appends to the partitions open here whose
+    names start with PREFIX as fast as they take them; MB/s acknowledged, JSON), `ops` (metadata
+    calls so far, JSON), `stop` (a clean close)."""
     p = argparse.ArgumentParser()
     p.add_argument("--id", type=int, required=True)
     p.add_argument("--dir", required=True)
@@ -86,6 +93,10 @@ def node_main(argv: list[str]) -> None:
             for f in futures:
                 f.result(60)
             print(f"appended {len(futures)}", flush=True)
+        elif command.startswith("load "):
+            _, prefix, seconds = command.split()
+            busy = [q for q in partitions_on(client) if q.name.startswith(prefix)]
+            print("loaded " + json.dumps(load(busy, float(seconds))), flush=True)
         elif command == "ops":
             print("ops " + json.dumps({op: h["count"] for op, h in meta.latencies().items()}), flush=True)
         elif command == "stop":
@@ -94,6 +105,36 @@ def node_main(argv: list[str]) -> None:
             cluster.close()
             print("stopped", flush=True)
             return
+
+
+#: The busy partitions' appends: batches of LOAD_BATCH bytes, LOAD_WINDOW in flight per partition.
+LOAD_BATCH = 64 << 10
+LOAD_WINDOW = 8
+
+
+def load(partitions: list, seconds: float) -> dict:
+    """Append to every partition round-robin for `seconds`, at most LOAD_WINDOW unacknowledged
+    per partition (the oldest is waited for before the next is sent): bytes and MB/s
+    acknowledged, all waited for at the end."""
+    import collections
+    from s3stream import RecordBatch
+    payload = os.urandom(LOAD_BATCH)
+    inflight: collections.deque = collections.deque()
+    acked = 0
+    t0 = time.monotonic()
+    limit = t0 + seconds
+    while time.monotonic() < limit:
+        for q in partitions:
+            if len(inflight) >= LOAD_WINDOW * len(partitions):
+                inflight.popleft().result(60)
+                acked += LOAD_BATCH
+            inflight.append(q.append(RecordBatch(payload, 16)))
+    for f in inflight:
+        f.result(60)
+        acked += LOAD_BATCH
+    elapsed = time.monotonic() - t0
+    return {"partitions": len(partitions), "bytes": acked, "seconds": round(elapsed, 3),
+            "mb_s": round(acked / elapsed / 1e6, 1)}
 
 
 class Node:
@@ -259,12 +300,39 @@ def one_case(n: int, meta_kind: str, meta_url: str, work: str, args) -> dict:
         row["drain"] = len(drain)
         row["drain_s"] = round(time.monotonic() - t0, 3)
         log(f"{meta_kind} N={n}: drained {len(drain)} partitions in {row['drain_s']} s")
+        if args.busy and hasattr(cluster, "migrate_many"):
+            row.update(busy_among_idle(cluster, meta, work, meta_url, store_url, names, nodes, args))
+            log(f"{meta_kind} N={n}: {args.busy} busy partitions alone {row['busy_alone']['mb_s']} MB/s, "
+                f"among {n} idle {row['busy_among_idle']['mb_s']} MB/s: ratio {row['busy_ratio']} "
+                f"(target >= {TARGETS['busy_among_idle_ratio']}); all {n} moved in {row['move_all_s']} s")
     finally:
         for node in nodes:
             node.stop()
         cluster.close()
         meta.close()
     return row
+
+
+def busy_among_idle(cluster, meta, work: str, meta_url: str, store_url: str, names: list[str],
+                    nodes: list["Node"], args) -> dict:
+    """Step 5: node 3 with `args.busy` partitions alone, then with every idle one moved to it."""
+    busy = [f"busy{i:04d}" for i in range(args.busy)]
+    c = Node(3, work, meta_url, store_url)
+    nodes.append(c)
+    t0 = time.time()
+    cluster.assign_many({name: 3 for name in busy})
+    wait_open(meta, busy, c, t0, args.timeout)
+    c.ask(f"load busy {min(2.0, args.load)}", "loaded ")        # warm-up: the WAL's first pass, the caches
+    alone = json.loads(c.ask(f"load busy {args.load}", "loaded "))
+    t0 = time.monotonic()
+    moved = cluster.migrate_many({name: 3 for name in names}, timeout=args.timeout)
+    if moved.waiting:
+        raise TimeoutError(f"{len(moved.waiting)} partitions not open on node 3 after {args.timeout} s")
+    move_all = round(time.monotonic() - t0, 3)
+    time.sleep(1.0)
+    among = json.loads(c.ask(f"load busy {args.load}", "loaded "))
+    return {"busy": args.busy, "busy_alone": alone, "busy_among_idle": among, "move_all_s": move_all,
+            "busy_ratio": round(among["mb_s"] / alone["mb_s"], 3) if alone["mb_s"] else None}
 
 
 def open_object_store_url(url: str):
@@ -301,6 +369,15 @@ def format_report(report: dict) -> str:
         lines.append(f"{r['partitions']:>6} {r['metadata']:>8} {r['first_open_s']:>9.2f}s {r['open_after_restart_s']:>7.2f}s "
                      f"{f['p50']:>6.2f}/{f['p99']:>6.2f}/{f['all']:>6.2f} s {r['drain']:>5} in {r['drain_s']:>4.1f}s "
                      f"{r['idle_cpu_percent']:>7.1f}% {r['rss_mib']:>6.0f}MiB")
+    busy = [r for r in report["rows"] if "busy_ratio" in r]
+    if busy:
+        lines.append("")
+        lines.append("busy among idle (node 3): MB/s of appends to its busy partitions, alone and among the N idle")
+        for r in busy:
+            lines.append(f"  N={r['partitions']} {r['metadata']}: {r['busy']} busy alone {r['busy_alone']['mb_s']} MB/s, "
+                         f"among {r['partitions']} idle {r['busy_among_idle']['mb_s']} MB/s: ratio {r['busy_ratio']} "
+                         f"(target >= {TARGETS['busy_among_idle_ratio']}); all {r['partitions']} moved to it in "
+                         f"{r['move_all_s']} s")
     lines.append("")
     lines.append("metadata calls per partition (node A's first open; A's restart; B's failover):")
     for r in report["rows"]:
@@ -312,7 +389,8 @@ def format_report(report: dict) -> str:
     for n, (o, p50, p99, al, cpu, rss) in BEFORE.items():
         lines.append(f"  {n:>5}: {o:.2f} s, {p50:.2f}/{p99:.2f}/{al:.2f} s, {cpu} %, {rss} MiB")
     lines.append("targets at 10,000 partitions: open after restart < 5 s; failover all <= heartbeat_timeout + 2 s; "
-                 "drain of 1,000 < 5 s; idle CPU <= 5 %; RSS <= 32 KiB per idle partition")
+                 "drain of 1,000 < 5 s; idle CPU <= 5 %; RSS <= 32 KiB per idle partition; 100 busy among 10,000 "
+                 "idle >= 0.9 of their MB/s alone")
     lines.append("anchors: " + "; ".join(ANCHORS))
     return "\n".join(lines)
 
@@ -345,14 +423,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a phase may take at most")
     p.add_argument("--workdir", default=None, help="where nodes keep their WALs, the store and SQLite")
     p.add_argument("--out", default="reports/scale", help="report directory")
-    p.add_argument("--quick", action="store_true", help="N=20, SQLite, a drain of 5, 2 s idle")
+    p.add_argument("--busy", type=int, default=100, help="busy partitions of step 5 (0: no step 5)")
+    p.add_argument("--load", type=float, default=5.0, help="seconds the busy partitions take appends, each time")
+    p.add_argument("--quick", action="store_true", help="N=20, SQLite, a drain of 5, 2 s idle, 4 busy for 1 s")
     return p
 
 
 def run(argv: list[str] | None = None) -> dict:
     parser = build_parser()
     if parser.parse_args(argv).quick:                  # its figures, unless given too
-        parser.set_defaults(partitions="20", meta="sqlite", drain=5, idle=2.0)
+        parser.set_defaults(partitions="20", meta="sqlite", drain=5, idle=2.0, busy=4, load=1.0)
     args = parser.parse_args(argv)
     from benchmarks.kit import publish
     rows = []

@@ -186,14 +186,17 @@ def test_wake_bench_quick(tmp_path):
 
 def test_scale_bench_quick(tmp_path):
     """`s3stream bench --kind scale --quick` (issue 53): node processes open, reopen after a
-    kill -9, fail over and drain every partition, and the report has each phase's figures."""
+    kill -9, fail over and drain every partition, a third node appends to busy partitions alone
+    and among them all, and the report has each phase's figures."""
     from benchmarks.scale import run as run_scale
-    report = run_scale(["--quick", "--partitions", "6", "--drain", "3", "--idle", "0.5",
-                        "--out", str(tmp_path / "out"), "--workdir", str(tmp_path)])
+    report = run_scale(["--quick", "--partitions", "6", "--drain", "3", "--idle", "0.5", "--busy", "2",
+                        "--load", "0.5", "--out", str(tmp_path / "out"), "--workdir", str(tmp_path)])
     [row] = report["rows"]
     assert row["partitions"] == 6 and row["metadata"] == "sqlite" and row["drain"] == 3
     assert 0 < row["first_open_s"] and 0 < row["open_after_restart_s"]
     assert row["heartbeat_timeout_s"] <= row["failover_s"]["p50"] <= row["failover_s"]["all"]
     assert row["rss_mib"] > 0 and row["idle_cpu_percent"] >= 0
     assert row["restart_ops_per_partition"].get("open_streams", 0) > 0        # counted from the new process
+    assert row["busy"] == 2 and row["busy_alone"]["bytes"] > 0 and row["busy_among_idle"]["bytes"] > 0
+    assert row["busy_ratio"] == round(row["busy_among_idle"]["mb_s"] / row["busy_alone"]["mb_s"], 3)
     assert (tmp_path / "out" / "report.json").exists() and (tmp_path / "out" / "scale.png").exists()

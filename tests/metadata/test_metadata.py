@@ -1535,6 +1535,26 @@ def test_pg_change_feed_survives_a_lost_connection(pg_url):
         writer.close()
 
 
+
+def test_pg_change_feed_takes_a_burst_of_notices_in_one_wait(pg_url):
+    """A burst of writes (a failover reassigning thousands of partitions) reaches a feed in
+    many reads of its socket: one wait takes them all, so its caller runs one pass for the
+    burst, not one per read; the next wait, with nothing new, times out."""
+    store, writer = open_metadata(pg_url), open_metadata(pg_url)
+    feed = store.kv_changes(("assignment/",))
+    try:
+        for t in range(20):
+            writer.put_kvs([(f"assignment/p{t}-{i:04d}", b"x" * 40) for i in range(500)])
+        time.sleep(0.5)                         # delivered to the feed's socket, not read yet
+        assert feed.wait(5)
+        assert not feed.wait(0.3)
+        writer.put_kv("assignment/last", b"1")
+        assert feed.wait(5)
+    finally:
+        feed.close()
+        store.close()
+        writer.close()
+
 # ---- schema version 2: health, offset reservations, lost ranges (issue 26) ------------------------
 
 _V2_COLUMNS = (("nodes", "health"), ("streams", "reserved_end"), ("ranges", "lost"))

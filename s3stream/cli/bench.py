@@ -118,6 +118,10 @@ def bench(kind: str, quick: bool, out: str | None, bench_args: tuple[str, ...]) 
                       at 10 to 10,000 records/s and the maximum, with the node's PUTs/s
     wake              benchmarks.wake: how late a node's high-priority thread runs when
                       it wakes, under appends and busy cores (a move's tail)
+    scale             benchmarks.scale: 100 to 10,000 partitions per node: open, restart,
+                      failover, drain, idle CPU and RSS, busy partitions among idle ones
+    notify            benchmarks.notify: PostgreSQL LISTEN/NOTIFY fan-out of a failover of
+                      10,000 partitions to 9 listening nodes: writer, server and listener CPU
 
     Other options go to the benchmark itself: `s3stream bench --kind wal --quick --capacity 256M`;
     list them with `s3stream bench --kind wal -- --help`.

@@ -492,3 +492,15 @@ def test_a_swap_fixes_a_node_no_single_move_can():
     assert goal.is_met(after)
     assert after.node_value(4, "partitions") == 2         # a swap leaves the counts as they were
     assert plan(after, [goal], BalancerConfig()) == []
+
+
+def test_live_plan_bench_plans_what_the_cluster_was_given():
+    """`benchmarks.balancer_plan --live sqlite` (issue 53): the simulated cluster written as
+    nodes leave it, and `s3stream balance plan` run on it as a process: it sees every node live
+    and every report, so it plans the simulated model's own moves."""
+    report = bench_plan.live("sqlite", 300, 4, seed=5, runs=1)
+    [run] = report["runs"]
+    model = bench_plan.simulated_model(300, 4, seed=5)
+    assert run["imbalance_before"] == round(imbalance(model), 4)
+    assert run["actions"] > 0 and run["imbalance_after"] < run["imbalance_before"]
+    assert report["median_seconds"] == run["seconds"] > 0

@@ -18,6 +18,7 @@ The steps are methods a test or a simulation may call one at a time (`heartbeat_
 """
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import threading
@@ -54,6 +55,20 @@ RECONCILE_SHARE = 100
 #: partitions a pass costs well under a millisecond: a move waits for no spacing worth the name
 #: (and never for more than half a second).
 RECONCILE_SPACING = 2
+
+
+#: Python's own collection thresholds: a process still at them has not tuned its collector.
+PYTHON_GC_DEFAULTS = (700, 10, 10)
+
+
+def tune_collector(thresholds: tuple[int, int, int] | None) -> bool:
+    """Set the interpreter's collection thresholds (ClusterConfig.gc_thresholds) if the process
+    still has Python's defaults: a program that tuned its own collector keeps its tuning.
+    Whether they were set."""
+    if thresholds is None or gc.get_threshold() != PYTHON_GC_DEFAULTS:
+        return False
+    gc.set_threshold(*thresholds)
+    return True
 
 
 class NodeAgent:
@@ -108,6 +123,7 @@ class NodeAgent:
         # This node's moves go first: they hold its partitions' appends (s3stream.cluster.hold).
         self.hold = AppendHold(self.runtime, self.config.move_hold, self.config.move_hold_share)
         partition_table(client).hold = self.hold
+        tune_collector(self.config.gc_thresholds)
         # Opened before the first pass reads the assignments, so no change in between is missed.
         self._feed = client.metadata.kv_changes(("assignment/", "closed/"))
         self._threads: list = []

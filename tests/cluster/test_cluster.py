@@ -691,3 +691,31 @@ def test_read_partition_reads_committed_records_without_opening(tmp_path, metada
             read_partition(c.clients[2], "nope")
     finally:
         c.close()
+
+
+def test_a_node_agent_tunes_an_untuned_collector_and_only_that(tmp_path, metadata_url):
+    """gc_thresholds: a node agent raises the interpreter's collection thresholds if the process
+    still has Python's defaults (700, 10, 10); a process that tuned its own keeps them, and None
+    leaves the collector alone. Nonsense is refused naming the setting."""
+    import gc
+    from s3stream.cluster.agent import PYTHON_GC_DEFAULTS
+    from s3stream.errors import ConfigError
+    for bad in ((0, 10, 10), (700, 10), "fast"):
+        with pytest.raises(ConfigError, match="gc_thresholds must be three positive integers"):
+            ClusterConfig(gc_thresholds=bad)
+    saved = gc.get_threshold()
+    meta = open_metadata(metadata_url)
+    client = StreamClient(1, tmp_path / "node1.wal", f"file://{tmp_path}/objects", meta, small_config())
+    cluster = Cluster(meta, LocalObjectStore(str(tmp_path / "objects")))
+    try:
+        for config, before, after in ((ClusterConfig(), PYTHON_GC_DEFAULTS, ClusterConfig().gc_thresholds),
+                                      (ClusterConfig(gc_thresholds=None), PYTHON_GC_DEFAULTS, PYTHON_GC_DEFAULTS),
+                                      (ClusterConfig(), (1000, 5, 5), (1000, 5, 5))):
+            gc.set_threshold(*before)
+            NodeAgent(client, Cluster(meta, cluster.store, config), start=False).stop()
+            assert gc.get_threshold() == after, (config.gc_thresholds, before)
+        assert ClusterConfig().gc_thresholds == (50_000, 20, 20)
+    finally:
+        gc.set_threshold(*saved)
+        client.close()
+        meta.close()

@@ -28,7 +28,7 @@ import tempfile
 import threading
 import time
 import uuid
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from .base import ChangeFeed
 
@@ -38,6 +38,15 @@ log = logging.getLogger(__name__)
 MAX_SOCKET_PATH = 107
 #: Bytes of a key a datagram carries (prefixes are far shorter; keys are short anyway).
 MAX_PAYLOAD = 1024
+#: Bytes of keys one datagram carries, keys separated by NUL. A write of more keys (a failover's
+#: reassignment of 10,000) sends, instead, their first path segments ("assignment/"), each
+#: after SEGMENT: one datagram per feed and write, not one per key (each a wake-up of its
+#: process, and 10,000 of them filled the sender's buffer).
+DATAGRAM_BYTES = 16 << 10
+#: Marks an entry that stands for every key under it (a path segment, "assignment/").
+SEGMENT = b"\x01"
+#: What a feed reads of a datagram at most (above DATAGRAM_BYTES: never cut).
+RECEIVE_BYTES = 64 << 10
 SUFFIX = ".sock"
 
 
@@ -45,6 +54,30 @@ def feed_directory(db_path: str) -> str:
     """The directory holding the sockets of every feed on the database file `db_path`."""
     digest = hashlib.sha256(os.path.realpath(db_path).encode()).hexdigest()[:16]
     return os.path.join(tempfile.gettempdir(), f"s3stream-kv-{digest}")
+
+
+def pack_keys(keys: Iterable[str]) -> bytes:
+    """One datagram for a write of `keys` (each cut to MAX_PAYLOAD bytes): the keys, NUL
+    between them, if they fit in DATAGRAM_BYTES; else each distinct first path segment (up to
+    and including its first "/"), marked SEGMENT. Empty if there are no keys."""
+    raw = [key.encode()[:MAX_PAYLOAD] for key in keys]
+    if sum(len(k) + 1 for k in raw) <= DATAGRAM_BYTES + 1:
+        return b"\0".join(raw)
+    segments = dict.fromkeys(SEGMENT + k[:k.index(b"/") + 1] if b"/" in k else SEGMENT + k for k in raw)
+    return b"\0".join(segments)
+
+
+def names_any(payload: bytes, prefixes: tuple[bytes, ...]) -> bool:
+    """Whether a datagram names a key under `prefixes`: one of its keys, or one of its segments
+    (every key under it) that a prefix starts with, or that starts with a prefix."""
+    for entry in payload.split(b"\0"):
+        if entry.startswith(SEGMENT):
+            segment = entry[len(SEGMENT):]
+            if segment.startswith(prefixes) or any(p.startswith(segment) for p in prefixes):
+                return True
+        elif entry.startswith(prefixes):
+            return True
+    return False
 
 
 class HostNotifier:
@@ -57,11 +90,19 @@ class HostNotifier:
 
     def notify(self, key: str) -> None:
         """Send `key` to every feed on this database (best effort: errors are only logged)."""
+        self.notify_many((key,))
+
+    def notify_many(self, keys: Iterable[str]) -> None:
+        """Send `keys` to every feed on this database, as many to a datagram as DATAGRAM_BYTES
+        holds (one listing of the directory for all)."""
+        keys = list(keys)
+        if not keys:
+            return
+        payload = pack_keys(keys)
         try:
             names = os.listdir(self.directory)
         except OSError:
             return                          # no feed was ever made on this database
-        payload = key.encode()[:MAX_PAYLOAD]
         for name in names:
             if name.endswith(SUFFIX):
                 self._send(os.path.join(self.directory, name), payload)
@@ -151,10 +192,10 @@ class HostChangeFeed(ChangeFeed):
         hit = False
         while True:
             try:
-                payload = self._sock.recv(MAX_PAYLOAD)
+                payload = self._sock.recv(RECEIVE_BYTES)
             except (BlockingIOError, OSError):
                 return hit
-            hit = hit or payload.startswith(self._prefixes)
+            hit = hit or names_any(payload, self._prefixes)
 
     def wake(self) -> None:
         super().wake()

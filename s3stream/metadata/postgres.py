@@ -747,8 +747,9 @@ _NOTIFY_WANTED = (
     f"AND kv.key < '{TAILING_PREFIX}' || substr(n.key, {len(_COMMIT_PREFIX) + 1}) || '0')")
 
 
-#: How long a change feed's wait takes the notices already received, at most, before it returns.
-DRAIN_SECONDS = 0.05
+#: How long a change feed's wait takes the notices already received, at most, before it returns
+#: (psycopg makes a Notify of each, some 5 us: a burst of 20,000 takes about 0.1 s).
+DRAIN_SECONDS = 0.5
 
 
 class PgChangeFeed(ChangeFeed):

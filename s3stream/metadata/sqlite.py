@@ -351,8 +351,7 @@ class SqliteMetadataStore(SqlMetadataStore):
 
     def commit(self, request: CommitRequest) -> CommitResult:
         result = self._commit(request)
-        for key in commit_notices(request):                # tailing readers, waiters on request.kv
-            self._notifier.notify(key)
+        self._notifier.notify_many(commit_notices(request))    # tailing readers, waiters on request.kv
         return result
 
     def _commit(self, request: CommitRequest) -> CommitResult:
@@ -404,8 +403,7 @@ class SqliteMetadataStore(SqlMetadataStore):
             return
         with self._transaction(write=True) as db:
             db.executemany("INSERT OR REPLACE INTO kv VALUES (?, ?)", [(k, bytes(v)) for k, v in items])
-        for key, _ in items:
-            self._notifier.notify(key)
+        self._notifier.notify_many(key for key, _ in items)
 
     def put_kv_if_absent(self, key: str, value: bytes) -> bytes:
         with self._transaction(write=True) as db:
@@ -431,9 +429,7 @@ class SqliteMetadataStore(SqlMetadataStore):
                 done.append(_kv_holds(db, key, expected, None))
                 if done[-1]:
                     db.execute("INSERT OR REPLACE INTO kv VALUES (?, ?)", (key, bytes(value)))
-        for (key, _, _), written in zip(items, done):
-            if written:
-                self._notifier.notify(key)
+        self._notifier.notify_many(key for (key, _, _), written in zip(items, done) if written)
         return done
 
     def delete_kv(self, key: str) -> None:

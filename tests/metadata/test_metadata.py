@@ -1500,6 +1500,40 @@ def test_sqlite_change_feed_is_woken_by_another_process(tmp_path):
     assert not os.path.exists(feed.path) and not os.path.exists(directory)
 
 
+def test_sqlite_change_feed_takes_a_write_of_many_keys_in_one_datagram(tmp_path):
+    """A write of a few keys reaches each feed as one datagram naming them; a write of 10,000
+    (a failover's reassignment) as one naming their first path segments, not a datagram (a
+    wake-up of its process) per key. A feed wakes if a key or a segment could be under its
+    prefixes, and only then."""
+    from s3stream.metadata.hostfeed import RECEIVE_BYTES, SEGMENT
+    store = SqliteMetadataStore(str(tmp_path / "meta.db"))
+    counted, hears_b, hears_c, hears_b_x = (store.kv_changes((p,)) for p in ("b/", "b/", "c/", "b/x"))
+
+    def datagrams():
+        out = []
+        while True:
+            try:
+                out.append(counted._sock.recv(RECEIVE_BYTES))
+            except BlockingIOError:
+                return out
+
+    try:
+        store.put_kvs([("a/1", b"1"), ("b/2", b"1")])
+        assert datagrams() == [b"a/1\0b/2"]
+        keys = [f"a/{i:05d}" for i in range(10_000)]
+        keys.insert(5000, "b/x")
+        store.put_kvs([(k, b"1") for k in keys])
+        assert datagrams() == [SEGMENT + b"a/\0" + SEGMENT + b"b/"]
+        assert hears_b.wait(1) and hears_b_x.wait(1)
+        assert not hears_c.wait(0.2)
+        assert store.replace_kvs([("c/1", None, b"1"), ("a/00001", None, b"2")]) == [True, False]
+        assert hears_c.wait(1) and not hears_b.wait(0.2)
+    finally:
+        for feed in (counted, hears_b, hears_c, hears_b_x):
+            feed.close()
+        store.close()
+
+
 def test_sqlite_change_feed_polls_where_no_socket_fits(tmp_path, monkeypatch):
     """A temporary directory too long for a socket address: the feed does not push (callers
     poll), and writes still succeed."""
@@ -1545,7 +1579,7 @@ def test_pg_change_feed_takes_a_burst_of_notices_in_one_wait(pg_url):
     try:
         for t in range(20):
             writer.put_kvs([(f"assignment/p{t}-{i:04d}", b"x" * 40) for i in range(500)])
-        time.sleep(0.5)                         # delivered to the feed's socket, not read yet
+        time.sleep(1.0)                         # delivered to the feed's socket, not read yet
         assert feed.wait(5)
         assert not feed.wait(0.3)
         writer.put_kv("assignment/last", b"1")

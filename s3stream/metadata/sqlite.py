@@ -55,13 +55,14 @@ from typing import Callable, Iterator, Sequence, cast
 
 import tenacity
 
-from ..errors import ConfigError, MetadataBusyError, MetadataError, StreamNotFoundError
+from ..errors import ConfigError, MetadataBusyError, MetadataError
 from .base import (ChangeFeed, commit_notices, CommitRequest, CommitResult, NodeMeta, ObjectMeta, StreamMeta,
                    object_key)
 from .hostfeed import HostNotifier
-from .sql import (SCHEMA_VERSION, SqlMetadataStore, _MARK_DESTROYED, _PREPARED, _RANGE_COLUMNS, _Connection,
+from .sql import (KV_BATCH, SCHEMA_VERSION, SqlMetadataStore, _MARK_DESTROYED, _PREPARED, _RANGE_COLUMNS, _Connection,
                   _apply_commit, _check_node_epoch, _check_prepare, _check_request_shape, _check_unchanged, _kv_holds,
-                  _load_objects, _load_stream, _node_meta, _node_row, _open_rows, _unknown_object, _unknown_stream)
+                  _load_objects, _load_streams, _node_meta, _node_row, _open_rows, _unknown_object,
+                  _unknown_stream)
 
 _SCHEMA = (
     """CREATE TABLE IF NOT EXISTS kv (
@@ -368,12 +369,17 @@ class SqliteMetadataStore(SqlMetadataStore):
                     raise _unknown_object(object_id)
                 rows[object_id] = row
             ranges = request.all_ranges()
-            streams = {}
-            for stream_id in {r.stream_id for r in ranges} | {sid for sid, _ in request.closes}:
-                try:
-                    streams[stream_id] = _load_stream(db, stream_id, last_range=True)
-                except StreamNotFoundError:
-                    raise _unknown_stream(stream_id) from None
+            # The streams KV_BATCH to a statement (one each made a failover's close of 20,000
+            # streams 40,000 statements, 0.48 s of the one writer's time).
+            wanted = sorted({r.stream_id for r in ranges} | {sid for sid, _ in request.closes})
+            streams: dict[int, StreamMeta] = {}
+            for i in range(0, len(wanted), KV_BATCH):
+                chunk = wanted[i:i + KV_BATCH]
+                streams.update((m.stream_id, m) for m in _load_streams(
+                    db, f"WHERE stream_id IN ({', '.join('?' * len(chunk))})", chunk, last_range=True))
+            for stream_id in wanted:
+                if stream_id not in streams:
+                    raise _unknown_stream(stream_id)
             result = _apply_commit(db, request, now, rows, streams, _set_stream_ends)
             db.executemany("INSERT OR REPLACE INTO kv VALUES (?, ?)", [(k, bytes(v)) for k, v in request.kv])
             return result

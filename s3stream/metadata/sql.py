@@ -474,9 +474,12 @@ def _apply_closes(db: _Connection, request: CommitRequest, streams: dict[int, St
     """Close the request's `closes` (after its ranges are applied), as close_stream does."""
     to_close = [stream_id for stream_id, epoch in request.closes
                 if _to_close(streams[stream_id], epoch, request.node_id)]
-    if to_close:
-        db.executemany("UPDATE streams SET state = ?, owner_node_id = NULL WHERE stream_id = ?",
-                       [(StreamState.CLOSED.value, stream_id) for stream_id in to_close])
+    # KV_BATCH to a statement: a failover closes 20,000 streams (a statement each took 0.4 s
+    # of a PostgreSQL failover, pipelined).
+    for i in range(0, len(to_close), KV_BATCH):
+        chunk = to_close[i:i + KV_BATCH]
+        db.execute("UPDATE streams SET state = ?, owner_node_id = NULL "
+                   f"WHERE stream_id IN ({', '.join('?' * len(chunk))})", (StreamState.CLOSED.value, *chunk))
 
 
 def _to_close(stream: StreamMeta, epoch: int, node_id: int) -> bool:

@@ -525,7 +525,7 @@ class PostgresMetadataStore(SqlMetadataStore):
                               "ON CONFLICT (stream_id, range_index) "
                               "DO UPDATE SET node_id = EXCLUDED.node_id, epoch = EXCLUDED.epoch, "
                               "start_offset = EXCLUDED.start_offset, end_offset = EXCLUDED.end_offset",
-                              lock=" FOR UPDATE", check=check)
+                              lock=" FOR UPDATE", check=check, write=_write_open_rows)
 
     # ---- objects ---------------------------------------------------------------------------
 
@@ -722,6 +722,22 @@ def _set_stream_ends(db: "_Db", ends: list[tuple[int, int, int]]) -> None:
                "s AS (UPDATE streams SET end_offset = e.end_offset FROM e WHERE streams.stream_id = e.stream_id) "
                "UPDATE ranges SET end_offset = e.end_offset FROM e WHERE ranges.stream_id = e.stream_id "
                "AND ranges.range_index = e.range_index", (ids, new_ends, indexes))
+
+
+def _write_open_rows(db: _Connection, range_rows: list, stream_rows: list) -> None:
+    """open_streams' new ranges and stream rows, a statement each for all of them (a batch of
+    partition opens writes 600 of each: a statement per row took 0.15 s a batch)."""
+    if not range_rows:
+        return
+    db.execute(f"INSERT INTO ranges ({_RANGE_COLUMNS}) SELECT * FROM unnest(?::bigint[], ?::bigint[], ?::bigint[], "
+               "?::bigint[], ?::bigint[], ?::bigint[]) ON CONFLICT (stream_id, range_index) "
+               "DO UPDATE SET node_id = EXCLUDED.node_id, epoch = EXCLUDED.epoch, "
+               "start_offset = EXCLUDED.start_offset, end_offset = EXCLUDED.end_offset",
+               [list(column) for column in zip(*range_rows)])
+    db.execute("UPDATE streams SET epoch = u.epoch, state = u.state, owner_node_id = u.owner, "
+               "reserved_end = u.reserved FROM unnest(?::bigint[], ?::text[], ?::bigint[], ?::bigint[], "
+               "?::bigint[]) AS u (epoch, state, owner, reserved, stream_id) WHERE streams.stream_id = u.stream_id",
+               [list(column) for column in zip(*stream_rows)])
 
 
 _PUT_KV = "INSERT INTO kv VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value"

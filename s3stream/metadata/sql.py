@@ -637,7 +637,8 @@ def _load_stream(db: _Connection, stream_id: int, last_range: bool = False) -> S
 
 
 def _open_rows(db: _Connection, stream_ids: Sequence[int], node_id: int, reserve: int,
-               put_range: str, lock: str = "", check: Callable[[], None] | None = None) -> list[StreamMeta]:
+               put_range: str, lock: str = "", check: Callable[[], None] | None = None,
+               write: Callable[[_Connection, list, list], None] | None = None) -> list[StreamMeta]:
     """open_streams once the node's epoch is checked: each stream at epoch + 1, owned by
     `node_id`, with a new range from its end (`put_range`: the store's statement that inserts or
     replaces a ranges row) and `reserve` offsets reserved. The streams are read together (`lock`
@@ -645,7 +646,8 @@ def _open_rows(db: _Connection, stream_ids: Sequence[int], node_id: int, reserve
     them per table, so that the number of statements does not grow with the streams. `check`
     (the node's, from _send_node_check) runs once the streams are read; what is returned is what
     the writes make of the streams, not read again (on PostgreSQL the writes then travel with
-    COMMIT)."""
+    COMMIT). `write(db, range_rows, stream_rows)`: the store's set-based writes of those rows,
+    used when no stream is named twice (else a statement per row, `put_range` and an UPDATE)."""
     loaded = _streams_by_id(db, stream_ids, lock)
     if check is not None:
         check()
@@ -670,9 +672,12 @@ def _open_rows(db: _Connection, stream_ids: Sequence[int], node_id: int, reserve
             stream, epoch=epoch, state=StreamState.OPENED, owner_node_id=node_id,
             reserved_end=stream.end_offset + reserve,
             ranges=kept + (Range(index, node_id, epoch, stream.end_offset, stream.end_offset, False),))
-    db.executemany(put_range, range_rows)
-    db.executemany("UPDATE streams SET epoch = ?, state = ?, owner_node_id = ?, reserved_end = ? WHERE stream_id = ?",
-                   stream_rows)
+    if write is not None and len(set(stream_ids)) == len(stream_ids):
+        write(db, range_rows, stream_rows)
+    else:
+        db.executemany(put_range, range_rows)
+        db.executemany("UPDATE streams SET epoch = ?, state = ?, owner_node_id = ?, reserved_end = ? "
+                       "WHERE stream_id = ?", stream_rows)
     return [loaded[stream_id] for stream_id in stream_ids]
 
 

@@ -1569,7 +1569,6 @@ def test_pg_change_feed_survives_a_lost_connection(pg_url):
         writer.close()
 
 
-
 def test_pg_change_feed_takes_a_burst_of_notices_in_one_wait(pg_url):
     """A burst of writes (a failover reassigning thousands of partitions) reaches a feed in
     many reads of its socket: one wait takes them all, so its caller runs one pass for the
@@ -1588,6 +1587,7 @@ def test_pg_change_feed_takes_a_burst_of_notices_in_one_wait(pg_url):
         feed.close()
         store.close()
         writer.close()
+
 
 # ---- schema version 2: health, offset reservations, lost ranges (issue 26) ------------------------
 

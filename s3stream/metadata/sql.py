@@ -681,11 +681,17 @@ def _open_rows(db: _Connection, stream_ids: Sequence[int], node_id: int, reserve
     return [loaded[stream_id] for stream_id in stream_ids]
 
 
-def _streams_by_id(db: _Connection, stream_ids: Sequence[int], lock: str = "") -> dict[int, StreamMeta]:
+def _streams_by_id(db: _Connection, stream_ids: Sequence[int], lock: str = "",
+                   last_range: bool = False) -> dict[int, StreamMeta]:
+    """The rows of `stream_ids` that exist (as _load_streams), KV_BATCH ids to a statement, in
+    id order (rows locked with `lock` are locked in that order)."""
     ids = sorted(set(stream_ids))
-    if not ids:
-        return {}
-    return {m.stream_id: m for m in _load_streams(db, f"WHERE stream_id IN ({', '.join('?' * len(ids))})", ids, lock)}
+    out: dict[int, StreamMeta] = {}
+    for i in range(0, len(ids), KV_BATCH):
+        chunk = ids[i:i + KV_BATCH]
+        out.update((m.stream_id, m) for m in _load_streams(
+            db, f"WHERE stream_id IN ({', '.join('?' * len(chunk))})", chunk, lock, last_range))
+    return out
 
 
 def _live_stream(db: _Connection, stream_id: int) -> StreamMeta:

@@ -61,14 +61,11 @@ RECONCILE_SPACING = 2
 PYTHON_GC_DEFAULTS = (700, 10, 10)
 
 
-def tune_collector(thresholds: tuple[int, int, int] | None) -> bool:
+def tune_collector(thresholds: tuple[int, int, int] | None) -> None:
     """Set the interpreter's collection thresholds (ClusterConfig.gc_thresholds) if the process
-    still has Python's defaults: a program that tuned its own collector keeps its tuning.
-    Whether they were set."""
-    if thresholds is None or gc.get_threshold() != PYTHON_GC_DEFAULTS:
-        return False
-    gc.set_threshold(*thresholds)
-    return True
+    still has Python's defaults: a program that tuned its own collector keeps its tuning."""
+    if thresholds is not None and gc.get_threshold() == PYTHON_GC_DEFAULTS:
+        gc.set_threshold(*thresholds)
 
 
 class NodeAgent:

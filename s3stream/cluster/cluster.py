@@ -354,22 +354,18 @@ class Cluster:
             raw = self.meta.get_kv(key)
 
     def assign_many(self, moves: dict[str, int], note: dict | None = None,
-                    from_node: int | None = None, current: dict[str, bytes] | None = None) -> dict[str, int]:
+                    from_node: int | None = None) -> dict[str, int]:
         """`assign` of many partitions (name -> node), in one metadata write for all of them
         (compare-and-set each, as `assign`): a failover reassigns a dead node's partitions at
         once. A partition another assigner changed meanwhile is read again and written in the
         next round (one read and one write for all such). `from_node`: only the partitions
         still assigned to that node move (a failover's reassignment, which another node's
         `reassign_orphans` may race: each partition moves once, not twice). Returns each moved
-        partition's new version (with `from_node`, those not on it are left out). `current`:
-        the assignments' values as the caller read them a moment ago (KV key -> value), used
-        for the first round's compare-and-set instead of a read; a value changed since fails
-        it, and that partition is read again."""
+        partition's new version (with `from_node`, those not on it are left out)."""
         versions: dict[str, int] = {}
         todo = dict(moves)
         while todo:
-            if current is None or any(f"assignment/{name}" not in current for name in todo):
-                current = self.meta.get_kvs([f"assignment/{name}" for name in todo])
+            current = self.meta.get_kvs([f"assignment/{name}" for name in todo])
             items, names = [], []
             for name, node_id in todo.items():
                 raw = current.get(f"assignment/{name}")
@@ -381,7 +377,7 @@ class Cluster:
                 items.append((f"assignment/{name}", raw, value))
                 names.append((name, version))
             written = self.meta.replace_kvs(items) if items else []
-            current, todo = None, {}
+            todo = {}
             for (name, version), ok in zip(names, written):
                 if ok:
                     versions[name] = version
@@ -820,18 +816,14 @@ class Cluster:
         live = ([n for n in self.live_nodes(serving=True) if n != node_id]
                 or [n for n in self.live_nodes() if n != node_id])
         mine = sorted(name for name, a in self.assignments().items() if a["node"] == node_id)
-        read = self._decoded        # the values just read: each chunk's compare-and-set starts from them
         if not live:
             return {}, mine
         wanted = {name: live[i % len(live)] for i, name in enumerate(mine)}
         moved: dict[str, int] = {}
         for i in range(0, len(mine), ASSIGN_BATCH):
-            chunk = mine[i:i + ASSIGN_BATCH]
-            done = self.assign_many({name: wanted[name] for name in chunk},
+            done = self.assign_many({name: wanted[name] for name in mine[i:i + ASSIGN_BATCH]},
                                     note=dict(reason=f"node {node_id} failed over", from_node=node_id),
-                                    from_node=node_id,
-                                    current={key: seen[0] for key in (f"assignment/{name}" for name in chunk)
-                                             if (seen := read.get(key)) is not None})
+                                    from_node=node_id)
             moved.update((name, wanted[name]) for name in done)
         return moved, []
 

@@ -17,8 +17,9 @@ Per N and metadata store, in order:
    closed on B and opened on A in batches): "drain" is the time until all are open on A.
 5. Busy among idle: node C (id 3) starts with `--busy` partitions of its own and appends to them
    as fast as it can for `--load` seconds (64 KiB batches, 8 in flight per partition), after a
-   warm-up of up to 2 s: MB/s alone. Then all N idle partitions move to C (migrate_many: "move all") and C appends to its
-   busy ones again: MB/s among N idle, and the ratio, beside the target 0.9.
+   warm-up of up to 2 s: MB/s alone. Then all N idle partitions move to C (migrate_many: "move
+   all") and C appends to its busy ones again: MB/s among N idle, and the ratio, beside the
+   target 0.9.
 
 Each phase also counts the metadata operations of the nodes (InstrumentedMetadataStore: calls
 per operation) and prints them per partition. Reports: reports/scale/report.json and a PNG.

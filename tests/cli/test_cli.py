@@ -394,7 +394,7 @@ def test_bench_errors_of_the_benchmark(tmp_path):
 
 BENCH_KINDS = {"engine", "wal", "lease", "metadata", "scale", "spark-throughput", "spark-migration", "spark-balance",
                "spark-mirror", "spark-pipeline", "spark-datasource", "wal-objects", "records", "reader", "wake",
-               "visibility"}
+               "visibility", "notify"}
 
 
 def test_bench_kinds_come_from_entry_points(monkeypatch):

@@ -22,8 +22,12 @@ COMMITTED transaction sees what committed before it began, so a check reads the 
 lock now freezes. This gives each operation what SQLite's BEGIN IMMEDIATE gives it, but per row:
 writers of the same node, stream or object queue (up to `lock_timeout_s`), while commits of
 different nodes to different streams run in parallel. A commit locks its node row FOR NO KEY
-UPDATE, which serialises a node's commits (SSO order ids, epoch fencing against fence_node and
-register_node); create_stream and open_stream hold it FOR SHARE so that a fence waits for them.
+UPDATE, which serialises a node's commits (SSO order ids); a heartbeat's UPDATE takes the same
+lock. create_stream, open_streams, reserve_offsets and a node's close_stream hold it FOR KEY
+SHARE, which conflicts only with FOR UPDATE: they run beside the node's commits and heartbeats
+(a node opening 10,000 partitions in batches does not stop its uploads' commits, nor they its
+opens). What changes the node's epoch, fence_node and register_node, locks the row FOR UPDATE
+first, and so waits for all of them, and they for it.
 Reads run in REPEATABLE READ READ ONLY transactions: one snapshot, never a serialization failure.
 SERIALIZABLE was the alternative: it needs no explicit locks but retries whole transactions on
 every false conflict of its page-grained predicate locks (hot indexes such as objects by state
@@ -495,6 +499,9 @@ class PostgresMetadataStore(SqlMetadataStore):
 
     def register_node(self, node_id: int, wal_path: str) -> NodeMeta:
         with self._transaction(write=True) as db:
+            # The upsert's own row lock would be FOR NO KEY UPDATE, which a KEY SHARE holder
+            # (an open of the old incarnation) does not stop: the epoch changes, so FOR UPDATE.
+            self._lock_node(db, node_id, "UPDATE")
             row = _one(db.execute(
                 f"INSERT INTO nodes (node_id, node_epoch, failover, wal_path, heartbeat_ns) VALUES (?, 0, FALSE, ?, ?) "
                 f"ON CONFLICT (node_id) DO UPDATE SET "
@@ -506,7 +513,7 @@ class PostgresMetadataStore(SqlMetadataStore):
     def fence_node(self, node_id: int, failover: bool = True,
                    if_unchanged: tuple[int, int] | None = None) -> NodeMeta:
         with self._transaction(write=True) as db:
-            self._lock_node(db, node_id, "NO KEY UPDATE")
+            self._lock_node(db, node_id, "UPDATE")      # the epoch changes: see the module docstring
             _check_unchanged(_node_meta(_node_row(db, node_id)), if_unchanged)
             return _node_meta(_one(db.execute(
                 f"UPDATE nodes SET node_epoch = node_epoch + 1, failover = ? WHERE node_id = ? "
@@ -519,7 +526,7 @@ class PostgresMetadataStore(SqlMetadataStore):
         with self._transaction(write=True) as db:
             # Locks as they are read (node, then streams), none sent only to lock. The node's row
             # and the streams' are read in one round trip, the writes travel with COMMIT.
-            check = _send_node_check(db, node_id, node_epoch, lock=" FOR SHARE")
+            check = _send_node_check(db, node_id, node_epoch, lock=" FOR KEY SHARE")
             return _open_rows(db, stream_ids, node_id, reserve,
                               f"INSERT INTO ranges ({_RANGE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?) "
                               "ON CONFLICT (stream_id, range_index) "

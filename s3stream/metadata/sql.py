@@ -111,8 +111,11 @@ class SqlMetadataStore(MetadataStore):
     @abc.abstractmethod
     def _lock_node(self, db: _Connection, node_id: int, mode: str) -> None:
         """Lock the node row (if it exists) FOR `mode` before its state is read, the first lock
-        of any operation: "SHARE" where a fence must wait for the operation, "NO KEY UPDATE"
-        where the operation changes the row."""
+        of any operation: "KEY SHARE" where a change of the node's epoch (register_node,
+        fence_node: "UPDATE") must wait for the operation, "NO KEY UPDATE" where the operation
+        writes the row's other columns (a heartbeat) or must also go one at a time per node (a
+        commit). KEY SHARE conflicts only with UPDATE: a node's opens, creates and reserves
+        run beside its commits and heartbeats, and a fence waits for all of them."""
 
     @abc.abstractmethod
     def _lock_rows(self, db: _Connection, table: str, key: str, ids: Sequence[int]) -> None:
@@ -146,7 +149,7 @@ class SqlMetadataStore(MetadataStore):
 
     def create_stream(self, node_id: int, node_epoch: int, reserve: int = 0) -> StreamMeta:
         with self._transaction(write=True) as db:
-            self._lock_node(db, node_id, "SHARE")
+            self._lock_node(db, node_id, "KEY SHARE")
             _check_node_epoch(db, node_id, node_epoch)
             stream_id = self._insert_id(
                 db, "INSERT INTO streams (epoch, state, owner_node_id, start_offset, end_offset, reserved_end) "
@@ -160,8 +163,8 @@ class SqlMetadataStore(MetadataStore):
     def reserve_offsets(self, stream_id: int, epoch: int, node_id: int, node_epoch: int,
                         reserved_end: int) -> StreamMeta:
         with self._transaction(write=True) as db:
-            # The node row FOR SHARE: a fence (FOR NO KEY UPDATE) waits for this, and this for it.
-            self._lock_node(db, node_id, "SHARE")
+            # The node row FOR KEY SHARE: a fence (FOR UPDATE) waits for this, and this for it.
+            self._lock_node(db, node_id, "KEY SHARE")
             _check_node_epoch(db, node_id, node_epoch)
             self._lock_rows(db, "streams", "stream_id", [stream_id])
             stream = _live_stream(db, stream_id)
@@ -183,7 +186,7 @@ class SqlMetadataStore(MetadataStore):
     def close_stream(self, stream_id: int, epoch: int, node_id: int, node_epoch: int | None = None) -> StreamMeta:
         with self._transaction(write=True) as db:
             if node_epoch is not None:
-                self._lock_node(db, node_id, "SHARE")
+                self._lock_node(db, node_id, "KEY SHARE")
                 _check_node_epoch(db, node_id, node_epoch)
             self._lock_rows(db, "streams", "stream_id", [stream_id])
             stream = _live_stream(db, stream_id)
@@ -545,7 +548,7 @@ def _check_unchanged(node: NodeMeta, expected: tuple[int, int] | None) -> None:
 
 
 def _check_node_epoch(db: _Connection, node_id: int, node_epoch: int, lock: str = "") -> None:
-    """StreamFencedError unless `node_epoch` is the node's; `lock` (PostgreSQL: " FOR SHARE" and
+    """StreamFencedError unless `node_epoch` is the node's; `lock` (PostgreSQL: " FOR KEY SHARE" and
     the like) locks the node row in the same statement."""
     _send_node_check(db, node_id, node_epoch, lock)()
 

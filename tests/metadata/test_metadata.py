@@ -1287,6 +1287,44 @@ def test_postgres_lock_timeout_is_a_busy_error(pg_url):
     s.close()
 
 
+def test_postgres_opens_run_beside_the_nodes_commit_and_a_fence_waits_for_them(pg_url):
+    """The node row's locks: what a commit and a heartbeat hold (FOR NO KEY UPDATE) does not
+    stop the node's opens, creates and reserves (FOR KEY SHARE: a node opening 10,000
+    partitions did not let its uploads commit, nor its heartbeats through); what changes the
+    node's epoch (fence_node, register_node: FOR UPDATE) waits for them, and they for it."""
+    import psycopg
+    from s3stream.metadata import PostgresMetadataStore
+    s = PostgresMetadataStore(pg_url, lock_timeout_s=0.3)
+    node = s.register_node(1, "w1")
+    a, b = s.create_stream(1, node.node_epoch), s.create_stream(1, node.node_epoch)
+    s.close_stream(a.stream_id, a.epoch, 1)
+    row = "SELECT 1 FROM nodes WHERE node_id = 1 FOR "
+    with psycopg.connect(pg_url) as holder:
+        holder.execute(row + "NO KEY UPDATE")                 # a commit of node 1 in flight
+        assert s.open_streams([a.stream_id], 1, node.node_epoch)[0].epoch == a.epoch + 1
+        c = s.create_stream(1, node.node_epoch)
+        assert s.reserve_offsets(b.stream_id, b.epoch, 1, node.node_epoch, 100).reserved_end == 100
+        holder.rollback()
+        holder.execute(row + "KEY SHARE")                     # an open of node 1 in flight
+        s.heartbeat(1, node.node_epoch)
+        s.commit(CommitRequest(1, node.node_epoch, closes=((c.stream_id, c.epoch),)))
+        for change in (lambda: s.fence_node(1), lambda: s.register_node(1, "w1")):
+            with pytest.raises(MetadataBusyError, match="lock_timeout_s"):
+                change()
+        holder.rollback()
+        holder.execute(row + "UPDATE")                        # a fence of node 1 in flight
+        for op in (lambda: s.open_streams([c.stream_id], 1, node.node_epoch),
+                   lambda: s.create_stream(1, node.node_epoch),
+                   lambda: s.reserve_offsets(b.stream_id, b.epoch, 1, node.node_epoch, 200),
+                   lambda: s.heartbeat(1, node.node_epoch)):
+            with pytest.raises(MetadataBusyError, match="lock_timeout_s"):
+                op()
+        holder.rollback()
+    assert s.get_node(1).node_epoch == node.node_epoch
+    assert s.fence_node(1).node_epoch == node.node_epoch + 1
+    s.close()
+
+
 # ---- pushed KV changes (ChangeFeed) ----------------------------------------------------------
 
 def test_a_close_commit_writes_its_kv_entries_in_the_same_transaction(store, open_same):

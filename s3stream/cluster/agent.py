@@ -88,6 +88,10 @@ class NodeAgent:
         self._busy: set[str] = set()
         # Names a pass wanted to start a task for while one ran (a change came meanwhile).
         self._wanted_while_busy: set[str] = set()
+        # Partition -> the assignment version an open task claimed for it is for: a pass that
+        # finds it still assigned at that version leaves it to that task (it is not "wanted
+        # again": each open finishing would wake another pass of every assignment).
+        self._opening: dict[str, int] = {}
         self._not_before: dict[str, tuple[int, int]] = {}   # task name -> (retry not before, failures)
         self._published: dict[str, int] = {}      # partition -> assignment version confirmed open
         self._open_failures: dict[tuple[str, int], list[str]] = {}   # (partition, version) -> errors
@@ -430,6 +434,8 @@ class NodeAgent:
             assigned = self.cluster.assignments()
         mine = {name: a["version"] for name, a in assigned.items() if a["node"] == self.node_id}
         open_now = {p.name: p for p in partitions_on(self.client)}
+        with self._lock:
+            opening = dict(self._opening)
         to_close: list[tuple[str, Partition, int]] = []
         for name, held in open_now.items():
             if name not in mine:
@@ -439,7 +445,7 @@ class NodeAgent:
         for name, version in mine.items():
             partition = open_now.get(name)
             if partition is None:
-                if serving:
+                if serving and opening.get(name) != version:
                     to_open.append((name, version))
             elif (self._published.get(name, 0) < version and partition.is_open and serving
                   and name not in self._busy):
@@ -454,7 +460,7 @@ class NodeAgent:
         if to_close:
             self._submit_batches(to_close, self._close_batch)
         if to_open:
-            self._submit_batches(to_open, self._open_batch, wake=False)
+            self._submit_batches(to_open, self._open_batch, wake=False, opening=True)
 
     def _publish_opened(self, name: str, version: int, leader_epoch: int, seconds: float,
                         phases: dict[str, float]) -> None:
@@ -518,6 +524,7 @@ class NodeAgent:
         looks again now after a failure, a change that came while it ran, or (`wake`) a success."""
         with self._lock:
             self._busy.discard(name)
+            self._opening.pop(name, None)
             again = name in self._wanted_while_busy
             self._wanted_while_busy.discard(name)
             # A move that failed is tried again after a backoff (50 ms doubling to 2 s),
@@ -556,14 +563,19 @@ class NodeAgent:
                 self._busy.discard(name)
 
     def _submit_batches(self, wanted: Sequence[tuple], run: Callable[[list], dict[str, Exception]],
-                        wake: bool = True) -> None:
+                        wake: bool = True, opening: bool = False) -> None:
         """Run `run` over the items `wanted` (name first) in batches (at most OPEN_BATCH, spread
         over max_parallel_moves workers), each batch one task of the pool: a batch of opens or
         closes costs a few metadata transactions, not a few per partition (issue 53). `run`
         returns the errors by name; each name is settled as a single task's would be. `wake`:
         whether the loop looks again when one succeeded (after a close, not after an open: a
-        node taking 10,000 partitions in batches would read every assignment after each)."""
+        node taking 10,000 partitions in batches would read every assignment after each).
+        `opening`: the items are opens, (name, assignment version): recorded in `_opening`
+        until each is settled."""
         claimed = [item for item in wanted if self._claim(item[0])]
+        if opening:
+            with self._lock:
+                self._opening.update((name, version) for name, version in claimed)
         # Spread over the workers: 8 partitions are 4 batches of 2 on 4 workers, not one of 8.
         size = max(1, min(OPEN_BATCH, -(-len(claimed) // self.config.max_parallel_moves)))
         for i in range(0, len(claimed), size):
@@ -582,7 +594,9 @@ class NodeAgent:
                 self._pool.submit(task)
             except RuntimeError:           # the pool is shut down: the agent is stopping
                 with self._lock:
-                    self._busy.difference_update(item[0] for item in batch)
+                    for item in claimed[i:]:
+                        self._busy.discard(item[0])
+                        self._opening.pop(item[0], None)
                 return
 
     def _open_batch(self, batch: list[tuple[str, int]]) -> dict[str, Exception]:

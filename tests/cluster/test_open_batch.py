@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -338,3 +339,54 @@ def test_a_failover_s_reassignment_moves_each_partition_once_beside_another_move
         assert reads == [5, 5]                        # without from_node: read again, and written
     finally:
         cluster.close()
+
+
+def test_a_pass_leaves_an_open_in_flight_to_its_task(tmp_path, metadata_url):
+    """An agent's pass that finds partitions still being opened for the version they are
+    assigned at leaves them to the task that opens them: none is "wanted again", so the opens
+    ending wake no pass (a node taking 10,000 partitions ran a pass of every assignment per
+    batch that ended). One re-assigned meanwhile (a newer version) is wanted again, as before."""
+    import threading
+    from s3stream.cluster import Cluster, ClusterConfig, NodeAgent
+    names = [f"p{i}" for i in range(4)]
+    client = nodes(tmp_path, metadata_url, ids=(1,))[0]
+    cluster = Cluster(metadata_url, f"file://{tmp_path}/objects", ClusterConfig(max_parallel_moves=2))
+    agent = NodeAgent(client, cluster, start=False)
+    gate, entered = threading.Event(), threading.Semaphore(0)
+    real = agent._open_batch
+
+    def held(batch):
+        entered.release()
+        assert gate.wait(30), "the test never opened the gate"
+        return real(batch)
+
+    agent._open_batch = held                                  # type: ignore[method-assign]
+    wakes = []
+    real_wake = agent._feed.wake
+    agent._feed.wake = lambda: (wakes.append(1), real_wake())[1]   # type: ignore[method-assign]
+    try:
+        cluster.assign_many({name: 1 for name in names})
+        agent.reconcile_once()
+        for _ in range(2):                                    # 4 partitions: 2 batches of 2
+            assert entered.acquire(timeout=30)
+        agent.reconcile_once()                                # the same versions, still opening
+        assert agent._wanted_while_busy == set() and set(agent._opening) == set(names)
+        cluster.assign("p0", 1)                               # a newer version of one of them
+        agent.reconcile_once()
+        assert agent._wanted_while_busy == {"p0"}
+        gate.set()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and (agent._busy or len(partitions_on_client(client)) < 4):
+            time.sleep(0.01)
+        assert not agent._busy and not agent._opening and len(partitions_on_client(client)) == 4
+        assert len(wakes) == 1                                # p0's, wanted again; the others none
+    finally:
+        gate.set()
+        agent.stop()
+        client.close()
+        cluster.close()
+
+
+def partitions_on_client(client):
+    from s3stream.cluster import partitions_on
+    return partitions_on(client)

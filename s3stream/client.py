@@ -887,7 +887,7 @@ class StreamClient:
         prev = nodes.get(node_id)
         if prev is None or walopen.same_wal(prev.wal_path, wal_path):
             return
-        held = [m.stream_id for m in self._meta.list_streams(owner_node_id=node_id)]
+        held = [m.stream_id for m in self._meta.list_streams(owner_node_id=node_id, last_range=True)]
         if not held:
             return                         # nothing can be waiting in the old WAL
         old = prev.wal_path
@@ -913,7 +913,8 @@ class StreamClient:
     def _recover(self) -> dict:
         """Upload and commit what the WAL holds above each stream's committed end, then close
         the streams this node left open. Returns counts for logs and tests."""
-        held = self._meta.list_streams(owner_node_id=self.node_id)     # one read for both steps
+        # One read for both steps; their ends, not their history.
+        held = self._meta.list_streams(owner_node_id=self.node_id, last_range=True)
         try:
             result = replay_wal(self._wal.recover(), self.node_id, self._meta, self._cache, self._uploader,
                                 self._wal.salvaged_end, held)

@@ -763,7 +763,7 @@ class Cluster:
         if node.walless:
             raise S3StreamError(f"node {node_id} is a writer without a WAL ({node.wal_path}): there is no WAL to "
                                 "replay and nothing to fail over")
-        if node.failover and not self.meta.list_streams(owner_node_id=node_id):
+        if node.failover and not self.meta.list_streams(owner_node_id=node_id, last_range=True):
             return FailoverOutcome(node_id, None, {}, self._waiting_on(node_id), already=True,
                                    previous=self._given_up_entry(node))
         # Where they go, by whoever moves them: during a failover's wait for the lease, the

@@ -93,7 +93,7 @@ def fail_over(node_id: int, *, store: ObjectStore, metadata: MetadataStore, conf
             w.close()
         raise
     # What it held once fenced (it commits nothing more): the figures of the report per stream.
-    held = metadata.list_streams(owner_node_id=node_id)
+    held = metadata.list_streams(owner_node_id=node_id, last_range=True)
     cache = new_log_cache(config, time.monotonic_ns)
     uploader = Uploader(node_id=node_id, node_epoch=node.node_epoch, store=store, metadata=metadata, cache=cache,
                         trim_wal=lambda offset: None, config=config, on_committed=lambda block, result: None,

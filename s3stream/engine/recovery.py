@@ -40,7 +40,7 @@ def replay_wal(records: Iterable[wal.Record], node_id: int, meta: MetadataStore,
     # The streams the node holds open, in one read (a node with 10,000 partitions would
     # otherwise read 20,000 rows one by one); any other stream its WAL names is read alone.
     if held is None:
-        held = meta.list_streams(owner_node_id=node_id)
+        held = meta.list_streams(owner_node_id=node_id, last_range=True)
     metas: dict[int, StreamMeta | None] = {m.stream_id: m for m in held}
     expected: dict[int, int] = {}
     broken: dict[int, list[int]] = {}          # stream -> [where it now ends, records dropped]
@@ -111,7 +111,7 @@ def close_node_streams(meta: MetadataStore, node_id: int, node_epoch: int,
     taken meanwhile (a failover of the node racing its restart), they are listed again."""
     listed = held is None
     if held is None:
-        held = meta.list_streams(owner_node_id=node_id)
+        held = meta.list_streams(owner_node_id=node_id, last_range=True)
     closes = [(m.stream_id, m.epoch) for m in held]
     try:
         for i in range(0, len(closes), CLOSE_BATCH):

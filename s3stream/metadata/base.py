@@ -417,11 +417,14 @@ class MetadataStore(abc.ABC):
         """get_streams for at most GET_STREAMS_CHUNK ids, one transaction."""
 
     @abc.abstractmethod
-    def list_streams(self, include_deleted: bool = False,
-                     owner_node_id: int | None = None) -> list[StreamMeta]:
+    def list_streams(self, include_deleted: bool = False, owner_node_id: int | None = None,
+                     last_range: bool = False) -> list[StreamMeta]:
         """Every stream (DELETED ones only if `include_deleted`), by id; with `owner_node_id`,
         only the streams OPENED on that node, found through an index: a node's own streams cost
-        the same however many other streams the cluster holds."""
+        the same however many other streams the cluster holds. `last_range`: each stream's
+        `ranges` hold its last range only (a stream gains one at every open: a restart or a
+        failover, which needs none of the older ones, must not cost more the longer the
+        streams have lived)."""
 
     # ---- objects ---------------------------------------------------------------------------
 

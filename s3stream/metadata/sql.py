@@ -238,8 +238,8 @@ class SqlMetadataStore(MetadataStore):
         with self._transaction(write=False) as db:
             return _load_streams(db, f"WHERE stream_id IN ({', '.join('?' * len(stream_ids))})", stream_ids)
 
-    def list_streams(self, include_deleted: bool = False,
-                     owner_node_id: int | None = None) -> list[StreamMeta]:
+    def list_streams(self, include_deleted: bool = False, owner_node_id: int | None = None,
+                     last_range: bool = False) -> list[StreamMeta]:
         params: tuple[object, ...]
         if owner_node_id is not None:       # the owner is set only while OPENED
             where, params = "WHERE owner_node_id = ? AND state = ?", (owner_node_id, StreamState.OPENED.value)
@@ -248,7 +248,7 @@ class SqlMetadataStore(MetadataStore):
         else:
             where, params = "WHERE state != ?", (StreamState.DELETED.value,)
         with self._transaction(write=False) as db:
-            return _load_streams(db, where, params)
+            return _load_streams(db, where, params, last_range=last_range)
 
     # ---- objects ---------------------------------------------------------------------------
 

@@ -123,8 +123,9 @@ class InstrumentedMetadataStore(MetadataStore):
     def get_streams(self, stream_ids: Iterable[int]) -> dict[int, StreamMeta]:
         return self._timed("get_streams", self.inner.get_streams, stream_ids)
 
-    def list_streams(self, include_deleted: bool = False, owner_node_id: int | None = None) -> list[StreamMeta]:
-        return self._timed("list_streams", self.inner.list_streams, include_deleted, owner_node_id)
+    def list_streams(self, include_deleted: bool = False, owner_node_id: int | None = None,
+                     last_range: bool = False) -> list[StreamMeta]:
+        return self._timed("list_streams", self.inner.list_streams, include_deleted, owner_node_id, last_range)
 
     def prepare_objects(self, count: int, ttl_ns: int) -> list[int]:
         return self._timed("prepare_objects", self.inner.prepare_objects, count, ttl_ns)

@@ -574,7 +574,8 @@ class SimMetadata(MetadataStore):
     def _get_streams(self, stream_ids: list[int]) -> list[StreamMeta]:
         return [self.meta_of(self.world.streams[i]) for i in stream_ids if i in self.world.streams]
 
-    def list_streams(self, include_deleted: bool = False, owner_node_id: int | None = None) -> list[StreamMeta]:
+    def list_streams(self, include_deleted: bool = False, owner_node_id: int | None = None,
+                     last_range: bool = False) -> list[StreamMeta]:
         def apply() -> list[StreamMeta]:
             out = []
             for sid in sorted(self.world.streams):
@@ -583,7 +584,8 @@ class SimMetadata(MetadataStore):
                     continue
                 if s.state == StreamState.DELETED and not include_deleted:
                     continue
-                out.append(self.meta_of(s))
+                m = self.meta_of(s)
+                out.append(dataclasses.replace(m, ranges=m.ranges[-1:]) if last_range else m)
             return out
         return self._call("list_streams", apply)
 

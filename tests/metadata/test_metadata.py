@@ -266,6 +266,25 @@ def test_create_open_close_reopen_epochs_and_ranges(store):
     assert [x.stream_id for x in store.list_streams()] == [s.stream_id]
 
 
+def test_list_streams_with_their_last_range_only(store):
+    """list_streams(last_range=True), what a restart and a failover read: each stream as it is,
+    with its last range alone, however many owners it had; the others untouched."""
+    n1, n2 = store.register_node(1, "w1"), store.register_node(2, "w2")
+    a, b = store.create_stream(1, n1.node_epoch), store.create_stream(1, n1.node_epoch)
+    for i in range(3):                         # a: moved back and forth, a range per owner
+        store.commit(upload(store, n1, [rng(a, 10 * i, 10 * i + 10, epoch=a.epoch)]))
+        store.close_stream(a.stream_id, a.epoch, 1)
+        a = store.open_stream(a.stream_id, 1, n1.node_epoch)
+    assert len(a.ranges) == 4 and len(b.ranges) == 1
+    whole = {m.stream_id: m for m in store.list_streams(owner_node_id=1)}
+    last = {m.stream_id: m for m in store.list_streams(owner_node_id=1, last_range=True)}
+    assert set(last) == set(whole) == {a.stream_id, b.stream_id}
+    for sid, m in whole.items():
+        assert last[sid] == dataclasses.replace(m, ranges=m.ranges[-1:])
+    assert [m.ranges for m in store.list_streams(last_range=True)] == [(a.ranges[-1],), b.ranges]
+    assert store.list_streams(owner_node_id=2, last_range=True) == [] and n2.node_epoch == 0
+
+
 def test_commit_closes_streams_in_the_same_transaction(store):
     """A partition's close: its tails' objects committed and its streams CLOSED at once; a
     retry is a no-op; a fenced close changes nothing, objects included."""

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import dataclasses
 import itertools
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
@@ -671,10 +670,11 @@ def _open_rows(db: _Connection, stream_ids: Sequence[int], node_id: int, reserve
         stream_rows.append((epoch, StreamState.OPENED.value, node_id, stream.end_offset + reserve, stream_id))
         # What these rows make of it, should the stream be named again.
         kept = stream.ranges[:-1] if index == last.index else stream.ranges
-        loaded[stream_id] = dataclasses.replace(
-            stream, epoch=epoch, state=StreamState.OPENED, owner_node_id=node_id,
-            reserved_end=stream.end_offset + reserve,
-            ranges=kept + (Range(index, node_id, epoch, stream.end_offset, stream.end_offset, False),))
+        # Built, not dataclasses.replace()d: a failover's opens make 20,000 of them.
+        loaded[stream_id] = StreamMeta(
+            stream_id, epoch, StreamState.OPENED, node_id, stream.start_offset, stream.end_offset,
+            kept + (Range(index, node_id, epoch, stream.end_offset, stream.end_offset, False),),
+            stream.end_offset + reserve)
     if write is not None and len(set(stream_ids)) == len(stream_ids):
         write(db, range_rows, stream_rows)
     else:

@@ -594,7 +594,8 @@ class PostgresMetadataStore(SqlMetadataStore):
             for stream_id in wanted:
                 if stream_id not in streams:
                     raise _unknown_stream(stream_id)
-            result = _apply_commit(db, request, now, rows, streams, _set_stream_ends, lock=" FOR UPDATE")
+            result = _apply_commit(db, request, now, rows, streams, _set_stream_ends, lock=" FOR UPDATE",
+                                   insert_refs=_insert_refs)
             if request.kv:
                 db.executemany(_PUT_KV, [(k, bytes(v)) for k, v in request.kv])
             _notify(db, commit_notices(request))       # tailing readers, waiters on request.kv
@@ -729,6 +730,15 @@ def _set_stream_ends(db: "_Db", ends: list[tuple[int, int, int]]) -> None:
                "s AS (UPDATE streams SET end_offset = e.end_offset FROM e WHERE streams.stream_id = e.stream_id) "
                "UPDATE ranges SET end_offset = e.end_offset FROM e WHERE ranges.stream_id = e.stream_id "
                "AND ranges.range_index = e.range_index", (ids, new_ends, indexes))
+
+
+def _insert_refs(db: _Connection, table: str, rows: list) -> None:
+    """A commit's sso_ranges or stream_objects rows in one statement: a statement each took
+    0.19 s of PostgreSQL's time for a StreamSetObject of 10,000 streams (a failover's opens
+    append a checkpoint to each of them), and more of the node's, to send."""
+    if rows:
+        db.execute(f"INSERT INTO {table} SELECT * FROM unnest(?::bigint[], ?::bigint[], ?::bigint[], ?::bigint[])",
+                   [list(column) for column in zip(*rows)])
 
 
 def _write_open_rows(db: _Connection, range_rows: list, stream_rows: list) -> None:

@@ -258,7 +258,7 @@ def one_case(n: int, meta_kind: str, meta_url: str, work: str, args) -> dict:
         for name in names:
             cluster.assign(name, 1)
         row["assign_s"] = round(time.time() - t0, 3)
-        row["first_open_s"] = spread(wait_open(meta, names, a, t0, args.timeout))["all"]
+        row["first_open_s"] = spread(wait_open(meta, names, a, t0, args.timeout, args.poll))["all"]
         row["first_open_ops_per_partition"] = per_partition(ops_delta(a.ops(), before), n)
         log(f"{meta_kind} N={n}: assigned in {row['assign_s']} s, all open after {row['first_open_s']} s")
 
@@ -267,7 +267,7 @@ def one_case(n: int, meta_kind: str, meta_url: str, work: str, args) -> dict:
         a = Node(1, work, meta_url, store_url)
         nodes.append(a)
         restarted = a.started
-        row["open_after_restart_s"] = spread(wait_open(meta, names, a, restarted, args.timeout))["all"]
+        row["open_after_restart_s"] = spread(wait_open(meta, names, a, restarted, args.timeout, args.poll))["all"]
         row["restart_ops_per_partition"] = per_partition(a.ops(), n)
         log(f"{meta_kind} N={n}: after a kill -9, open again after {row['open_after_restart_s']} s")
         time.sleep(1.0)
@@ -283,7 +283,7 @@ def one_case(n: int, meta_kind: str, meta_url: str, work: str, args) -> dict:
         b_before = b.ops()
         a.ask("append", "appended")
         killed = a.kill()
-        failover = wait_open(meta, names, b, killed, args.timeout + defaults.heartbeat_timeout)
+        failover = wait_open(meta, names, b, killed, args.timeout + defaults.heartbeat_timeout, args.poll)
         row["failover_s"] = spread(failover)
         row["failover_ops_per_partition"] = per_partition(ops_delta(b.ops(), b_before), n)
         log(f"{meta_kind} N={n}: failover {row['failover_s']} (target: all <= "
@@ -325,7 +325,7 @@ def busy_among_idle(cluster, meta, work: str, meta_url: str, store_url: str, nam
     nodes.append(c)
     t0 = time.time()
     cluster.assign_many({name: 3 for name in busy})
-    wait_open(meta, busy, c, t0, args.timeout)
+    wait_open(meta, busy, c, t0, args.timeout, args.poll)
     c.ask(f"load busy {min(2.0, args.load)}", "loaded ")        # warm-up: the WAL's first pass, the caches
     alone = json.loads(c.ask(f"load busy {args.load}", "loaded "))
     t0 = time.monotonic()
@@ -429,14 +429,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="reports/scale", help="report directory")
     p.add_argument("--busy", type=int, default=100, help="busy partitions of step 5 (0: no step 5)")
     p.add_argument("--load", type=float, default=5.0, help="seconds the busy partitions take appends, each time")
-    p.add_argument("--quick", action="store_true", help="N=20, SQLite, a drain of 5, 2 s idle, 4 busy for 1 s")
+    p.add_argument("--poll", type=float, default=1.0,
+                   help="seconds between the reads of opened/ records (their own stamps are the figures)")
+    p.add_argument("--quick", action="store_true",
+                   help="N=20, SQLite, a drain of 5, 2 s idle, 4 busy for 1 s, reads every 0.2 s")
     return p
 
 
 def run(argv: list[str] | None = None) -> dict:
     parser = build_parser()
     if parser.parse_args(argv).quick:                  # its figures, unless given too
-        parser.set_defaults(partitions="20", meta="sqlite", drain=5, idle=2.0, busy=4, load=1.0)
+        parser.set_defaults(partitions="20", meta="sqlite", drain=5, idle=2.0, busy=4, load=1.0, poll=0.2)
     args = parser.parse_args(argv)
     from benchmarks.kit import publish
     rows = []

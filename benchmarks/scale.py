@@ -208,9 +208,9 @@ def wait_open(meta, names: list[str], node: "Node", since: float, timeout: float
     (`at`, stamped by the node when it wrote it; one host, one clock), found by polling every
     `poll` seconds, so that this reader, which lists every assignment and record, takes little
     of the CPU the nodes are measured with (the record's time is the measure: a poll's interval
-    only delays the reading; at 0.25 s, with 10,000 partitions, this reader's lists were
-    an eighth of PostgreSQL's statement time in a failover). TimeoutError with how many are
-    missing."""
+    only delays the reading; at 0.25 s, in a failover of 10,000 partitions, these lists and
+    the agents' were 0.52 s of PostgreSQL's 3.49 s of statements). TimeoutError with how many
+    are missing."""
     node_id = node.node_id
     wanted = set(names)
     seen: dict[str, float] = {}

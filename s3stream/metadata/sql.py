@@ -397,16 +397,14 @@ class _Connection(Protocol):
 
 
 def _apply_commit(db: _Connection, request: CommitRequest, now: int, rows: dict[int, tuple],
-                  streams: dict[int, StreamMeta], set_ends, lock: str = "",
-                  insert_refs: Callable[[_Connection, str, list], None] | None = None) -> CommitResult:
+                  streams: dict[int, StreamMeta], set_ends, insert_refs, lock: str = "") -> CommitResult:
     """The part of a commit both stores share, once the node epoch is checked and the objects'
     (state, expire_ns) `rows` and the request's `streams` are loaded (under the store's locks;
     with their last range only, which is all it reads):
     the retry, expiry, append and compaction checks, then the writes. `set_ends(db, ends)`
     moves each stream's end and its last range's end, ends = [(stream id, end, range index)].
-    `insert_refs(db, table, rows)`: the store's insert of sso_ranges or stream_objects rows
-    (object id, stream id, start, end), if it has one that beats a statement per row."""
-    insert = insert_refs or _insert_refs
+    `insert_refs(db, table, rows)` inserts sso_ranges or stream_objects rows (object id,
+    stream id, start, end)."""
     ranges = request.all_ranges()
     object_ids = request.object_ids()
     end_offsets = {stream_id: stream.end_offset for stream_id, stream in streams.items()}
@@ -447,7 +445,7 @@ def _apply_commit(db: _Connection, request: CommitRequest, now: int, rows: dict[
                    "committed_ns = ? WHERE object_id = ?",
                    (_COMMITTED, _SSO, request.sso.size, request.node_id, request.node_id, now,
                     request.sso.object_id))
-        insert(db, "sso_ranges", [(request.sso.object_id, r.stream_id, r.start_offset, r.end_offset)
+        insert_refs(db, "sso_ranges", [(request.sso.object_id, r.stream_id, r.start_offset, r.end_offset)
                                   for r in request.sso.ranges if r.stream_id not in deleted])
     # One statement per kind of row for all the StreamObjects (a close commits one per stream).
     live = [so for so in request.stream_objects if so.range.stream_id not in deleted]
@@ -458,7 +456,7 @@ def _apply_commit(db: _Connection, request: CommitRequest, now: int, rows: dict[
                     for so in request.stream_objects if so.range.stream_id in deleted])
     db.executemany("UPDATE objects SET state = ?, type = ?, size = ?, committed_ns = ? "
                    "WHERE object_id = ?", [(_COMMITTED, _SO, so.size, now, so.object_id) for so in live])
-    insert(db, "stream_objects", [(so.object_id, so.range.stream_id, so.range.start_offset, so.range.end_offset)
+    insert_refs(db, "stream_objects", [(so.object_id, so.range.stream_id, so.range.start_offset, so.range.end_offset)
                                   for so in live])
     _mark_destroyed(db, now, request.compacted_ids)
     if not request.compacted_ids:
@@ -471,12 +469,6 @@ def _apply_commit(db: _Connection, request: CommitRequest, now: int, rows: dict[
             set_ends(db, ends)
     _apply_closes(db, request, streams)
     return CommitResult(end_offsets)
-
-
-def _insert_refs(db: _Connection, table: str, rows: list) -> None:
-    """_apply_commit's insert of sso_ranges or stream_objects rows: a statement per row (SQLite
-    runs them in C)."""
-    db.executemany(f"INSERT INTO {table} VALUES (?, ?, ?, ?)", rows)
 
 
 def _apply_closes(db: _Connection, request: CommitRequest, streams: dict[int, StreamMeta]) -> None:

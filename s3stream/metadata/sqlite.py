@@ -376,7 +376,7 @@ class SqliteMetadataStore(SqlMetadataStore):
             for stream_id in wanted:
                 if stream_id not in streams:
                     raise _unknown_stream(stream_id)
-            result = _apply_commit(db, request, now, rows, streams, _set_stream_ends)
+            result = _apply_commit(db, request, now, rows, streams, _set_stream_ends, _insert_refs)
             db.executemany("INSERT OR REPLACE INTO kv VALUES (?, ?)", [(k, bytes(v)) for k, v in request.kv])
             return result
 
@@ -453,6 +453,11 @@ def _set_stream_ends(db: _Connection, ends: list[tuple[int, int, int]]) -> None:
     db.executemany("UPDATE streams SET end_offset = ? WHERE stream_id = ?", [(end, sid) for sid, end, _ in ends])
     db.executemany("UPDATE ranges SET end_offset = ? WHERE stream_id = ? AND range_index = ?",
                    [(end, sid, index) for sid, end, index in ends])
+
+
+def _insert_refs(db: _Connection, table: str, rows: list) -> None:
+    """A commit's sso_ranges or stream_objects rows: a statement each, which SQLite runs in C."""
+    db.executemany(f"INSERT INTO {table} VALUES (?, ?, ?, ?)", rows)
 
 
 # SQLite's primary result codes (sqlite3 exports them only from Python 3.11 on, with

@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
 from s3stream import RecordBatch, S3StreamError, StreamClient, StreamNotClosedError
-from s3stream.cluster import open_partition, open_partitions, partition_on
+from s3stream.cluster import (Cluster, ClusterConfig, NodeAgent, open_partition, open_partitions, partition_on,
+                              partitions_on)
 from s3stream.cluster.partition import CloseReport, close_partitions
 from s3stream.cluster.partition import closed_key
 from s3stream.engine import recovery
@@ -346,8 +348,6 @@ def test_a_pass_leaves_an_open_in_flight_to_its_task(tmp_path, metadata_url):
     assigned at leaves them to the task that opens them: none is "wanted again", so the opens
     ending wake no pass (a node taking 10,000 partitions ran a pass of every assignment per
     batch that ended). One re-assigned meanwhile (a newer version) is wanted again, as before."""
-    import threading
-    from s3stream.cluster import Cluster, ClusterConfig, NodeAgent
     names = [f"p{i}" for i in range(4)]
     client = nodes(tmp_path, metadata_url, ids=(1,))[0]
     cluster = Cluster(metadata_url, f"file://{tmp_path}/objects", ClusterConfig(max_parallel_moves=2))
@@ -376,17 +376,12 @@ def test_a_pass_leaves_an_open_in_flight_to_its_task(tmp_path, metadata_url):
         assert agent._wanted_while_busy == {"p0"}
         gate.set()
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and (agent._busy or len(partitions_on_client(client)) < 4):
+        while time.monotonic() < deadline and (agent._busy or len(partitions_on(client)) < 4):
             time.sleep(0.01)
-        assert not agent._busy and not agent._opening and len(partitions_on_client(client)) == 4
+        assert not agent._busy and not agent._opening and len(partitions_on(client)) == 4
         assert len(wakes) == 1                                # p0's, wanted again; the others none
     finally:
         gate.set()
         agent.stop()
         client.close()
         cluster.close()
-
-
-def partitions_on_client(client):
-    from s3stream.cluster import partitions_on
-    return partitions_on(client)

@@ -208,6 +208,8 @@ class PostgresMetadataStore(SqlMetadataStore):
     URL had pgbouncer=1.
     """
 
+    _arrays = True                   # lists bind as one array parameter (sql._in)
+
     def __init__(self, url: str, *, clock: Callable[[], int] = time.time_ns, pool_min: int = 1,
                  pool_max: int = 4, connect_timeout_s: float = 10.0, lock_timeout_s: float = 30.0,
                  pool_timeout_s: float = 30.0) -> None:
@@ -626,14 +628,15 @@ class PostgresMetadataStore(SqlMetadataStore):
         self._write_alone([(_NOTIFYING.format(f"{_PUT_KV} RETURNING key"), (key, bytes(value), KV_CHANNEL))])
 
     def put_kvs(self, items: Sequence[tuple[str, bytes]]) -> None:
-        # One multi-row upsert per KV_BATCH keys, all in one transaction and one round trip.
+        # One upsert of two arrays per KV_BATCH keys, all in one transaction and one round trip.
         statements = []
         unique = list(dict(items).items())           # a key twice: its last value, as put_kv in turn would
         for i in range(0, len(unique), KV_BATCH):
             chunk = unique[i:i + KV_BATCH]
-            rows = ", ".join(["(?, ?)"] * len(chunk))
-            upsert = f"INSERT INTO kv VALUES {rows} ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value RETURNING key"
-            statements.append((_NOTIFYING.format(upsert), [v for k, value in chunk for v in (k, bytes(value))] + [KV_CHANNEL]))
+            upsert = ("INSERT INTO kv SELECT * FROM unnest(?::text[], ?::bytea[]) "
+                      "ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value RETURNING key")
+            statements.append((_NOTIFYING.format(upsert), ([k for k, _ in chunk], [bytes(v) for _, v in chunk],
+                                                           KV_CHANNEL)))
         if statements:
             self._write_alone(statements)
 
@@ -927,6 +930,8 @@ class _Db:
     result while it runs another statement)."""
 
     __slots__ = ("_conn",)
+    #: Lists bind as one array parameter (sql._in).
+    arrays = True
 
     def __init__(self, conn: psycopg.Connection) -> None:
         self._conn = conn

@@ -1307,6 +1307,23 @@ def test_postgres_lock_timeout_is_a_busy_error(pg_url):
     s.close()
 
 
+def test_postgres_plans_its_transactions_with_its_own_page_cost_and_leaves_the_session_alone(pg_url):
+    """random_page_cost 1.1 (postgres._SET_PAGE_COST) in the store's read and write
+    transactions, and in its statements sent alone; the pooled sessions keep the server's."""
+    from s3stream.metadata import PostgresMetadataStore
+    s = PostgresMetadataStore(pg_url)
+    try:
+        default = s._read_rows("SHOW random_page_cost")[0][0]
+        assert default != "1.1"
+        for write in (False, True):
+            with s._transaction(write=write) as db:
+                assert db.execute("SHOW random_page_cost").fetchone()[0] == "1.1"
+        assert s._write_alone([("SELECT current_setting('random_page_cost')", ())]) == [("1.1",)]
+        assert {s._read_rows("SHOW random_page_cost")[0][0] for _ in range(8)} == {default}
+    finally:
+        s.close()
+
+
 def test_postgres_opens_run_beside_the_nodes_commit_and_a_fence_waits_for_them(pg_url):
     """The node row's locks: what a commit and a heartbeat hold (FOR NO KEY UPDATE) does not
     stop the node's opens, creates and reserves (FOR KEY SHARE: a node opening 10,000

@@ -122,7 +122,7 @@ def test_metadata_contract_basics_through_pgbouncer(bounced_url):
 
 def test_settings_are_per_transaction_through_pgbouncer(bounced_url, pg_url):
     """lock_timeout_s holds through PgBouncer (SET LOCAL in each transaction), and nothing the
-    store sets stays behind in the server sessions other clients of PgBouncer are lent."""
+    store sets (lock_timeout, random_page_cost) stays behind in the server sessions other clients of PgBouncer are lent."""
     import psycopg
     meta = open_metadata(bounced_url + "?pgbouncer=1", lock_timeout_s=0.2)
     try:
@@ -138,8 +138,9 @@ def test_settings_are_per_transaction_through_pgbouncer(bounced_url, pg_url):
             meta.put_kv(f"k{i}", b"v")
         with psycopg.connect(bounced_url, autocommit=True, prepare_threshold=None) as conn:
             # Each statement may run in any of the 5 server sessions: ask often enough to see them all.
-            seen = {conn.execute("SHOW lock_timeout").fetchone()[0] for _ in range(50)}
-        assert seen == {"0"}, seen
+            seen = {(conn.execute("SHOW lock_timeout").fetchone()[0], conn.execute("SHOW random_page_cost").fetchone()[0])
+                    for _ in range(50)}
+        assert seen == {("0", "4")}, seen
     finally:
         meta.close()
 

@@ -238,7 +238,7 @@ class SqlMetadataStore(MetadataStore):
             return []
         with self._transaction(write=False) as db:
             where, params = _in(_takes_arrays(db), "stream_id", stream_ids)
-            return _load_streams(db, f"WHERE {where}", params)
+            return _load_streams(db, f"WHERE {where}", params, by_id=True)
 
     def list_streams(self, include_deleted: bool = False, owner_node_id: int | None = None,
                      last_range: bool = False) -> list[StreamMeta]:
@@ -597,21 +597,28 @@ _STATES = {state.value: state for state in StreamState}
 
 
 def _load_streams(db: _Connection, where: str, params: Sequence, lock: str = "",
-                  last_range: bool = False) -> list[StreamMeta]:
+                  last_range: bool = False, by_id: bool = False) -> list[StreamMeta]:
     """The streams `where` selects, with their ranges (`last_range`: only the last one). Both
     statements are sent before either result is read (PostgreSQL's pipeline: one round trip);
-    `lock` (" FOR UPDATE") locks the streams' rows, by the first of them."""
-    return _send_load_streams(db, where, params, lock, last_range)()
+    `lock` (" FOR UPDATE") locks the streams' rows, by the first of them. `by_id`: `where`
+    names stream_id alone (see _send_load_streams)."""
+    return _send_load_streams(db, where, params, lock, last_range, by_id)()
 
 
 def _send_load_streams(db: _Connection, where: str, params: Sequence, lock: str = "",
-                       last_range: bool = False) -> Callable[[], list[StreamMeta]]:
+                       last_range: bool = False, by_id: bool = False) -> Callable[[], list[StreamMeta]]:
     """_load_streams in two halves: sends its statements and returns what reads their results
     (statements sent in between travel with them on PostgreSQL). `last_range`: each stream's
     last range only, found through the primary key (what a commit checks and extends): a stream
-    gains a range at every open, and a commit must not cost more the more owners it had."""
+    gains a range at every open, and a commit must not cost more the more owners it had.
+    `by_id`: `where` names stream_id alone, so the ranges are selected by it directly, through
+    their primary key, not joined to the streams it selects (PostgreSQL hash-joined a scan of
+    every range: 7 ms for 1,000 streams among 20,000, against 2.4 ms, EXPLAIN ANALYZE)."""
     stream_rows = db.execute(f"SELECT {_STREAM_COLUMNS} FROM streams {where} ORDER BY stream_id{lock}", params)
-    if last_range:
+    if by_id and not last_range:
+        range_rows = db.execute(f"SELECT {_RANGE_COLUMNS}, lost FROM ranges {where} ORDER BY stream_id, range_index",
+                                params)
+    elif last_range:
         range_rows = db.execute(
             f"SELECT {', '.join(f'r.{c}' for c in _RANGE_COLUMNS.split(', '))}, r.lost FROM (SELECT stream_id, "
             f"(SELECT max(range_index) FROM ranges m WHERE m.stream_id = streams.stream_id) AS last "
@@ -623,12 +630,14 @@ def _send_load_streams(db: _Connection, where: str, params: Sequence, lock: str 
                                 f"ORDER BY stream_id, range_index", params)
 
     def load() -> list[StreamMeta]:
+        # fetchall(): psycopg makes the rows in one call, where iterating takes a Python call
+        # per row (a failover of 10,000 partitions loads some 170,000).
         ranges: dict[int, list[Range]] = {}
-        for stream_id, index, node_id, epoch, start, end, lost in range_rows:
+        for stream_id, index, node_id, epoch, start, end, lost in range_rows.fetchall():
             ranges.setdefault(stream_id, []).append(Range(index, node_id, epoch, start, end, bool(lost)))
         return [StreamMeta(stream_id, epoch, _STATES[state], owner, start, end,
                            tuple(ranges.get(stream_id, ())), reserved)
-                for stream_id, epoch, state, owner, start, end, reserved in stream_rows]
+                for stream_id, epoch, state, owner, start, end, reserved in stream_rows.fetchall()]
     return load
 
 
@@ -654,7 +663,7 @@ def _abandon(db: _Connection, stream: StreamMeta) -> None:
 
 
 def _load_stream(db: _Connection, stream_id: int, last_range: bool = False) -> StreamMeta:
-    found = _load_streams(db, "WHERE stream_id = ?", (stream_id,), last_range=last_range)
+    found = _load_streams(db, "WHERE stream_id = ?", (stream_id,), last_range=last_range, by_id=True)
     if not found:
         raise StreamNotFoundError(f"stream {stream_id} does not exist")
     return found[0]
@@ -715,7 +724,7 @@ def _streams_by_id(db: _Connection, stream_ids: Sequence[int], lock: str = "",
     for i in range(0, len(ids), KV_BATCH):
         chunk = ids[i:i + KV_BATCH]
         where, params = _in(_takes_arrays(db), "stream_id", chunk)
-        out.update((m.stream_id, m) for m in _load_streams(db, f"WHERE {where}", params, lock, last_range))
+        out.update((m.stream_id, m) for m in _load_streams(db, f"WHERE {where}", params, lock, last_range, by_id=True))
     return out
 
 

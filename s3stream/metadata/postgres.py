@@ -637,17 +637,20 @@ class PostgresMetadataStore(SqlMetadataStore):
         self._write_alone([(_NOTIFYING.format(f"{_PUT_KV} RETURNING key"), (key, bytes(value), KV_CHANNEL))])
 
     def put_kvs(self, items: Sequence[tuple[str, bytes]]) -> None:
-        # One upsert of two arrays per KV_BATCH keys, all in one transaction and one round trip.
-        statements = []
+        # One upsert of two arrays per KV_BATCH keys, all in one transaction, a pipeline: one
+        # round trip, the arrays bound in binary. Sent alone (_write_alone: a simple query) they
+        # were bound as text by this process: 500 records of 200 bytes took 4.1 ms of its CPU and
+        # 9.2 ms in all, against 0.7 and 3.7 ms (a failover of 10,000 partitions publishes
+        # 20 such batches of opened/ records).
         unique = list(dict(items).items())           # a key twice: its last value, as put_kv in turn would
-        for i in range(0, len(unique), KV_BATCH):
-            chunk = unique[i:i + KV_BATCH]
-            upsert = ("INSERT INTO kv SELECT * FROM unnest(?::text[], ?::bytea[]) "
-                      "ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value RETURNING key")
-            statements.append((_NOTIFYING.format(upsert), ([k for k, _ in chunk], [bytes(v) for _, v in chunk],
-                                                           KV_CHANNEL)))
-        if statements:
-            self._write_alone(statements)
+        if not unique:
+            return
+        upsert = _NOTIFYING.format("INSERT INTO kv SELECT * FROM unnest(?::text[], ?::bytea[]) "
+                                   "ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value RETURNING key")
+        with self._transaction(write=True) as db:
+            for i in range(0, len(unique), KV_BATCH):
+                chunk = unique[i:i + KV_BATCH]
+                db.execute(upsert, ([k for k, _ in chunk], [bytes(v) for _, v in chunk], KV_CHANNEL))
 
     def put_kv_if_absent(self, key: str, value: bytes) -> bytes:
         # A concurrent insert of the key makes this wait for it, then do nothing; the SELECT,

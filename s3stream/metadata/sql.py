@@ -301,6 +301,7 @@ class SqlMetadataStore(MetadataStore):
         with self._transaction(write=False) as db:
             for i in range(0, len(unique), KV_BATCH):
                 chunk = unique[i:i + KV_BATCH]
+                params: list[Any]
                 if _takes_arrays(db):       # two arrays: see _in
                     values, params = "SELECT * FROM unnest(?::bigint[], ?::bigint[])", [list(c) for c in zip(*chunk)]
                 else:

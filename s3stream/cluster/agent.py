@@ -57,6 +57,10 @@ RECONCILE_SHARE = 100
 RECONCILE_SPACING = 2
 
 
+#: Judgements of peers per heartbeat_interval (NodeAgent._judge_interval).
+JUDGES_PER_HEARTBEAT = 4
+
+
 #: Python's own collection thresholds: a process still at them has not tuned its collector.
 PYTHON_GC_DEFAULTS = (700, 10, 10)
 
@@ -312,7 +316,7 @@ class NodeAgent:
         """Judge peers and report load when due; reconcile the partitions if `reconcile` (a
         change was pushed, or polling) or if push_fallback_interval passed since the last time."""
         now = self.clock()
-        if now - self._last_judged >= self.config.heartbeat_interval * 1e9:
+        if now - self._last_judged >= self._judge_interval() * 1e9:
             self._last_judged = now
             self.judge_once(now)
         mono = now / 1e9
@@ -326,6 +330,13 @@ class NodeAgent:
                 self.reconcile_once()
             finally:
                 self._reconcile_cost = (self.clock() - started) / 1e9
+
+    def _judge_interval(self) -> float:
+        """Seconds between judgements: a peer's silence counts from the judgement that first
+        saw its last heartbeat, so judging once per heartbeat_interval put up to that much on
+        every failover's detection (heartbeat_timeout + 0-0.5 s by default); JUDGES_PER_HEARTBEAT
+        times as often, a read of the node rows each, puts at most a quarter of it."""
+        return self.config.heartbeat_interval / JUDGES_PER_HEARTBEAT
 
     def _fallback_interval(self) -> float:
         """Seconds between reconciliations nothing asked for (a push that got lost):
@@ -357,7 +368,7 @@ class NodeAgent:
             self._feed.wait(self.config.agent_interval)
             return True
         now = self.clock() / 1e9
-        due = min(self._last_judged / 1e9 + self.config.heartbeat_interval - now,
+        due = min(self._last_judged / 1e9 + self._judge_interval() - now,
                   self._last_report + self.config.report_interval - now,
                   self._last_reconciled / 1e9 + self._fallback_interval() - now)
         # At least agent_interval: a pass that failed before its due steps (the store down)

@@ -294,15 +294,16 @@ class SqlMetadataStore(MetadataStore):
 
     def get_object_refs_at(self, points: Sequence[tuple[int, int]]) -> dict[tuple[int, int], ObjectRef]:
         # One statement per KV_BATCH points, all in one read transaction: the points as a
-        # VALUES list (PostgreSQL: two arrays) joined on the (stream_id, end_offset) indexes (the ranges of a stream's
-        # COMMITTED objects never overlap: at most one row per point and table).
+        # VALUES list (PostgreSQL: two arrays, see _in) joined on the (stream_id, end_offset)
+        # indexes (the ranges of a stream's COMMITTED objects never overlap: at most one row
+        # per point and table).
         unique = list(dict.fromkeys(points))
         out: dict[tuple[int, int], ObjectRef] = {}
         with self._transaction(write=False) as db:
             for i in range(0, len(unique), KV_BATCH):
                 chunk = unique[i:i + KV_BATCH]
                 params: list[Any]
-                if _takes_arrays(db):       # two arrays: see _in
+                if _takes_arrays(db):
                     values, params = "SELECT * FROM unnest(?::bigint[], ?::bigint[])", [list(c) for c in zip(*chunk)]
                 else:
                     values = "VALUES " + ", ".join(["(CAST(? AS BIGINT), CAST(? AS BIGINT))"] * len(chunk))
@@ -469,7 +470,7 @@ def _apply_commit(db: _Connection, request: CommitRequest, now: int, rows: dict[
                    (_COMMITTED, _SSO, request.sso.size, request.node_id, request.node_id, now,
                     request.sso.object_id))
         insert_refs(db, "sso_ranges", [(request.sso.object_id, r.stream_id, r.start_offset, r.end_offset)
-                                  for r in request.sso.ranges if r.stream_id not in deleted])
+                                       for r in request.sso.ranges if r.stream_id not in deleted])
     # One statement per kind of row for all the StreamObjects (a close commits one per stream).
     live = [so for so in request.stream_objects if so.range.stream_id not in deleted]
     # An SO of a deleted stream: no stream holds it any more, committed straight into destruction.
@@ -479,8 +480,8 @@ def _apply_commit(db: _Connection, request: CommitRequest, now: int, rows: dict[
                     for so in request.stream_objects if so.range.stream_id in deleted])
     db.executemany("UPDATE objects SET state = ?, type = ?, size = ?, committed_ns = ? "
                    "WHERE object_id = ?", [(_COMMITTED, _SO, so.size, now, so.object_id) for so in live])
-    insert_refs(db, "stream_objects", [(so.object_id, so.range.stream_id, so.range.start_offset, so.range.end_offset)
-                                  for so in live])
+    insert_refs(db, "stream_objects", [(so.object_id, so.range.stream_id, so.range.start_offset,
+                                        so.range.end_offset) for so in live])
     _mark_destroyed(db, now, request.compacted_ids)
     if not request.compacted_ids:
         ends = []
@@ -614,7 +615,8 @@ def _send_load_streams(db: _Connection, where: str, params: Sequence, lock: str 
     gains a range at every open, and a commit must not cost more the more owners it had.
     `by_id`: `where` names stream_id alone, so the ranges are selected by it directly, through
     their primary key, not joined to the streams it selects (PostgreSQL hash-joined a scan of
-    every range: 7 ms for 1,000 streams among 20,000, against 2.4 ms, EXPLAIN ANALYZE)."""
+    every range: 6.9 ms a call in a failover of 10,000 partitions, pg_stat_statements; selected
+    by id, 2.4 ms for 1,000 streams among 20,000, a run of 10 timed from the client)."""
     stream_rows = db.execute(f"SELECT {_STREAM_COLUMNS} FROM streams {where} ORDER BY stream_id{lock}", params)
     if by_id and not last_range:
         range_rows = db.execute(f"SELECT {_RANGE_COLUMNS}, lost FROM ranges {where} ORDER BY stream_id, range_index",

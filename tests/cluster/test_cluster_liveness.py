@@ -97,6 +97,35 @@ def step(agent: NodeAgent, clock: FakeClock, seconds: float) -> None:
         agent.judge_once(clock())
 
 
+def test_an_agent_judges_its_peers_four_times_per_heartbeat_interval(tmp_path, open_same_metadata):
+    """A peer's silence counts from the judgement that first saw its last heartbeat: an agent
+    judges every heartbeat_interval / 4 (agent.JUDGES_PER_HEARTBEAT), so a failover's detection
+    comes at most that much after heartbeat_timeout, not a whole heartbeat_interval; a pass
+    sooner than that judges nobody."""
+    from s3stream.cluster import agent as agent_module
+    clock, meta, cluster = stepped_cluster(tmp_path, open_same_metadata)
+    node1 = StreamClient(1, str(tmp_path / "n1.wal"), f"file://{tmp_path}/objects", open_same_metadata(clock=clock),
+                         small_config())
+    agent = NodeAgent(node1, cluster, start=False)
+    judged: list[int] = []
+    real = agent.judge_once
+    agent.judge_once = lambda now: (judged.append(now), real(now))[1]
+    try:
+        quarter = cluster.config.heartbeat_interval / agent_module.JUDGES_PER_HEARTBEAT
+        assert quarter == 0.125
+        for _ in range(8):                         # one heartbeat_interval... twice over
+            clock.advance(quarter)
+            agent.pass_once(reconcile=False)
+        assert len(judged) == 8
+        clock.advance(quarter * 0.8)
+        agent.pass_once(reconcile=False)
+        assert len(judged) == 8
+    finally:
+        node1.close()
+        cluster.close()
+        meta.close()
+
+
 def test_a_claim_whose_claimant_died_is_taken_over(tmp_path, open_same_metadata):
     clock, meta, cluster = fake_cluster(tmp_path, open_same_metadata)
     epoch2 = meta.get_node(2).node_epoch

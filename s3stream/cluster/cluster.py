@@ -55,8 +55,8 @@ FAILOVER_SECONDS = LatencyHistogram(DURATION_BUCKETS)
 
 #: KV prefix of the failover history.
 HISTORY_PREFIX = "history/"
-#: Assignments one metadata write changes (`assign_many`): a failover of a node holding 10,000
-#: partitions reassigns them in 10 writes.
+#: Assignments one metadata write of `migrate_many` changes: a drain's first opens start after
+#: the first write. A failover reassigns all its node's partitions in one write (_reassign_from).
 ASSIGN_BATCH = 1000
 #: History entries kept (the oldest are removed beyond this).
 HISTORY_KEPT = 2000
@@ -819,13 +819,13 @@ class Cluster:
         if not live:
             return {}, mine
         wanted = {name: live[i % len(live)] for i, name in enumerate(mine)}
-        moved: dict[str, int] = {}
-        for i in range(0, len(mine), ASSIGN_BATCH):
-            done = self.assign_many({name: wanted[name] for name in mine[i:i + ASSIGN_BATCH]},
-                                    note=dict(reason=f"node {node_id} failed over", from_node=node_id),
-                                    from_node=node_id)
-            moved.update((name, wanted[name]) for name in done)
-        return moved, []
+        # One write for all: in writes of 1,000, each woke every agent for a pass over all the
+        # assignments while the opens of the ones before ran (a failover of 10,000 on SQLite:
+        # 0.83 s of writes among the opens, against 0.12 s for one; post-detection time, 8 pairs
+        # alternated with fo.py: 1.89 -> 1.76 s mean).
+        done = self.assign_many(wanted, note=dict(reason=f"node {node_id} failed over", from_node=node_id),
+                                from_node=node_id)
+        return {name: wanted[name] for name in done}, []
 
     def _waiting_on(self, node_id: int) -> list[str]:
         """Partitions still assigned to `node_id`."""

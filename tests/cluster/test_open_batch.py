@@ -343,6 +343,33 @@ def test_a_failover_s_reassignment_moves_each_partition_once_beside_another_move
         cluster.close()
 
 
+def test_a_failover_reassigns_all_its_node_s_partitions_in_one_write(metadata_url, monkeypatch):
+    """A failover's reassignment is one metadata write however many partitions the node held
+    (issue 53: in writes of 1,000, each woke every agent for a pass over all assignments while
+    the opens ran), spread over the live nodes; those already moved are left alone."""
+    from s3stream.cluster import Cluster
+    cluster = Cluster(metadata_url, None)
+    try:
+        for node_id in (1, 2, 3):
+            row = cluster.meta.register_node(node_id, f"/wal/{node_id}")
+            cluster.meta.heartbeat(node_id, row.node_epoch)
+        names = [f"p{i:04d}" for i in range(2500)]
+        cluster.assign_many({name: 1 for name in names[:1200]})
+        cluster.assign_many({name: 1 for name in names[1200:]})
+        cluster.assign(names[0], 3)                   # moved already: stays where it is
+        cluster.meta.fence_node(1)
+        writes = []
+        real = cluster.meta.replace_kvs
+        monkeypatch.setattr(cluster.meta, "replace_kvs", lambda items: writes.append(len(items)) or real(items))
+        moved, waiting = cluster._reassign_from(1)
+        assert writes == [2499] and waiting == []
+        assert set(moved) == set(names[1:]) and set(moved.values()) == {2, 3}
+        now = cluster.assignments()
+        assert {now[name]["node"] for name in names} == {2, 3} and now[names[0]]["version"] == 2
+    finally:
+        cluster.close()
+
+
 def test_a_pass_leaves_an_open_in_flight_to_its_task(tmp_path, metadata_url):
     """An agent's pass that finds partitions still being opened for the version they are
     assigned at leaves them to the task that opens them: none is "wanted again", so the opens

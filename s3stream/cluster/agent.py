@@ -441,8 +441,8 @@ class NodeAgent:
         mine_failing = {n for n in self._gone if f"failover/{n}" in self._busy}
         if self._judge_healthy and any(a["node"] in self._gone - mine_failing for a in assigned.values()):
             # Partitions a failover or forget could not hand on (no live node then) move now.
-            self.cluster.reassign_orphans(skip=mine_failing)
-            assigned = self.cluster.assignments()
+            if self.cluster.reassign_orphans(skip=mine_failing, assigned=assigned):
+                assigned = self.cluster.assignments()
         mine = {name: a["version"] for name, a in assigned.items() if a["node"] == self.node_id}
         open_now = {p.name: p for p in partitions_on(self.client)}
         with self._lock:

@@ -7,8 +7,9 @@ State in metadata KV (JSON values):
 - `opened/<partition>`: {"node", "node_epoch", "version", "leader_epoch", "at", "seconds"}:
   written by the incarnation of a node that opened it for that version and serves it;
   `closed/<partition>` likewise by the one that closed it (with the bytes its close uploaded).
-- `failover/<node>/<node epoch>/<attempt>`: {"node", "node_epoch", "at_ns"}: claims of the right
-  to fail that epoch of a node over (one claimant at a time; see `claim_failover`).
+- `failover/<node>/<node epoch>/<attempt>`: {"node", "node_epoch", "at_ns"[, "done"]}: claims of
+  the right to fail that epoch of a node over (one claimant at a time; see `claim_failover`),
+  marked done once that failover ended (`reassign_orphans` leaves a standing one's partitions).
 - `history/<at ns>-<node>-<judge>`: {"kind", "node", "node_epoch", "judge", "judge_epoch",
   "reason", "at_ns", ...}: every failover, migration fallback and `forget`, with what was
   replayed or given up (`failover_history`).
@@ -678,9 +679,7 @@ class Cluster:
             holder = claims[latest]
             if holder["node"] == claimant and holder.get("node_epoch") in (claimant_epoch, None):
                 return True
-            stale_ns = int((self.config.heartbeat_timeout + self.config.migration_timeout) * 1e9)
-            if (holder["node"] != claimant and holder["node"] in self.live_nodes()
-                    and now - holder["at_ns"] < stale_ns):
+            if holder["node"] != claimant and self._claim_holds(holder, self.live_nodes(), now):
                 return False
             log.warning("failover claim %d of node %d (epoch %d) by node %d is stale: claiming it again",
                         latest, node_id, node_epoch, holder["node"])
@@ -689,6 +688,24 @@ class Cluster:
             attempt = 0
         value = json.dumps({"node": claimant, "node_epoch": claimant_epoch, "at_ns": now}).encode()
         return self.meta.put_kv_if_absent(f"{prefix}{attempt}", value) == value
+
+    def _claim_holds(self, holder: dict, live: list[int], now: int) -> bool:
+        """Whether a failover claim (`holder`, its record) still stands: its claimant is live
+        and the claim is younger than the heartbeat timeout plus the migration timeout."""
+        stale_ns = int((self.config.heartbeat_timeout + self.config.migration_timeout) * 1e9)
+        return holder["node"] in live and now - holder["at_ns"] < stale_ns
+
+    def _failing_over(self, node: NodeMeta, live: list[int], now: int) -> bool:
+        """Whether a live node's claim to fail over `node` (fenced) stands and its failover
+        has not ended: that failover reassigns the node's partitions itself once it has closed
+        their streams."""
+        claims = self.meta.list_kv(f"failover/{node.node_id}/")
+        if not claims:
+            return False
+        # The newest claim: of the highest epoch claimed, the highest attempt.
+        latest = max(claims, key=lambda k: tuple(int(part) for part in k.rsplit("/", 2)[1:]))
+        holder = json.loads(claims[latest])
+        return not holder.get("done") and self._claim_holds(holder, live, now)
 
     def fail_over(self, node_id: int, reassign: bool = True, *, judge: int | None = None,
                   judge_epoch: int | None = None, kind: str = "failover", reason: str = "requested",
@@ -712,7 +729,35 @@ class Cluster:
     def _fail_over(self, node_id: int, reassign: bool, *, judge: int | None, judge_epoch: int | None, kind: str,
                    reason: str, lease_over: bool, if_unchanged: tuple[int, int] | None,
                    wal_path: str | None) -> tuple[FailoverReport, dict[str, int], list[str]]:
-        """`fail_over`, and the partitions it moved and those left waiting for a live node."""
+        """`fail_over`, and the partitions it moved and those left waiting for a live node. A
+        judge's failover, however it ends, marks its claim done (`_end_claim`)."""
+        try:
+            return self._run_failover(node_id, reassign, judge=judge, judge_epoch=judge_epoch, kind=kind,
+                                      reason=reason, lease_over=lease_over, if_unchanged=if_unchanged,
+                                      wal_path=wal_path)
+        finally:
+            if judge is not None and if_unchanged is not None:
+                self._end_claim(node_id, if_unchanged[0], judge, judge_epoch)
+
+    def _end_claim(self, node_id: int, node_epoch: int, claimant: int, claimant_epoch: int | None) -> None:
+        """Mark the claimant's claim to fail over that incarnation of `node_id` done: other
+        nodes' agents no longer leave the node's partitions to it (reassign_orphans). If this
+        write fails, the claim still stops counting once it is stale."""
+        prefix = f"failover/{node_id}/{node_epoch}/"
+        try:
+            claims = self.meta.list_kv(prefix)
+            if claims:
+                latest = max(claims, key=lambda k: int(k.rsplit("/", 1)[1]))
+                holder = json.loads(claims[latest])
+                if holder["node"] == claimant and holder.get("node_epoch") in (claimant_epoch, None):
+                    self.meta.put_kv(latest, json.dumps(dict(holder, done=True)).encode())
+        except S3StreamError as e:
+            log.warning("failover of node %d: its claim could not be marked done (%s); it counts until it is "
+                        "stale", node_id, e)
+
+    def _run_failover(self, node_id: int, reassign: bool, *, judge: int | None, judge_epoch: int | None, kind: str,
+                      reason: str, lease_over: bool, if_unchanged: tuple[int, int] | None,
+                      wal_path: str | None) -> tuple[FailoverReport, dict[str, int], list[str]]:
         if self.store is None:
             raise S3StreamError(f"cannot fail node {node_id} over: this Cluster view has no object store to "
                                 "commit its WAL to; make it with one")
@@ -831,16 +876,26 @@ class Cluster:
         """Partitions still assigned to `node_id`."""
         return sorted(name for name, a in self.assignments().items() if a["node"] == node_id)
 
-    def reassign_orphans(self, nodes: list[NodeMeta] | None = None, skip: Iterable[int] = ()) -> dict[str, int]:
+    def reassign_orphans(self, nodes: list[NodeMeta] | None = None, skip: Iterable[int] = (),
+                         assigned: dict[str, dict] | None = None) -> dict[str, int]:
         """Reassign the partitions still assigned to nodes that were failed over or forgotten
         (their failover could not reassign them: no live node then), but those of the nodes
-        in `skip` (a failover the caller runs reassigns them itself). Any node may call it;
-        the versioned assignment makes concurrent callers move each partition once."""
+        in `skip` (a failover the caller runs reassigns them itself) and of the nodes a live
+        node's claim says it is failing over (that failover reassigns them once their streams
+        are closed: moved sooner, their targets' opens would find the streams still open and
+        retry until then). Any node may call it; the versioned assignment makes concurrent
+        callers move each partition once. `assigned`: the assignments, if the caller read them."""
         nodes = self.meta.list_nodes() if nodes is None else nodes
-        gone = {n.node_id for n in nodes if n.failover} - set(skip)
+        gone = {n.node_id: n for n in nodes if n.failover and n.node_id not in set(skip)}
+        assigned = self.assignments() if assigned is None else assigned
+        held = sorted({a["node"] for a in assigned.values()} & set(gone))
         moved: dict[str, int] = {}
-        for node_id in sorted({a["node"] for a in self.assignments().values()} & gone):
-            moved.update(self._reassign_from(node_id)[0])     # none live yet: the next call tries again
+        if not held:
+            return moved
+        live, now = self.live_nodes(), self.clock()
+        for node_id in held:
+            if not self._failing_over(gone[node_id], live, now):
+                moved.update(self._reassign_from(node_id)[0])     # none live yet: the next call tries again
         return moved
 
     # ---- a lost host -----------------------------------------------------------------------------

@@ -370,6 +370,43 @@ def test_a_failover_reassigns_all_its_node_s_partitions_in_one_write(metadata_ur
         cluster.close()
 
 
+def test_orphans_wait_for_the_failover_a_live_node_claimed(metadata_url):
+    """Another node's agent leaves a fenced node's partitions to the failover a live node
+    claimed, until that failover is done (its claim marked) or the claim is stale: moved
+    sooner, their targets' opens would find the streams still open and retry until the
+    failover closed them."""
+    from s3stream.cluster import Cluster
+    cluster = Cluster(metadata_url, None)
+    try:
+        rows = {}
+        for node_id in (1, 2, 3):
+            rows[node_id] = cluster.meta.register_node(node_id, f"/wal/{node_id}")
+            cluster.meta.heartbeat(node_id, rows[node_id].node_epoch)
+        names = [f"p{i}" for i in range(6)]
+        cluster.assign_many({name: 1 for name in names})
+        assert cluster.claim_failover(1, rows[1].node_epoch, 2, rows[2].node_epoch)
+        cluster.meta.fence_node(1)
+        assert cluster.reassign_orphans() == {}                     # node 2's failover is under way
+        assert {a["node"] for a in cluster.assignments().values()} == {1}
+        # Its claimant done (however the failover ended): the partitions left on node 1 move.
+        cluster._end_claim(1, rows[1].node_epoch, 2, rows[2].node_epoch)
+        assert set(cluster.reassign_orphans()) == set(names)
+        assert {a["node"] for a in cluster.assignments().values()} == {2, 3}
+
+        # A stale claim does not hold them either.
+        cluster.assign_many({name: 3 for name in names})
+        assert cluster.claim_failover(3, rows[3].node_epoch, 2, rows[2].node_epoch)
+        cluster.meta.fence_node(3)
+        assert cluster.reassign_orphans() == {}
+        stale = cluster.clock() - int((cluster.config.heartbeat_timeout + cluster.config.migration_timeout + 1) * 1e9)
+        key = f"failover/3/{rows[3].node_epoch}/0"
+        cluster.meta.put_kv(key, json.dumps(dict(node=2, node_epoch=rows[2].node_epoch, at_ns=stale)).encode())
+        assert set(cluster.reassign_orphans()) == set(names)
+        assert {a["node"] for a in cluster.assignments().values()} == {2}
+    finally:
+        cluster.close()
+
+
 def test_a_pass_leaves_an_open_in_flight_to_its_task(tmp_path, metadata_url):
     """An agent's pass that finds partitions still being opened for the version they are
     assigned at leaves them to the task that opens them: none is "wanted again", so the opens

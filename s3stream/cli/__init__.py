@@ -7,6 +7,7 @@
     s3stream migrate PARTITION NODE      move a partition to a node that runs a NodeAgent
     s3stream node fail-over NODE         fail a dead node over from here (its WAL reachable from this host)
     s3stream node forget NODE --wal-lost give up a node whose WAL is lost with its host
+    s3stream node drain NODE             move a node's partitions to the other live nodes, in batches
     s3stream node history                every failover, migration fallback and forget
     s3stream balance plan                the moves the balancer would make now (live, or a recorded state)
     s3stream balance record|status       save the state it plans from; its lease, nodes' reports, last round

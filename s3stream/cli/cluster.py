@@ -293,7 +293,7 @@ def migrate(partition: str, node: int, meta_url: str, store_url: str, timeout: f
 
 @click.group()
 def node() -> None:
-    """Operate on nodes: fail a dead one over, give up a lost one, list failovers."""
+    """Operate on nodes: drain one, fail a dead one over, give up a lost one, list failovers."""
 
 
 def _partition_names(meta: MetadataStore) -> dict[int, str]:
@@ -470,6 +470,56 @@ def fail_over(node_id: int, meta_url: str, store_url: str, wal_location: str | N
                        report=None if outcome.report is None else dataclasses.asdict(outcome.report)))
     else:
         click.echo(format_fail_over(outcome, partitions, location))
+
+
+@node.command()
+@click.argument("node_id", metavar="NODE", type=click.IntRange(min=0))
+@meta_option
+@click.option("--to", "to_nodes", type=click.IntRange(min=0), multiple=True, metavar="N",
+              help="A node to move the partitions to (repeat it for several); default: every other live node "
+                   "that can serve. The partitions are spread evenly over them.")
+@click.option("--limit", type=click.IntRange(min=1), default=None, metavar="K",
+              help="Move only the first K of NODE's partitions (by name).")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=None, metavar="S",
+              help="Seconds to wait until every target serves its partitions (default: the migration timeout, "
+                   f"{ClusterConfig.migration_timeout:g} s, once more per 1,000 partitions).")
+@click.option("--heartbeat-timeout", type=click.FloatRange(min=0, min_open=True),
+              default=ClusterConfig.heartbeat_timeout, show_default=True, metavar="S",
+              help="The cluster's ClusterConfig.heartbeat_timeout: which nodes count as live targets.")
+@json_option
+@user_errors
+def drain(node_id: int, meta_url: str, to_nodes: tuple[int, ...], limit: int | None, timeout: float | None,
+          heartbeat_timeout: float, as_json: bool) -> None:
+    """Move NODE's partitions to other nodes before taking NODE out of service (Cluster.drain):
+    assigned in writes of 1,000, closed by NODE's agent and opened by the targets' agents in
+    batches. It waits until every target serves its partitions at the new assignment, or
+    --timeout; those not served by then are named (exit 1): they stay assigned to their
+    targets, which open them once the source lets go. Nothing is fenced: a NODE that does not
+    let go (its agent stopped) keeps its partitions until `s3stream node fail-over NODE`.
+    The balancer, if one runs, may later move partitions back unless NODE is stopped."""
+    with contextlib.closing(open_meta(meta_url)) as meta:
+        cluster = Cluster(meta, store=None, config=_timing(heartbeat_timeout))
+        if node_id not in {n.node_id for n in meta.list_nodes()}:
+            raise click.ClickException(f"node {node_id} is not registered in the metadata; `s3stream streams "
+                                       "--meta URL` lists the nodes")
+        report = cluster.drain(node_id, list(to_nodes) or None, limit, timeout)
+    targets = Counter(report.moves.values())
+    if as_json:
+        emit_json(dict(node=node_id, moved=len(report.moves), targets={str(n): c for n, c in sorted(targets.items())},
+                       seconds=round(report.seconds, 3), waiting=report.waiting, done=report.done))
+    elif not report.moves:
+        click.echo(f"node {node_id} has no partition assigned: nothing to drain")
+    else:
+        spread = ", ".join(f"{count:,} to node {n}" for n, count in sorted(targets.items()))
+        click.echo(f"drained node {node_id}: {len(report.moves):,} partitions ({spread}) served at their targets "
+                   f"in {report.seconds:.2f} s" if report.done else
+                   f"node {node_id}: {len(report.moves):,} partitions reassigned ({spread})")
+    if report.waiting:
+        shown = ", ".join(report.waiting[:10]) + (", ..." if len(report.waiting) > 10 else "")
+        raise click.ClickException(
+            f"{len(report.waiting):,} of {len(report.moves):,} partitions were not served at their targets after "
+            f"{report.seconds:.1f} s ({shown}): they stay assigned there and open once node {node_id}'s agent "
+            f"lets them go and the targets' agents run; `s3stream streams --meta URL` shows where each is")
 
 
 @node.command()

@@ -198,6 +198,34 @@ def test_fail_over_a_node_whose_wal_is_objects(nodes, tmp_path):
             b"w%d" % i for i in range(10)]
 
 
+# ---- node drain ----------------------------------------------------------------------------------------
+
+def test_drain_moves_a_node_s_partitions_to_the_other_live_nodes(nodes):
+    """`node drain` moves every partition of a node to the other live nodes, evenly, and
+    returns once they serve them; the records stay readable there. Refused: an unknown node,
+    a target that is not live. A node with nothing assigned has nothing to drain."""
+    for n in (1, 2, 3):
+        nodes.start(n)
+    names = [f"d{i}" for i in range(6)]
+    for name in names:
+        nodes.open_on(name, 1)
+        partition_on(nodes.clients[1], name).append(RecordBatch(name.encode(), 1)).result(10)
+    meta = ("--meta", nodes.meta_url)
+    fails(run("node", "drain", "9", *meta), 1, "node 9 is not registered")
+    fails(run("node", "drain", "1", *meta, "--to", "9"), 1, "not live nodes that can serve")
+    assert {a["node"] for a in nodes.cluster.assignments().values()} == {1}
+    data = json.loads(ok(run("node", "drain", "1", *meta, "--json")))
+    assert data["moved"] == 6 and data["targets"] == {"2": 3, "3": 3} and data["done"] and data["waiting"] == []
+    for name in names:
+        owner = nodes.cluster.owner(name)
+        assert owner in (2, 3) and partition_on(nodes.clients[1], name) is None
+        assert partition_on(nodes.clients[owner], name).fetch(0, 1).batches[0].payload == name.encode()
+    assert "nothing to drain" in ok(run("node", "drain", "1", *meta))
+    out = ok(run("node", "drain", "2", *meta, "--to", "3", "--limit", "2"))
+    assert "drained node 2: 2 partitions (2 to node 3)" in out
+    assert sum(a["node"] == 3 for a in nodes.cluster.assignments().values()) == 5
+
+
 # ---- migrate -------------------------------------------------------------------------------------------
 
 def test_migrate_does_not_fence_a_source_that_is_alive(nodes):

@@ -695,11 +695,11 @@ class Cluster:
         stale_ns = int((self.config.heartbeat_timeout + self.config.migration_timeout) * 1e9)
         return holder["node"] in live and now - holder["at_ns"] < stale_ns
 
-    def _failing_over(self, node: NodeMeta, live: list[int], now: int) -> bool:
-        """Whether a live node's claim to fail over `node` (fenced) stands and its failover
+    def _failing_over(self, node_id: int, live: list[int], now: int) -> bool:
+        """Whether a live node's claim to fail over `node_id` (fenced) stands and its failover
         has not ended: that failover reassigns the node's partitions itself once it has closed
         their streams."""
-        claims = self.meta.list_kv(f"failover/{node.node_id}/")
+        claims = self.meta.list_kv(f"failover/{node_id}/")
         if not claims:
             return False
         # The newest claim: of the highest epoch claimed, the highest attempt.
@@ -886,15 +886,15 @@ class Cluster:
         retry until then). Any node may call it; the versioned assignment makes concurrent
         callers move each partition once. `assigned`: the assignments, if the caller read them."""
         nodes = self.meta.list_nodes() if nodes is None else nodes
-        gone = {n.node_id: n for n in nodes if n.failover and n.node_id not in set(skip)}
+        gone = {n.node_id for n in nodes if n.failover} - set(skip)
         assigned = self.assignments() if assigned is None else assigned
-        held = sorted({a["node"] for a in assigned.values()} & set(gone))
+        held = sorted({a["node"] for a in assigned.values()} & gone)
         moved: dict[str, int] = {}
         if not held:
             return moved
         live, now = self.live_nodes(), self.clock()
         for node_id in held:
-            if not self._failing_over(gone[node_id], live, now):
+            if not self._failing_over(node_id, live, now):
                 moved.update(self._reassign_from(node_id)[0])     # none live yet: the next call tries again
         return moved
 

@@ -93,9 +93,9 @@ from .base import (TAILING_PREFIX, ChangeFeed, commit_key, commit_notices, taili
 # The checks and loaders are shared with the SQLite store: both stores must decide alike. They take
 # any connection-like object whose execute() takes qmark SQL; _Db adapts a psycopg connection.
 from .sql import (KV_BATCH, SCHEMA_VERSION, SqlMetadataStore, _MARK_DESTROYED, _NODE_COLUMNS, _PREPARED, _RANGE_COLUMNS,
-                  _Connection, _Cursor, _apply_commit, _check_prepare, _check_request_shape, _check_unchanged, _ids,
-                  _load_objects, _node_meta, _node_row, _open_rows, _send_load_streams, _send_node_check,
-                  _unknown_object, _unknown_stream)
+                  _Connection, _Cursor, _apply_commit, _check_prepare, _check_request_shape, _check_unchanged,
+                  _closes_only, _ids, _load_objects, _node_meta, _node_row, _open_rows, _send_load_streams,
+                  _send_node_check, _unknown_object, _unknown_stream)
 
 log = logging.getLogger("s3stream.metadata")
 
@@ -587,7 +587,7 @@ class PostgresMetadataStore(SqlMetadataStore):
             # One statement each for every object and every stream of the request (a round trip
             # per row made a commit of 4 streams 24 statements), sent before any result is read.
             load = _send_load_streams(db, "WHERE stream_id = ANY(?)", (sorted(stream_ids),), lock=" FOR UPDATE",
-                                      last_range=True)
+                                      last_range=True, no_ranges=_closes_only(request))
             object_rows = db.execute("SELECT object_id, state, expire_ns FROM objects WHERE object_id = ANY(?) "
                                      "ORDER BY object_id FOR UPDATE",
                                      (sorted(set(object_ids) | set(request.compacted_ids)),)).fetchall()

@@ -420,6 +420,12 @@ def _in(arrays: bool, column: str, values: Sequence, cast: str = "bigint") -> tu
     return f"{column} IN ({', '.join('?' * len(values))})", tuple(values)
 
 
+def _closes_only(request: CommitRequest) -> bool:
+    """Whether the commit only closes streams (no object, range or compaction): it reads no
+    stream's ranges (_send_load_streams' `no_ranges`)."""
+    return not (request.sso or request.stream_objects or request.compacted_ids)
+
+
 def _apply_commit(db: _Connection, request: CommitRequest, now: int, rows: dict[int, tuple],
                   streams: dict[int, StreamMeta], set_ends, insert_refs, lock: str = "") -> CommitResult:
     """The part of a commit both stores share, once the node epoch is checked and the objects'
@@ -608,17 +614,23 @@ def _load_streams(db: _Connection, where: str, params: Sequence, lock: str = "",
 
 
 def _send_load_streams(db: _Connection, where: str, params: Sequence, lock: str = "",
-                       last_range: bool = False, by_id: bool = False) -> Callable[[], list[StreamMeta]]:
+                       last_range: bool = False, by_id: bool = False,
+                       no_ranges: bool = False) -> Callable[[], list[StreamMeta]]:
     """_load_streams in two halves: sends its statements and returns what reads their results
     (statements sent in between travel with them on PostgreSQL). `last_range`: each stream's
     last range only, found through the primary key (what a commit checks and extends): a stream
     gains a range at every open, and a commit must not cost more the more owners it had.
+    `no_ranges`: none are read (`ranges` empty: a commit that only closes streams checks their
+    state and epoch, not their ranges; a failover's closes of 20,000 streams read 20,000).
     `by_id`: `where` names stream_id alone, so the ranges are selected by it directly, through
     their primary key, not joined to the streams it selects (PostgreSQL hash-joined a scan of
     every range: 6.9 ms a call in a failover of 10,000 partitions, pg_stat_statements; selected
     by id, 2.4 ms for 1,000 streams among 20,000, a run of 10 timed from the client)."""
     stream_rows = db.execute(f"SELECT {_STREAM_COLUMNS} FROM streams {where} ORDER BY stream_id{lock}", params)
-    if by_id and not last_range:
+    range_rows: Any = None
+    if no_ranges:
+        pass
+    elif by_id and not last_range:
         range_rows = db.execute(f"SELECT {_RANGE_COLUMNS}, lost FROM ranges {where} ORDER BY stream_id, range_index",
                                 params)
     elif last_range:
@@ -636,7 +648,7 @@ def _send_load_streams(db: _Connection, where: str, params: Sequence, lock: str 
         # fetchall(): psycopg makes the rows in one call, where iterating takes a Python call
         # per row (a failover of 10,000 partitions loads some 170,000).
         ranges: dict[int, list[Range]] = {}
-        for stream_id, index, node_id, epoch, start, end, lost in range_rows.fetchall():
+        for stream_id, index, node_id, epoch, start, end, lost in (() if range_rows is None else range_rows.fetchall()):
             ranges.setdefault(stream_id, []).append(Range(index, node_id, epoch, start, end, bool(lost)))
         return [StreamMeta(stream_id, epoch, _STATES[state], owner, start, end,
                            tuple(ranges.get(stream_id, ())), reserved)
@@ -719,7 +731,7 @@ def _open_rows(db: _Connection, stream_ids: Sequence[int], node_id: int, reserve
 
 
 def _streams_by_id(db: _Connection, stream_ids: Sequence[int], lock: str = "",
-                   last_range: bool = False) -> dict[int, StreamMeta]:
+                   last_range: bool = False, no_ranges: bool = False) -> dict[int, StreamMeta]:
     """The rows of `stream_ids` that exist (as _load_streams), KV_BATCH ids to a statement, in
     id order (rows locked with `lock` are locked in that order)."""
     ids = sorted(set(stream_ids))
@@ -727,7 +739,8 @@ def _streams_by_id(db: _Connection, stream_ids: Sequence[int], lock: str = "",
     for i in range(0, len(ids), KV_BATCH):
         chunk = ids[i:i + KV_BATCH]
         where, params = _in(_takes_arrays(db), "stream_id", chunk)
-        out.update((m.stream_id, m) for m in _load_streams(db, f"WHERE {where}", params, lock, last_range, by_id=True))
+        out.update((m.stream_id, m) for m in _send_load_streams(db, f"WHERE {where}", params, lock, last_range,
+                                                                by_id=True, no_ranges=no_ranges)())
     return out
 
 

@@ -322,6 +322,30 @@ def test_commit_closes_streams_in_the_same_transaction(store):
         store.commit(CommitRequest(1, n1.node_epoch, closes=((a.stream_id, 0), (a.stream_id, 0))))
 
 
+def test_a_commit_that_only_closes_reads_no_ranges(store):
+    """A commit of closes alone (a failover closes 20,000 streams, 1,000 to a commit) checks
+    each stream's state and epoch, not its ranges: no statement reads them (SQLite's statements
+    are traced; PostgreSQL's commit shares the code that decides). A commit with ranges reads
+    the last range of each of its streams, which its append check needs."""
+    if not isinstance(store, SqliteMetadataStore):
+        pytest.skip("statements are traced on SQLite's connection")
+    n1 = store.register_node(1, "w1")
+    a, b = store.create_stream(1, n1.node_epoch), store.create_stream(1, n1.node_epoch)
+    statements: list[str] = []
+    store._conn.set_trace_callback(statements.append)
+    try:
+        store.commit(upload(store, n1, sso_ranges=[rng(a, 0, 10)]))
+        with_ranges = [s for s in statements if "FROM ranges" in s]
+        statements.clear()
+        store.commit(CommitRequest(1, n1.node_epoch, closes=((a.stream_id, 0), (b.stream_id, 0))))
+        closing = [s for s in statements if "FROM ranges" in s]
+    finally:
+        store._conn.set_trace_callback(None)
+    assert with_ranges and not closing
+    assert [(m.state, m.end_offset) for m in (store.get_stream(a.stream_id), store.get_stream(b.stream_id))] == [
+        (StreamState.CLOSED, 10), (StreamState.CLOSED, 0)]
+
+
 def test_open_refused_while_another_node_holds_it(store):
     n1 = store.register_node(1, "w1")
     n2 = store.register_node(2, "w2")

@@ -502,6 +502,9 @@ def drain(node_id: int, meta_url: str, to_nodes: tuple[int, ...], limit: int | N
         if node_id not in {n.node_id for n in meta.list_nodes()}:
             raise click.ClickException(f"node {node_id} is not registered in the metadata; `s3stream streams "
                                        "--meta URL` lists the nodes")
+        if node_id in to_nodes:
+            raise click.ClickException(f"--to {node_id} is the node being drained; name other nodes, or leave "
+                                       "--to out for every other live node")
         report = cluster.drain(node_id, list(to_nodes) or None, limit, timeout)
     targets = Counter(report.moves.values())
     if as_json:

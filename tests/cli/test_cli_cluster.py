@@ -213,6 +213,7 @@ def test_drain_moves_a_node_s_partitions_to_the_other_live_nodes(nodes):
     meta = ("--meta", nodes.meta_url)
     fails(run("node", "drain", "9", *meta), 1, "node 9 is not registered")
     fails(run("node", "drain", "1", *meta, "--to", "9"), 1, "not live nodes that can serve")
+    fails(run("node", "drain", "1", *meta, "--to", "2", "--to", "1"), 1, "--to 1 is the node being drained")
     assert {a["node"] for a in nodes.cluster.assignments().values()} == {1}
     data = json.loads(ok(run("node", "drain", "1", *meta, "--json")))
     assert data["moved"] == 6 and data["targets"] == {"2": 3, "3": 3} and data["done"] and data["waiting"] == []

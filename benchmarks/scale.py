@@ -373,6 +373,11 @@ def metadata_url(kind: str, work: str) -> Iterator[str]:
         yield server.create_database("scale")
 
 
+def _seconds(value: float | None) -> str:
+    """A figure in seconds for the table, "-" where the run did not record it."""
+    return "-" if value is None else f"{value:.2f}s"
+
+
 def format_report(report: dict) -> str:
     lines = ["Many partitions per node (issue 53): nodes as processes, default ClusterConfig, local store", ""]
     head = (f"{'N':>6} {'meta':>8} {'first open':>10} {'restart':>8} {'failover p50/p99/all':>22} "
@@ -381,7 +386,7 @@ def format_report(report: dict) -> str:
     for r in report["rows"]:
         f = r["failover_s"]
         lines.append(f"{r['partitions']:>6} {r['metadata']:>8} {r['first_open_s']:>9.2f}s {r['open_after_restart_s']:>7.2f}s "
-                     f"{f['p50']:>6.2f}/{f['p99']:>6.2f}/{f['all']:>6.2f} s {r.get('failover_detect_s', 0):>6.2f}s "
+                     f"{f['p50']:>6.2f}/{f['p99']:>6.2f}/{f['all']:>6.2f} s {_seconds(r.get('failover_detect_s')):>7} "
                      f"{r['drain']:>5} in {r['drain_s']:>4.1f}s "
                      f"{r['idle_cpu_percent']:>7.1f}% {r['rss_mib']:>6.0f}MiB")
     busy = [r for r in report["rows"] if "busy_ratio" in r]

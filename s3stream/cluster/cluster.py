@@ -393,13 +393,14 @@ class Cluster:
             return o["node"]
         return None
 
-    def live_nodes(self, serving: bool = False) -> list[int]:
+    def live_nodes(self, serving: bool = False, nodes: list[NodeMeta] | None = None) -> list[int]:
         """Nodes whose heartbeat is younger than heartbeat_timeout by `clock` (an admin's view:
         node agents judge by their own clocks, see s3stream.cluster.detector); with `serving`,
-        only those whose last heartbeat said they can serve."""
+        only those whose last heartbeat said they can serve. `nodes`: the node rows, if the
+        caller read them."""
         now = self.clock()
         timeout = int(self.config.heartbeat_timeout * 1e9)
-        return sorted(n.node_id for n in self.meta.list_nodes()
+        return sorted(n.node_id for n in (self.meta.list_nodes() if nodes is None else nodes)
                       if not n.failover and now - n.heartbeat_ns < timeout and (not serving or can_serve(n)))
 
     # ---- migration ----------------------------------------------------------------------------
@@ -672,11 +673,11 @@ class Cluster:
         claim is older than the heartbeat timeout plus the migration timeout, so a claim never
         blocks a failover for good. True if `claimant` now holds the latest claim."""
         prefix = f"failover/{node_id}/{node_epoch}/"
-        claims = {int(k.rsplit("/", 1)[1]): json.loads(v) for k, v in self.meta.list_kv(prefix).items()}
+        found = self._latest_claim(prefix)
         now = self.clock()
-        if claims:
-            latest = max(claims)
-            holder = claims[latest]
+        if found is not None:
+            key, holder = found
+            latest = int(key.rsplit("/", 1)[1])
             if holder["node"] == claimant and holder.get("node_epoch") in (claimant_epoch, None):
                 return True
             if holder["node"] != claimant and self._claim_holds(holder, self.live_nodes(), now):
@@ -695,17 +696,21 @@ class Cluster:
         stale_ns = int((self.config.heartbeat_timeout + self.config.migration_timeout) * 1e9)
         return holder["node"] in live and now - holder["at_ns"] < stale_ns
 
+    def _latest_claim(self, prefix: str) -> tuple[str, dict] | None:
+        """The newest failover claim under `prefix` (`failover/<node>/`, or with the epoch),
+        by the numbers after it (epoch, then attempt): its key and record; None if none."""
+        claims = self.meta.list_kv(prefix)
+        if not claims:
+            return None
+        key = max(claims, key=lambda k: tuple(int(part) for part in k[len(prefix):].split("/")))
+        return key, json.loads(claims[key])
+
     def _failing_over(self, node_id: int, live: list[int], now: int) -> bool:
         """Whether a live node's claim to fail over `node_id` (fenced) stands and its failover
         has not ended: that failover reassigns the node's partitions itself once it has closed
         their streams."""
-        claims = self.meta.list_kv(f"failover/{node_id}/")
-        if not claims:
-            return False
-        # The newest claim: of the highest epoch claimed, the highest attempt.
-        latest = max(claims, key=lambda k: tuple(int(part) for part in k.rsplit("/", 2)[1:]))
-        holder = json.loads(claims[latest])
-        return not holder.get("done") and self._claim_holds(holder, live, now)
+        found = self._latest_claim(f"failover/{node_id}/")
+        return found is not None and not found[1].get("done") and self._claim_holds(found[1], live, now)
 
     def fail_over(self, node_id: int, reassign: bool = True, *, judge: int | None = None,
                   judge_epoch: int | None = None, kind: str = "failover", reason: str = "requested",
@@ -743,14 +748,12 @@ class Cluster:
         """Mark the claimant's claim to fail over that incarnation of `node_id` done: other
         nodes' agents no longer leave the node's partitions to it (reassign_orphans). If this
         write fails, the claim still stops counting once it is stale."""
-        prefix = f"failover/{node_id}/{node_epoch}/"
         try:
-            claims = self.meta.list_kv(prefix)
-            if claims:
-                latest = max(claims, key=lambda k: int(k.rsplit("/", 1)[1]))
-                holder = json.loads(claims[latest])
+            found = self._latest_claim(f"failover/{node_id}/{node_epoch}/")
+            if found is not None:
+                key, holder = found
                 if holder["node"] == claimant and holder.get("node_epoch") in (claimant_epoch, None):
-                    self.meta.put_kv(latest, json.dumps(dict(holder, done=True)).encode())
+                    self.meta.put_kv(key, json.dumps(dict(holder, done=True)).encode())
         except S3StreamError as e:
             log.warning("failover of node %d: its claim could not be marked done (%s); it counts until it is "
                         "stale", node_id, e)
@@ -892,7 +895,7 @@ class Cluster:
         moved: dict[str, int] = {}
         if not held:
             return moved
-        live, now = self.live_nodes(), self.clock()
+        live, now = self.live_nodes(nodes=nodes), self.clock()
         for node_id in held:
             if not self._failing_over(node_id, live, now):
                 moved.update(self._reassign_from(node_id)[0])     # none live yet: the next call tries again

@@ -605,12 +605,12 @@ _STATES = {state.value: state for state in StreamState}
 
 
 def _load_streams(db: _Connection, where: str, params: Sequence, lock: str = "",
-                  last_range: bool = False, by_id: bool = False) -> list[StreamMeta]:
-    """The streams `where` selects, with their ranges (`last_range`: only the last one). Both
-    statements are sent before either result is read (PostgreSQL's pipeline: one round trip);
-    `lock` (" FOR UPDATE") locks the streams' rows, by the first of them. `by_id`: `where`
-    names stream_id alone (see _send_load_streams)."""
-    return _send_load_streams(db, where, params, lock, last_range, by_id)()
+                  last_range: bool = False, by_id: bool = False, no_ranges: bool = False) -> list[StreamMeta]:
+    """The streams `where` selects, with their ranges (`last_range`: only the last one;
+    `no_ranges`: none). Both statements are sent before either result is read (PostgreSQL's
+    pipeline: one round trip); `lock` (" FOR UPDATE") locks the streams' rows, by the first of
+    them. `by_id`: `where` names stream_id alone (see _send_load_streams)."""
+    return _send_load_streams(db, where, params, lock, last_range, by_id, no_ranges)()
 
 
 def _send_load_streams(db: _Connection, where: str, params: Sequence, lock: str = "",
@@ -629,7 +629,7 @@ def _send_load_streams(db: _Connection, where: str, params: Sequence, lock: str 
     stream_rows = db.execute(f"SELECT {_STREAM_COLUMNS} FROM streams {where} ORDER BY stream_id{lock}", params)
     range_rows: Any = None
     if no_ranges:
-        pass
+        pass                              # ranges stay empty
     elif by_id and not last_range:
         range_rows = db.execute(f"SELECT {_RANGE_COLUMNS}, lost FROM ranges {where} ORDER BY stream_id, range_index",
                                 params)
@@ -648,7 +648,7 @@ def _send_load_streams(db: _Connection, where: str, params: Sequence, lock: str 
         # fetchall(): psycopg makes the rows in one call, where iterating takes a Python call
         # per row (a failover of 10,000 partitions loads some 170,000).
         ranges: dict[int, list[Range]] = {}
-        for stream_id, index, node_id, epoch, start, end, lost in (() if range_rows is None else range_rows.fetchall()):
+        for stream_id, index, node_id, epoch, start, end, lost in ([] if range_rows is None else range_rows.fetchall()):
             ranges.setdefault(stream_id, []).append(Range(index, node_id, epoch, start, end, bool(lost)))
         return [StreamMeta(stream_id, epoch, _STATES[state], owner, start, end,
                            tuple(ranges.get(stream_id, ())), reserved)
@@ -739,8 +739,8 @@ def _streams_by_id(db: _Connection, stream_ids: Sequence[int], lock: str = "",
     for i in range(0, len(ids), KV_BATCH):
         chunk = ids[i:i + KV_BATCH]
         where, params = _in(_takes_arrays(db), "stream_id", chunk)
-        out.update((m.stream_id, m) for m in _send_load_streams(db, f"WHERE {where}", params, lock, last_range,
-                                                                by_id=True, no_ranges=no_ranges)())
+        out.update((m.stream_id, m) for m in _load_streams(db, f"WHERE {where}", params, lock, last_range,
+                                                           by_id=True, no_ranges=no_ranges))
     return out
 
 

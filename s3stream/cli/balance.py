@@ -27,7 +27,7 @@ from ..errors import ConfigError, S3StreamError
 from ..cluster.loadreport import read_reports
 from ..metadata import MetadataStore
 from .common import (META_HELP, as_number, emit_json, iso_time, json_option, meta_option, metrics_option, open_meta,
-                     open_store, serve_metrics, stop_on_signals, store_option, table, user_errors)
+                     open_store, serve_metrics, store_option, table, until_stopped, user_errors)
 
 
 class SizeType(click.ParamType):
@@ -494,25 +494,27 @@ def balance_run(meta_url: str, store_url: str, node_id: int, once: bool, exclude
     migrations and failovers this candidate ran (s3stream_migration_seconds, _failover_seconds).
     """
     config = balancer_config(**thresholds)
-    stop_on_signals()
-    serve_metrics(metrics_port, metrics_addr)
-    # A failover opens the source's WAL with the capacity in its header, whatever it is.
-    failover_config = Config(wal=wal.WALConfig(capacity=None))
-    with contextlib.closing(open_meta(meta_url)) as meta, contextlib.closing(open_store(store_url)) as store:
-        balancer = Balancer(Cluster(meta, store, engine_config=failover_config), node_id, config, excluded=excluded)
-        if once:
-            run_one_round(balancer)
-            return
-        # Ctrl-C may come at any moment from here on, the start included: its threads are
-        # stopped whatever happens (a KeyboardInterrupt past them left the process waiting for
-        # them, forever).
-        try:
-            balancer.start()
-            click.echo(f"balancer candidate {node_id} running: plans every {config.loop_interval_s:g} s while it "
-                       "holds the lease; Ctrl-C to stop")
-            follow_balancer(balancer, lambda: True)
-        except KeyboardInterrupt:
-            click.echo("stopping (a move under way finishes first)", err=True)
-        finally:
-            balancer.stop()
-        click.echo(f"stopped: {balancer.moves} moves in {balancer.rounds} rounds")
+    with until_stopped("the balancer") as foreground:
+        serve_metrics(metrics_port, metrics_addr)
+        # A failover opens the source's WAL with the capacity in its header, whatever it is.
+        failover_config = Config(wal=wal.WALConfig(capacity=None))
+        with contextlib.closing(open_meta(meta_url)) as meta, contextlib.closing(open_store(store_url)) as store:
+            balancer = Balancer(Cluster(meta, store, engine_config=failover_config), node_id, config,
+                                excluded=excluded)
+            foreground.started = True
+            if once:
+                run_one_round(balancer)
+                return
+            # Ctrl-C may come at any moment from here on, the start included: its threads are
+            # stopped whatever happens (a KeyboardInterrupt past them left the process waiting for
+            # them, forever).
+            try:
+                balancer.start()
+                click.echo(f"balancer candidate {node_id} running: plans every {config.loop_interval_s:g} s while "
+                           "it holds the lease; Ctrl-C to stop")
+                follow_balancer(balancer, lambda: True)
+            except KeyboardInterrupt:
+                click.echo("stopping (a move under way finishes first)", err=True)
+            finally:
+                balancer.stop()
+            click.echo(f"stopped: {balancer.moves} moves in {balancer.rounds} rounds")

@@ -3,12 +3,13 @@ table output, opening a metadata or object store that must already exist, the co
 and /metrics."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
 import signal
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 from urllib.parse import unquote, urlsplit
 
 import click
@@ -130,6 +131,28 @@ def stop_on_signals() -> None:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, interrupt)
+
+
+class Foreground:
+    """What `until_stopped` yields: set `started` once the command's threads run; from then on
+    the command stops them itself on KeyboardInterrupt."""
+    started = False
+
+
+@contextlib.contextmanager
+def until_stopped(what: str) -> Iterator[Foreground]:
+    """stop_on_signals() for a command that runs until stopped, plus its start: a signal that
+    comes while it opens its stores, before `started` is set, ends it with exit 0 and a line
+    saying so (not click's "Aborted!" and exit 1: a supervisor's SIGTERM right after the start is
+    a clean stop). Once started, an interrupt escaping the command's own handling is re-raised."""
+    state = Foreground()
+    stop_on_signals()
+    try:
+        yield state
+    except KeyboardInterrupt:
+        if state.started:
+            raise
+        click.echo(f"stopped before {what} started", err=True)
 
 
 def iso_time(ns: int) -> str:

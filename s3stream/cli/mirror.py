@@ -14,7 +14,7 @@ from wal.sizes import parse_size
 
 from ..config import Config
 from .common import (as_number, emit_json, json_option, metrics_option, open_meta, open_store, serve_metrics, table,
-                     stop_on_signals, user_errors)
+                     until_stopped, user_errors)
 
 
 def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
@@ -133,30 +133,32 @@ def mirror_run(source_meta_url: str, source_store_url: str, target_meta_url: str
     if interval is not None:
         config = dataclasses.replace(config, interval=interval, lease_ttl=max(config.lease_ttl, 3 * interval),
                                      worker_timeout=max(config.worker_timeout, 3 * interval))
-    stop_on_signals()
-    serve_metrics(metrics_port, metrics_addr)
-    with contextlib.ExitStack() as stack:
-        source_meta = stack.enter_context(contextlib.closing(open_meta(source_meta_url)))
-        source_store = stack.enter_context(contextlib.closing(open_store(source_store_url)))
-        target_meta = stack.enter_context(contextlib.closing(open_meta(target_meta_url)))
-        target_store = stack.enter_context(contextlib.closing(open_store(target_store_url)))
-        worker = MirrorWorker(worker_id, source_alias=source_alias, flow_id=flow_id, wal_dir=wal_dir, config=config,
-                              on_event=lambda e: click.echo(mirror_event_line(e)), source_meta=source_meta,
-                              source_store=source_store, target_meta=target_meta, target_store=target_store)
-        # Ctrl-C may come at any moment from here on, the start included (see balance run).
-        try:
-            worker.start()
-            click.echo(f"mirror worker {worker_id} running flow {worker.flow_id}: {source_alias}.NAME for every "
-                       f"source partition NAME, passes every {config.interval:g} s; Ctrl-C to stop")
-            while worker.running:
-                time.sleep(0.1)
-        except KeyboardInterrupt:
-            click.echo("stopping: flows close their target partitions, leases are released", err=True)
-        finally:
-            final = worker.stop()
-        if worker.fatal is not None:
-            raise click.ClickException(str(final["errors"][-1] if final["errors"] else worker.fatal))
-        click.echo(f"stopped: worker {worker_id} left flow {worker.flow_id}")
+    with until_stopped("the mirror worker") as foreground:
+        serve_metrics(metrics_port, metrics_addr)
+        with contextlib.ExitStack() as stack:
+            source_meta = stack.enter_context(contextlib.closing(open_meta(source_meta_url)))
+            source_store = stack.enter_context(contextlib.closing(open_store(source_store_url)))
+            target_meta = stack.enter_context(contextlib.closing(open_meta(target_meta_url)))
+            target_store = stack.enter_context(contextlib.closing(open_store(target_store_url)))
+            worker = MirrorWorker(worker_id, source_alias=source_alias, flow_id=flow_id, wal_dir=wal_dir,
+                                  config=config, on_event=lambda e: click.echo(mirror_event_line(e)),
+                                  source_meta=source_meta, source_store=source_store, target_meta=target_meta,
+                                  target_store=target_store)
+            foreground.started = True
+            # Ctrl-C may come at any moment from here on, the start included (see balance run).
+            try:
+                worker.start()
+                click.echo(f"mirror worker {worker_id} running flow {worker.flow_id}: {source_alias}.NAME for "
+                           f"every source partition NAME, passes every {config.interval:g} s; Ctrl-C to stop")
+                while worker.running:
+                    time.sleep(0.1)
+            except KeyboardInterrupt:
+                click.echo("stopping: flows close their target partitions, leases are released", err=True)
+            finally:
+                final = worker.stop()
+            if worker.fatal is not None:
+                raise click.ClickException(str(final["errors"][-1] if final["errors"] else worker.fatal))
+            click.echo(f"stopped: worker {worker_id} left flow {worker.flow_id}")
 
 
 @mirror.command("status")

@@ -305,6 +305,34 @@ def test_balance_run_serves_metrics_port(tmp_path, stop):
             proc.wait()
 
 
+def test_balance_run_stopped_while_it_starts_exits_cleanly(tmp_path):
+    """SIGTERM as soon as `balance run` says where its metrics are, while it still opens its
+    stores (a supervisor stopping it right after the start; SIGINT ignored as in a background
+    job): exit 0, not click's "Aborted!" and exit 1."""
+    from s3stream.metadata import open_metadata
+    open_metadata(f"sqlite:///{tmp_path}/meta.db").close()
+    (tmp_path / "objects").mkdir()
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "s3stream", "balance", "run", "--meta", f"sqlite:///{tmp_path}/meta.db",
+         "--store", str(tmp_path / "objects"), "--node-id", "9", "--metrics-port", str(free_port()),
+         "--metrics-addr", "127.0.0.1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]),
+                 PYTHONFAULTHANDLER="1"),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        assert proc.stdout.readline().startswith("metrics on http://127.0.0.1:")
+        code = exit_code_after_ctrl_c(proc, sig=signal.SIGTERM)
+        err = proc.stderr.read()
+        assert code == 0, err
+        assert "Aborted" not in err and "Traceback" not in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_metrics_port_taken_is_a_user_error(tmp_path):
     from cli_helpers import fails, run
     with socket.socket() as taken:

@@ -288,6 +288,15 @@ class StreamClient:
         return self._register(self._meta_call(self._meta.create_stream, self.node_id, self.node_epoch,
                                               self.config.offset_reservation))
 
+    def create_streams(self, count: int) -> list[Stream]:
+        """`count` new streams, opened by this node, created in ONE metadata transaction (all or
+        none), ids ascending: a node agent's batch of new partitions creates theirs together."""
+        check_int("count", count)
+        self.check_usable()
+        metas = self._meta_call(self._meta.create_streams, count, self.node_id, self.node_epoch,
+                                self.config.offset_reservation)
+        return [self._register(meta) for meta in metas]
+
     def open_stream(self, stream_id: int) -> Stream:
         """Open an existing stream on this node with epoch + 1. StreamNotClosedError if another
         node holds it open; StreamNotFoundError if it does not exist or was destroyed;

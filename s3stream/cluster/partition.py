@@ -796,11 +796,12 @@ def _fetch_together(client: CommittedSource, points: list[tuple[int, int]]) -> d
 
 
 def _plan_committed(client: StreamClient, names: list[str], plans: dict[str, _Hint],
-                    out: dict[str, "Partition | Exception"]) -> None:
+                    out: dict[str, "Partition | Exception"]) -> list[str]:
     """`_open_all` of many partitions up to their streams' open: their meta streams found in
     two reads (the partitions' keys, the streams' rows), then each one's `_committed_plan` (a
     read of its last committed checkpoint) added to `plans`. One another node holds gets
-    StreamNotClosedError in `out`; the rest are left to the one-by-one open."""
+    StreamNotClosedError in `out`; the rest are left to the one-by-one open. Returns the names
+    that have no partition key: new partitions (`_create_batch`)."""
     keys = client.metadata.get_kvs([partition_kv_key(name) for name in names])
     meta_ids = {name: int(keys[partition_kv_key(name)]) for name in names if partition_kv_key(name) in keys}
     rows = client.metadata.get_streams(list(meta_ids.values())) if meta_ids else {}
@@ -823,6 +824,54 @@ def _plan_committed(client: StreamClient, names: list[str], plans: dict[str, _Hi
             continue                      # the one-by-one open tries again and says why
         if plan is not None:
             plans[name] = plan
+    return [name for name in names if name not in meta_ids]
+
+
+def _create_batch(client: StreamClient, table: "PartitionTable", names: list[str],
+                  started: float) -> dict[str, "Partition | Exception"]:
+    """Create new partitions (`names`: no partition key found) together, as `_open` creates one:
+    the streams of them all in ONE metadata transaction (client.create_streams), their keys
+    published in ONE more (replace_kvs: a compare-and-set each, the key absent), then each one's
+    first checkpoint appended (`_opened`, as a node agent's open: not waited for, no trim).
+
+    One whose key another node published first (a race of two opens) destroys the streams it
+    made here and is left out, to the one-by-one open, which opens the winner's. If either
+    transaction fails, every name gets its error (the agent tries again) and the streams made
+    here are closed, best effort: a key the failed publish may have written names a stream that
+    the next open finds and opens again."""
+    out: dict[str, Partition | Exception] = {}
+    per = 1 + len(DATA_ROLES)
+    try:
+        made = client.create_streams(per * len(names))
+    except S3StreamError as e:
+        return {name: e for name in names}
+    groups = {name: made[i * per:(i + 1) * per] for i, name in enumerate(names)}
+    try:
+        won = client.metadata.replace_kvs([(partition_kv_key(name), None, str(group[0].stream_id).encode())
+                                           for name, group in groups.items()])
+    except S3StreamError as e:
+        try:
+            client.close_streams(made)
+        except S3StreamError:
+            pass
+        return {name: e for name in names}
+    timing = {"started": started, "read": time.perf_counter()}
+    for (name, group), published in zip(groups.items(), won):
+        if not published:
+            for stream in group:
+                try:
+                    stream.destroy()
+                except S3StreamError:
+                    pass                  # an empty stream nothing names; the open goes on
+            continue
+        streams = dict(zip(DATA_ROLES, group[1:]))
+        checkpoint = Checkpoint({role: stream.stream_id for role, stream in streams.items()})
+        try:
+            out[name] = table.add(_opened(client, table, name, group[0], streams, checkpoint, trim_later=True,
+                                          timing=timing, defer_trim=True))
+        except Exception as e:            # noqa: BLE001 - this partition's, handed to the caller
+            out[name] = e
+    return out
 
 
 def _open_batch(client: StreamClient, table: "PartitionTable",
@@ -831,11 +880,12 @@ def _open_batch(client: StreamClient, table: "PartitionTable",
     `_open` of each), with a bounded number of metadata transactions for all of them: one read
     of their close records, one of the meta streams a version check needs, two more (and a
     read of each one's last committed checkpoint) for those without a close record, and ONE
-    transaction opening the streams of them all. Any the plan does not cover (a new partition,
-    a handle open here already, a hint that does not hold) opens one by one (`_open`, hinted).
-    If the shared transaction is refused (one stream held by another node, or gone), each opens
-    alone, so one partition never stops the others. Returns each name's Partition, or the exception its open raised
-    (StreamNotClosedError: another node still holds it)."""
+    transaction opening the streams of them all. New partitions are created together, in two
+    (`_create_batch`). Any the plan does not cover (a handle open here already, a hint that
+    does not hold, a creation another node won) opens one by one (`_open`, hinted). If the
+    shared transaction is refused (one stream held by another node, or gone), each opens alone,
+    so one partition never stops the others. Returns each name's Partition, or the exception
+    its open raised (StreamNotClosedError: another node still holds it)."""
     out: dict[str, Partition | Exception] = {}
     todo = []
     for name, version in wanted:
@@ -859,8 +909,11 @@ def _open_batch(client: StreamClient, table: "PartitionTable",
         if version is not None and record.get("version", 0) < version:
             check[name] = plan.stream_ids[0]
     unhinted = [name for name, _ in todo if name in valid and name not in plans]
-    if unhinted:
-        _plan_committed(client, unhinted, plans, out)
+    new = _plan_committed(client, unhinted, plans, out) if unhinted else []
+    if new:
+        # Not those with a close record (a key lost since? the one-by-one open says) nor twice.
+        out.update(_create_batch(client, table, list(dict.fromkeys(n for n in new if closed_key(n) not in raws)),
+                                 started))
     if check:
         # _check_let_go of all of them in one read: the source may still hold some.
         metas = client.metadata.get_streams(list(check.values()))

@@ -345,6 +345,11 @@ class MetadataStore(abc.ABC):
         """A new stream OPENED on the node at epoch 0, offsets 0, one empty range, offsets
         [0, reserve) reserved."""
 
+    def create_streams(self, count: int, node_id: int, node_epoch: int, reserve: int = 0) -> list[StreamMeta]:
+        """`create_stream` `count` times, in one transaction where the store can (all or none),
+        ids ascending: a node agent creates the streams of a batch of new partitions at once."""
+        return [self.create_stream(node_id, node_epoch, reserve) for _ in range(count)]
+
     @abc.abstractmethod
     def open_stream(self, stream_id: int, node_id: int, node_epoch: int, reserve: int = 0) -> StreamMeta:
         """Open on this node with epoch + 1 and a new range starting at the end offset (an

@@ -17,7 +17,8 @@ _T = TypeVar("_T")
 #: method name is the operation's name in latencies() and in the metrics' `operation` label.
 TIMED_OPERATIONS = (
     "register_node", "get_node", "list_nodes", "heartbeat", "fence_node",
-    "create_stream", "open_stream", "open_streams", "reserve_offsets", "abandon_stream", "close_stream", "trim_stream",
+    "create_stream", "create_streams", "open_stream", "open_streams", "reserve_offsets", "abandon_stream",
+    "close_stream", "trim_stream",
     "delete_stream", "get_stream",
     "get_streams", "list_streams",
     "prepare_objects", "commit", "get_object", "list_objects", "get_object_refs", "get_object_refs_at",
@@ -92,6 +93,9 @@ class InstrumentedMetadataStore(MetadataStore):
 
     def create_stream(self, node_id: int, node_epoch: int, reserve: int = 0) -> StreamMeta:
         return self._timed("create_stream", self.inner.create_stream, node_id, node_epoch, reserve)
+
+    def create_streams(self, count: int, node_id: int, node_epoch: int, reserve: int = 0) -> list[StreamMeta]:
+        return self._timed("create_streams", self.inner.create_streams, count, node_id, node_epoch, reserve)
 
     def open_stream(self, stream_id: int, node_id: int, node_epoch: int, reserve: int = 0) -> StreamMeta:
         return self._timed("open_stream", self.inner.open_stream, stream_id, node_id, node_epoch, reserve)

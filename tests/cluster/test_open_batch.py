@@ -4,10 +4,12 @@ commits. Over both metadata stores."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -21,8 +23,9 @@ from s3stream.metadata import StreamState, open_metadata
 from conftest import small_config
 
 #: Metadata writes: what a batch's cost is counted in.
-WRITES = ("open_streams", "open_stream", "create_stream", "trim_stream", "commit", "close_stream",
-          "reserve_offsets", "prepare_objects", "put_kv", "put_kvs", "put_kv_if_absent", "replace_kv")
+WRITES = ("open_streams", "open_stream", "create_stream", "create_streams", "trim_stream", "commit", "close_stream",
+          "reserve_offsets", "prepare_objects", "put_kv", "put_kvs", "put_kv_if_absent", "replace_kv", "replace_kvs",
+          "delete_stream")
 
 
 def nodes(tmp_path, metadata_url, ids=(1, 2)):
@@ -109,6 +112,132 @@ def test_a_batch_without_close_records_opens_from_committed_checkpoints_in_one_w
             assert opened[name].append(RecordBatch(b"more", 1)).result(10).base_offset == 1
     finally:
         two.close()
+        one.close()
+
+
+def test_new_partitions_are_created_in_two_metadata_writes(tmp_path, metadata_url):
+    """Sixty partitions that do not exist yet, opened in one batch: ONE transaction creates all
+    their streams, ONE publishes their keys, nothing else is written; each serves from offset
+    0, and once closed, node 2 opens them all with their records (and a checkpoint naming the
+    streams created here)."""
+    one, two = nodes(tmp_path, metadata_url)
+    names = [f"n{i:02d}" for i in range(60)]
+    try:
+        with Calls(one) as calls:
+            opened = open_partitions(one, [(name, 1) for name in names])
+        assert calls.count(*WRITES) == 2, calls.calls
+        assert calls.count("create_streams") == 1 and calls.count("replace_kvs") == 1, calls.calls
+        for name in names:
+            p = opened[name]
+            assert p is partition_on(one, name) and p.checkpoint.leader_epoch == 1
+            assert p.append(RecordBatch(name.encode(), 1)).result(10).base_offset == 0
+        ids = {sid for p in opened.values() for sid in (p.meta_stream.stream_id, p.log.stream_id)}
+        assert len(ids) == 2 * len(names)
+        assert {s.stream_id for s in one.metadata.list_streams()} == ids
+        close_partitions([opened[n] for n in names], [dict(node=1, version=1)] * len(names), timeout=10)
+        again = open_partitions(two, [(name, 2) for name in names])
+        for name in names:
+            assert [bytes(b.payload) for b in again[name].fetch(0).batches] == [name.encode()], name
+            assert again[name].log.stream_id == opened[name].log.stream_id
+    finally:
+        two.close()
+        one.close()
+
+
+def test_a_creation_another_node_won_opens_the_winner_s_partition(tmp_path, metadata_url, monkeypatch):
+    """Node 2 creates "b" between node 1's read of the keys and its publish: node 1's publish
+    of "b" is refused, the streams it made for "b" are destroyed, and its open of "b" is the
+    one-by-one open of node 2's partition (held there: StreamNotClosedError). "a" and "c" are
+    created; no stream is left that no partition names."""
+    one, two = nodes(tmp_path, metadata_url)
+    real = one.metadata.replace_kvs
+    won = []
+
+    def racing(items):
+        if not won:
+            won.append(open_partition(two, "b"))
+        return real(items)
+
+    try:
+        monkeypatch.setattr(one.metadata, "replace_kvs", racing)
+        opened = open_partitions(one, [(n, 1) for n in "abc"])
+        assert isinstance(opened["b"], StreamNotClosedError), opened["b"]
+        assert opened["a"].is_open and opened["c"].is_open and won[0].is_open
+        named = {p.meta_stream.stream_id for p in (opened["a"], opened["c"], won[0])}
+        named |= {p.log.stream_id for p in (opened["a"], opened["c"], won[0])}
+        assert {s.stream_id for s in one.metadata.list_streams()} == named
+        assert won[0].append(RecordBatch(b"b", 1)).result(10).base_offset == 0
+    finally:
+        two.close()
+        one.close()
+
+
+@pytest.mark.parametrize("failing", ["create_streams", "replace_kvs"])
+def test_a_batch_creation_whose_write_fails_names_the_error_and_the_next_try_creates(tmp_path, metadata_url,
+                                                                                     monkeypatch, failing):
+    """The creating transaction, or the publishing one, fails (a metadata outage; for the
+    publish its outcome unknown: it did write): every partition of the batch gets the error and
+    none serves; the next try creates or opens each one, and each partition has one meta stream
+    whichever way it went."""
+    from s3stream.errors import MetadataBusyError
+    one, = nodes(tmp_path, metadata_url, ids=(1,))
+    names = [f"f{i}" for i in range(8)]
+    real = getattr(one.metadata, failing)
+
+    def broken(*args):
+        if failing == "replace_kvs":
+            real(*args)                                   # written, but the answer is lost
+        raise MetadataBusyError(f"{failing}: the connection failed")
+
+    try:
+        monkeypatch.setattr(one.metadata, failing, broken)
+        first = open_partitions(one, [(n, 1) for n in names])
+        assert all(isinstance(first[n], MetadataBusyError) for n in names), first
+        assert partitions_on(one) == []
+        monkeypatch.undo()
+        again = open_partitions(one, [(n, 1) for n in names])
+        keys = one.metadata.get_kvs([f"partition/{n}" for n in names])
+        for name in names:
+            p = again[name]
+            assert p.is_open and p.append(RecordBatch(name.encode(), 1)).result(10).base_offset == 0, name
+            assert int(keys[f"partition/{name}"]) == p.meta_stream.stream_id
+    finally:
+        one.close()
+
+
+def test_acknowledged_appends_to_a_created_batch_survive_a_kill_9(tmp_path, metadata_url):
+    """A child process creates twenty partitions in one batch (their first checkpoints not
+    waited for), appends to each and is killed (SIGKILL) once they are acknowledged: node 1,
+    started again on its WAL, opens them all with every acknowledged record."""
+    script = (
+        "import sys\n"
+        "from s3stream import RecordBatch, StreamClient\n"
+        "from s3stream.cluster import open_partitions\n"
+        "from conftest import small_config\n"
+        f"c = StreamClient(1, {str(tmp_path / 'n1.wal')!r}, {f'file://{tmp_path}/objects'!r}, "
+        f"{metadata_url!r}, small_config())\n"
+        "names = [f'k{i:02d}' for i in range(20)]\n"
+        "opened = open_partitions(c, [(n, 1) for n in names])\n"
+        "fs = [opened[n].append(RecordBatch(n.encode() * 3, 1)) for n in names]\n"
+        "[f.result(20) for f in fs]\n"
+        "print('acked', flush=True)\n"
+        "sys.stdin.read()\n")
+    tests = str(Path(__file__).resolve().parents[1])
+    child = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True, env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+                                 [str(Path(tests).parent), tests, os.environ.get("PYTHONPATH", "")])))
+    try:
+        assert child.stdout.readline().strip() == "acked"
+    finally:
+        child.kill()
+        child.wait()
+    one, = nodes(tmp_path, metadata_url, ids=(1,))
+    try:
+        names = [f"k{i:02d}" for i in range(20)]
+        opened = open_partitions(one, [(n, 2) for n in names])
+        for name in names:
+            assert [bytes(b.payload) for b in opened[name].fetch(0).batches] == [name.encode() * 3], name
+    finally:
         one.close()
 
 

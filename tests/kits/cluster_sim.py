@@ -486,6 +486,19 @@ class SimMetadata(MetadataStore):
             return self.meta_of(s)
         return self._call("create_stream", apply)
 
+    def create_streams(self, count: int, node_id: int, node_epoch: int, reserve: int = 0) -> list[StreamMeta]:
+        def apply() -> list[StreamMeta]:
+            self._check_epoch(node_id, node_epoch)
+            made = []
+            for _ in range(count):
+                sid = self.world.next_stream_id
+                self.world.next_stream_id += 1
+                s = self.world.streams[sid] = _Stream(sid, owner=node_id, reserved=reserve,
+                                                      ranges=[[node_id, 0, 0, 0, False]])
+                made.append(self.meta_of(s))
+            return made
+        return self._call("create_streams", apply)
+
     def open_stream(self, stream_id: int, node_id: int, node_epoch: int, reserve: int = 0) -> StreamMeta:
         return self._open([stream_id], node_id, node_epoch, reserve, "open_stream")[0]
 
@@ -1014,6 +1027,15 @@ class SimClient:
         stream = self.streams[meta.stream_id] = SimStream(self, meta)
         return stream
 
+    def create_streams(self, count: int) -> list[SimStream]:
+        self.check_usable()
+        metas = self.metadata.create_streams(count, self.node_id, self.node_epoch, self.config.offset_reservation)
+        made = []
+        for meta in metas:
+            made.append(SimStream(self, meta))
+            self.streams[meta.stream_id] = made[-1]
+        return made
+
     def open_stream(self, stream_id: int) -> SimStream:
         self.check_usable()
         if stream_id in self.streams:
@@ -1380,7 +1402,8 @@ class World:
         if (not self.buggify_rate or key is None or not isinstance(key, tuple) or key in self.hub.dead
                 or self.hub.now > self.fault_end):
             return
-        rate = self.buggify_rate * (5 if op in ("put_kv_if_absent", "fence_node", "commit", "register_node") else 1)
+        heavy = ("put_kv_if_absent", "create_streams", "replace_kvs", "fence_node", "commit", "register_node")
+        rate = self.buggify_rate * (5 if op in heavy else 1)
         if rate == 0 or self.hub.rng.random() >= rate:
             return
         node = key[0]

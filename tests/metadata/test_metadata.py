@@ -266,6 +266,26 @@ def test_create_open_close_reopen_epochs_and_ranges(store):
     assert [x.stream_id for x in store.list_streams()] == [s.stream_id]
 
 
+def test_create_streams_makes_many_in_one_call_as_create_stream_would(store):
+    """create_streams: `count` streams as create_stream makes them (OPENED on the node, epoch 0,
+    one empty range, the reservation), ids ascending and new; what it returns is what is stored;
+    a fenced node creates none; a count of 0 creates nothing."""
+    n1 = store.register_node(1, "w1")
+    first = store.create_stream(1, n1.node_epoch, 5)
+    made = store.create_streams(600, 1, n1.node_epoch, 5)
+    ids = [s.stream_id for s in made]
+    assert len(ids) == 600 and ids == sorted(set(ids)) and first.stream_id not in ids
+    assert all(dataclasses.replace(s, stream_id=first.stream_id) == first for s in made)
+    assert store.get_streams(ids) == {s.stream_id: s for s in made}
+    assert store.create_streams(0, 1, n1.node_epoch) == []
+    assert len(store.list_streams()) == 601
+    store.fence_node(1)
+    before = snapshot(store)
+    with pytest.raises(StreamFencedError):
+        store.create_streams(3, 1, n1.node_epoch)
+    assert snapshot(store) == before
+
+
 def test_list_streams_with_their_last_range_only(store):
     """list_streams(last_range=True), what a restart and a failover read: each stream as it is,
     with its last range alone, however many owners it had; the others untouched."""

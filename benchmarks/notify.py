@@ -1,6 +1,7 @@
 """What PostgreSQL's LISTEN/NOTIFY fan-out costs at scale (issue 53): every KV write notifies
-every listening session (one per node agent, README), so a failover of 10,000 partitions in a
-cluster of 10 nodes sends each node some 20,000 notices, most about partitions it never holds.
+every listening session (one per node agent, README). A failover of 10,000 partitions in a
+cluster of 10 nodes sent each node some 20,000 notices, most about partitions it never holds;
+a write of many keys now sends one per path segment (postgres.NOTICES_PER_WRITE).
 
     python3 -m s3stream bench --kind notify [-- --partitions 10000 --listeners 9 --rounds 3]
 
@@ -190,8 +191,9 @@ def format_report(report: dict) -> str:
     lines.append("medians per case: " + "; ".join(
         f"{case}: writer {m['writer_s']} s, PG CPU {m['postgres_cpu_s']} s, listeners CPU {m['listeners_cpu_s']} s"
         for case, m in report["medians"].items()))
-    lines.append("notices per burst: 2 per partition (assignment/ and opened/), each sent to every listening "
-                 "session, which filters them by prefix")
+    lines.append("notices per burst: one per write and path segment (assignment/, opened/: a write of more than "
+                 "NOTICES_PER_WRITE keys names its segments, not its keys), each sent to every listening session, "
+                 "which filters them by prefix")
     return "\n".join(lines)
 
 

@@ -90,6 +90,7 @@ from psycopg_pool import ConnectionPool
 from ..errors import ConfigError, MetadataBusyError, MetadataError
 from .base import (TAILING_PREFIX, ChangeFeed, commit_key, commit_notices, tailing_key, redact_url, CommitRequest,
                    CommitResult, NodeMeta, ObjectMeta, StreamMeta, object_key)
+from .hostfeed import SEGMENT, names_any
 # The checks and loaders are shared with the SQLite store: both stores must decide alike. They take
 # any connection-like object whose execute() takes qmark SQL; _Db adapts a psycopg connection.
 from .sql import (KV_BATCH, SCHEMA_VERSION, SqlMetadataStore, _MARK_DESTROYED, _NODE_COLUMNS, _PREPARED, _RANGE_COLUMNS,
@@ -645,12 +646,13 @@ class PostgresMetadataStore(SqlMetadataStore):
         unique = list(dict(items).items())           # a key twice: its last value, as put_kv in turn would
         if not unique:
             return
-        upsert = _NOTIFYING.format("INSERT INTO kv SELECT * FROM unnest(?::text[], ?::bytea[]) "
-                                   "ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value RETURNING key")
+        upsert = ("INSERT INTO kv SELECT * FROM unnest(?::text[], ?::bytea[]) "
+                  "ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value")
         with self._transaction(write=True) as db:
             for i in range(0, len(unique), KV_BATCH):
                 chunk = unique[i:i + KV_BATCH]
-                db.execute(upsert, ([k for k, _ in chunk], [bytes(v) for _, v in chunk], KV_CHANNEL))
+                db.execute(upsert, ([k for k, _ in chunk], [bytes(v) for _, v in chunk]))
+            _notify(db, [k for k, _ in unique])
 
     def put_kv_if_absent(self, key: str, value: bytes) -> bytes:
         # A concurrent insert of the key makes this wait for it, then do nothing; the SELECT,
@@ -777,11 +779,26 @@ _PUT_KV = "INSERT INTO kv VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = 
 _NOTIFYING = "WITH w AS ({}) SELECT pg_notify(?, key) FROM w"
 
 
+#: Keys a write names one by one in its notices, at most; a write of more (a batch of 500 opened/
+#: records, a failover's 10,000 reassignments) sends one notice per first path segment instead
+#: ("\x01opened/", SEGMENT: every key under it), as the SQLite store's datagrams do. Each notice
+#: reaches every listening session, and each session's process parses it (psycopg, ~5 us):
+#: a failover of 10,000 partitions sent 20,000 to each.
+NOTICES_PER_WRITE = 16
+_SEGMENT = SEGMENT.decode()
+
+
 def _notify(db: "_Db", keys: str | Sequence[str]) -> None:
-    """NOTIFY the change feeds of `keys`, in order, in one statement (delivered at COMMIT). A
-    stream's commit key only while a reader registered its interest (tailing_key: a KV key
-    under TAILING_PREFIX + the stream id + "/"; "0" follows "/" in code point order)."""
+    """NOTIFY the change feeds of `keys`, in one statement (delivered at COMMIT): each key, or
+    past NOTICES_PER_WRITE, the segments of those that are not commit keys. A stream's commit
+    key only while a reader registered its interest (tailing_key: a KV key under
+    TAILING_PREFIX + the stream id + "/"; "0" follows "/" in code point order)."""
     keys = [keys] if isinstance(keys, str) else list(keys)
+    if len(keys) > NOTICES_PER_WRITE:
+        commits = [key for key in keys if key.startswith(_COMMIT_PREFIX)]
+        others = dict.fromkeys(_SEGMENT + (key[:key.index("/") + 1] if "/" in key else key)
+                               for key in keys if not key.startswith(_COMMIT_PREFIX))
+        keys = commits + list(others)
     if keys:
         db.execute(_NOTIFY_WANTED, (KV_CHANNEL, keys))
 
@@ -822,6 +839,7 @@ class PgChangeFeed(ChangeFeed):
 
     def __init__(self, store: PostgresMetadataStore, prefixes: Sequence[str]) -> None:
         super().__init__(prefixes)
+        self._encoded = tuple(p.encode() for p in self.prefixes)
         self._store = store
         self._conn: psycopg.Connection | None = None
         self._closed = False
@@ -896,7 +914,7 @@ class PgChangeFeed(ChangeFeed):
         limit = time.monotonic() + DRAIN_SECONDS
         while True:
             notes = list(conn.notifies(timeout=0))
-            hit = hit or any(note.payload.startswith(self.prefixes) for note in notes)
+            hit = hit or any(names_any(note.payload.encode(), self._encoded) for note in notes)
             if not notes or time.monotonic() > limit:
                 return hit
 

@@ -1708,6 +1708,41 @@ def test_pg_change_feed_takes_a_burst_of_notices_in_one_wait(pg_url):
         writer.close()
 
 
+def test_pg_write_of_many_keys_sends_a_notice_per_segment(pg_url):
+    """A write of a few keys notifies each key; a write of more than NOTICES_PER_WRITE (a batch
+    of opened/ records, a failover's reassignment) one notice per first path segment, not one
+    per key (each reaches every listening session). A feed wakes if a key or a segment could be
+    under its prefixes, and only then; commit keys stay per stream, for tailing readers only."""
+    import psycopg
+    from s3stream.metadata.postgres import KV_CHANNEL, NOTICES_PER_WRITE
+    store = open_metadata(pg_url)
+    hears_b, hears_c, hears_b_x = (store.kv_changes((p,)) for p in ("b/", "c/", "b/x"))
+    listener = psycopg.connect(pg_url, autocommit=True)
+    listener.execute(f"LISTEN {KV_CHANNEL}")
+
+    def notices():
+        return [n.payload for n in listener.notifies(timeout=0.3)]
+
+    try:
+        store.put_kvs([("a/1", b"1"), ("b/2", b"1")])
+        assert notices() == ["a/1", "b/2"]
+        keys = [f"a/{i:05d}" for i in range(5000)]
+        keys.insert(2500, "b/x")
+        store.put_kvs([(k, b"1") for k in keys])
+        assert notices() == ["\x01a/", "\x01b/"]
+        assert hears_b.wait(1) and hears_b_x.wait(1)
+        assert not hears_c.wait(0.2)
+        many = [(f"c/{i}", None, b"1") for i in range(NOTICES_PER_WRITE + 1)]
+        assert store.replace_kvs(many + [("a/00001", None, b"2")]) == [True] * len(many) + [False]
+        assert notices() == ["\x01c/"]
+        assert hears_c.wait(1) and not hears_b.wait(0.2)
+    finally:
+        listener.close()
+        for feed in (hears_b, hears_c, hears_b_x):
+            feed.close()
+        store.close()
+
+
 # ---- schema version 2: health, offset reservations, lost ranges (issue 26) ------------------------
 
 _V2_COLUMNS = (("nodes", "health"), ("streams", "reserved_end"), ("ranges", "lost"))

@@ -56,15 +56,23 @@ def feed_directory(db_path: str) -> str:
     return os.path.join(tempfile.gettempdir(), f"s3stream-kv-{digest}")
 
 
+def segments(keys: Iterable[str]) -> list[str]:
+    """The distinct first path segments of `keys` (each up to and including its first "/", a
+    key without one whole), each marked SEGMENT: what a write of many keys sends instead of
+    them (the PostgreSQL store's notices too)."""
+    mark = SEGMENT.decode()
+    return list(dict.fromkeys(mark + (key[:key.index("/") + 1] if "/" in key else key) for key in keys))
+
+
 def pack_keys(keys: Iterable[str]) -> bytes:
     """One datagram for a write of `keys` (each cut to MAX_PAYLOAD bytes): the keys, NUL
-    between them, if they fit in DATAGRAM_BYTES; else each distinct first path segment (up to
-    and including its first "/"), marked SEGMENT. Empty if there are no keys."""
+    between them, if they fit in DATAGRAM_BYTES; else their `segments`. Empty if there are no
+    keys."""
+    keys = list(keys)
     raw = [key.encode()[:MAX_PAYLOAD] for key in keys]
     if sum(len(k) + 1 for k in raw) <= DATAGRAM_BYTES + 1:
         return b"\0".join(raw)
-    segments = dict.fromkeys(SEGMENT + k[:k.index(b"/") + 1] if b"/" in k else SEGMENT + k for k in raw)
-    return b"\0".join(segments)
+    return b"\0".join(segment.encode()[:MAX_PAYLOAD] for segment in segments(keys))
 
 
 def names_any(payload: bytes, prefixes: tuple[bytes, ...]) -> bool:

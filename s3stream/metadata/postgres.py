@@ -90,7 +90,7 @@ from psycopg_pool import ConnectionPool
 from ..errors import ConfigError, MetadataBusyError, MetadataError
 from .base import (TAILING_PREFIX, ChangeFeed, commit_key, commit_notices, tailing_key, redact_url, CommitRequest,
                    CommitResult, NodeMeta, ObjectMeta, StreamMeta, object_key)
-from .hostfeed import SEGMENT, names_any
+from .hostfeed import names_any, segments
 # The checks and loaders are shared with the SQLite store: both stores must decide alike. They take
 # any connection-like object whose execute() takes qmark SQL; _Db adapts a psycopg connection.
 from .sql import (KV_BATCH, SCHEMA_VERSION, SqlMetadataStore, _MARK_DESTROYED, _NODE_COLUMNS, _PREPARED, _RANGE_COLUMNS,
@@ -781,11 +781,10 @@ _NOTIFYING = "WITH w AS ({}) SELECT pg_notify(?, key) FROM w"
 
 #: Keys a write names one by one in its notices, at most; a write of more (a batch of 500 opened/
 #: records, a failover's 10,000 reassignments) sends one notice per first path segment instead
-#: ("\x01opened/", SEGMENT: every key under it), as the SQLite store's datagrams do. Each notice
-#: reaches every listening session, and each session's process parses it (psycopg, ~5 us):
-#: a failover of 10,000 partitions sent 20,000 to each.
+#: ("\x01opened/": every key under it, hostfeed.segments), as the SQLite store's datagrams do.
+#: Each notice reaches every listening session, and each session's process parses it (psycopg,
+#: ~5 us): a failover of 10,000 partitions sent 20,000 to each.
 NOTICES_PER_WRITE = 16
-_SEGMENT = SEGMENT.decode()
 
 
 def _notify(db: "_Db", keys: str | Sequence[str]) -> None:
@@ -796,9 +795,7 @@ def _notify(db: "_Db", keys: str | Sequence[str]) -> None:
     keys = [keys] if isinstance(keys, str) else list(keys)
     if len(keys) > NOTICES_PER_WRITE:
         commits = [key for key in keys if key.startswith(_COMMIT_PREFIX)]
-        others = dict.fromkeys(_SEGMENT + (key[:key.index("/") + 1] if "/" in key else key)
-                               for key in keys if not key.startswith(_COMMIT_PREFIX))
-        keys = commits + list(others)
+        keys = commits + segments(key for key in keys if not key.startswith(_COMMIT_PREFIX))
     if keys:
         db.execute(_NOTIFY_WANTED, (KV_CHANNEL, keys))
 

@@ -911,9 +911,7 @@ def _open_batch(client: StreamClient, table: "PartitionTable",
     unhinted = [name for name, _ in todo if name in valid and name not in plans]
     new = _plan_committed(client, unhinted, plans, out) if unhinted else []
     if new:
-        # Not those with a close record (a key lost since? the one-by-one open says) nor twice.
-        out.update(_create_batch(client, table, list(dict.fromkeys(n for n in new if closed_key(n) not in raws)),
-                                 started))
+        out.update(_create_batch(client, table, list(dict.fromkeys(new)), started))
     if check:
         # _check_let_go of all of them in one read: the source may still hold some.
         metas = client.metadata.get_streams(list(check.values()))

@@ -472,9 +472,6 @@ class PostgresMetadataStore(SqlMetadataStore):
         if ids:
             db.execute(f"SELECT 1 FROM {table} WHERE {key} = ANY(?) ORDER BY {key} FOR UPDATE", (ids,))
 
-    def _insert_id(self, db: _Connection, sql: str, params: Sequence, id_column: str) -> int:
-        return _one(db.execute(f"{sql} RETURNING {id_column}", params))[0]
-
     def _busy(self, e: psycopg.Error, when: str) -> MetadataBusyError:
         sqlstate = getattr(e, "sqlstate", None)
         if sqlstate == "55P03":

@@ -11,8 +11,7 @@ dialects. A store adds what its database does differently, through a few hooks:
 - `_read_rows(sql, params)`: one read-only statement in a snapshot of its own;
 - `_lock_node` / `_lock_rows`: PostgreSQL's row locks, taken before the state they guard is read
   and always in one order (node, streams by id, objects by id); nothing on SQLite, whose writer
-  already holds the whole database;
-- `_insert_id`: the id the database gave an inserted row (lastrowid, or RETURNING).
+  already holds the whole database.
 
 What differs in a way that matters stays in the store: commit and open_streams (their lock
 order, PostgreSQL's single round trip), the node upserts, how object ids are drawn, the KV
@@ -123,11 +122,6 @@ class SqlMetadataStore(MetadataStore):
         """Lock the rows of `table` whose `key` is in `ids` before their state is read, in
         ascending id order (missing rows are skipped: the caller's checks find them)."""
 
-    @abc.abstractmethod
-    def _insert_id(self, db: _Connection, sql: str, params: Sequence, id_column: str) -> int:
-        """Run `sql`, an INSERT of one row, and return the id the database gave the row (its
-        `id_column`)."""
-
     # ---- nodes -----------------------------------------------------------------------------
 
     def get_node(self, node_id: int) -> NodeMeta:
@@ -149,14 +143,7 @@ class SqlMetadataStore(MetadataStore):
     # ---- streams ---------------------------------------------------------------------------
 
     def create_stream(self, node_id: int, node_epoch: int, reserve: int = 0) -> StreamMeta:
-        with self._transaction(write=True) as db:
-            self._lock_node(db, node_id, "KEY SHARE")
-            _check_node_epoch(db, node_id, node_epoch)
-            stream_id = self._insert_id(
-                db, "INSERT INTO streams (epoch, state, owner_node_id, start_offset, end_offset, reserved_end) "
-                    "VALUES (0, ?, ?, 0, 0, ?)", (StreamState.OPENED.value, node_id, reserve), "stream_id")
-            db.execute(f"INSERT INTO ranges ({_RANGE_COLUMNS}) VALUES (?, 0, ?, 0, 0, 0)", (stream_id, node_id))
-            return _load_stream(db, stream_id)
+        return self.create_streams(1, node_id, node_epoch, reserve)[0]
 
     def create_streams(self, count: int, node_id: int, node_epoch: int, reserve: int = 0) -> list[StreamMeta]:
         if count <= 0:

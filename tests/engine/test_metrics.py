@@ -274,24 +274,31 @@ def test_failover_duration_is_exported(tmp_path, local):
         meta.close()
 
 
-@pytest.mark.parametrize("stop", ["ctrl-c", "sigterm-ignored-sigint"])
-def test_balance_run_serves_metrics_port(tmp_path, stop):
-    """`s3stream balance run --metrics-port P` serves /metrics (the process-wide families) until Ctrl-C;
-    and until SIGTERM, started with SIGINT ignored (a background job of a non-interactive shell):
-    stopped cleanly either way."""
+def start_balance_run(tmp_path, port: int, ignore_sigint: bool) -> subprocess.Popen:
+    """`s3stream balance run --metrics-port port` on a new SQLite database and local store, its
+    output piped; `ignore_sigint`: started with SIGINT ignored (a background job of a
+    non-interactive shell)."""
     from s3stream.metadata import open_metadata
     open_metadata(f"sqlite:///{tmp_path}/meta.db").close()
     (tmp_path / "objects").mkdir()
     repo = Path(__file__).resolve().parents[2]
-    port = free_port()
-    proc = subprocess.Popen(
+    return subprocess.Popen(
         [sys.executable, "-m", "s3stream", "balance", "run", "--meta", f"sqlite:///{tmp_path}/meta.db",
          "--store", str(tmp_path / "objects"), "--node-id", "9", "--metrics-port", str(port),
          "--metrics-addr", "127.0.0.1"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]),
                  PYTHONFAULTHANDLER="1"),
-        preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if stop != "ctrl-c" else None)
+        preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore_sigint else None)
+
+
+@pytest.mark.parametrize("stop", ["ctrl-c", "sigterm-ignored-sigint"])
+def test_balance_run_serves_metrics_port(tmp_path, stop):
+    """`s3stream balance run --metrics-port P` serves /metrics (the process-wide families) until Ctrl-C;
+    and until SIGTERM, started with SIGINT ignored (a background job of a non-interactive shell):
+    stopped cleanly either way."""
+    port = free_port()
+    proc = start_balance_run(tmp_path, port, ignore_sigint=stop != "ctrl-c")
     try:
         samples = scrape_url(port)
         assert ("s3stream_migration_seconds_count", ()) in samples
@@ -309,18 +316,7 @@ def test_balance_run_stopped_while_it_starts_exits_cleanly(tmp_path):
     """SIGTERM as soon as `balance run` says where its metrics are, while it still opens its
     stores (a supervisor stopping it right after the start; SIGINT ignored as in a background
     job): exit 0, not click's "Aborted!" and exit 1."""
-    from s3stream.metadata import open_metadata
-    open_metadata(f"sqlite:///{tmp_path}/meta.db").close()
-    (tmp_path / "objects").mkdir()
-    repo = Path(__file__).resolve().parents[2]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "s3stream", "balance", "run", "--meta", f"sqlite:///{tmp_path}/meta.db",
-         "--store", str(tmp_path / "objects"), "--node-id", "9", "--metrics-port", str(free_port()),
-         "--metrics-addr", "127.0.0.1"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]),
-                 PYTHONFAULTHANDLER="1"),
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    proc = start_balance_run(tmp_path, free_port(), ignore_sigint=True)
     try:
         assert proc.stdout.readline().startswith("metrics on http://127.0.0.1:")
         code = exit_code_after_ctrl_c(proc, sig=signal.SIGTERM)
